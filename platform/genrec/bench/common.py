@@ -1,0 +1,66 @@
+"""Shared benchmark plumbing: preset model directories, random prompts, timing."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from genrec.model.tiny import preset, write_model_dir
+
+
+def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> Path:
+    """The user's directory, or a cached random-weight directory of the preset's dimensions."""
+    if model is not None:
+        return model
+    overrides = {"levels": levels} if levels else {}
+    spec = preset(preset_name, **overrides)
+    root = Path(os.environ.get("GENREC_CACHE", Path.home() / ".cache" / "genrec")) / "presets"
+    target = root / f"{preset_name}-L{spec.levels}-K{spec.codebook}-N{spec.items}"
+    if not (target / "genrec" / "catalog.parquet").exists():
+        dtype = torch.bfloat16 if spec.hidden >= 2048 else torch.float32
+        write_model_dir(target, spec, dtype=dtype)
+    return target
+
+
+def random_prompt(engine, length: int, generator: torch.Generator) -> list[int]:
+    """Token IDs drawn from the ordinary (non semantic-ID, non special) part of the vocabulary."""
+    first_semantic = int(engine.trie.token[0].min())
+    ordinary = torch.ones(first_semantic, dtype=torch.bool)
+    ordinary[[i for i in engine.tokenizer.all_special_ids if i < first_semantic]] = False
+    pool = ordinary.nonzero()[:, 0]
+    return pool[torch.randint(0, len(pool), (length,), generator=generator)].tolist()
+
+
+def synchronize(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn, repeats: int, device, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def load_hf(model_dir: Path, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+
+
+def machine() -> dict:
+    info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info

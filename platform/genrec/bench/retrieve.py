@@ -1,0 +1,81 @@
+"""`genrec bench retrieve`: Engine.retrieve vs one plain prefill (the floor) vs transformers beam search."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from genrec.api import RetrieveRequest
+from genrec.bench.common import load_hf, machine, median_seconds, model_dir_for, random_prompt
+from genrec.catalog.reference import allowed_tokens_fn
+from genrec.engine import Engine
+
+
+def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline) -> dict:
+    model_dir = model_dir_for(preset, model, levels)
+    engine = Engine.from_pretrained(model_dir, device=device)
+    generator = torch.Generator().manual_seed(0)
+    requests = [
+        RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, generator), beam_width=beam_width)
+        for _ in range(batch)
+    ]
+    prefill_s = median_seconds(lambda: [engine.prefill(r) for r in requests], repeats, device)
+    retrieve_s = median_seconds(lambda: engine.retrieve(requests), repeats, device)
+    report = {
+        "benchmark": "retrieve",
+        "model": str(model_dir),
+        "preset": None if model else preset,
+        "device": device,
+        "dtype": str(engine.model.dtype),
+        "prompt_len": prompt_len,
+        "beam_width": beam_width,
+        "levels": engine.catalog.levels,
+        "items": len(engine.catalog),
+        "batch": batch,
+        "repeats": repeats,
+        "seconds": {"prefill_floor": prefill_s, "genrec_retrieve": retrieve_s},
+        "ratios": {"retrieve_over_prefill": retrieve_s / prefill_s},
+        "machine": machine(),
+    }
+    if hf_baseline:
+        hf_s, agreement = _hf_generate(engine, model_dir, requests, device, max(1, min(repeats, 2)))
+        report["seconds"]["hf_generate"] = hf_s
+        report["ratios"]["hf_over_retrieve"] = hf_s / retrieve_s
+        report["hf_top_beam_agreement"] = agreement
+    return report
+
+
+def _hf_generate(engine, model_dir: Path, requests, device, repeats):
+    hf = load_hf(model_dir, device, engine.model.dtype)
+    allowed = allowed_tokens_fn(engine.catalog.codes)
+
+    def generate_all():
+        outputs = []
+        for req in requests:
+            ids = torch.tensor([req.prompt_token_ids], device=device)
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                num_beams=req.beam_width,
+                num_return_sequences=req.beam_width,
+                max_new_tokens=engine.catalog.levels,
+                min_new_tokens=engine.catalog.levels,
+                do_sample=False,
+                length_penalty=0.0,
+                early_stopping=True,
+                prefix_allowed_tokens_fn=lambda _b, seq, n=ids.shape[1]: allowed(seq[n:].tolist()),
+                pad_token_id=engine.tokenizer.pad_token_id,
+                eos_token_id=None,
+            )
+            outputs.append(out[:, ids.shape[1] :].tolist())
+        return outputs
+
+    seconds = median_seconds(generate_all, repeats, device, warmup=0)
+    ours = engine.retrieve(requests)
+    hf_codes = generate_all()
+    matches = [
+        float(mine.items[0].semantic_id == theirs[0]) if mine.items else 0.0
+        for mine, theirs in zip(ours, hf_codes, strict=True)
+    ]
+    return seconds, sum(matches) / len(matches)

@@ -1,0 +1,4 @@
+from genrec.catalog.catalog import Catalog
+from genrec.catalog.trie import CodeTrie
+
+__all__ = ["Catalog", "CodeTrie"]

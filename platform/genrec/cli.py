@@ -1,0 +1,120 @@
+"""`genrec ...` commands: tiny-model, build-ids, demo, bench."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from genrec.errors import GenrecError
+
+app = typer.Typer(
+    help="genrec: generative recommendation with semantic IDs.", no_args_is_help=True, pretty_exceptions_enable=False
+)
+bench_app = typer.Typer(
+    help="Benchmarks: each prints JSON with ratios against a baseline of the same run.", no_args_is_help=True
+)
+app.add_typer(bench_app, name="bench")
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out_dir: Path,
+    items: int = typer.Option(500, help="catalog size"),
+    levels: int = typer.Option(3, help="semantic-ID code length"),
+    codebook: int = typer.Option(16, help="tokens per level"),
+    user_dim: int = typer.Option(16, help="soft-token input dimension (0: no projector)"),
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate: int = 128,
+    seed: int = 0,
+):
+    """Write a complete model directory with random weights of the real Qwen3 architecture."""
+    from genrec.model.tiny import ModelSpec, write_model_dir
+
+    spec = ModelSpec(
+        items=items,
+        levels=levels,
+        codebook=codebook,
+        user_dim=user_dim,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        seed=seed,
+    )
+    typer.echo(str(write_model_dir(out_dir, spec)))
+
+
+@app.command("build-ids")
+def build_ids(
+    embeddings: Path = typer.Argument(..., help="Parquet with columns item_id, embedding (list<float>)"),
+    model: Path = typer.Option(..., help="model directory whose tokenizer defines the semantic-ID tokens"),
+    out: Path = typer.Option(None, help="catalog to write (default: MODEL/genrec/catalog.parquet)"),
+    iters: int = 20,
+    seed: int = 0,
+):
+    """Semantic IDs by residual k-means per level plus a last, disambiguating level."""
+    from genrec.catalog.build_ids import build_catalog
+    from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
+
+    ranges = semantic_token_ranges(load_tokenizer(model))
+    catalog = build_catalog(embeddings, ranges, iters=iters, seed=seed)
+    target = out or model / "genrec" / "catalog.parquet"
+    catalog.save(target)
+    typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))
+
+
+@app.command()
+def demo(model_dir: Path = typer.Option(Path("out/demo-model"), help="where the tiny model is built")):
+    """Build a tiny model locally and run a retrieval end to end."""
+    from genrec.demo import run_demo
+
+    typer.echo(json.dumps(run_demo(model_dir), indent=2))
+
+
+@bench_app.command("retrieve")
+def bench_retrieve(
+    prompt_len: int = typer.Option(2000),
+    beam_width: int = typer.Option(30),
+    preset: str = typer.Option("tiny", help="tiny | small | qwen3-1.7b (random weights)"),
+    model: Path = typer.Option(None, help="a model directory instead of a preset"),
+    levels: int = typer.Option(None, help="code length of the preset's catalog (3-5)"),
+    batch: int = typer.Option(1, help="requests per Engine.retrieve call"),
+    device: str = typer.Option("cpu"),
+    repeats: int = typer.Option(3),
+    hf_baseline: bool = typer.Option(True, help="also time transformers generate(num_beams=...)"),
+    json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
+):
+    """Engine.retrieve against one plain prefill (the floor) and transformers beam search."""
+    from genrec.bench.retrieve import run
+
+    report = run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline)
+    _emit(report, json_out)
+
+
+def _emit(report: dict, json_out: Path | None) -> None:
+    text = json.dumps(report, indent=2)
+    typer.echo(text)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)
+
+
+def main() -> None:
+    try:
+        app()
+    except GenrecError as err:
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

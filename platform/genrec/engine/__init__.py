@@ -1,0 +1,3 @@
+from genrec.engine.engine import Engine
+
+__all__ = ["Engine"]

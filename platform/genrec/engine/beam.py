@@ -1,0 +1,171 @@
+"""Constrained wide beam search over the catalog trie, for a cohort of requests that step together.
+
+KV layout (see shared/DESIGN.md): each request's prompt K/V lives once in its ContextKV; BeamKV holds,
+per decode pass, the K/V of the token each beam row fed in (never reordered); BeamPath holds the parent
+row of every selected row per level, and a beam's suffix is rebuilt by following it. Every operation
+below is a tensor operation over all rows of all requests: no Python loop over beams, no host sync
+until `results()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from genrec.attention import ContextGroup
+from genrec.catalog.trie import CodeTrie
+from genrec.model.qwen3 import ContextKV
+
+NEG_INF = float("-inf")
+
+
+class BeamCohort:
+    def __init__(
+        self,
+        trie: CodeTrie,
+        widths: list[int],
+        contexts: list[ContextKV],
+        exclusions: list[torch.Tensor],
+        device,
+    ):
+        self.trie, self.widths, self.contexts, self.device = trie, widths, contexts, device
+        n = len(widths)
+        self.level = 0
+        self.prompt_lens = torch.tensor([c.length for c in contexts], device=device)
+        # Rows before the first selection: one per request (its prefill's last position).
+        self.row_req = torch.arange(n, device=device)
+        self.scores = torch.zeros(n, device=device)
+        self.nodes = torch.zeros(n, dtype=torch.int64, device=device)
+        self.rows_per_req = [1] * n
+        self.parents: list[torch.Tensor] = []  # BeamPath: per level, parent row of each selected row
+        self.tokens: list[torch.Tensor] = []  # per level, the token each selected row chose
+        self.beam_k: list[torch.Tensor] = []  # BeamKV: per pass, [layers, rows, kv_heads, head_dim]
+        self.beam_v: list[torch.Tensor] = []
+        self._excluded = _excluded_node_keys(trie, exclusions, device)
+        self._layouts: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.level == self.trie.levels
+
+    @property
+    def rows(self) -> int:
+        return sum(self.rows_per_req)
+
+    def select(self, logprobs: torch.Tensor) -> None:
+        """Expand every row by its allowed next tokens and keep each request's best rows.
+
+        A request keeps min(width, nodes at the next depth) rows: no more beams can be alive, and this
+        bound is known on the host, so dead rows are never computed and nothing syncs.
+        """
+        level = self.level
+        token, child, valid = self.trie.children(level, self.nodes)
+        cand = self.scores[:, None] + logprobs.gather(1, token)
+        allowed = valid & ~self._is_excluded(level, child)
+        cand = cand.masked_fill(~allowed, NEG_INF)
+
+        current = self._layout(self.rows_per_req)
+        new_rows = [min(w, self.trie.nodes_at(level + 1)) for w in self.widths]
+        chosen = self._layout(new_rows)
+        C = token.shape[1]
+        padded = cand[current["pad_rows"]].masked_fill(~current["pad_valid"][..., None], NEG_INF).flatten(1)
+        k = min(max(new_rows), padded.shape[1])
+        top_scores, top_index = padded.topk(k, dim=1)
+
+        req, rank = chosen["row_req"], chosen["row_rank"]
+        clamped = rank.clamp(max=k - 1)
+        self.scores = top_scores[req, clamped].masked_fill(rank >= k, NEG_INF)
+        flat = top_index[req, clamped]
+        parent = current["pad_rows"][req, flat // C]
+        col = flat % C
+        self.parents.append(parent)
+        self.tokens.append(token[parent, col])
+        self.nodes = child[parent, col]
+        self.row_req = req
+        self.rows_per_req = new_rows
+        self.level += 1
+
+    def decode_inputs(self):
+        """Inputs of the next decode pass: (tokens [R, 1], positions [R, 1], groups, past_k, past_v)."""
+        step = self.level  # pass `step` feeds the level-(step-1) tokens
+        tokens = self.tokens[-1][:, None]
+        positions = (self.prompt_lens[self.row_req] + step - 1)[:, None]
+        groups = [
+            ContextGroup(off, off + n, ctx)
+            for off, n, ctx in zip(self._offsets(), self.rows_per_req, self.contexts, strict=True)
+        ]
+        past_k = past_v = None
+        if step > 1:
+            rows = torch.arange(self.rows, device=self.device)
+            ks, vs = [], []
+            for j in range(step - 1, 0, -1):  # walk the BeamPath back to pass 1
+                rows = self.parents[j][rows]
+                ks.append(self.beam_k[j - 1][:, rows])
+                vs.append(self.beam_v[j - 1][:, rows])
+            past_k = torch.stack(ks[::-1], dim=2)
+            past_v = torch.stack(vs[::-1], dim=2)
+        return tokens, positions, groups, past_k, past_v
+
+    def record_kv(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        """new_k/new_v [layers, R, 1, kv_heads, hd] from the pass just run."""
+        self.beam_k.append(new_k[:, :, 0])
+        self.beam_v.append(new_v[:, :, 0])
+
+    def results(self) -> list[list[tuple[int, float]]]:
+        """Per request, (item index, logprob) best first; one host sync."""
+        scores = self.scores.cpu().tolist()
+        items = self.nodes.cpu().tolist()
+        out = []
+        for off, n in zip(self._offsets(), self.rows_per_req, strict=True):
+            out.append([(items[i], scores[i]) for i in range(off, off + n) if scores[i] != NEG_INF])
+        return out
+
+    def _offsets(self) -> list[int]:
+        return [sum(self.rows_per_req[:r]) for r in range(len(self.rows_per_req))]
+
+    def _layout(self, rows_per_req: list[int]) -> dict[str, torch.Tensor]:
+        """Index tensors of a row layout (request r owns rows_per_req[r] consecutive rows), built on the host.
+
+        pad_rows/pad_valid [N, max rows]: each request's flat rows, padded; row_req/row_rank [rows]:
+        the request of each flat row and its rank within the request.
+        """
+        key = tuple(rows_per_req)
+        if key not in self._layouts:
+            most, pad_rows, pad_valid, off = max(key), [], [], 0
+            for count in key:
+                pad_rows.append([off + min(i, count - 1) for i in range(most)])
+                pad_valid.append([i < count for i in range(most)])
+                off += count
+            counts = torch.tensor(key)
+            self._layouts[key] = {
+                "pad_rows": torch.tensor(pad_rows, device=self.device),
+                "pad_valid": torch.tensor(pad_valid, device=self.device),
+                "row_req": torch.repeat_interleave(torch.arange(len(key)), counts).to(self.device),
+                "row_rank": torch.cat([torch.arange(c) for c in key]).to(self.device),
+            }
+        return self._layouts[key]
+
+    def _is_excluded(self, level: int, child: torch.Tensor) -> torch.Tensor:
+        keys = self._excluded[level]
+        if keys is None:
+            return torch.zeros_like(child, dtype=torch.bool)
+        nodes = self.trie.nodes_at(level + 1)
+        return torch.isin(self.row_req[:, None] * nodes + child, keys)
+
+
+def _excluded_node_keys(trie: CodeTrie, exclusions: list[torch.Tensor], device) -> list[torch.Tensor | None]:
+    """Per depth 1..D, keys `request * nodes + node` of nodes all of whose items are excluded.
+
+    Such a node must not take up a beam: every item below it is excluded.
+    """
+    keys = []
+    for depth in range(1, trie.levels + 1):
+        nodes_here = trie.nodes_at(depth)
+        parts = []
+        for r, items in enumerate(exclusions):
+            if len(items) == 0:
+                continue
+            nodes, counts = torch.unique(trie.node_of_item[depth - 1][items], return_counts=True)
+            dead = nodes[counts == trie.leaves[depth - 1][nodes]]
+            parts.append(r * nodes_here + dead)
+        keys.append(torch.cat(parts).to(device) if parts else None)
+    return keys

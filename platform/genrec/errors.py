@@ -1,0 +1,27 @@
+"""Errors genrec raises on purpose: each carries a message a user can act on."""
+
+
+class GenrecError(Exception):
+    """Base class of every deliberate genrec error."""
+
+
+class ModelDirectoryError(GenrecError):
+    """A model directory is missing a file, is not Qwen3, or holds invalid data."""
+
+    def __init__(self, path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+
+class CatalogError(ModelDirectoryError):
+    """The item catalog does not validate."""
+
+
+class InvalidRequestError(GenrecError, ValueError):
+    """A request is well-formed but cannot be served (unknown item, prompt too long, ...)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem

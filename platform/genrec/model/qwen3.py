@@ -1,0 +1,223 @@
+"""Our own Qwen3 forward pass, numerically equal to transformers' `Qwen3ForCausalLM`.
+
+Two entry points, both built on the same decoder layers:
+
+* `prefill` runs a prompt (or one chunk of it) and writes its K/V into a `ContextKV`.
+* `forward_rows` runs R short rows (beams during decode, candidates during scoring). Each row attends
+  to its request's ContextKV (shared, never copied) plus its own causal suffix; see `genrec.attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from genrec.attention import ContextGroup, shared_context_attention
+from genrec.model.config import Qwen3Config
+
+
+@dataclass
+class ContextKV:
+    """One request's prompt K/V for every layer: k, v are [layers, kv_heads, capacity, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, config: Qwen3Config, capacity: int, device, dtype) -> ContextKV:
+        shape = (config.num_hidden_layers, config.num_key_value_heads, capacity, config.head_dim)
+        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i, :, : self.length], self.v[i, :, : self.length]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [..., heads, head_dim]; cos/sin: [..., head_dim] (broadcast over heads)."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [..., hidden] -> q [..., heads, hd], k/v [..., kv_heads, hd] with q/k norm and RoPE applied."""
+        lead = x.shape[:-1]
+        q = self.q_norm(self.q_proj(x).view(*lead, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(*lead, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP: everything after attention."""
+        x = x + self.self_attn.o_proj(attn.flatten(-2))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Backbone(nn.Module):
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Qwen3(nn.Module):
+    """Parameter names match the Hugging Face checkpoint (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the given (pre-norm) hidden states, in float32."""
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def prefill(self, embeds: torch.Tensor, ctx: ContextKV, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Run embeds [S, hidden] as positions ctx.length .. ctx.length+S-1 of the prompt.
+
+        Writes the chunk's K/V into `ctx` (which must have capacity) and returns the final hidden states
+        at `logits_at` (chunk-relative indices; default: the last position) as float32 logits.
+        """
+        start, stop = ctx.length, ctx.length + embeds.shape[0]
+        positions = torch.arange(start, stop, device=embeds.device)
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        mask = None
+        if start:  # a later chunk: sees every earlier position, causal within itself
+            key_pos = torch.arange(stop, device=embeds.device)
+            mask = key_pos[None, :] <= positions[:, None]
+        x = embeds
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            ctx.k[i, :, start:stop] = k.transpose(0, 1)
+            ctx.v[i, :, start:stop] = v.transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                ctx.k[i, :, :stop][None],
+                ctx.v[i, :, :stop][None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=layer.self_attn.scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+            x = layer.finish(x, attn)
+        ctx.length = stop
+        if logits_at is None:
+            logits_at = torch.tensor([embeds.shape[0] - 1], device=embeds.device)
+        return self.logits(x[logits_at])
+
+    @torch.inference_mode()
+    def forward_rows(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        groups: list[ContextGroup],
+        past_k: torch.Tensor | None = None,
+        past_v: torch.Tensor | None = None,
+        causal: bool = True,
+    ):
+        """Run R rows of S new tokens each.
+
+        embeds [R, S, hidden], positions [R, S]. Rows in `groups` attend to that group's ContextKV;
+        every row attends to its own suffix: past_k/past_v [layers, R, P, kv_heads, hd] (earlier tokens of
+        the row, e.g. a beam's ancestors) followed by its S new tokens (causally when `causal`).
+        Returns (hidden [R, S, hidden] before the final norm, new_k, new_v [layers, R, S, kv_heads, hd]).
+        """
+        R, S = positions.shape
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        P = 0 if past_k is None else past_k.shape[2]
+        mask = None
+        if causal and S > 1:
+            u = torch.arange(P + S, device=embeds.device)
+            mask = (u[None, :] <= (torch.arange(S, device=embeds.device)[:, None] + P))[None]
+        new_k, new_v = [], []
+        x = embeds
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+            if P:
+                k = torch.cat((past_k[i], k), dim=1)
+                v = torch.cat((past_v[i], v), dim=1)
+            layer_groups = [g.at_layer(i) for g in groups]
+            attn = shared_context_attention(q, layer_groups, k, v, mask, layer.self_attn.scale)
+            x = layer.finish(x, attn)
+        return x, torch.stack(new_k), torch.stack(new_v)

@@ -1,0 +1,159 @@
+"""Write complete, deterministic model directories with random weights of the real Qwen3 architecture.
+
+Used by tests, the demo and the benchmarks (no model hub is reachable). Weights are initialised so that
+next-token distributions are peaked like a trained model's: beam-search tests are then not decided by
+near-ties.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from genrec.catalog.catalog import Catalog
+from genrec.model.config import Qwen3Config
+from genrec.model.directory import GENREC_SUBDIR
+from genrec.model.soft_token import SoftTokenProjector
+from genrec.model.tokenizer import build_tokenizer, semantic_token_ranges
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    items: int = 500
+    levels: int = 3
+    codebook: int = 16
+    user_dim: int = 16
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    vocab_size: int | None = None  # default: the tokenizer's size
+    tie_word_embeddings: bool = False
+    max_positions: int = 8192
+    seed: int = 0
+
+
+PRESETS = {
+    "tiny": ModelSpec(items=2000, levels=5, codebook=16, layers=2),
+    "small": ModelSpec(
+        items=5000, levels=5, codebook=32, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536
+    ),
+    "qwen3-1.7b": ModelSpec(
+        items=20000,
+        levels=3,
+        codebook=256,
+        user_dim=128,
+        hidden=2048,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=6144,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_positions=40960,
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ModelSpec:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+def write_model_dir(out: str | Path, spec: ModelSpec = ModelSpec(), dtype: torch.dtype = torch.float32) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.levels, spec.codebook, seed=spec.seed)
+    vocab = spec.vocab_size or len(tokenizer)
+    if vocab < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    body = config.to_hf_dict()
+    body.update(
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    (out / "config.json").write_text(json.dumps(body, indent=2))
+    tokenizer.save_pretrained(str(out))
+    generator = torch.Generator().manual_seed(spec.seed)
+    save_file(_random_weights(config, generator, dtype), str(out / "model.safetensors"))
+
+    ranges = semantic_token_ranges(tokenizer)
+    codes = _random_codes(spec.items, spec.levels, spec.codebook, spec.seed) + np.array([lo for lo, _ in ranges])
+    item_ids = np.array([f"item-{i:06d}" for i in range(spec.items)], dtype=object)
+    Catalog.validated(item_ids, codes, ranges).save(out / GENREC_SUBDIR / "catalog.parquet")
+    if spec.user_dim:
+        projector = SoftTokenProjector(spec.user_dim, spec.hidden)
+        with torch.no_grad():
+            projector.weight.normal_(0.0, 1.0 / math.sqrt(spec.user_dim), generator=generator)
+            projector.bias.normal_(0.0, 0.1, generator=generator)
+        projector.save(out / GENREC_SUBDIR / "soft_token.safetensors")
+    return out
+
+
+def _random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torch.Tensor]:
+    def normal(*shape, std):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    def linear(out_features, in_features, gain=1.0):
+        return normal(out_features, in_features, std=gain / math.sqrt(in_features))
+
+    def norm(dim):
+        return (1.0 + torch.randn(dim, generator=g) * 0.1).to(dtype)
+
+    q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    w = {"model.embed_tokens.weight": normal(c.vocab_size, c.hidden_size, std=1.0)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = linear(q_out, c.hidden_size)
+        w[p + "self_attn.k_proj.weight"] = linear(kv_out, c.hidden_size)
+        w[p + "self_attn.v_proj.weight"] = linear(kv_out, c.hidden_size)
+        w[p + "self_attn.o_proj.weight"] = linear(c.hidden_size, q_out)
+        w[p + "self_attn.q_norm.weight"] = norm(c.head_dim)
+        w[p + "self_attn.k_norm.weight"] = norm(c.head_dim)
+        w[p + "mlp.gate_proj.weight"] = linear(c.intermediate_size, c.hidden_size)
+        w[p + "mlp.up_proj.weight"] = linear(c.intermediate_size, c.hidden_size)
+        w[p + "mlp.down_proj.weight"] = linear(c.hidden_size, c.intermediate_size)
+        w[p + "input_layernorm.weight"] = norm(c.hidden_size)
+        w[p + "post_attention_layernorm.weight"] = norm(c.hidden_size)
+    w["model.norm.weight"] = norm(c.hidden_size)
+    if not c.tie_word_embeddings:
+        # Logit std ~3: peaked next-token distributions, as in a trained model.
+        w["lm_head.weight"] = linear(c.vocab_size, c.hidden_size, gain=3.0)
+    return w
+
+
+def _random_codes(items: int, levels: int, codebook: int, seed: int) -> np.ndarray:
+    """`items` distinct codes in [0, codebook)^levels."""
+    space = codebook**levels
+    if items > space:
+        raise ValueError(f"{items} items do not fit in {levels} levels of {codebook} codes ({space} codes)")
+    rng = np.random.default_rng(seed)
+    chosen = np.unique(rng.integers(0, space, size=items * 2))
+    while len(chosen) < items:
+        chosen = np.unique(np.concatenate([chosen, rng.integers(0, space, size=items)]))
+    flat = rng.permutation(chosen)[:items]
+    digits = [(flat // codebook ** (levels - 1 - lv)) % codebook for lv in range(levels)]
+    return np.stack(digits, axis=1).astype(np.int64)

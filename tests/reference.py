@@ -1,0 +1,55 @@
+"""Plain reference computations with transformers, for equality tests."""
+
+import torch
+
+from genrec.catalog.reference import allowed_tokens_fn
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(hf_model, prompt: list[int], codes, inputs_embeds=None, chunk=128) -> torch.Tensor:
+    """Sum over levels of the full-vocabulary log-softmax of each code after the prompt: [len(codes)]."""
+    codes = torch.as_tensor(codes)
+    T, D = len(prompt), codes.shape[1]
+    out = []
+    for part in codes.split(chunk):
+        ids = torch.cat([torch.tensor(prompt).expand(len(part), T), part], dim=1)
+        if inputs_embeds is None:
+            logits = hf_model(ids).logits
+        else:
+            code_embeds = hf_model.get_input_embeddings()(part)
+            embeds = torch.cat([inputs_embeds.expand(len(part), T, -1), code_embeds], dim=1)
+            logits = hf_model(inputs_embeds=embeds).logits
+        logp = torch.log_softmax(logits[:, T - 1 : T - 1 + D].float(), dim=-1)
+        out.append(logp.gather(2, part[:, :, None])[..., 0].sum(1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def hf_constrained_beams(hf_model, prompt: list[int], codes, beam_width: int, pad_token_id: int):
+    """transformers' own beam search, constrained by prefix_allowed_tokens_fn: (codes, scores) best first."""
+    allowed = allowed_tokens_fn(codes)
+    ids = torch.tensor([prompt])
+    n = ids.shape[1]
+    D = codes.shape[1]
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=beam_width,
+        num_return_sequences=beam_width,
+        max_new_tokens=D,
+        min_new_tokens=D,
+        do_sample=False,
+        length_penalty=0.0,
+        early_stopping=True,
+        prefix_allowed_tokens_fn=lambda _b, seq: allowed(seq[n:].tolist()),
+        pad_token_id=pad_token_id,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    found = out.sequences[:, n:].tolist()
+    # Greedy search (one beam) reports no sequence scores: score its codes by teacher forcing.
+    scores = getattr(out, "sequences_scores", None)
+    if scores is None:
+        scores = teacher_forced_logprobs(hf_model, prompt, found)
+    return found, scores.tolist()

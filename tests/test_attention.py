@@ -1,0 +1,53 @@
+"""Shared-context attention against one plain softmax over [context ; suffix] per row."""
+
+import pytest
+import torch
+
+from genrec import attention
+from genrec.attention import LayerContext, shared_context_attention
+
+
+def reference(q, groups, suf_k, suf_v, mask, scale):
+    R, S, H, D = q.shape
+    KV = suf_k.shape[2]
+    out = torch.empty_like(q)
+    ctx_of = {}
+    for g in groups:
+        for r in range(g.start, g.stop):
+            ctx_of[r] = g
+    for r in range(R):
+        keys, values = suf_k[r], suf_v[r]  # [U, KV, D]
+        visible = mask[min(r, len(mask) - 1)] if mask is not None else torch.ones(S, keys.shape[0], dtype=torch.bool)
+        if r in ctx_of:
+            g = ctx_of[r]
+            keys = torch.cat([g.k.transpose(0, 1), keys])
+            values = torch.cat([g.v.transpose(0, 1), values])
+            visible = torch.cat([torch.ones(S, g.k.shape[1], dtype=torch.bool), visible], dim=1)
+        k = keys.repeat_interleave(H // KV, dim=1).transpose(0, 1)  # [H, T, D]
+        v = values.repeat_interleave(H // KV, dim=1).transpose(0, 1)
+        s = (q[r].transpose(0, 1) @ k.transpose(1, 2)) * scale  # [H, S, T]
+        s = s.masked_fill(~visible[None], float("-inf"))
+        out[r] = (torch.softmax(s, -1) @ v).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("S,U,causal", [(1, 3, False), (4, 4, True), (3, 5, True)])
+def test_matches_plain_softmax(monkeypatch, fused, S, U, causal):
+    if not fused:
+        monkeypatch.setattr(attention, "_fused_kernel", lambda q: None)
+    g = torch.Generator().manual_seed(S * 10 + U)
+    R, H, KV, D = 7, 6, 2, 8
+    q = torch.randn(R, S, H, D, generator=g)
+    suf_k, suf_v = torch.randn(R, U, KV, D, generator=g), torch.randn(R, U, KV, D, generator=g)
+    groups = [
+        LayerContext(0, 3, torch.randn(KV, 11, D, generator=g), torch.randn(KV, 11, D, generator=g)),
+        LayerContext(3, 6, torch.randn(KV, 29, D, generator=g), torch.randn(KV, 29, D, generator=g)),
+    ]  # row 6 has no context: suffix only
+    mask = None
+    if causal:
+        u = torch.arange(U)
+        mask = (u[None, :] <= torch.arange(S)[:, None] + (U - S))[None]
+    got = shared_context_attention(q, groups, suf_k, suf_v, mask, 0.3)
+    want = reference(q, groups, suf_k, suf_v, mask, 0.3)
+    assert (got - want).abs().max().item() < 1e-5

@@ -1,0 +1,149 @@
+"""The model directory format, the tiny-model writer, and clear errors for bad directories."""
+
+import json
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+from genrec.cli import app
+from genrec.engine import Engine
+from genrec.errors import CatalogError, ModelDirectoryError
+from genrec.model.tiny import ModelSpec, write_model_dir
+from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, semantic_token_ranges
+
+
+def test_layout_is_a_plain_hf_directory_plus_genrec_subfolder(tiny_dir):
+    root = sorted(p.name for p in tiny_dir.iterdir())
+    assert "config.json" in root and "model.safetensors" in root and "tokenizer.json" in root
+    assert [p for p in root if p.endswith(".safetensors")] == ["model.safetensors"]
+    assert sorted(p.name for p in (tiny_dir / "genrec").iterdir()) == ["catalog.parquet", "soft_token.safetensors"]
+    assert json.loads((tiny_dir / "config.json").read_text())["model_type"] == "qwen3"
+
+
+def test_tokenizer_has_genrec_tokens(tiny_dir):
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    for label in LABEL_TOKENS:
+        assert len(tok(label, add_special_tokens=False)["input_ids"]) == 1
+    assert tok.convert_tokens_to_ids(USER_TOKEN) != tok.unk_token_id
+    ranges = semantic_token_ranges(tok)
+    assert [hi - lo + 1 for lo, hi in ranges] == [8, 8, 8]
+    assert tok("<a_3><b_0>", add_special_tokens=False)["input_ids"] == [ranges[0][0] + 3, ranges[1][0]]
+
+
+def test_catalog_codes_are_valid(engine):
+    codes = engine.catalog.codes
+    assert codes.shape == (300, 3)
+    assert len(np.unique(codes, axis=0)) == 300
+    assert len(set(engine.catalog.item_ids)) == 300
+
+
+def test_tiny_model_is_deterministic_per_seed(tmp_path):
+    spec = ModelSpec(items=40, levels=2, codebook=8)
+    a = write_model_dir(tmp_path / "a", spec)
+    b = write_model_dir(tmp_path / "b", spec)
+    c = write_model_dir(tmp_path / "c", ModelSpec(items=40, levels=2, codebook=8, seed=5))
+    for name in ("model.safetensors", "genrec/catalog.parquet", "genrec/soft_token.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_cli_tiny_model(tmp_path):
+    out = tmp_path / "cli-model"
+    result = CliRunner().invoke(app, ["tiny-model", str(out), "--items", "30", "--levels", "2", "--codebook", "8"])
+    assert result.exit_code == 0, result.output
+    engine = Engine.from_pretrained(out)
+    assert len(engine.catalog) == 30 and engine.catalog.levels == 2
+
+
+@pytest.fixture
+def broken(tiny_dir, tmp_path):
+    target = tmp_path / "broken"
+    shutil.copytree(tiny_dir, target)
+    return target
+
+
+def write_catalog(model_dir, item_ids, codes):
+    table = pa.table({"item_id": item_ids, "semantic_id": pa.array(codes, pa.list_(pa.int32()))})
+    pq.write_table(table, model_dir / "genrec" / "catalog.parquet")
+
+
+def expect_error(model_dir, error, *fragments):
+    with pytest.raises(error) as info:
+        Engine.from_pretrained(model_dir)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_missing_directory(tmp_path):
+    expect_error(tmp_path / "nope", ModelDirectoryError, "does not exist")
+
+
+def test_missing_config(broken):
+    (broken / "config.json").unlink()
+    expect_error(broken, ModelDirectoryError, "config.json")
+
+
+def test_not_qwen3(broken):
+    config = json.loads((broken / "config.json").read_text())
+    config["model_type"] = "llama"
+    (broken / "config.json").write_text(json.dumps(config))
+    expect_error(broken, ModelDirectoryError, "llama", "qwen3")
+
+
+def test_missing_weights(broken):
+    (broken / "model.safetensors").unlink()
+    expect_error(broken, ModelDirectoryError, "model.safetensors")
+
+
+def test_weights_disagree_with_config(broken):
+    config = json.loads((broken / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (broken / "config.json").write_text(json.dumps(config))
+    expect_error(broken, ModelDirectoryError, "mlp", "shape")
+
+
+def test_missing_catalog(broken):
+    (broken / "genrec" / "catalog.parquet").unlink()
+    expect_error(broken, ModelDirectoryError, "catalog.parquet")
+
+
+def test_missing_tokenizer(broken):
+    (broken / "tokenizer.json").unlink()
+    (broken / "tokenizer_config.json").unlink()
+    expect_error(broken, ModelDirectoryError, "tokenizer")
+
+
+def test_catalog_duplicate_item_ids(broken, engine):
+    codes = engine.catalog.codes[:3].tolist()
+    write_catalog(broken, ["a", "b", "a"], codes)
+    expect_error(broken, CatalogError, "catalog.parquet", "duplicate item_id", "'a'")
+
+
+def test_catalog_duplicate_codes(broken, engine):
+    codes = engine.catalog.codes[:3].tolist()
+    write_catalog(broken, ["a", "b", "c"], [codes[0], codes[1], codes[0]])
+    expect_error(broken, CatalogError, "duplicate semantic_id")
+
+
+def test_catalog_ragged_codes(broken, engine):
+    codes = engine.catalog.codes[:2].tolist()
+    write_catalog(broken, ["a", "b"], [codes[0], codes[1][:2]])
+    expect_error(broken, CatalogError, "ragged")
+
+
+def test_catalog_token_outside_level_range(broken, engine):
+    codes = engine.catalog.codes[:2].tolist()
+    codes[1][1] = codes[1][0]  # a level-0 token at level 1
+    write_catalog(broken, ["a", "b"], codes)
+    expect_error(broken, CatalogError, "item 'b'", "level 1", "outside")
+
+
+def test_catalog_missing_column(broken):
+    pq.write_table(pa.table({"item_id": ["a"]}), broken / "genrec" / "catalog.parquet")
+    expect_error(broken, CatalogError, "semantic_id", "missing")

@@ -1,0 +1,134 @@
+"""Constrained wide beam search against transformers (teacher forcing and its own beam search)."""
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from genrec.api import RetrieveRequest
+from genrec.errors import InvalidRequestError
+from tests.conftest import random_prompt
+from tests.reference import hf_constrained_beams, teacher_forced_logprobs
+
+TOL = 1e-4
+
+
+def exhaustive_ranking(engine, hf_model, prompt, keep=None):
+    """Every catalog item scored by teacher forcing, best first: [(item_id, logprob)]."""
+    index = np.arange(len(engine.catalog)) if keep is None else np.asarray(keep)
+    scores = teacher_forced_logprobs(hf_model, prompt, engine.catalog.codes[index])
+    order = scores.argsort(descending=True)
+    return [(engine.catalog.item_ids[index[i]], scores[i].item()) for i in order.tolist()]
+
+
+@pytest.mark.parametrize("prompt_len", [3, 40])
+def test_full_width_beam_equals_exhaustive_scoring(engine, hf_model, rng, prompt_len):
+    prompt = random_prompt(engine, prompt_len, rng)
+    (result,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=len(engine.catalog))])
+    want = exhaustive_ranking(engine, hf_model, prompt)
+    assert [i.item_id for i in result.items] == [item for item, _ in want]
+    assert max(abs(i.logprob - s) for i, (_, s) in zip(result.items, want, strict=True)) <= TOL
+
+
+@pytest.mark.parametrize("beam_width", [1, 3, 7])
+def test_narrow_beam_equals_transformers_beam_search(engine, hf_model, rng, beam_width):
+    prompt = random_prompt(engine, 30, rng)
+    (result,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=beam_width)])
+    codes, scores = hf_constrained_beams(
+        hf_model, prompt, engine.catalog.codes, beam_width, engine.tokenizer.pad_token_id
+    )
+    assert [i.semantic_id for i in result.items] == codes
+    assert np.allclose([i.logprob for i in result.items], scores, atol=TOL)
+
+
+def test_every_returned_code_is_a_catalog_item(engine, rng):
+    requests = [RetrieveRequest(prompt_token_ids=random_prompt(engine, 10, rng), beam_width=64) for _ in range(4)]
+    for result in engine.retrieve(requests):
+        assert len(result.items) == 64
+        for item in result.items:
+            index = engine.catalog.index_of(item.item_id)
+            assert engine.catalog.codes[index].tolist() == item.semantic_id
+        logprobs = [i.logprob for i in result.items]
+        assert logprobs == sorted(logprobs, reverse=True)
+
+
+def test_exclusions_never_come_back_and_take_no_beams(engine, hf_model, rng):
+    prompt = random_prompt(engine, 20, rng)
+    (plain,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=5)])
+    # Exclude the best item and every item under the best first-level token: a whole subtree dies.
+    top_first = plain.items[0].semantic_id[0]
+    dead_subtree = [i for i, code in enumerate(engine.catalog.codes) if code[0] == top_first]
+    excluded = [engine.catalog.item_ids[i] for i in dead_subtree] + [plain.items[1].item_id]
+    request = RetrieveRequest(prompt_token_ids=prompt, beam_width=5, exclude_item_ids=excluded)
+    (result,) = engine.retrieve([request])
+    assert len(result.items) == 5
+    assert not {i.item_id for i in result.items} & set(excluded)
+    # Same beams as transformers' beam search over the catalog without the excluded items.
+    keep = [i for i in range(len(engine.catalog)) if engine.catalog.item_ids[i] not in set(excluded)]
+    codes, scores = hf_constrained_beams(hf_model, prompt, engine.catalog.codes[keep], 5, engine.tokenizer.pad_token_id)
+    assert [i.semantic_id for i in result.items] == codes
+    # With a full-width beam, exactly the exhaustive ranking of the remaining items.
+    full = RetrieveRequest(prompt_token_ids=prompt, beam_width=1024, exclude_item_ids=excluded)
+    (everything,) = engine.retrieve([full])
+    want = exhaustive_ranking(engine, hf_model, prompt, keep)
+    assert [i.item_id for i in everything.items] == [item for item, _ in want]
+
+
+def test_batch_of_mixed_requests_equals_each_alone(engine, rng):
+    requests = [
+        RetrieveRequest(prompt_token_ids=random_prompt(engine, 5, rng), beam_width=1),
+        RetrieveRequest(prompt_token_ids=random_prompt(engine, 60, rng), beam_width=40, num_results=10),
+        RetrieveRequest(prompt="user listened to comedy podcast", beam_width=7),
+        RetrieveRequest(
+            prompt_token_ids=random_prompt(engine, 17, rng), beam_width=300, exclude_item_ids=["item-000003"]
+        ),
+    ]
+    together = engine.retrieve(requests)
+    for request, result in zip(requests, together, strict=True):
+        (alone,) = engine.retrieve([request])
+        assert [i.item_id for i in result.items] == [i.item_id for i in alone.items]
+        assert np.allclose([i.logprob for i in result.items], [i.logprob for i in alone.items], atol=1e-5)
+    assert [len(r.items) for r in together] == [1, 10, 7, 299]
+
+
+def test_catalog_smaller_than_num_results_returns_what_exists(engine, rng):
+    request = RetrieveRequest(prompt_token_ids=random_prompt(engine, 8, rng), beam_width=1024, num_results=1000)
+    (result,) = engine.retrieve([request])
+    assert len(result.items) == len(engine.catalog)
+
+
+def test_unknown_exclusions_are_ignored_and_counted(engine, rng):
+    request = RetrieveRequest(
+        prompt_token_ids=random_prompt(engine, 8, rng), beam_width=4, exclude_item_ids=["nope", "item-000001", "x"]
+    )
+    (result,) = engine.retrieve([request])
+    assert result.unknown_exclusions == 2
+    assert "item-000001" not in {i.item_id for i in result.items}
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "   "}, "empty"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({}, "exactly one"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
+        ({"prompt": "a", "beam_width": 0}, "beam_width"),
+        ({"prompt": "a", "beam_width": 1025}, "beam_width"),
+        ({"prompt": "a", "beam_width": 4, "num_results": 5}, "num_results"),
+        ({"prompt_token_ids": [-1]}, "prompt_token_ids"),
+        ({"prompt": "a", "surprise": 1}, "surprise"),
+    ],
+)
+def test_invalid_requests_fail_validation(fields, fragment):
+    with pytest.raises(ValidationError) as info:
+        RetrieveRequest(**fields)
+    assert fragment in str(info.value)
+
+
+def test_prompt_too_long_and_unknown_tokens(engine):
+    too_long = RetrieveRequest(prompt_token_ids=[1] * (engine.max_prompt_tokens + 1))
+    with pytest.raises(InvalidRequestError, match="at most"):
+        engine.retrieve([too_long])
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.retrieve([RetrieveRequest(prompt_token_ids=[1, engine.model.config.vocab_size])])

@@ -72,3 +72,64 @@ class RetrieveResult(BaseModel):
     items: list[ScoredItem]
     prompt_tokens: int
     unknown_exclusions: int = Field(0, description="exclude_item_ids not in the catalog (ignored)")
+
+
+class Candidate(_Strict):
+    """One candidate to score: a catalog item (scored by its semantic-ID tokens), token IDs, or text."""
+
+    item_id: str | None = None
+    token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        given = [name for name in ("item_id", "token_ids", "text") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a candidate needs exactly one of item_id, token_ids, text (got {given or 'none'})")
+        if self.text is not None and not self.text.strip():
+            raise ValueError("candidate 'text' is empty")
+        if self.token_ids is not None and not self.token_ids:
+            raise ValueError("candidate 'token_ids' is empty")
+        if self.item_id is not None and not self.item_id:
+            raise ValueError("candidate 'item_id' is empty")
+        return self
+
+
+class ScoreRequest(PromptInput):
+    candidates: list[Candidate] = Field(min_length=1)
+    labels: tuple[str, str] = Field(("yes", "no"), description="(positive, negative) label tokens")
+
+
+class CandidateScore(BaseModel):
+    item_id: str | None = None
+    logprob: float = Field(description="full-vocabulary log-softmax of the positive label after the candidate")
+    prob: float = Field(description="softmax over the two labels only: P(positive)")
+
+
+class ScoreResult(BaseModel):
+    request_id: str | None = None
+    scores: list[CandidateScore]
+    prompt_tokens: int
+
+
+class RecommendRequest(RetrieveRequest):
+    """Retrieve by beam search, then score the retrieved items (plus any given candidates) on the same prefill."""
+
+    candidates: list[Candidate] = Field(default_factory=list)
+    labels: tuple[str, str] = ("yes", "no")
+
+
+class RecommendedItem(BaseModel):
+    item_id: str | None = None
+    semantic_id: list[int] | None = None
+    retrieval_logprob: float | None = Field(None, description="beam-search logprob; None for given candidates")
+    score_logprob: float
+    prob: float
+    source: str = Field(description="'retrieved' or 'given'")
+
+
+class RecommendResult(BaseModel):
+    request_id: str | None = None
+    items: list[RecommendedItem] = Field(description="ranked by score_logprob, best first")
+    prompt_tokens: int
+    unknown_exclusions: int = 0

@@ -91,13 +91,32 @@ def bench_retrieve(
     device: str = typer.Option("cpu"),
     repeats: int = typer.Option(3),
     hf_baseline: bool = typer.Option(True, help="also time transformers generate(num_beams=...)"),
+    user_embedding: bool = typer.Option(False, help="also time the soft-token path against token-only prompts"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ):
     """Engine.retrieve against one plain prefill (the floor) and transformers beam search."""
     from genrec.bench.retrieve import run
 
-    report = run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline)
+    report = run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding)
     _emit(report, json_out)
+
+
+@bench_app.command("score")
+def bench_score(
+    prefix_len: int = typer.Option(1000),
+    candidates: int = typer.Option(500),
+    candidate_len: int = typer.Option(0, help="random candidates of this many tokens (0: catalog items' codes)"),
+    preset: str = typer.Option("tiny"),
+    model: Path = typer.Option(None),
+    device: str = typer.Option("cpu"),
+    repeats: int = typer.Option(3),
+    fanout_sample: int = typer.Option(50, help="fan-out forwards actually timed (the rest are the same cost)"),
+    json_out: Path = typer.Option(None, "--json"),
+):
+    """One-pass scoring against one forward per candidate and one plain forward of as many tokens."""
+    from genrec.bench.score import run
+
+    _emit(run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample), json_out)
 
 
 def _emit(report: dict, json_out: Path | None) -> None:

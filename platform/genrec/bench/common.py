@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 import time
@@ -19,7 +20,8 @@ def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> P
     overrides = {"levels": levels} if levels else {}
     spec = preset(preset_name, **overrides)
     root = Path(os.environ.get("GENREC_CACHE", Path.home() / ".cache" / "genrec")) / "presets"
-    target = root / f"{preset_name}-L{spec.levels}-K{spec.codebook}-N{spec.items}"
+    digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:10]
+    target = root / f"{preset_name}-L{spec.levels}-{digest}"
     if not (target / "genrec" / "catalog.parquet").exists():
         dtype = torch.bfloat16 if spec.hidden >= 2048 else torch.float32
         write_model_dir(target, spec, dtype=dtype)

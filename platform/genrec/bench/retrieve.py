@@ -12,7 +12,7 @@ from genrec.catalog.reference import allowed_tokens_fn
 from genrec.engine import Engine
 
 
-def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline) -> dict:
+def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding=False):
     model_dir = model_dir_for(preset, model, levels)
     engine = Engine.from_pretrained(model_dir, device=device)
     generator = torch.Generator().manual_seed(0)
@@ -38,12 +38,33 @@ def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, h
         "ratios": {"retrieve_over_prefill": retrieve_s / prefill_s},
         "machine": machine(),
     }
+    if user_embedding:
+        soft_s = _soft_token_seconds(engine, requests, repeats, device)
+        report["seconds"]["genrec_retrieve_soft_token"] = soft_s
+        report["ratios"]["soft_token_over_token_only"] = soft_s / retrieve_s
     if hf_baseline:
         hf_s, agreement = _hf_generate(engine, model_dir, requests, device, max(1, min(repeats, 2)))
         report["seconds"]["hf_generate"] = hf_s
         report["ratios"]["hf_over_retrieve"] = hf_s / retrieve_s
         report["hf_top_beam_agreement"] = agreement
     return report
+
+
+def _soft_token_seconds(engine, requests, repeats, device) -> float:
+    """The same requests with a `<|user|>` placeholder carrying a user vector in place of their first token."""
+    if engine.projector is None:
+        raise ValueError("--user-embedding needs a model with genrec/soft_token.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    soft = [
+        req.model_copy(
+            update={
+                "prompt_token_ids": [engine.placeholder_id] + req.prompt_token_ids[1:],
+                "user_embedding": torch.randn(engine.projector.user_dim, generator=generator).tolist(),
+            }
+        )
+        for req in requests
+    ]
+    return median_seconds(lambda: engine.retrieve(soft), repeats, device)
 
 
 def _hf_generate(engine, model_dir: Path, requests, device, repeats):

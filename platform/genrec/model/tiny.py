@@ -42,7 +42,10 @@ class ModelSpec:
 
 
 PRESETS = {
-    "tiny": ModelSpec(items=2000, levels=5, codebook=16, layers=2),
+    # Benchmark presets. "tiny" is the smallest model whose decode is not pure per-op latency on a CPU.
+    "tiny": ModelSpec(
+        items=2000, levels=5, codebook=16, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768
+    ),
     "small": ModelSpec(
         items=5000, levels=5, codebook=32, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536
     ),

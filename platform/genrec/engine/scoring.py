@@ -1,0 +1,104 @@
+"""Multi-candidate scoring: every candidate is a row over its request's shared ContextKV, all in one pass.
+
+Each candidate's tokens see the prompt (through the shared context) and themselves (causal), nothing else,
+at positions that continue the prompt: its score is exactly what it would be if it alone followed the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from genrec.attention import ContextGroup
+from genrec.model.qwen3 import ContextKV, Qwen3
+
+
+@dataclass
+class ScoreJob:
+    """One request's candidates (token lists) against its context, with (positive, negative) label IDs."""
+
+    ctx: ContextKV
+    candidates: list[list[int]]
+    labels: tuple[int, int]
+
+
+@dataclass
+class LabelScores:
+    logprob: torch.Tensor  # [N] full-vocabulary log-softmax of the positive label
+    prob: torch.Tensor  # [N] softmax over the two labels: P(positive)
+
+
+def score_jobs(model: Qwen3, jobs: list[ScoreJob], max_tokens: int = 16384) -> list[LabelScores]:
+    """Score every job's candidates; rows of many jobs share passes of at most `max_tokens` padded tokens."""
+    parts: list[list[LabelScores]] = [[] for _ in jobs]
+    for chunk in _chunks(jobs, max_tokens):
+        for job_index, scores in zip(chunk.job_index, _score_chunk(model, chunk), strict=True):
+            parts[job_index].append(scores)
+    return [LabelScores(torch.cat([p.logprob for p in ps]), torch.cat([p.prob for p in ps])) for ps in parts]
+
+
+@dataclass
+class _Chunk:
+    job_index: list[int]  # which job each segment belongs to
+    segments: list[tuple[ContextKV, list[list[int]], tuple[int, int]]]
+
+
+def _chunks(jobs: list[ScoreJob], max_tokens: int):
+    """Split the candidates of all jobs into passes of at most `max_tokens` padded tokens, in order."""
+    chunk, rows, longest = _Chunk([], []), 0, 0
+    for index, job in enumerate(jobs):
+        start = 0
+        for i, cand in enumerate(job.candidates):
+            widest = max(longest, len(cand))
+            if rows and (rows + 1) * widest > max_tokens:
+                if i > start:
+                    chunk.job_index.append(index)
+                    chunk.segments.append((job.ctx, job.candidates[start:i], job.labels))
+                yield chunk
+                chunk, rows, widest, start = _Chunk([], []), 0, len(cand), i
+            rows, longest = rows + 1, widest
+        chunk.job_index.append(index)
+        chunk.segments.append((job.ctx, job.candidates[start:], job.labels))
+    if chunk.segments:
+        yield chunk
+
+
+def _score_chunk(model: Qwen3, chunk: _Chunk) -> list[LabelScores]:
+    device = model.device
+    rows = [cand for _, cands, _ in chunk.segments for cand in cands]
+    longest = max(len(c) for c in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.int64)
+    for r, cand in enumerate(rows):  # host-side packing of the inputs, before any device work
+        ids[r, : len(cand)] = torch.tensor(cand)
+    lengths = torch.tensor([len(c) for c in rows])
+    starts, groups, offset = [], [], 0
+    for ctx, cands, _ in chunk.segments:
+        groups.append(ContextGroup(offset, offset + len(cands), ctx))
+        starts += [ctx.length] * len(cands)
+        offset += len(cands)
+    positions = torch.tensor(starts)[:, None] + torch.arange(longest)[None, :]
+    ids, positions = ids.to(device), positions.to(device)
+    hidden, _, _ = model.forward_rows(model.embed(ids), positions, groups, causal=True)
+    last = hidden[torch.arange(len(rows), device=device), (lengths - 1).to(device)]
+    pos = torch.tensor([labels[0] for _, cands, labels in chunk.segments for _ in cands], device=device)
+    neg = torch.tensor([labels[1] for _, cands, labels in chunk.segments for _ in cands], device=device)
+    logprob, prob = _label_scores(model, last, pos, neg)
+    out, offset = [], 0
+    for _, cands, _ in chunk.segments:
+        out.append(LabelScores(logprob[offset : offset + len(cands)], prob[offset : offset + len(cands)]))
+        offset += len(cands)
+    return out
+
+
+def _label_scores(model: Qwen3, last_hidden: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, rows: int = 512):
+    """Label log-probs without materialising [N, vocab] logits for all N at once."""
+    logprobs, probs = [], []
+    for h, p, n in zip(last_hidden.split(rows), pos.split(rows), neg.split(rows), strict=True):
+        logits = model.logits(h)
+        lse = torch.logsumexp(logits, dim=-1)
+        pos_logit = logits.gather(1, p[:, None])[:, 0]
+        neg_logit = logits.gather(1, n[:, None])[:, 0]
+        logprobs.append(pos_logit - lse)
+        probs.append(torch.sigmoid(pos_logit - neg_logit))
+    return torch.cat(logprobs), torch.cat(probs)

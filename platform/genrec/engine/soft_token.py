@@ -1,0 +1,37 @@
+"""Soft-token injection: the projected user vector replaces every `<|user|>` placeholder's embedding."""
+
+from __future__ import annotations
+
+import torch
+
+from genrec.errors import InvalidRequestError
+from genrec.model.soft_token import SoftTokenProjector
+
+
+def inject_user_embedding(
+    embeds: torch.Tensor,
+    token_ids: torch.Tensor,
+    placeholder_id: int | None,
+    user_embedding: list[float] | None,
+    projector: SoftTokenProjector | None,
+) -> torch.Tensor:
+    """embeds [T, hidden] of token_ids [T]; returns embeds with placeholder rows replaced (one vector for all)."""
+    has_placeholder = placeholder_id is not None and bool((token_ids == placeholder_id).any())
+    if user_embedding is None:
+        if has_placeholder:
+            raise InvalidRequestError("user_embedding", "the prompt has a <|user|> placeholder but no user_embedding")
+        return embeds
+    if projector is None:
+        raise InvalidRequestError(
+            "user_embedding", "this model has no soft-token projector (genrec/soft_token.safetensors)"
+        )
+    if len(user_embedding) != projector.user_dim:
+        raise InvalidRequestError(
+            "user_embedding", f"has {len(user_embedding)} values; this model's projector expects {projector.user_dim}"
+        )
+    if not has_placeholder:
+        raise InvalidRequestError("user_embedding", "was given but the prompt has no <|user|> placeholder token")
+    vector = torch.tensor(user_embedding, dtype=projector.weight.dtype, device=projector.weight.device)
+    projected = projector(vector).to(embeds.dtype)
+    mask = (token_ids == placeholder_id).to(embeds.device)
+    return torch.where(mask[:, None], projected[None, :], embeds)

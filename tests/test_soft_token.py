@@ -1,0 +1,87 @@
+"""Soft-token user embeddings against transformers run on inputs_embeds with the placeholder row replaced."""
+
+import numpy as np
+import pytest
+import torch
+
+from genrec.api import Candidate, RetrieveRequest, ScoreRequest
+from genrec.errors import InvalidRequestError
+from genrec.model.tokenizer import USER_TOKEN
+from tests.conftest import random_prompt
+from tests.reference import teacher_forced_logprobs
+from tests.test_score import hf_label_scores, label_ids
+
+TOL = 1e-4
+
+
+def prompt_with_placeholders(engine, rng, count=1):
+    tokens = random_prompt(engine, 24, rng)
+    user = engine.tokenizer.convert_tokens_to_ids(USER_TOKEN)
+    for position in (3, 15)[:count]:
+        tokens[position] = user
+    return tokens
+
+
+def reference_embeds(engine, hf_model, tokens, vector):
+    """transformers' input embeddings with every placeholder row replaced by weight @ v + bias."""
+    with torch.no_grad():
+        embeds = hf_model.get_input_embeddings()(torch.tensor(tokens)).clone()
+        projected = engine.projector.weight @ torch.tensor(vector) + engine.projector.bias
+        embeds[torch.tensor(tokens) == engine.placeholder_id] = projected
+    return embeds
+
+
+@pytest.mark.parametrize("placeholders", [1, 2])
+def test_retrieve_with_user_embedding_equals_transformers(engine, hf_model, rng, placeholders):
+    tokens = prompt_with_placeholders(engine, rng, placeholders)
+    vector = torch.randn(engine.projector.user_dim, generator=rng).tolist()
+    request = RetrieveRequest(prompt_token_ids=tokens, user_embedding=vector, beam_width=len(engine.catalog))
+    (result,) = engine.retrieve([request])
+    embeds = reference_embeds(engine, hf_model, tokens, vector)
+    scores = teacher_forced_logprobs(hf_model, tokens, engine.catalog.codes, inputs_embeds=embeds)
+    order = scores.argsort(descending=True).tolist()
+    assert [i.item_id for i in result.items] == [engine.catalog.item_ids[j] for j in order]
+    assert np.allclose([i.logprob for i in result.items], scores[order].numpy(), atol=TOL)
+
+
+def test_score_with_user_embedding_equals_transformers(engine, hf_model, rng):
+    tokens = prompt_with_placeholders(engine, rng)
+    vector = torch.randn(engine.projector.user_dim, generator=rng).tolist()
+    candidates = [[engine.catalog.codes[i].tolist()] for i in (0, 9, 77)]
+    request = ScoreRequest(
+        prompt_token_ids=tokens, user_embedding=vector, candidates=[Candidate(token_ids=c[0]) for c in candidates]
+    )
+    (result,) = engine.score([request])
+    embeds = reference_embeds(engine, hf_model, tokens, vector)
+    want, _ = hf_label_scores(hf_model, tokens, [c[0] for c in candidates], *label_ids(engine), inputs_embeds=embeds)
+    assert [s.logprob for s in result.scores] == pytest.approx(want, abs=TOL)
+
+
+def test_a_different_user_vector_changes_the_result(engine, rng):
+    tokens = prompt_with_placeholders(engine, rng)
+    a, b = (torch.randn(engine.projector.user_dim, generator=rng).tolist() for _ in range(2))
+    (ra, rb) = engine.retrieve(
+        [RetrieveRequest(prompt_token_ids=tokens, user_embedding=v, beam_width=10) for v in (a, b)]
+    )
+    assert [i.logprob for i in ra.items] != pytest.approx([i.logprob for i in rb.items], abs=1e-3)
+
+
+def test_user_embedding_errors(engine, rng):
+    tokens = prompt_with_placeholders(engine, rng)
+    plain = random_prompt(engine, 10, rng)
+    dim = engine.projector.user_dim
+    with pytest.raises(InvalidRequestError, match="no <|user|> placeholder"):
+        engine.retrieve([RetrieveRequest(prompt_token_ids=plain, user_embedding=[0.0] * dim)])
+    with pytest.raises(InvalidRequestError, match=f"expects {dim}"):
+        engine.retrieve([RetrieveRequest(prompt_token_ids=tokens, user_embedding=[0.0] * (dim + 1))])
+    with pytest.raises(InvalidRequestError, match="placeholder but no user_embedding"):
+        engine.retrieve([RetrieveRequest(prompt_token_ids=tokens)])
+    with pytest.raises(ValueError, match="non-finite"):
+        RetrieveRequest(prompt_token_ids=tokens, user_embedding=[float("nan")] * dim)
+    with pytest.raises(ValueError, match="non-finite"):
+        RetrieveRequest(prompt_token_ids=tokens, user_embedding=[float("inf")] * dim)
+
+
+def test_projector_is_a_trainable_linear_layer(engine):
+    assert isinstance(engine.projector, torch.nn.Linear)
+    assert engine.projector.weight.shape == (engine.model.config.hidden_size, engine.projector.user_dim)

@@ -58,7 +58,7 @@ def test_many_candidates_and_chunked_passes_agree(engine, rng):
     prompt = random_prompt(engine, 50, rng)
     candidates = [Candidate(item_id=i) for i in engine.catalog.item_ids[:200]]
     (one_pass,) = engine.score([ScoreRequest(prompt_token_ids=prompt, candidates=candidates)])
-    ctx = engine.prefill(ScoreRequest(prompt_token_ids=prompt, candidates=candidates)).ctx
+    ctx = engine.prefill(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=candidates))).ctx
     codes = [c.tolist() for c in engine.catalog.codes[:200]]
     yes, no = label_ids(engine)
     (chunked,) = score_jobs(engine.model, [ScoreJob(ctx, codes, (yes, no))], max_tokens=7)  # 2 candidates a pass

@@ -25,3 +25,15 @@ class InvalidRequestError(GenrecError, ValueError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
+
+
+class Overloaded(GenrecError):
+    """The engine's queue is full: retry later (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeout(GenrecError, TimeoutError):
+    """A request did not finish within its deadline; its resources were freed."""

@@ -55,6 +55,22 @@ def median_seconds(fn, repeats: int, device, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict, repeats: int, device, warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each function, timed round-robin so that machine drift hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def load_hf(model_dir: Path, device, dtype):
     from transformers import AutoModelForCausalLM
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.common import load_hf, machine, median_seconds, model_dir_for, random_prompt
+from genrec.bench.common import interleaved_medians, load_hf, machine, median_seconds, model_dir_for, random_prompt
 from genrec.catalog.reference import allowed_tokens_fn
 from genrec.engine import Engine
 
@@ -20,8 +20,16 @@ def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, h
         RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, generator), beam_width=beam_width)
         for _ in range(batch)
     ]
-    prefill_s = median_seconds(lambda: [engine.prefill(r) for r in requests], repeats, device)
-    retrieve_s = median_seconds(lambda: engine.retrieve(requests), repeats, device)
+    prepared = [engine.prepare(r) for r in requests]
+    timed = {
+        "prefill_floor": lambda: [engine.prefill(p) for p in prepared],
+        "genrec_retrieve": lambda: engine.retrieve(requests),
+    }
+    if user_embedding:
+        soft = _soft_token_requests(engine, requests)
+        timed["genrec_retrieve_soft_token"] = lambda: engine.retrieve(soft)
+    seconds = interleaved_medians(timed, repeats, device)
+    prefill_s, retrieve_s = seconds["prefill_floor"], seconds["genrec_retrieve"]
     report = {
         "benchmark": "retrieve",
         "model": str(model_dir),
@@ -34,14 +42,12 @@ def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, h
         "items": len(engine.catalog),
         "batch": batch,
         "repeats": repeats,
-        "seconds": {"prefill_floor": prefill_s, "genrec_retrieve": retrieve_s},
+        "seconds": seconds,
         "ratios": {"retrieve_over_prefill": retrieve_s / prefill_s},
         "machine": machine(),
     }
     if user_embedding:
-        soft_s = _soft_token_seconds(engine, requests, repeats, device)
-        report["seconds"]["genrec_retrieve_soft_token"] = soft_s
-        report["ratios"]["soft_token_over_token_only"] = soft_s / retrieve_s
+        report["ratios"]["soft_token_over_token_only"] = seconds["genrec_retrieve_soft_token"] / retrieve_s
     if hf_baseline:
         hf_s, agreement = _hf_generate(engine, model_dir, requests, device, max(1, min(repeats, 2)))
         report["seconds"]["hf_generate"] = hf_s
@@ -50,7 +56,7 @@ def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, h
     return report
 
 
-def _soft_token_seconds(engine, requests, repeats, device) -> float:
+def _soft_token_requests(engine, requests):
     """The same requests with a `<|user|>` placeholder carrying a user vector in place of their first token."""
     if engine.projector is None:
         raise ValueError("--user-embedding needs a model with genrec/soft_token.safetensors")
@@ -64,7 +70,7 @@ def _soft_token_seconds(engine, requests, repeats, device) -> float:
         )
         for req in requests
     ]
-    return median_seconds(lambda: engine.retrieve(soft), repeats, device)
+    return soft
 
 
 def _hf_generate(engine, model_dir: Path, requests, device, repeats):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from genrec.api import Candidate, ScoreRequest
-from genrec.bench.common import load_hf, machine, median_seconds, model_dir_for, random_prompt, synchronize
+from genrec.bench.common import interleaved_medians, load_hf, machine, model_dir_for, random_prompt, synchronize
 from genrec.engine import Engine
 from genrec.model import ContextKV
 
@@ -24,14 +24,14 @@ def run(prefix_len, candidates, candidate_len, preset, model, device, repeats, f
     tokens_per_candidate = len(engine.catalog.codes[0]) if not candidate_len else candidate_len
     total_tokens = prefix_len + candidates * tokens_per_candidate
 
-    genrec_s = median_seconds(lambda: engine.score([request]), repeats, device)
     plain = torch.tensor(random_prompt(engine, total_tokens, generator), device=device)
 
     def plain_forward():
         ctx = ContextKV.allocate(engine.model.config, total_tokens, device, engine.model.dtype)
         engine.model.prefill(engine.model.embed(plain), ctx)
 
-    plain_s = median_seconds(plain_forward, repeats, device)
+    seconds = interleaved_medians({"genrec": lambda: engine.score([request]), "plain": plain_forward}, repeats, device)
+    genrec_s, plain_s = seconds["genrec"], seconds["plain"]
     fanout_s, sampled = _fanout(engine, model_dir, request, device, fanout_sample)
     return {
         "benchmark": "score",

@@ -1,4 +1,8 @@
-"""The Engine: retrieval (constrained beam search) on our Qwen3 forward pass. No Ray in here."""
+"""The Engine: retrieve, score and recommend on our Qwen3 forward pass. No Ray in here.
+
+The synchronous methods run a batch of requests to completion. The pieces they are built from
+(prepare, prefill, start_beams, decode_step, *_result) are what the AsyncEngine's loop interleaves.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +24,9 @@ from genrec.api import (
 )
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine.beam import BeamCohort
-from genrec.engine.candidates import candidate_token_lists, label_token_ids
-from genrec.engine.prompts import prompt_token_ids
-from genrec.engine.scoring import ScoreJob, score_jobs
+from genrec.engine.decode import decode_step
+from genrec.engine.prepared import Prepared, prepare
+from genrec.engine.scoring import LabelScores, ScoreJob, score_jobs
 from genrec.engine.soft_token import inject_user_embedding
 from genrec.model import ContextKV, Qwen3, load_qwen3
 from genrec.model.directory import ModelDirectory
@@ -34,13 +38,16 @@ from genrec.model.tokenizer import USER_TOKEN, load_tokenizer, semantic_token_ra
 class Prefilled:
     """A request's prompt after prefill: its ContextKV and the logits at its last position."""
 
-    token_ids: torch.Tensor
     ctx: ContextKV
     last_logits: torch.Tensor  # [vocab] float32
 
+    @property
+    def prompt_tokens(self) -> int:
+        return self.ctx.length
+
 
 class Engine:
-    """Retrieve, score and recommend on one model. Thread-compatible, not thread-safe: one caller at a time."""
+    """Retrieve, score and recommend on one model. One caller at a time (the AsyncEngine serialises)."""
 
     def __init__(
         self,
@@ -57,9 +64,8 @@ class Engine:
         self.device = model.device
         self.trie = CodeTrie.build(catalog.codes, device=self.device)
         self.projector = projector.to(self.device, model.dtype) if projector is not None else None
-        self.placeholder_id = (
-            tokenizer.convert_tokens_to_ids(USER_TOKEN) if USER_TOKEN in tokenizer.get_vocab() else None
-        )
+        vocab = tokenizer.get_vocab()
+        self.placeholder_id = vocab.get(USER_TOKEN)
         self.max_candidates = max_candidates
         self.score_max_tokens = score_max_tokens
         # Room for the generated code after the prompt.
@@ -82,96 +88,102 @@ class Engine:
             projector = SoftTokenProjector.load(directory.soft_token_path, model.config.hidden_size)
         return cls(model, tokenizer, catalog, projector, **options)
 
-    # -- prompts ---------------------------------------------------------------------------------
-
-    def encode(self, req) -> torch.Tensor:
-        return prompt_token_ids(req, self.tokenizer, self.model.config.vocab_size, self.max_prompt_tokens)
-
-    @torch.inference_mode()
-    def prompt_embeds(self, req, token_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings of the prompt, with the soft token injected where the request carries one."""
-        embeds = self.model.embed(token_ids.to(self.device))
-        return inject_user_embedding(embeds, token_ids, self.placeholder_id, req.user_embedding, self.projector)
-
-    @torch.inference_mode()
-    def prefill(self, req, token_ids: torch.Tensor | None = None) -> Prefilled:
-        token_ids = self.encode(req) if token_ids is None else token_ids
-        embeds = self.prompt_embeds(req, token_ids)
-        ctx = ContextKV.allocate(self.model.config, len(token_ids), self.device, self.model.dtype)
-        logits = self.model.prefill(embeds, ctx)
-        return Prefilled(token_ids, ctx, logits[0])
-
-    # -- retrieval -------------------------------------------------------------------------------
+    # -- batch API -------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def retrieve(self, requests: list[RetrieveRequest]) -> list[RetrieveResult]:
-        if not requests:
-            return []
-        token_ids = [self.encode(req) for req in requests]  # validate every request before any compute
-        prefilled = [self.prefill(req, t) for req, t in zip(requests, token_ids, strict=True)]
-        return self.retrieve_prefilled(requests, prefilled)
-
-    @torch.inference_mode()
-    def retrieve_prefilled(self, requests: list[RetrieveRequest], prefilled: list[Prefilled]):
-        exclusions, unknown = zip(*(self._exclusions(req) for req in requests), strict=True)
-        cohort = BeamCohort(
-            self.trie, [r.beam_width for r in requests], [p.ctx for p in prefilled], list(exclusions), self.device
-        )
-        cohort.select(torch.log_softmax(torch.stack([p.last_logits for p in prefilled]), dim=-1))
-        while not cohort.done:
-            self.decode_pass(cohort)
-        return [
-            self._retrieve_result(req, beams, len(p.token_ids), n_unknown)
-            for req, beams, p, n_unknown in zip(requests, cohort.results(), prefilled, unknown, strict=True)
-        ]
-
-    def decode_pass(self, cohort: BeamCohort) -> None:
-        tokens, positions, groups, past_k, past_v = cohort.decode_inputs()
-        hidden, new_k, new_v = self.model.forward_rows(self.model.embed(tokens), positions, groups, past_k, past_v)
-        cohort.record_kv(new_k, new_v)
-        cohort.select(torch.log_softmax(self.model.logits(hidden[:, -1]), dim=-1))
-
-    # -- scoring ---------------------------------------------------------------------------------
+        prepared = [self.prepare(r) for r in requests]  # every request validated before any compute
+        prefilled = [self.prefill(p) for p in prepared]
+        return self._run_beams(prepared, prefilled)
 
     @torch.inference_mode()
     def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
-        """Each request's candidates in one pass over its single prefill (validated before any compute)."""
-        token_ids = [self.encode(req) for req in requests]
-        jobs_inputs = [self._score_inputs(req, len(t)) for req, t in zip(requests, token_ids, strict=True)]
-        prefilled = [self.prefill(req, t) for req, t in zip(requests, token_ids, strict=True)]
-        jobs = [ScoreJob(p.ctx, cands, labels) for p, (cands, labels) in zip(prefilled, jobs_inputs, strict=True)]
-        results = []
-        for req, p, scores in zip(
-            requests, prefilled, score_jobs(self.model, jobs, self.score_max_tokens), strict=True
-        ):
-            logprobs, probs = scores.logprob.tolist(), scores.prob.tolist()
-            items = [
-                CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
-                for c, lp, pr in zip(req.candidates, logprobs, probs, strict=True)
-            ]
-            results.append(ScoreResult(request_id=req.request_id, scores=items, prompt_tokens=len(p.token_ids)))
-        return results
-
-    def _score_inputs(self, req, prompt_tokens: int):
-        return candidate_token_lists(self, req.candidates, prompt_tokens), label_token_ids(self.tokenizer, req.labels)
-
-    # -- retrieve, then rank on the same prefill --------------------------------------------------
+        """Each request's candidates in one pass over its single prefill."""
+        prepared = [self.prepare(r) for r in requests]
+        prefilled = [self.prefill(p) for p in prepared]
+        scores = score_jobs(self.model, [self.score_job(p, f) for p, f in zip(prepared, prefilled, strict=True)])
+        return [self.score_result(p, f, s) for p, f, s in zip(prepared, prefilled, scores, strict=True)]
 
     @torch.inference_mode()
     def recommend(self, requests: list[RecommendRequest]) -> list[RecommendResult]:
         """Beam search, then score the retrieved items plus the given candidates against the same ContextKV."""
-        token_ids = [self.encode(req) for req in requests]
-        given = [self._score_inputs(req, len(t)) for req, t in zip(requests, token_ids, strict=True)]
-        prefilled = [self.prefill(req, t) for req, t in zip(requests, token_ids, strict=True)]
-        retrieved = self.retrieve_prefilled(requests, prefilled)
-        jobs = [
-            ScoreJob(p.ctx, [i.semantic_id for i in r.items] + cands, labels)
-            for p, r, (cands, labels) in zip(prefilled, retrieved, given, strict=True)
-        ]
-        scored = score_jobs(self.model, jobs, self.score_max_tokens)
-        return [self._recommend_result(req, r, s) for req, r, s in zip(requests, retrieved, scored, strict=True)]
+        prepared = [self.prepare(r) for r in requests]
+        prefilled = [self.prefill(p) for p in prepared]
+        retrieved = self._run_beams(prepared, prefilled)
+        jobs = [self.score_job(p, f, r) for p, f, r in zip(prepared, prefilled, retrieved, strict=True)]
+        scores = score_jobs(self.model, jobs, self.score_max_tokens)
+        return [self.recommend_result(p, r, s) for p, r, s in zip(prepared, retrieved, scores, strict=True)]
 
-    def _recommend_result(self, req: RecommendRequest, retrieved: RetrieveResult, scores) -> RecommendResult:
+    def _run_beams(self, prepared, prefilled) -> list[RetrieveResult]:
+        cohort = self.start_beams(prepared, prefilled)
+        while not cohort.done:
+            decode_step(self.model, [cohort])
+        return self.retrieve_results(prepared, prefilled, cohort)
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def prepare(self, req) -> Prepared:
+        return prepare(self, req)
+
+    @torch.inference_mode()
+    def prompt_embeds(self, prepared: Prepared) -> torch.Tensor:
+        """Token embeddings of the prompt, with the soft token injected where the request carries one."""
+        embeds = self.model.embed(prepared.token_ids.to(self.device, non_blocking=True))
+        req = prepared.request
+        return inject_user_embedding(
+            embeds, prepared.token_ids, self.placeholder_id, req.user_embedding, self.projector
+        )
+
+    def allocate_context(self, prepared: Prepared) -> ContextKV:
+        return ContextKV.allocate(self.model.config, len(prepared.token_ids), self.device, self.model.dtype)
+
+    @torch.inference_mode()
+    def prefill(self, prepared: Prepared) -> Prefilled:
+        ctx = self.allocate_context(prepared)
+        logits = self.model.prefill(self.prompt_embeds(prepared), ctx)
+        return Prefilled(ctx, logits[0])
+
+    @torch.inference_mode()
+    def start_beams(self, prepared: list[Prepared], prefilled: list[Prefilled]) -> BeamCohort:
+        """A cohort of beam requests, with the first level already chosen from their prefill logits."""
+        exclusions = [torch.tensor(p.exclusions, dtype=torch.int64, device=self.device) for p in prepared]
+        widths = [p.request.beam_width for p in prepared]
+        cohort = BeamCohort(self.trie, widths, [f.ctx for f in prefilled], exclusions, self.device)
+        cohort.select(torch.log_softmax(torch.stack([f.last_logits for f in prefilled]), dim=-1))
+        return cohort
+
+    def score_job(self, prepared: Prepared, prefilled: Prefilled, retrieved: RetrieveResult | None = None):
+        found = [i.semantic_id for i in retrieved.items] if retrieved is not None else []
+        return ScoreJob(prefilled.ctx, found + prepared.candidates, prepared.labels)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def retrieve_results(self, prepared, prefilled, cohort: BeamCohort) -> list[RetrieveResult]:
+        out = []
+        for p, f, beams in zip(prepared, prefilled, cohort.results(), strict=True):
+            items = [
+                ScoredItem(item_id=self.catalog.item_ids[i], semantic_id=self.catalog.codes[i].tolist(), logprob=s)
+                for i, s in beams[: p.request.num_results]
+            ]
+            out.append(
+                RetrieveResult(
+                    request_id=p.request.request_id,
+                    items=items,
+                    prompt_tokens=f.prompt_tokens,
+                    unknown_exclusions=p.unknown_exclusions,
+                )
+            )
+        return out
+
+    def score_result(self, prepared: Prepared, prefilled: Prefilled, scores: LabelScores) -> ScoreResult:
+        logprobs, probs = scores.logprob.tolist(), scores.prob.tolist()
+        items = [
+            CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
+            for c, lp, pr in zip(prepared.request.candidates, logprobs, probs, strict=True)
+        ]
+        return ScoreResult(request_id=prepared.request.request_id, scores=items, prompt_tokens=prefilled.prompt_tokens)
+
+    def recommend_result(self, prepared: Prepared, retrieved: RetrieveResult, scores: LabelScores) -> RecommendResult:
         logprobs, probs = scores.logprob.tolist(), scores.prob.tolist()
         items = [
             RecommendedItem(
@@ -185,29 +197,15 @@ class Engine:
             for i, lp, pr in zip(retrieved.items, logprobs, probs, strict=False)
         ]
         offset = len(retrieved.items)
-        for cand, lp, pr in zip(req.candidates, logprobs[offset:], probs[offset:], strict=True):
+        for cand, lp, pr in zip(prepared.request.candidates, logprobs[offset:], probs[offset:], strict=True):
             code = self.catalog.codes[self.catalog.index_of(cand.item_id)].tolist() if cand.item_id else None
             items.append(
                 RecommendedItem(item_id=cand.item_id, semantic_id=code, score_logprob=lp, prob=pr, source="given")
             )
         items.sort(key=lambda item: item.score_logprob, reverse=True)
         return RecommendResult(
-            request_id=req.request_id,
+            request_id=prepared.request.request_id,
             items=items,
             prompt_tokens=retrieved.prompt_tokens,
             unknown_exclusions=retrieved.unknown_exclusions,
-        )
-
-    def _exclusions(self, req: RetrieveRequest) -> tuple[torch.Tensor, int]:
-        known = [i for i in map(self.catalog.index_of, req.exclude_item_ids) if i is not None]
-        unknown = len(req.exclude_item_ids) - len(known)
-        return torch.tensor(sorted(set(known)), dtype=torch.int64, device=self.device), unknown
-
-    def _retrieve_result(self, req, beams, prompt_tokens, unknown) -> RetrieveResult:
-        items = [
-            ScoredItem(item_id=self.catalog.item_ids[i], semantic_id=self.catalog.codes[i].tolist(), logprob=score)
-            for i, score in beams[: req.num_results]
-        ]
-        return RetrieveResult(
-            request_id=req.request_id, items=items, prompt_tokens=prompt_tokens, unknown_exclusions=unknown
         )

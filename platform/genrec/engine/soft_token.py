@@ -8,19 +8,17 @@ from genrec.errors import InvalidRequestError
 from genrec.model.soft_token import SoftTokenProjector
 
 
-def inject_user_embedding(
-    embeds: torch.Tensor,
+def check_user_embedding(
     token_ids: torch.Tensor,
     placeholder_id: int | None,
     user_embedding: list[float] | None,
     projector: SoftTokenProjector | None,
-) -> torch.Tensor:
-    """embeds [T, hidden] of token_ids [T]; returns embeds with placeholder rows replaced (one vector for all)."""
+) -> None:
     has_placeholder = placeholder_id is not None and bool((token_ids == placeholder_id).any())
     if user_embedding is None:
         if has_placeholder:
             raise InvalidRequestError("user_embedding", "the prompt has a <|user|> placeholder but no user_embedding")
-        return embeds
+        return
     if projector is None:
         raise InvalidRequestError(
             "user_embedding", "this model has no soft-token projector (genrec/soft_token.safetensors)"
@@ -31,6 +29,19 @@ def inject_user_embedding(
         )
     if not has_placeholder:
         raise InvalidRequestError("user_embedding", "was given but the prompt has no <|user|> placeholder token")
+
+
+def inject_user_embedding(
+    embeds: torch.Tensor,
+    token_ids: torch.Tensor,
+    placeholder_id: int | None,
+    user_embedding: list[float] | None,
+    projector: SoftTokenProjector | None,
+) -> torch.Tensor:
+    """embeds [T, hidden] of token_ids [T]; placeholder rows replaced by one projected vector for all."""
+    check_user_embedding(token_ids, placeholder_id, user_embedding, projector)
+    if user_embedding is None:
+        return embeds
     vector = torch.tensor(user_embedding, dtype=projector.weight.dtype, device=projector.weight.device)
     projected = projector(vector).to(embeds.dtype)
     mask = (token_ids == placeholder_id).to(embeds.device)

@@ -193,19 +193,20 @@ class Qwen3(nn.Module):
         past_k: torch.Tensor | None = None,
         past_v: torch.Tensor | None = None,
         causal: bool = True,
+        mask: torch.Tensor | None = None,
     ):
         """Run R rows of S new tokens each.
 
         embeds [R, S, hidden], positions [R, S]. Rows in `groups` attend to that group's ContextKV;
         every row attends to its own suffix: past_k/past_v [layers, R, P, kv_heads, hd] (earlier tokens of
-        the row, e.g. a beam's ancestors) followed by its S new tokens (causally when `causal`).
+        the row, e.g. a beam's ancestors) followed by its S new tokens (causally when `causal`). An explicit
+        `mask` [R or 1, S, P+S] (True = may attend) replaces that rule, e.g. to hide padded past positions.
         Returns (hidden [R, S, hidden] before the final norm, new_k, new_v [layers, R, S, kv_heads, hd]).
         """
         R, S = positions.shape
         cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
         P = 0 if past_k is None else past_k.shape[2]
-        mask = None
-        if causal and S > 1:
+        if mask is None and causal and S > 1:
             u = torch.arange(P + S, device=embeds.device)
             mask = (u[None, :] <= (torch.arange(S, device=embeds.device)[:, None] + P))[None]
         new_k, new_v = [], []

@@ -1,0 +1,77 @@
+"""Plain counters and histograms kept by the engine loop; the Serve layer exports them."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict, deque
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class Histogram:
+    """Cumulative bucket counts (Prometheus style) plus a window of recent values for quantiles."""
+
+    def __init__(self, buckets=LATENCY_BUCKETS, window: int = 4096):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.count = 0
+        self.sum = 0.0
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.count += 1
+        self.sum += value
+        self.recent.append(value)
+
+    def quantile(self, q: float) -> float | None:
+        if not self.recent:
+            return None
+        ordered = sorted(self.recent)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def snapshot(self) -> dict:
+        return {
+            "count": self.count,
+            "sum": self.sum,
+            "p50": self.quantile(0.5),
+            "p90": self.quantile(0.9),
+            "p99": self.quantile(0.99),
+            "buckets": dict(zip([*map(str, self.buckets), "+Inf"], self.counts, strict=True)),
+        }
+
+
+class EngineMetrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.queue_depth = 0
+        self.running = 0
+        self.kv_bytes_reserved = 0
+        self.steps = 0
+        self.batch_rows_per_step = Histogram(SIZE_BUCKETS)
+        self.prefill_tokens_per_step = Histogram(SIZE_BUCKETS)
+        self.time_to_first_step: dict[str, Histogram] = defaultdict(Histogram)
+        self.latency: dict[str, Histogram] = defaultdict(Histogram)
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)
+
+    def finished(self, kind: str, status: str, seconds: float | None = None) -> None:
+        with self._lock:
+            self.requests[(kind, status)] += 1
+            if seconds is not None and status == "ok":
+                self.latency[kind].observe(seconds)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "queue_depth": self.queue_depth,
+                "running": self.running,
+                "kv_bytes_reserved": self.kv_bytes_reserved,
+                "steps": self.steps,
+                "batch_rows_per_step": self.batch_rows_per_step.snapshot(),
+                "prefill_tokens_per_step": self.prefill_tokens_per_step.snapshot(),
+                "time_to_first_step": {k: h.snapshot() for k, h in self.time_to_first_step.items()},
+                "latency": {k: h.snapshot() for k, h in self.latency.items()},
+                "requests": {f"{k}:{s}": n for (k, s), n in self.requests.items()},
+            }

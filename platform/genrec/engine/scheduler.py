@@ -1,0 +1,277 @@
+"""The continuous-batching scheduler: one `step()` is one iteration of the engine loop.
+
+Each iteration (1) drops cancelled and timed-out requests, freeing their KV at once; (2) admits waiting
+requests in arrival order while the KV budget allows; (3) prefills under a token budget, in chunks, so a
+long prompt does not starve running decodes; (4) scores the requests whose prefill finished and starts
+beam cohorts for the others; (5) runs ONE decode pass for every running beam of every request. No Ray,
+no threads here: the AsyncEngine drives it. Every model call is guarded so a failing request fails alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+import torch
+
+from genrec.engine.beam import BeamCohort
+from genrec.engine.context_cache import ContextCache, context_key
+from genrec.engine.decode import decode_step
+from genrec.engine.engine import Engine, Prefilled
+from genrec.engine.kv_budget import KVBudget, kv_bytes_per_token, request_kv_tokens
+from genrec.engine.metrics import EngineMetrics
+from genrec.engine.prepared import Prepared
+from genrec.engine.scoring import score_jobs
+from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
+
+
+@dataclass
+class SchedulerConfig:
+    max_queue: int = 256  # waiting requests; beyond it submit fails fast with Overloaded
+    max_running: int = 64  # requests in prefill or decode at once
+    prefill_tokens_per_step: int = 4096  # chunked-prefill budget of one iteration
+    kv_budget_bytes: int | None = None  # default: 4 GiB on CPU, half the free memory on CUDA
+    request_timeout_s: float = 60.0
+    context_cache_entries: int = 0  # LRU of recent prefills by exact prompt; 0 = off
+
+
+@dataclass(eq=False)
+class Job:
+    prepared: Prepared
+    future: Future
+    submitted: float
+    deadline: float
+    kv_bytes: int
+    embeds: torch.Tensor | None = None
+    ctx_key: bytes | None = None
+    prefilled: Prefilled | None = None
+    partial: object = None  # ContextKV while prefilling in chunks
+    cohort: BeamCohort | None = None
+    reserved: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.prepared.kind
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None):
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self.model = engine.model
+        self.per_token = kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
+        self.budget = KVBudget(self.config.kv_budget_bytes or _default_budget(engine.device))
+        self.cache = ContextCache(self.config.context_cache_entries)
+        self.metrics = EngineMetrics()
+        self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
+        self.waiting: deque[Job] = deque()
+        self.prefilling: list[Job] = []
+        self.decoding: list[Job] = []
+
+    # -- submission (any thread; the AsyncEngine serialises submitters) ---------------------------
+
+    def submit(self, prepared: Prepared, timeout_s: float | None = None) -> Future:
+        kv_bytes = self.per_token * request_kv_tokens(prepared, self.engine.catalog.levels)
+        if kv_bytes > self.budget.capacity:
+            raise InvalidRequestError(
+                "request", f"needs {kv_bytes} bytes of KV; this engine's budget is {self.budget.capacity}"
+            )
+        if len(self.waiting) + len(self.inbox) >= self.config.max_queue:
+            raise Overloaded(f"engine queue is full ({self.config.max_queue} waiting requests)")
+        now = time.monotonic()
+        job = Job(prepared, Future(), now, now + (timeout_s or self.config.request_timeout_s), kv_bytes)
+        self.inbox.append(job)
+        return job.future
+
+    @property
+    def idle(self) -> bool:
+        return not (self.inbox or self.waiting or self.prefilling or self.decoding)
+
+    # -- one iteration (the loop thread) ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        while self.inbox:
+            self.waiting.append(self.inbox.popleft())
+        self._reap(time.monotonic())
+        ready = self._admit()
+        prefill_tokens, prefilled = self._prefill()
+        ready += prefilled
+        self._start(ready)
+        rows = self._decode()
+        m = self.metrics
+        m.queue_depth, m.running = len(self.waiting), len(self.prefilling) + len(self.decoding)
+        m.kv_bytes_reserved = self.budget.reserved
+        if prefill_tokens or rows or ready:
+            m.steps += 1
+            m.prefill_tokens_per_step.observe(prefill_tokens)
+            m.batch_rows_per_step.observe(rows)
+            return True
+        return False
+
+    def _reap(self, now: float) -> None:
+        for queue in (self.prefilling, self.decoding):
+            for job in [j for j in queue if j.future.cancelled() or now > j.deadline]:
+                queue.remove(job)
+                self._end(job)
+        for job in [j for j in self.waiting if j.future.cancelled() or now > j.deadline]:
+            self.waiting.remove(job)
+            self._end(job)
+
+    def _end(self, job: Job) -> None:
+        """A job left the engine without a result: cancelled or timed out."""
+        if job.future.cancelled():
+            self._finish(job, status="cancelled")
+        else:
+            waited = time.monotonic() - job.submitted
+            self._finish(job, error=RequestTimeout(f"request did not finish within {waited:.1f} s"), status="timeout")
+
+    def _admit(self) -> list[Job]:
+        ready = []
+        while self.waiting and len(self.prefilling) + len(self.decoding) + len(ready) < self.config.max_running:
+            job = self.waiting[0]
+            if not self.budget.fits(job.kv_bytes):
+                break  # in arrival order: the head waits for memory, nobody overtakes it
+            self.waiting.popleft()
+            self.budget.reserve(job.kv_bytes)
+            job.reserved = True
+            job.ctx_key = context_key(job.prepared) if self.cache.entries else None
+            cached = self.cache.get(job.ctx_key) if job.ctx_key else None
+            if cached is not None:
+                job.prefilled = cached
+                self._first_step(job)
+                ready.append(job)
+            else:
+                self.prefilling.append(job)
+        return ready
+
+    def _prefill(self) -> tuple[int, list[Job]]:
+        budget, used, done = self.config.prefill_tokens_per_step, 0, []
+        for job in list(self.prefilling):
+            if used >= budget:
+                break
+            try:
+                used += self._prefill_chunk(job, budget - used)
+            except Exception as err:  # noqa: BLE001 - a failing request fails alone
+                self.prefilling.remove(job)
+                self._finish(job, error=err, status="error")
+                continue
+            if job.prefilled is not None:
+                self.prefilling.remove(job)
+                done.append(job)
+        return used, done
+
+    def _prefill_chunk(self, job: Job, room: int) -> int:
+        engine = self.engine
+        if job.partial is None:
+            self._first_step(job)
+            job.embeds = engine.prompt_embeds(job.prepared)
+            job.partial = engine.allocate_context(job.prepared)
+        ctx = job.partial
+        n = min(len(job.prepared.token_ids) - ctx.length, room)
+        logits = self.model.prefill(job.embeds[ctx.length : ctx.length + n], ctx)
+        if ctx.length == len(job.prepared.token_ids):
+            job.prefilled, job.embeds, job.partial = Prefilled(ctx, logits[0]), None, None
+            if job.ctx_key is not None:
+                self.cache.put(job.ctx_key, job.prefilled)
+        return n
+
+    def _start(self, ready: list[Job]) -> None:
+        scoring = [j for j in ready if not j.prepared.beams]
+        self._guarded(scoring, self._score)
+        for job in (j for j in ready if j.prepared.beams):
+            self._guarded([job], self._start_beams)
+
+    def _start_beams(self, jobs: list[Job]) -> None:
+        (job,) = jobs
+        job.cohort = self.engine.start_beams([job.prepared], [job.prefilled])
+        self.decoding.append(job)
+        if job.cohort.done:  # a one-level code: nothing to decode
+            self._beams_done([job])
+
+    def _score(self, jobs: list[Job]) -> None:
+        engine = self.engine
+        scores = score_jobs(
+            self.model, [engine.score_job(j.prepared, j.prefilled) for j in jobs], engine.score_max_tokens
+        )
+        for job, s in zip(jobs, scores, strict=True):
+            self._finish(job, engine.score_result(job.prepared, job.prefilled, s))
+
+    def _decode(self) -> int:
+        running = [j for j in self.decoding if not j.cohort.done]
+        if not running:
+            return 0
+        rows = sum(j.cohort.rows for j in running)
+        self._guarded(running, lambda jobs: decode_step(self.model, [j.cohort for j in jobs]))
+        self._beams_done([j for j in running if j in self.decoding and j.cohort.done])
+        return rows
+
+    def _beams_done(self, jobs: list[Job]) -> None:
+        engine = self.engine
+        recommends = []
+        for job in jobs:
+            (result,) = engine.retrieve_results([job.prepared], [job.prefilled], job.cohort)
+            if job.kind == "retrieve":
+                self.decoding.remove(job)
+                self._finish(job, result)
+            else:
+                job.extra["retrieved"] = result
+                recommends.append(job)
+        for job in recommends:
+            self.decoding.remove(job)
+        self._guarded(recommends, self._rank)
+
+    def _rank(self, jobs: list[Job]) -> None:
+        engine = self.engine
+        score_input = [engine.score_job(j.prepared, j.prefilled, j.extra["retrieved"]) for j in jobs]
+        for job, s in zip(jobs, score_jobs(self.model, score_input, engine.score_max_tokens), strict=True):
+            self._finish(job, engine.recommend_result(job.prepared, job.extra["retrieved"], s))
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def _guarded(self, jobs: list[Job], fn) -> None:
+        """Run fn on the jobs together; if that raises, run it on each alone so only the culprit fails."""
+        if not jobs:
+            return
+        try:
+            fn(jobs)
+        except Exception as err:  # noqa: BLE001
+            if len(jobs) == 1:
+                self._drop(jobs[0])
+                self._finish(jobs[0], error=err, status="error")
+                return
+            for job in jobs:
+                self._guarded([job], fn)
+
+    def _drop(self, job: Job) -> None:
+        if job in self.decoding:
+            self.decoding.remove(job)
+
+    def _first_step(self, job: Job) -> None:
+        self.metrics.time_to_first_step[job.kind].observe(time.monotonic() - job.submitted)
+
+    def _finish(self, job: Job, result=None, error: BaseException | None = None, status: str = "ok") -> None:
+        if job.reserved:
+            self.budget.release(job.kv_bytes)
+            job.reserved = False
+        job.cohort = job.embeds = job.partial = job.prefilled = None
+        job.extra.clear()
+        try:
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+        except InvalidStateError:
+            pass  # the caller cancelled meanwhile: nobody waits for this result
+        self.metrics.finished(job.kind, status, time.monotonic() - job.submitted)
+        self.metrics.kv_bytes_reserved = self.budget.reserved
+
+
+def _default_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return 4 << 30

@@ -1,0 +1,211 @@
+"""Continuous batching: the AsyncEngine and its scheduler against the synchronous Engine."""
+
+import asyncio
+import time
+
+import pytest
+
+from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.engine import AsyncEngine, SchedulerConfig
+from genrec.engine.kv_budget import request_kv_tokens
+from genrec.engine.scheduler import Scheduler
+from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
+from tests.conftest import random_prompt
+
+
+def mixed_requests(engine, rng, n):
+    requests = []
+    for i in range(n):
+        prompt = random_prompt(engine, 3 + (i * 7) % 60, rng)
+        kind = i % 3
+        if kind == 0:
+            requests.append(RetrieveRequest(prompt_token_ids=prompt, beam_width=1 + (i * 5) % 40, request_id=str(i)))
+        elif kind == 1:
+            candidates = [Candidate(item_id=engine.catalog.item_ids[(i * 13 + j) % 300]) for j in range(1 + i % 9)]
+            requests.append(ScoreRequest(prompt_token_ids=prompt, candidates=candidates, request_id=str(i)))
+        else:
+            requests.append(
+                RecommendRequest(
+                    prompt_token_ids=prompt,
+                    beam_width=2 + i % 6,
+                    candidates=[Candidate(text="news")],
+                    request_id=str(i),
+                )
+            )
+    return requests
+
+
+def run_alone(engine, request):
+    if isinstance(request, RecommendRequest):
+        return engine.recommend([request])[0]
+    if isinstance(request, RetrieveRequest):
+        return engine.retrieve([request])[0]
+    return engine.score([request])[0]
+
+
+def assert_same(got, want):
+    if hasattr(want, "scores"):
+        assert [s.logprob for s in got.scores] == pytest.approx([s.logprob for s in want.scores], abs=1e-4)
+        return
+    assert [(i.item_id, i.source if hasattr(i, "source") else None) for i in got.items] == [
+        (i.item_id, i.source if hasattr(i, "source") else None) for i in want.items
+    ]
+    key = "score_logprob" if hasattr(want.items[0], "score_logprob") else "logprob"
+    assert [getattr(i, key) for i in got.items] == pytest.approx([getattr(i, key) for i in want.items], abs=1e-4)
+
+
+async def call(async_engine, request, **kw):
+    if isinstance(request, RecommendRequest):
+        return await async_engine.recommend(request, **kw)
+    if isinstance(request, RetrieveRequest):
+        return await async_engine.retrieve(request, **kw)
+    return await async_engine.score(request, **kw)
+
+
+@pytest.fixture
+def async_engine(engine):
+    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=64, max_running=16))
+    yield ae
+    ae.shutdown()
+
+
+def test_fifty_concurrent_mixed_requests_equal_one_by_one(engine, async_engine, rng):
+    requests = mixed_requests(engine, rng, 50)
+
+    async def all_at_once():
+        return await asyncio.gather(*(call(async_engine, r) for r in requests))
+
+    results = asyncio.run(all_at_once())
+    for request, result in zip(requests, results, strict=True):
+        assert result.request_id == request.request_id
+        assert_same(result, run_alone(engine, request))
+    metrics = async_engine.metrics()
+    assert metrics["requests"] == {"retrieve:ok": 17, "score:ok": 17, "recommend:ok": 16}
+    assert metrics["batch_rows_per_step"]["count"] > 0 and metrics["latency"]["retrieve"]["count"] == 17
+    assert metrics["batch_rows_per_step"]["p99"] > max(r.beam_width for r in requests if hasattr(r, "beam_width"))
+    assert async_engine.kv_bytes_reserved == 0
+
+
+def test_chunked_prefill_gives_the_same_results(engine, rng):
+    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=5))
+    requests = [RetrieveRequest(prompt_token_ids=random_prompt(engine, 37, rng), beam_width=9) for _ in range(3)]
+    futures = [scheduler.submit(engine.prepare(r)) for r in requests]
+    steps = 0
+    while not scheduler.idle:
+        scheduler.step()
+        steps += 1
+    assert steps > 3 * 37 // 5  # the prompts really were split across iterations
+    for request, future in zip(requests, futures, strict=True):
+        assert_same(future.result(), engine.retrieve([request])[0])
+
+
+def test_cancellation_frees_kv_at_once(engine, rng):
+    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=8))
+    long_one = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 200, rng))))
+    scheduler.step()
+    assert scheduler.budget.reserved > 0 and scheduler.prefilling
+    long_one.cancel()
+    scheduler.step()
+    assert scheduler.budget.reserved == 0 and scheduler.idle
+    assert scheduler.metrics.requests[("retrieve", "cancelled")] == 1
+
+
+def test_cancelled_await_frees_kv(engine, rng):
+    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=4))
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(ae.retrieve(RetrieveRequest(prompt_token_ids=random_prompt(engine, 300, rng))))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    deadline = time.monotonic() + 5
+    while (ae.kv_bytes_reserved or not ae.scheduler.idle) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ae.kv_bytes_reserved == 0
+    ae.shutdown()
+
+
+def test_timeout_fails_the_request_and_frees_kv(engine, rng):
+    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=4))
+    future = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 100, rng))), 0.01)
+    scheduler.step()
+    time.sleep(0.02)
+    scheduler.step()
+    with pytest.raises(RequestTimeout):
+        future.result(timeout=1)
+    assert scheduler.budget.reserved == 0
+
+
+def test_overload_is_refused_fast(engine, rng):
+    scheduler = Scheduler(engine, SchedulerConfig(max_queue=3))
+    request = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 10, rng)))
+    for _ in range(3):
+        scheduler.submit(request)
+    start = time.perf_counter()
+    with pytest.raises(Overloaded, match="queue is full"):
+        scheduler.submit(request)
+    assert time.perf_counter() - start < 0.05
+
+
+def test_a_request_that_does_not_fit_waits_for_memory(engine, rng):
+    request = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 30, rng), beam_width=8))
+    one = Scheduler(engine).per_token * request_kv_tokens(request, engine.catalog.levels)
+    scheduler = Scheduler(engine, SchedulerConfig(kv_budget_bytes=one))
+    first, second = scheduler.submit(request), scheduler.submit(request)
+    scheduler.step()
+    assert len(scheduler.waiting) == 1 and scheduler.budget.reserved == one
+    while not scheduler.idle:
+        scheduler.step()
+    assert first.result().items == second.result().items
+    with pytest.raises(InvalidRequestError, match="bytes of KV"):
+        Scheduler(engine, SchedulerConfig(kv_budget_bytes=one - 1)).submit(request)
+
+
+def test_a_failing_request_fails_alone_and_the_loop_keeps_serving(engine, async_engine, rng, monkeypatch):
+    original = engine.prompt_embeds
+
+    def sabotaged(prepared):
+        if prepared.request.request_id == "boom":
+            raise RuntimeError("injected failure")
+        return original(prepared)
+
+    monkeypatch.setattr(engine, "prompt_embeds", sabotaged)
+    requests = mixed_requests(engine, rng, 9)
+    bad = RetrieveRequest(prompt_token_ids=random_prompt(engine, 12, rng), request_id="boom")
+
+    async def together():
+        return await asyncio.gather(*(call(async_engine, r) for r in [bad, *requests]), return_exceptions=True)
+
+    results = asyncio.run(together())
+    assert isinstance(results[0], RuntimeError) and "injected" in str(results[0])
+    for request, result in zip(requests, results[1:], strict=True):
+        assert_same(result, run_alone(engine, request))
+    monkeypatch.setattr(engine, "prompt_embeds", original)
+    after = asyncio.run(asyncio.wait_for(call(async_engine, requests[0]), 30))
+    assert_same(after, run_alone(engine, requests[0]))
+
+
+def test_invalid_requests_raise_before_queueing(engine, async_engine):
+    with pytest.raises(InvalidRequestError, match="unknown item"):
+        async_engine.submit(ScoreRequest(prompt="hi", candidates=[Candidate(item_id="nope")]))
+    assert async_engine.scheduler.idle
+
+
+def test_context_cache_prefills_a_repeated_prompt_once(engine, rng, monkeypatch):
+    calls = []
+    original = engine.prompt_embeds
+    monkeypatch.setattr(engine, "prompt_embeds", lambda p: calls.append(1) or original(p))
+    scheduler = Scheduler(engine, SchedulerConfig(context_cache_entries=4))
+    prompt = random_prompt(engine, 25, rng)
+    retrieve = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=5)))
+    while not scheduler.idle:
+        scheduler.step()
+    top = [Candidate(item_id=i.item_id) for i in retrieve.result().items]
+    score = scheduler.submit(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=top)))
+    while not scheduler.idle:
+        scheduler.step()
+    assert len(calls) == 1 and scheduler.cache.hits == 1
+    assert_same(score.result(), engine.score([ScoreRequest(prompt_token_ids=prompt, candidates=top)])[0])

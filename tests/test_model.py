@@ -100,3 +100,23 @@ def test_bfloat16_runs_on_the_same_code(tiny_dir, ours, rng):
     ref = full_prefill(ours, ids)[0][-1:]
     assert logits.dtype == torch.float32
     assert torch.allclose(logits, ref, atol=0.5), "bf16 logits drift far from float32"
+
+
+def test_packed_prefill_equals_separate_prefills(ours, hf_model, rng):
+    """Prompts and prompt chunks packed into one pass give each prompt's own logits and K/V."""
+    prompts = [torch.randint(0, ours.config.vocab_size, (n,), generator=rng) for n in (9, 1, 30)]
+    ctxs = [ContextKV.allocate(ours.config, len(p), "cpu", torch.float32) for p in prompts]
+    ours.prefill(ours.embed(prompts[2][:12]), ctxs[2])  # the third is mid-way through a chunked prefill
+    segments = [
+        (ours.embed(prompts[0]), ctxs[0]),
+        (ours.embed(prompts[1]), ctxs[1]),
+        (ours.embed(prompts[2][12:]), ctxs[2]),
+    ]
+    logits = ours.prefill_packed(segments)
+    for prompt, ctx, row in zip(prompts, ctxs, logits, strict=True):
+        with torch.no_grad():
+            ref = hf_model(prompt[None]).logits[0, -1]
+        assert ctx.length == len(prompt)
+        assert (row - ref).abs().max().item() <= TOL
+        _, alone = full_prefill(ours, prompt)
+        assert torch.allclose(ctx.k, alone.k, atol=1e-5) and torch.allclose(ctx.v, alone.v, atol=1e-5)

@@ -31,8 +31,8 @@ def test_recommend_equals_retrieve_then_score(engine, rng):
 
 
 def test_recommend_prefills_once(engine, rng, monkeypatch):
-    calls = []
-    original = engine.model.prefill
-    monkeypatch.setattr(engine.model, "prefill", lambda *a, **k: calls.append(1) or original(*a, **k))
+    segments = []
+    original = engine.model.prefill_packed
+    monkeypatch.setattr(engine.model, "prefill_packed", lambda segs: segments.extend(segs) or original(segs))
     engine.recommend([RecommendRequest(prompt_token_ids=random_prompt(engine, 9, rng), beam_width=4)])
-    assert len(calls) == 1
+    assert len(segments) == 1

@@ -119,6 +119,32 @@ def bench_score(
     _emit(run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample), json_out)
 
 
+@bench_app.command("load")
+def bench_load(
+    kind: str = typer.Option("retrieve", help="retrieve | score | mixed"),
+    rates: str = typer.Option("1,2,4", help="offered loads, requests per second"),
+    duration: float = typer.Option(10.0, help="seconds of arrivals per rate"),
+    preset: str = typer.Option("tiny"),
+    model: Path = typer.Option(None),
+    levels: int = typer.Option(None),
+    prompt_len: int = typer.Option(2000),
+    beam_width: int = typer.Option(30),
+    candidates: int = typer.Option(100, help="candidates per score request"),
+    device: str = typer.Option("cpu"),
+    burst: int = typer.Option(32, help="requests sent at once to measure saturation throughput"),
+    json_out: Path = typer.Option(None, "--json"),
+    plot: Path = typer.Option(None, help="PNG: latency against offered load"),
+):
+    """Open-loop Poisson load on the in-process AsyncEngine, with sequential and saturation baselines."""
+    from genrec.bench.load import run
+
+    if kind not in ("retrieve", "score", "mixed"):
+        raise typer.BadParameter("kind must be retrieve, score or mixed")
+    parsed = [float(r) for r in rates.split(",") if r.strip()]
+    report = run(kind, parsed, duration, preset, model, levels, prompt_len, beam_width, candidates, device, burst, plot)
+    _emit(report, json_out)
+
+
 def _emit(report: dict, json_out: Path | None) -> None:
     text = json.dumps(report, indent=2)
     typer.echo(text)

@@ -57,6 +57,7 @@ class Engine:
         projector: SoftTokenProjector | None = None,
         max_candidates: int = 2048,
         score_max_tokens: int = 16384,
+        prefill_pack_tokens: int = 8192,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -68,6 +69,7 @@ class Engine:
         self.placeholder_id = vocab.get(USER_TOKEN)
         self.max_candidates = max_candidates
         self.score_max_tokens = score_max_tokens
+        self.prefill_pack_tokens = prefill_pack_tokens
         # Room for the generated code after the prompt.
         self.max_prompt_tokens = model.config.max_position_embeddings - catalog.levels
 
@@ -93,14 +95,14 @@ class Engine:
     @torch.inference_mode()
     def retrieve(self, requests: list[RetrieveRequest]) -> list[RetrieveResult]:
         prepared = [self.prepare(r) for r in requests]  # every request validated before any compute
-        prefilled = [self.prefill(p) for p in prepared]
+        prefilled = self.prefill_many(prepared)
         return self._run_beams(prepared, prefilled)
 
     @torch.inference_mode()
     def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
         """Each request's candidates in one pass over its single prefill."""
         prepared = [self.prepare(r) for r in requests]
-        prefilled = [self.prefill(p) for p in prepared]
+        prefilled = self.prefill_many(prepared)
         scores = score_jobs(self.model, [self.score_job(p, f) for p, f in zip(prepared, prefilled, strict=True)])
         return [self.score_result(p, f, s) for p, f, s in zip(prepared, prefilled, scores, strict=True)]
 
@@ -108,7 +110,7 @@ class Engine:
     def recommend(self, requests: list[RecommendRequest]) -> list[RecommendResult]:
         """Beam search, then score the retrieved items plus the given candidates against the same ContextKV."""
         prepared = [self.prepare(r) for r in requests]
-        prefilled = [self.prefill(p) for p in prepared]
+        prefilled = self.prefill_many(prepared)
         retrieved = self._run_beams(prepared, prefilled)
         jobs = [self.score_job(p, f, r) for p, f, r in zip(prepared, prefilled, retrieved, strict=True)]
         scores = score_jobs(self.model, jobs, self.score_max_tokens)
@@ -142,6 +144,16 @@ class Engine:
         ctx = self.allocate_context(prepared)
         logits = self.model.prefill(self.prompt_embeds(prepared), ctx)
         return Prefilled(ctx, logits[0])
+
+    @torch.inference_mode()
+    def prefill_many(self, prepared: list[Prepared]) -> list[Prefilled]:
+        """Prefill many prompts, packed into passes of at most `prefill_pack_tokens` tokens."""
+        out: list[Prefilled] = []
+        for group in _packs([len(p.token_ids) for p in prepared], self.prefill_pack_tokens):
+            segments = [(self.prompt_embeds(prepared[i]), self.allocate_context(prepared[i])) for i in group]
+            logits = self.model.prefill_packed(segments)
+            out += [Prefilled(ctx, row) for (_, ctx), row in zip(segments, logits, strict=True)]
+        return out
 
     @torch.inference_mode()
     def start_beams(self, prepared: list[Prepared], prefilled: list[Prefilled]) -> BeamCohort:
@@ -209,3 +221,17 @@ class Engine:
             prompt_tokens=retrieved.prompt_tokens,
             unknown_exclusions=retrieved.unknown_exclusions,
         )
+
+
+def _packs(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of indices whose lengths sum to at most `budget` (a longer one goes alone)."""
+    groups, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and used + n > budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(current)
+    return groups

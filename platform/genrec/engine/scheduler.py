@@ -149,35 +149,45 @@ class Scheduler:
         return ready
 
     def _prefill(self) -> tuple[int, list[Job]]:
-        budget, used, done = self.config.prefill_tokens_per_step, 0, []
+        """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass."""
+        budget, chunks = self.config.prefill_tokens_per_step, []
         for job in list(self.prefilling):
-            if used >= budget:
+            if budget <= 0:
                 break
-            try:
-                used += self._prefill_chunk(job, budget - used)
-            except Exception as err:  # noqa: BLE001 - a failing request fails alone
-                self.prefilling.remove(job)
-                self._finish(job, error=err, status="error")
-                continue
-            if job.prefilled is not None:
-                self.prefilling.remove(job)
-                done.append(job)
-        return used, done
+            if job.partial is None:
+                self._first_step(job)
+                self._guarded([job], self._begin_prefill)
+                if job.partial is None:
+                    continue  # it failed, alone
+            start = job.partial.length
+            n = min(len(job.prepared.token_ids) - start, budget)
+            chunks.append((job, start, n))
+            budget -= n
+        done: list[Job] = []
+        self._guarded([job for job, _, _ in chunks], lambda jobs: done.extend(self._run_chunks(chunks, jobs)))
+        for job in done:
+            self.prefilling.remove(job)
+        return self.config.prefill_tokens_per_step - budget, done
 
-    def _prefill_chunk(self, job: Job, room: int) -> int:
-        engine = self.engine
-        if job.partial is None:
-            self._first_step(job)
-            job.embeds = engine.prompt_embeds(job.prepared)
-            job.partial = engine.allocate_context(job.prepared)
-        ctx = job.partial
-        n = min(len(job.prepared.token_ids) - ctx.length, room)
-        logits = self.model.prefill(job.embeds[ctx.length : ctx.length + n], ctx)
-        if ctx.length == len(job.prepared.token_ids):
-            job.prefilled, job.embeds, job.partial = Prefilled(ctx, logits[0]), None, None
-            if job.ctx_key is not None:
-                self.cache.put(job.ctx_key, job.prefilled)
-        return n
+    def _begin_prefill(self, jobs: list[Job]) -> None:
+        (job,) = jobs
+        job.embeds = self.engine.prompt_embeds(job.prepared)
+        job.partial = self.engine.allocate_context(job.prepared)
+
+    def _run_chunks(self, chunks, jobs: list[Job]) -> list[Job]:
+        chunks = [c for c in chunks if c[0] in jobs]
+        for job, start, _ in chunks:
+            job.partial.length = start  # a retried pass rewrites the same positions
+        segments = [(job.embeds[start : start + n], job.partial) for job, start, n in chunks]
+        logits = self.model.prefill_packed(segments)
+        done = []
+        for (job, _, _), row in zip(chunks, logits, strict=True):
+            if job.partial.length == len(job.prepared.token_ids):
+                job.prefilled, job.embeds, job.partial = Prefilled(job.partial, row), None, None
+                if job.ctx_key is not None:
+                    self.cache.put(job.ctx_key, job.prefilled)
+                done.append(job)
+        return done
 
     def _start(self, ready: list[Job]) -> None:
         scoring = [j for j in ready if not j.prepared.beams]
@@ -247,8 +257,9 @@ class Scheduler:
                 self._guarded([job], fn)
 
     def _drop(self, job: Job) -> None:
-        if job in self.decoding:
-            self.decoding.remove(job)
+        for queue in (self.prefilling, self.decoding):
+            if job in queue:
+                queue.remove(job)
 
     def _first_step(self, job: Job) -> None:
         self.metrics.time_to_first_step[job.kind].observe(time.monotonic() - job.submitted)

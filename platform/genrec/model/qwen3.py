@@ -154,35 +154,62 @@ class Qwen3(nn.Module):
     def prefill(self, embeds: torch.Tensor, ctx: ContextKV, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Run embeds [S, hidden] as positions ctx.length .. ctx.length+S-1 of the prompt.
 
-        Writes the chunk's K/V into `ctx` (which must have capacity) and returns the final hidden states
-        at `logits_at` (chunk-relative indices; default: the last position) as float32 logits.
+        Writes the chunk's K/V into `ctx` (which must have capacity) and returns float32 logits at
+        `logits_at` (chunk-relative indices; default: the last position).
         """
-        start, stop = ctx.length, ctx.length + embeds.shape[0]
-        positions = torch.arange(start, stop, device=embeds.device)
-        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
-        mask = None
-        if start:  # a later chunk: sees every earlier position, causal within itself
-            key_pos = torch.arange(stop, device=embeds.device)
-            mask = key_pos[None, :] <= positions[:, None]
-        x = embeds
-        for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-            ctx.k[i, :, start:stop] = k.transpose(0, 1)
-            ctx.v[i, :, start:stop] = v.transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                ctx.k[i, :, :stop][None],
-                ctx.v[i, :, :stop][None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=layer.self_attn.scale,
-                enable_gqa=True,
-            )[0].transpose(0, 1)
-            x = layer.finish(x, attn)
-        ctx.length = stop
+        hidden = self._prefill_hidden([(embeds, ctx)])
         if logits_at is None:
             logits_at = torch.tensor([embeds.shape[0] - 1], device=embeds.device)
-        return self.logits(x[logits_at])
+        return self.logits(hidden[logits_at])
+
+    @torch.inference_mode()
+    def prefill_packed(self, segments: list[tuple[torch.Tensor, ContextKV]]) -> torch.Tensor:
+        """Several prompts (or prompt chunks) in one pass: projections and MLPs run over all their tokens
+        at once, attention per segment. Returns the logits at each segment's last position [n, vocab]."""
+        hidden = self._prefill_hidden(segments)
+        ends = torch.tensor([len(e) for e, _ in segments], device=hidden.device).cumsum(0) - 1
+        return self.logits(hidden[ends])
+
+    def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]]) -> torch.Tensor:
+        device = segments[0][0].device
+        spans = []  # (first token in x, ctx start, ctx stop)
+        offset = 0
+        for embeds, ctx in segments:
+            spans.append((offset, ctx.length, ctx.length + len(embeds)))
+            offset += len(embeds)
+        positions = torch.cat([torch.arange(start, stop, device=device) for _, start, stop in spans])
+        x = segments[0][0] if len(segments) == 1 else torch.cat([e for e, _ in segments])
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        masks = [self._chunk_mask(start, stop, device) for _, start, stop in spans]
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            outs = []
+            for (first, start, stop), (_, ctx), mask in zip(spans, segments, masks, strict=True):
+                n = stop - start
+                ctx.k[i, :, start:stop] = k[first : first + n].transpose(0, 1)
+                ctx.v[i, :, start:stop] = v[first : first + n].transpose(0, 1)
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[first : first + n].transpose(0, 1)[None],
+                        ctx.k[i, :, :stop][None],
+                        ctx.v[i, :, :stop][None],
+                        attn_mask=mask,
+                        is_causal=mask is None,
+                        scale=layer.self_attn.scale,
+                        enable_gqa=True,
+                    )[0].transpose(0, 1)
+                )
+            x = layer.finish(x, outs[0] if len(outs) == 1 else torch.cat(outs))
+        for (_, _, stop), (_, ctx) in zip(spans, segments, strict=True):
+            ctx.length = stop
+        return x
+
+    @staticmethod
+    def _chunk_mask(start: int, stop: int, device) -> torch.Tensor | None:
+        """A later chunk sees every earlier prompt position and is causal within itself."""
+        if start == 0:
+            return None
+        return torch.arange(stop, device=device)[None, :] <= torch.arange(start, stop, device=device)[:, None]
 
     @torch.inference_mode()
     def forward_rows(

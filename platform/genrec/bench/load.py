@@ -1,0 +1,176 @@
+"""`genrec bench load`: open-loop Poisson arrivals against the in-process AsyncEngine.
+
+Per offered rate: achieved QPS, latency percentiles, errors. In the same run, the sequential baseline
+(1 / the time of one request alone) and the saturation throughput (a burst, served as fast as the loop can).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+
+from genrec.api import Candidate, RetrieveRequest, ScoreRequest
+from genrec.bench.common import machine, model_dir_for, random_prompt, synchronize
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.errors import Overloaded
+
+
+def run(kind, rates, duration, preset, model, levels, prompt_len, beam_width, candidates, device, burst, plot):
+    model_dir = model_dir_for(preset, model, levels)
+    engine = Engine.from_pretrained(model_dir, device=device)
+    maker = _RequestMaker(engine, kind, prompt_len, beam_width, candidates)
+    sequential_s = _sequential_seconds(engine, maker, device)
+    async_engine = AsyncEngine(engine, SchedulerConfig(max_queue=4096, max_running=256, request_timeout_s=600))
+    try:
+        saturation = asyncio.run(_burst(async_engine, maker, burst))
+        points = [asyncio.run(_open_loop(async_engine, maker, rate, duration)) for rate in rates]
+        metrics = async_engine.metrics()
+    finally:
+        async_engine.shutdown()
+    report = {
+        "benchmark": "load",
+        "kind": kind,
+        "model": str(model_dir),
+        "preset": None if model else preset,
+        "device": device,
+        "prompt_len": prompt_len,
+        "beam_width": beam_width,
+        "levels": engine.catalog.levels,
+        "candidates": candidates if kind != "retrieve" else None,
+        "sequential": {"seconds_per_request": sequential_s, "qps": 1.0 / sequential_s},
+        "saturation": saturation,
+        "ratios": {"saturation_over_sequential": saturation["qps"] / (1.0 / sequential_s)},
+        "rates": points,
+        "engine_metrics": {
+            "batch_rows_per_step": metrics["batch_rows_per_step"],
+            "prefill_tokens_per_step": metrics["prefill_tokens_per_step"],
+        },
+        "machine": machine(),
+    }
+    if plot:
+        _plot(report, plot)
+    return report
+
+
+class _RequestMaker:
+    def __init__(self, engine, kind, prompt_len, beam_width, candidates):
+        self.engine, self.kind = engine, kind
+        self.prompt_len, self.beam_width, self.candidates = prompt_len, beam_width, candidates
+        self.generator = torch.Generator().manual_seed(0)
+        self.count = 0
+
+    def __call__(self):
+        self.count += 1
+        prompt = random_prompt(self.engine, self.prompt_len, self.generator)  # unique: no context reuse
+        kind = self.kind if self.kind != "mixed" else ("retrieve", "score")[self.count % 2]
+        if kind == "retrieve":
+            return RetrieveRequest(prompt_token_ids=prompt, beam_width=self.beam_width)
+        items = torch.randint(0, len(self.engine.catalog), (self.candidates,), generator=self.generator).tolist()
+        return ScoreRequest(
+            prompt_token_ids=prompt, candidates=[Candidate(item_id=self.engine.catalog.item_ids[i]) for i in items]
+        )
+
+
+def _run_sync(engine, request):
+    return engine.retrieve([request]) if isinstance(request, RetrieveRequest) else engine.score([request])
+
+
+def _sequential_seconds(engine, maker, device, repeats: int = 5) -> float:
+    requests = [maker() for _ in range(repeats + 1)]
+    _run_sync(engine, requests[0])  # warm-up
+    times = []
+    for request in requests[1:]:
+        synchronize(device)
+        start = time.perf_counter()
+        _run_sync(engine, request)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+async def _call(async_engine, request):
+    if isinstance(request, RetrieveRequest):
+        return await async_engine.retrieve(request)
+    return await async_engine.score(request)
+
+
+async def _burst(async_engine, maker, count: int) -> dict:
+    await _call(async_engine, maker())  # warm-up through the loop
+    requests = [maker() for _ in range(count)]
+    start = time.perf_counter()
+    await asyncio.gather(*(_call(async_engine, r) for r in requests))
+    elapsed = time.perf_counter() - start
+    return {"requests": count, "seconds": elapsed, "qps": count / elapsed}
+
+
+async def _open_loop(async_engine, maker, rate: float, duration: float) -> dict:
+    rng = random.Random(int(rate * 1000))
+    latencies, errors, overloaded = [], 0, 0
+
+    async def one(request):
+        nonlocal errors, overloaded
+        start = time.perf_counter()
+        try:
+            await _call(async_engine, request)
+            latencies.append(time.perf_counter() - start)
+        except Overloaded:
+            overloaded += 1
+        except Exception:  # noqa: BLE001 - counted, reported
+            errors += 1
+
+    tasks, begin = [], time.perf_counter()
+    next_at = begin
+    while next_at - begin < duration:
+        request = maker()  # built before its arrival time, outside the measured latency
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        tasks.append(asyncio.ensure_future(one(request)))
+        next_at += rng.expovariate(rate)
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - begin
+    ordered = sorted(latencies)
+
+    def pct(q):
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+    return {
+        "offered_qps": rate,
+        "sent": len(tasks),
+        "completed": len(latencies),
+        "achieved_qps": len(latencies) / elapsed,
+        "p50_s": pct(0.5),
+        "p90_s": pct(0.9),
+        "p99_s": pct(0.99),
+        "errors": errors,
+        "overloaded": overloaded,
+    }
+
+
+def _plot(report: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in report["rates"] if p["p50_s"] is not None]
+    offered = [p["offered_qps"] for p in points]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (("p50_s", "p50"), ("p90_s", "p90"), ("p99_s", "p99")):
+        ax.plot(offered, [p[key] * 1000 for p in points], marker="o", label=label)
+    ax.axvline(report["saturation"]["qps"], color="grey", linestyle="--", label="saturation (burst)")
+    ax.axvline(report["sequential"]["qps"], color="black", linestyle=":", label="sequential")
+    ax.set_xlabel("offered load (requests / s)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title(
+        f"genrec {report['kind']}: prompt {report['prompt_len']}, beam {report['beam_width']}, "
+        f"{report['levels']} levels ({report['device']})"
+    )
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -131,7 +131,7 @@ def bench_load(
     beam_width: int = typer.Option(30),
     candidates: int = typer.Option(100, help="candidates per score request"),
     device: str = typer.Option("cpu"),
-    burst: int = typer.Option(32, help="requests sent at once to measure saturation throughput"),
+    burst: int = typer.Option(64, help="requests sent at once to measure saturation throughput"),
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG: latency against offered load"),
 ):

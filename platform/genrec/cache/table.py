@@ -1,0 +1,156 @@
+"""EmbeddingTable: a bounded in-process table of user vectors with score-based eviction and admission.
+
+Batched `get`/`put` on numpy arrays, with no Python work per key. Misses read through to an optional
+backing store; puts write through to it first, so an acknowledged put is durable when the store is.
+Like the hash tables of DynamicEmb / HierarchicalKV, but on the host. Not thread-safe: one caller at a
+time (the Ray actor serialises its callers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from genrec.cache.admission import Admission
+from genrec.cache.hash_index import HashIndex
+from genrec.cache.keys import EMPTY, normalize_keys
+from genrec.cache.policies import make_policy
+
+
+@dataclass
+class TableStats:
+    hits: int = 0
+    misses: int = 0
+    store_hits: int = 0
+    evictions: int = 0
+    admissions_refused: int = 0
+
+    def as_dict(self) -> dict:
+        looked_up = self.hits + self.misses
+        return {**self.__dict__, "hit_rate": self.hits / looked_up if looked_up else None}
+
+
+class EmbeddingTable:
+    def __init__(
+        self,
+        dim: int,
+        capacity: int,
+        policy: str = "lru",
+        admit_after: int = 1,
+        store=None,
+        **policy_options,
+    ):
+        if dim <= 0 or capacity <= 0:
+            raise ValueError("dim and capacity must be positive")
+        self.dim, self.capacity, self.store = dim, capacity, store
+        self.values = np.zeros((capacity, dim), dtype=np.float32)
+        self.row_key = np.full(capacity, EMPTY, dtype=np.int64)
+        self.index = HashIndex(capacity)
+        self.policy = make_policy(policy, capacity, **policy_options)
+        self.admission = Admission(admit_after)
+        self.free = np.arange(capacity - 1, -1, -1)  # a stack of unused rows
+        self.free_top = capacity
+        self.tick = 0
+        self.stats = TableStats()
+
+    def __len__(self) -> int:
+        return self.capacity - self.free_top
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def get(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """(vectors [n, dim] float32, found [n] bool); unknown IDs give zeros and found=False."""
+        keys = normalize_keys(ids)
+        self.tick += 1
+        out = np.zeros((len(keys), self.dim), dtype=np.float32)
+        rows = self.index.lookup(keys)
+        hit = rows >= 0
+        out[hit] = self.values[rows[hit]]
+        self.policy.touch(rows[hit], self.tick)
+        self.stats.hits += int(hit.sum())
+        self.stats.misses += int((~hit).sum())
+        found = hit.copy()
+        if (~hit).any():
+            self._read_through(keys, hit, out, found)
+        return out, found
+
+    def _read_through(self, keys, hit, out, found) -> None:
+        missing, inverse = np.unique(keys[~hit], return_inverse=True)
+        if self.store is None:
+            self.admission.record_and_admit(missing)
+            return
+        vectors, in_store = self.store.get_many(missing)
+        self.stats.store_hits += int(in_store.sum())
+        positions = np.flatnonzero(~hit)
+        out[positions] = vectors[inverse]
+        found[positions] = in_store[inverse]
+        self._offer(missing[in_store], vectors[in_store])
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def put(self, ids, vectors) -> int:
+        """Write vectors (write-through to the store first). Duplicate IDs in one call: the last wins.
+        Returns the number of distinct keys written."""
+        keys = normalize_keys(ids)
+        matrix = np.asarray(vectors, dtype=np.float32)
+        if matrix.ndim != 2 or matrix.shape != (len(keys), self.dim):
+            raise ValueError(f"vectors must have shape ({len(keys)}, {self.dim}), got {matrix.shape}")
+        if not np.isfinite(matrix).all():
+            raise ValueError("vectors contain non-finite values (NaN or infinity)")
+        if len(keys) == 0:
+            return 0
+        keys, matrix = _last_wins(keys, matrix)
+        if self.store is not None:
+            self.store.put_many(keys, matrix)
+        self.tick += 1
+        rows = self.index.lookup(keys)
+        resident = rows >= 0
+        self.values[rows[resident]] = matrix[resident]
+        self.policy.touch(rows[resident], self.tick)
+        self._offer(keys[~resident], matrix[~resident])
+        return len(keys)
+
+    def _offer(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+        """Insert keys that pass admission, evicting the lowest-scoring rows when full."""
+        if len(keys) == 0:
+            return
+        admitted = self.admission.record_and_admit(keys)
+        self.stats.admissions_refused += int((~admitted).sum())
+        keys, vectors = keys[admitted][-self.capacity :], vectors[admitted][-self.capacity :]
+        if len(keys) == 0:
+            return
+        rows = self._take_rows(len(keys))
+        self.values[rows] = vectors
+        self.row_key[rows] = keys
+        self.index.insert(keys, rows)
+        self.policy.reset(rows, self.tick)
+        self.policy.touch(rows, self.tick)
+
+    def _take_rows(self, n: int) -> np.ndarray:
+        from_free = min(n, self.free_top)
+        rows = self.free[self.free_top - from_free : self.free_top].copy()
+        self.free_top -= from_free
+        if from_free < n:
+            rows = np.concatenate([rows, self._evict(n - from_free)])
+        return rows
+
+    def _evict(self, n: int) -> np.ndarray:
+        occupied = np.flatnonzero(self.row_key != EMPTY)
+        scores = self.policy.scores(occupied, self.tick)
+        victims = occupied[np.argpartition(scores, n - 1)[:n]] if n < len(occupied) else occupied
+        self.index.remove(self.row_key[victims])
+        self.row_key[victims] = EMPTY
+        self.stats.evictions += len(victims)
+        return victims
+
+    def resident_keys(self) -> np.ndarray:
+        return self.row_key[self.row_key != EMPTY]
+
+
+def _last_wins(keys: np.ndarray, matrix: np.ndarray):
+    """Keep the last occurrence of each key, in first-seen order of those survivors."""
+    reversed_keys = keys[::-1]
+    _, first_in_reversed = np.unique(reversed_keys, return_index=True)
+    keep = np.sort(len(keys) - 1 - first_in_reversed)
+    return keys[keep], matrix[keep]

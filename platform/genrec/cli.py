@@ -145,6 +145,22 @@ def bench_load(
     _emit(report, json_out)
 
 
+@bench_app.command("cache")
+def bench_cache(
+    keys: int = typer.Option(1_000_000),
+    dim: int = typer.Option(128),
+    batch: int = typer.Option(1000),
+    zipf: float = typer.Option(1.1),
+    batches: int = typer.Option(200, help="batches in the Zipf workload"),
+    redis_url: str = typer.Option(None, help="default: start a private redis-server for the run"),
+    json_out: Path = typer.Option(None, "--json"),
+):
+    """Embedding-cache get throughput (in-process, Ray actor, Redis MGET) and eviction-policy hit rates."""
+    from genrec.bench.cache import run
+
+    _emit(run(keys, dim, batch, zipf, batches, redis_url), json_out)
+
+
 def _emit(report: dict, json_out: Path | None) -> None:
     text = json.dumps(report, indent=2)
     typer.echo(text)

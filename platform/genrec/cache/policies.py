@@ -17,11 +17,8 @@ class EvictionPolicy:
         self.count[rows] = 0.0
 
     def touch(self, rows: np.ndarray, now: int) -> None:
-        rows, times = np.unique(rows, return_counts=True)
-        self._touch(rows, times.astype(np.float64), now)
-
-    def _touch(self, rows, times, now) -> None:
-        self.count[rows] += times
+        """One access per occurrence of a row (duplicates count twice)."""
+        np.add.at(self.count, rows, 1.0)
         self.last[rows] = now
 
     def scores(self, rows: np.ndarray, now: int) -> np.ndarray:
@@ -30,6 +27,9 @@ class EvictionPolicy:
 
 class LRU(EvictionPolicy):
     name = "lru"
+
+    def touch(self, rows, now):
+        self.last[rows] = now
 
     def scores(self, rows, now):
         return self.last[rows]
@@ -54,9 +54,10 @@ class DecayedLFU(EvictionPolicy):
     def _decayed(self, rows, now):
         return self.count[rows] * np.exp2(-(now - self.last[rows]) / self.half_life)
 
-    def _touch(self, rows, times, now):
-        self.count[rows] = self._decayed(rows, now) + times
+    def touch(self, rows, now):
+        self.count[rows] = self._decayed(rows, now)  # same value for duplicates: decay once
         self.last[rows] = now
+        np.add.at(self.count, rows, 1.0)
 
     def scores(self, rows, now):
         return self._decayed(rows, now)

@@ -82,10 +82,12 @@ class RedisStore:
         found = np.zeros(len(keys), dtype=bool)
         if len(keys) == 0:
             return out, found
-        for i, blob in enumerate(self._redis.mget(self._names(keys))):
-            if blob is not None:
-                out[i] = np.frombuffer(blob, dtype=np.float32)
-                found[i] = True
+        blobs = self._redis.mget(self._names(keys))
+        found = np.fromiter((b is not None for b in blobs), dtype=bool, count=len(blobs))
+        if found.any():  # one buffer for all found rows, not one array per key
+            out[found] = np.frombuffer(b"".join(b for b in blobs if b is not None), dtype=np.float32).reshape(
+                -1, self.dim
+            )
         return out, found
 
     def put_many(self, keys, vectors):

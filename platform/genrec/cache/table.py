@@ -63,16 +63,19 @@ class EmbeddingTable:
         """(vectors [n, dim] float32, found [n] bool); unknown IDs give zeros and found=False."""
         keys = normalize_keys(ids)
         self.tick += 1
-        out = np.zeros((len(keys), self.dim), dtype=np.float32)
         rows = self.index.lookup(keys)
         hit = rows >= 0
+        hits = int(hit.sum())
+        self.stats.hits += hits
+        self.stats.misses += len(keys) - hits
+        if hits == len(keys):  # the hot path: one gather
+            self.policy.touch(rows, self.tick)
+            return self.values.take(rows, axis=0), hit
+        out = np.zeros((len(keys), self.dim), dtype=np.float32)
         out[hit] = self.values[rows[hit]]
         self.policy.touch(rows[hit], self.tick)
-        self.stats.hits += int(hit.sum())
-        self.stats.misses += int((~hit).sum())
         found = hit.copy()
-        if (~hit).any():
-            self._read_through(keys, hit, out, found)
+        self._read_through(keys, hit, out, found)
         return out, found
 
     def _read_through(self, keys, hit, out, found) -> None:

@@ -1,0 +1,165 @@
+"""`genrec bench cache`: batched get throughput of the in-process table, the Ray actor path and Redis MGET
+on the same keys and batches, and each eviction policy's hit rate at 10 % capacity under a Zipf workload."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+from genrec.bench.common import machine
+from genrec.cache import EmbeddingTable, RedisStore
+from genrec.cache.policies import POLICIES
+
+INLINE_RETURN_BYTES = 4 << 20
+
+
+class ArrayStore:
+    """Every key 0..n-1 present: a stand-in *source of truth* for the hit-rate simulation only."""
+
+    def __init__(self, vectors: np.ndarray):
+        self.vectors, self.dim = vectors, vectors.shape[1]
+
+    def get_many(self, keys):
+        return self.vectors[keys], np.ones(len(keys), dtype=bool)
+
+    def put_many(self, keys, vectors):
+        self.vectors[keys] = vectors
+
+
+def zipf_batches(keys: int, batch: int, count: int, a: float, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weights = np.arange(1, keys + 1, dtype=np.float64) ** -a
+    cdf = np.cumsum(weights / weights.sum())
+    permutation = rng.permutation(keys)  # popular keys are not the small integers
+    return [permutation[np.minimum(np.searchsorted(cdf, rng.random(batch)), keys - 1)] for _ in range(count)]
+
+
+def _throughput(get, batches) -> float:
+    get(batches[0])
+    start = time.perf_counter()
+    for b in batches:
+        get(b)
+    return sum(len(b) for b in batches) / (time.perf_counter() - start)
+
+
+def run(keys, dim, batch, zipf, batches, redis_url, hit_rate_batches=3000) -> dict:
+    vectors = np.random.default_rng(1).normal(size=(keys, dim)).astype(np.float32)
+    all_keys = np.arange(keys, dtype=np.int64)
+    workload = zipf_batches(keys, batch, batches, zipf)
+
+    table = EmbeddingTable(dim, capacity=keys)
+    for start in range(0, keys, 100_000):
+        table.put(all_keys[start : start + 100_000], vectors[start : start + 100_000])
+    in_process = _throughput(table.get, workload)
+    del table
+
+    actor_default = _actor_throughput(vectors, all_keys, workload, inline_bytes=None)
+    actor = _actor_throughput(vectors, all_keys, workload, inline_bytes=INLINE_RETURN_BYTES)
+    with _redis(redis_url) as url:
+        store = RedisStore(url, dim, prefix="bench:")
+        for start in range(0, keys, 20_000):
+            store.put_many(all_keys[start : start + 20_000], vectors[start : start + 20_000])
+        redis_mget = _throughput(store.get_many, workload)
+        store.close()
+
+    # Long enough that a 10 % table fills and evicts many times over.
+    long_workload = zipf_batches(keys, batch, hit_rate_batches, zipf, seed=2)
+    hit_rates = {name: _hit_rate(name, vectors, keys // 10, long_workload) for name in POLICIES}
+    return {
+        "benchmark": "cache",
+        "keys": keys,
+        "dim": dim,
+        "batch": batch,
+        "zipf": zipf,
+        "batches": batches,
+        "hit_rate_accesses": hit_rate_batches * batch,
+        "get_keys_per_s": {
+            "in_process": in_process,
+            "ray_actor": actor,
+            "ray_actor_default_config": actor_default,
+            "redis_mget": redis_mget,
+        },
+        "ray_actor_config": f"max_direct_call_object_size={INLINE_RETURN_BYTES} (default config: 100 KiB)",
+        "ratios": {
+            "actor_over_redis": actor / redis_mget,
+            "actor_default_config_over_redis": actor_default / redis_mget,
+            "in_process_over_redis": in_process / redis_mget,
+        },
+        "hit_rate_at_10pct_capacity": hit_rates,
+        "machine": machine(),
+    }
+
+
+def _actor_throughput(vectors, all_keys, workload, inline_bytes) -> float:
+    """Through a fresh local Ray cluster; `inline_bytes` raises Ray's inline-return limit (see cache.actor)."""
+    import ray
+
+    from genrec.cache.actor import CacheConfig, EmbeddingCache
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    system_config = {"max_direct_call_object_size": inline_bytes} if inline_bytes else None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system_config)
+    try:
+        config = CacheConfig(dim=vectors.shape[1], capacity=len(all_keys), store="none")
+        cache = EmbeddingCache.connect(f"bench-{os.getpid()}", config, namespace=None)
+        for start in range(0, len(all_keys), 50_000):
+            cache.put(all_keys[start : start + 50_000], vectors[start : start + 50_000])
+        rate = _throughput(cache.get, workload)
+        for a in cache.actors:
+            ray.kill(a)
+        return rate
+    finally:
+        ray.shutdown()
+
+
+def _hit_rate(policy, vectors, capacity, workload) -> float:
+    table = EmbeddingTable(vectors.shape[1], capacity, policy=policy, store=ArrayStore(vectors))
+    warm = len(workload) // 5
+    for b in workload[:warm]:
+        table.get(b)
+    hits, misses = table.stats.hits, table.stats.misses
+    for b in workload[warm:]:
+        table.get(b)
+    return (table.stats.hits - hits) / ((table.stats.hits - hits) + (table.stats.misses - misses))
+
+
+class _redis:
+    """The given Redis, or a private redis-server on a free loopback port for the run."""
+
+    def __init__(self, url):
+        self.url, self.server, self.workdir = url, None, None
+
+    def __enter__(self):
+        if self.url:
+            return self.url
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.workdir = tempfile.mkdtemp()
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", self.workdir]
+        self.server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=port)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        return f"redis://127.0.0.1:{port}/0"
+
+    def __exit__(self, *exc):
+        if self.server is not None:
+            self.server.terminate()
+            self.server.wait(10)
+            shutil.rmtree(self.workdir, ignore_errors=True)

@@ -161,6 +161,19 @@ def bench_cache(
     _emit(run(keys, dim, batch, zipf, batches, redis_url), json_out)
 
 
+@bench_app.command("suite")
+def bench_suite(
+    out: Path = typer.Option(Path("out/bench"), help="one JSON file per run"),
+    device: str = typer.Option("cuda"),
+    preset: str = typer.Option("qwen3-1.7b"),
+    only: str = typer.Option(None, help="comma-separated run names"),
+):
+    """The device benchmark runs in priority order (consistency, load, retrieve, score), isolated."""
+    from genrec.bench.suite import run_suite
+
+    _emit(run_suite(device, preset, out, only.split(",") if only else None), None)
+
+
 def _emit(report: dict, json_out: Path | None) -> None:
     text = json.dumps(report, indent=2)
     typer.echo(text)

@@ -24,7 +24,9 @@ def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> P
     target = root / f"{preset_name}-L{spec.levels}-{digest}"
     if not (target / "genrec" / "catalog.parquet").exists():
         dtype = torch.bfloat16 if spec.hidden >= 2048 else torch.float32
-        write_model_dir(target, spec, dtype=dtype)
+        init_device = "cuda" if torch.cuda.is_available() else "cpu"
+        write_model_dir(target.with_suffix(".partial"), spec, dtype=dtype, init_device=init_device)
+        target.with_suffix(".partial").rename(target)  # a crash mid-write leaves no half directory
     return target
 
 

@@ -73,7 +73,10 @@ def preset(name: str, **overrides) -> ModelSpec:
     return replace(PRESETS[name], **overrides)
 
 
-def write_model_dir(out: str | Path, spec: ModelSpec = ModelSpec(), dtype: torch.dtype = torch.float32) -> Path:
+def write_model_dir(
+    out: str | Path, spec: ModelSpec = ModelSpec(), dtype: torch.dtype = torch.float32, init_device: str = "cpu"
+) -> Path:
+    """Write the directory. Weights are deterministic per (seed, init_device); a GPU draws 2B numbers fast."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.levels, spec.codebook, seed=spec.seed)
@@ -100,8 +103,9 @@ def write_model_dir(out: str | Path, spec: ModelSpec = ModelSpec(), dtype: torch
     )
     (out / "config.json").write_text(json.dumps(body, indent=2))
     tokenizer.save_pretrained(str(out))
-    generator = torch.Generator().manual_seed(spec.seed)
+    generator = torch.Generator(init_device).manual_seed(spec.seed)
     save_file(_random_weights(config, generator, dtype), str(out / "model.safetensors"))
+    generator = torch.Generator().manual_seed(spec.seed + 1)
 
     ranges = semantic_token_ranges(tokenizer)
     codes = _random_codes(spec.items, spec.levels, spec.codebook, spec.seed) + np.array([lo for lo, _ in ranges])
@@ -118,13 +122,13 @@ def write_model_dir(out: str | Path, spec: ModelSpec = ModelSpec(), dtype: torch
 
 def _random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torch.Tensor]:
     def normal(*shape, std):
-        return (torch.randn(*shape, generator=g) * std).to(dtype)
+        return (torch.randn(*shape, generator=g, device=g.device) * std).to(dtype).cpu()
 
     def linear(out_features, in_features, gain=1.0):
         return normal(out_features, in_features, std=gain / math.sqrt(in_features))
 
     def norm(dim):
-        return (1.0 + torch.randn(dim, generator=g) * 0.1).to(dtype)
+        return (1.0 + torch.randn(dim, generator=g, device=g.device) * 0.1).to(dtype).cpu()
 
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     w = {"model.embed_tokens.weight": normal(c.vocab_size, c.hidden_size, std=1.0)}

@@ -74,16 +74,27 @@ def shared_context_attention(
     out_suf = torch.einsum("rkgsu,rukd->rkgsd", p_suf.to(suffix_v.dtype), suffix_v).float()
 
     # Context part, one product per request: its rows, GQA groups and positions form the query axis.
-    out_ctx = torch.zeros(R, KV, G, S, D, dtype=torch.float32, device=q.device)
-    lse_ctx = torch.full((R, KV, G, S), float("-inf"), dtype=torch.float32, device=q.device)
-    for g in groups:
+    # The query layout [KV, rows * G * S, D] is built once; each request's rows are a slice of it.
+    q_all = qg.permute(2, 0, 3, 1, 4).reshape(KV, R * G * S, D)
+    width = G * S
+    outs, lses, row = [], [], 0
+    for g in sorted(groups, key=lambda g: g.start):
+        if g.start > row:  # rows without a context: nothing from this part
+            outs.append(q_all.new_zeros(KV, (g.start - row) * width, D))
+            lses.append(torch.full((KV, (g.start - row) * width), float("-inf"), device=q.device))
         if g.k.shape[1] == 0:
-            continue
-        n = g.stop - g.start
-        q_ctx = qg[g.start : g.stop].permute(2, 0, 3, 1, 4).reshape(KV, n * G * S, D)
-        out, lse = context_attention(q_ctx, g.k, g.v, scale)
-        out_ctx[g.start : g.stop] = out.view(KV, n, G, S, D).permute(1, 0, 2, 3, 4)
-        lse_ctx[g.start : g.stop] = lse.view(KV, n, G, S).permute(1, 0, 2, 3)
+            outs.append(q_all.new_zeros(KV, (g.stop - g.start) * width, D))
+            lses.append(torch.full((KV, (g.stop - g.start) * width), float("-inf"), device=q.device))
+        else:
+            out, lse = context_attention(q_all[:, g.start * width : g.stop * width], g.k, g.v, scale)
+            outs.append(out)
+            lses.append(lse)
+        row = g.stop
+    if row < R:
+        outs.append(q_all.new_zeros(KV, (R - row) * width, D))
+        lses.append(torch.full((KV, (R - row) * width), float("-inf"), device=q.device))
+    out_ctx = torch.cat(outs, dim=1).view(KV, R, G, S, D).permute(1, 0, 2, 3, 4).float()
+    lse_ctx = torch.cat(lses, dim=1).float().view(KV, R, G, S).permute(1, 0, 2, 3)
 
     # Exact merge of the two partial softmaxes.
     lse = torch.logaddexp(lse_ctx, lse_suf)
@@ -94,14 +105,14 @@ def shared_context_attention(
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Softmax attention without a mask: q [KV, M, D] over k/v [KV, T, D].
 
-    Returns (out [KV, M, D] float32, log-sum-exp of the scores [KV, M] float32). Uses PyTorch's fused
-    flash kernels where they apply (they return the log-sum-exp we need for the merge), else matmuls.
+    Returns (out [KV, M, D] in q's dtype, log-sum-exp of the scores [KV, M] float32). Uses PyTorch's
+    fused flash kernels where they apply (they return the log-sum-exp we need for the merge), else matmuls.
     """
     fused = _fused_kernel(q)
     if fused is not None:
         try:
             out, lse = fused(q[None], k[None], v[None], scale)
-            return out[0].float(), lse[0, :, : q.shape[1]].float()
+            return out[0], lse[0, :, : q.shape[1]]
         except RuntimeError:
             _FUSED_BROKEN.add((q.device.type, q.dtype))
     return math_context_attention(q, k, v, scale)
@@ -111,7 +122,7 @@ def math_context_attention(q, k, v, scale):
     s = torch.bmm(q, k.transpose(1, 2)).float() * scale
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
-    return torch.bmm(p.to(v.dtype), v).float(), lse
+    return torch.bmm(p.to(v.dtype), v), lse
 
 
 _FUSED_BROKEN: set = set()

@@ -32,4 +32,4 @@ def load_qwen3(model_dir: Path, device="cpu", dtype: torch.dtype = torch.float32
     state = {n: tensors[n].to(device=device, dtype=dtype) for n in expected}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(config.head_dim, config.rope_theta).to(device)
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).fuse()

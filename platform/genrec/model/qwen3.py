@@ -40,6 +40,11 @@ class ContextKV:
         return self.k.nbytes + self.v.nbytes
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm: normalise in float32, cast back, then scale (as transformers does)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -47,9 +52,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -77,9 +80,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden] after fuse()
+
+    def fuse(self) -> None:
+        """One matrix product for gate and up; the original weights become views of the fused one."""
+        self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -93,14 +104,44 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.scale = self.head_dim**-0.5
+        self.eps = c.rms_norm_eps
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after fuse()
+        self.qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim] after fuse()
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def fuse(self) -> None:
+        """One product for q, k and v; one norm and one rotation over the q and k heads together."""
+        self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qk_norm = torch.cat(
+            [self.q_norm.weight.expand(self.heads, -1), self.k_norm.weight.expand(self.kv_heads, -1)]
+        )
+
+    def qkv_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [..., hidden] -> q [..., heads, hd], k/v [..., kv_heads, hd] with q/k norm and RoPE applied."""
         lead = x.shape[:-1]
-        q = self.q_norm(self.q_proj(x).view(*lead, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(*lead, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
-        return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        if self.qkv is None:
+            q = self.q_norm(self.q_proj(x).view(*lead, H, D))
+            k = self.k_norm(self.k_proj(x).view(*lead, KV, D))
+            v = self.v_proj(x).view(*lead, KV, D)
+            return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v
+        projected = F.linear(x, *self.qkv)
+        qk = projected[..., : (H + KV) * D].view(*lead, H + KV, D)
+        v = projected[..., (H + KV) * D :].view(*lead, KV, D)
+        qk = Rotary.apply(rms_norm(qk, self.qk_norm, self.eps), cos, sin)
+        return qk[..., :H, :], qk[..., H:, :], v
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([lin.weight for lin in linears])
+    bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    start = 0
+    for lin in linears:  # re-point the parameters into the fused storage: no second copy in memory
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -134,6 +175,13 @@ class Qwen3(nn.Module):
         self.model = Qwen3Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
+
+    def fuse(self) -> Qwen3:
+        """Fuse projections for inference (fewer, larger kernels); numerically the same model."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -182,7 +230,7 @@ class Qwen3(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         masks = [self._chunk_mask(start, stop, device) for _, start, stop in spans]
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            q, k, v = layer.self_attn.qkv_heads(layer.input_layernorm(x), cos, sin)
             outs = []
             for (first, start, stop), (_, ctx), mask in zip(spans, segments, masks, strict=True):
                 n = stop - start
@@ -239,7 +287,7 @@ class Qwen3(nn.Module):
         new_k, new_v = [], []
         x = embeds
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            q, k, v = layer.self_attn.qkv_heads(layer.input_layernorm(x), cos, sin)
             new_k.append(k)
             new_v.append(v)
             if P:

@@ -132,6 +132,7 @@ def bench_load(
     candidates: int = typer.Option(100, help="candidates per score request"),
     device: str = typer.Option("cpu"),
     burst: int = typer.Option(64, help="requests sent at once to measure saturation throughput"),
+    max_running: int = typer.Option(64, help="requests the engine runs at once (the rest wait)"),
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG: latency against offered load"),
 ):
@@ -141,7 +142,21 @@ def bench_load(
     if kind not in ("retrieve", "score", "mixed"):
         raise typer.BadParameter("kind must be retrieve, score or mixed")
     parsed = [float(r) for r in rates.split(",") if r.strip()]
-    report = run(kind, parsed, duration, preset, model, levels, prompt_len, beam_width, candidates, device, burst, plot)
+    report = run(
+        kind,
+        parsed,
+        duration,
+        preset,
+        model,
+        levels,
+        prompt_len,
+        beam_width,
+        candidates,
+        device,
+        burst,
+        plot,
+        max_running,
+    )
     _emit(report, json_out)
 
 

@@ -19,12 +19,27 @@ from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.errors import Overloaded
 
 
-def run(kind, rates, duration, preset, model, levels, prompt_len, beam_width, candidates, device, burst, plot):
+def run(
+    kind,
+    rates,
+    duration,
+    preset,
+    model,
+    levels,
+    prompt_len,
+    beam_width,
+    candidates,
+    device,
+    burst,
+    plot,
+    max_running: int = 64,
+):
     model_dir = model_dir_for(preset, model, levels)
     engine = Engine.from_pretrained(model_dir, device=device)
     maker = _RequestMaker(engine, kind, prompt_len, beam_width, candidates)
     sequential_s = _sequential_seconds(engine, maker, device)
-    async_engine = AsyncEngine(engine, SchedulerConfig(max_queue=4096, max_running=256, request_timeout_s=600))
+    config = SchedulerConfig(max_queue=4096, max_running=max_running, request_timeout_s=600)
+    async_engine = AsyncEngine(engine, config)
     try:
         saturation = asyncio.run(_burst(async_engine, maker, burst))
         points = [asyncio.run(_open_loop(async_engine, maker, rate, duration)) for rate in rates]
@@ -41,6 +56,7 @@ def run(kind, rates, duration, preset, model, levels, prompt_len, beam_width, ca
         "beam_width": beam_width,
         "levels": engine.catalog.levels,
         "candidates": candidates if kind != "retrieve" else None,
+        "max_running": max_running,
         "sequential": {"seconds_per_request": sequential_s, "qps": 1.0 / sequential_s},
         "saturation": saturation,
         "ratios": {"saturation_over_sequential": saturation["qps"] / (1.0 / sequential_s)},

@@ -40,10 +40,13 @@ def runs(device: str, preset: str):
     from genrec.bench import load, retrieve, score
 
     yield "consistency", lambda: gpu_consistency(device)
-    yield (
-        "load-2000-30-5",
-        lambda: load.run("retrieve", [8, 16, 24, 32, 48], 6.0, preset, None, 5, 2000, 30, 100, device, 64, None),
-    )
+    for running in (64, 16, 8):
+        yield (
+            f"load-2000-30-5-running{running}",
+            lambda r=running: load.run(
+                "retrieve", [8, 16, 24, 32], 6.0, preset, None, 5, 2000, 30, 100, device, 64, None, r
+            ),
+        )
     yield "retrieve-2000-30-5", lambda: retrieve.run(2000, 30, preset, None, 5, 1, device, 5, True, True)
     yield "retrieve-1000-256-3", lambda: retrieve.run(1000, 256, preset, None, 3, 1, device, 5, True, False)
     yield "score-1000-500", lambda: score.run(1000, 500, 0, preset, None, device, 5, 50)

@@ -32,7 +32,7 @@ def run(
     device,
     burst,
     plot,
-    max_running: int = 64,
+    max_running: int = 8,
 ):
     model_dir = model_dir_for(preset, model, levels)
     engine = Engine.from_pretrained(model_dir, device=device)

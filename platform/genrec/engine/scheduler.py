@@ -30,7 +30,10 @@ from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
 @dataclass
 class SchedulerConfig:
     max_queue: int = 256  # waiting requests; beyond it submit fails fast with Overloaded
-    max_running: int = 64  # requests in prefill or decode at once
+    # Requests in prefill or decode at once. Each running request costs a little host work per step
+    # (its context attention call, its beam selection): on an H200 with Qwen3-1.7B, 8 gave the highest
+    # throughput (about 20 QPS at prompt 2000 / beam 30 / 5 levels) against 14.8 QPS at 16.
+    max_running: int = 8
     prefill_tokens_per_step: int = 4096  # chunked-prefill budget of one iteration
     kv_budget_bytes: int | None = None  # default: 4 GiB on CPU, half the free memory on CUDA
     request_timeout_s: float = 60.0

@@ -52,36 +52,9 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
+def redis_url():
     """A real redis-server on 127.0.0.1 and a free port; installed with apt if the machine lacks it."""
-    import shutil
-    import socket
-    import subprocess
-    import time
+    from genrec.cache.redis_server import LocalRedis
 
-    binary = shutil.which("redis-server")
-    if binary is None:
-        subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=True, capture_output=True)
-        binary = shutil.which("redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tmp_path_factory.mktemp("redis")
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    server.terminate()
-    server.wait(10)
+    with LocalRedis(install=True) as url:
+        yield url

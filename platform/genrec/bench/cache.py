@@ -3,11 +3,8 @@ on the same keys and batches, and each eviction policy's hit rate at 10 % capaci
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 
 import numpy as np
@@ -15,6 +12,7 @@ import numpy as np
 from genrec.bench.common import machine
 from genrec.cache import EmbeddingTable, RedisStore
 from genrec.cache.policies import POLICIES
+from genrec.cache.redis_server import LocalRedis
 
 INLINE_RETURN_BYTES = 4 << 20
 
@@ -61,7 +59,7 @@ def run(keys, dim, batch, zipf, batches, redis_url, hit_rate_batches=3000) -> di
 
     actor_default = _actor_throughput(vectors, all_keys, workload, inline_bytes=None)
     actor = _actor_throughput(vectors, all_keys, workload, inline_bytes=INLINE_RETURN_BYTES)
-    with _redis(redis_url) as url:
+    with contextlib.nullcontext(redis_url) if redis_url else LocalRedis() as url:
         store = RedisStore(url, dim, prefix="bench:")
         for start in range(0, keys, 20_000):
             store.put_many(all_keys[start : start + 20_000], vectors[start : start + 20_000])
@@ -127,39 +125,3 @@ def _hit_rate(policy, vectors, capacity, workload) -> float:
     for b in workload[warm:]:
         table.get(b)
     return (table.stats.hits - hits) / ((table.stats.hits - hits) + (table.stats.misses - misses))
-
-
-class _redis:
-    """The given Redis, or a private redis-server on a free loopback port for the run."""
-
-    def __init__(self, url):
-        self.url, self.server, self.workdir = url, None, None
-
-    def __enter__(self):
-        if self.url:
-            return self.url
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.workdir = tempfile.mkdtemp()
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", self.workdir]
-        self.server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        return f"redis://127.0.0.1:{port}/0"
-
-    def __exit__(self, *exc):
-        if self.server is not None:
-            self.server.terminate()
-            self.server.wait(10)
-            shutil.rmtree(self.workdir, ignore_errors=True)

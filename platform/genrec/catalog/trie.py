@@ -20,8 +20,8 @@ class CodeTrie:
     token: list[torch.Tensor]  # per step: [edges_l]
     child: list[torch.Tensor]  # per step: [edges_l]
     max_children: list[int]  # per step, host-side
-    node_of_item: list[torch.Tensor]  # per depth p = 1..D: [N] the item's depth-p node (depth D = item index)
-    leaves: list[torch.Tensor]  # per depth p = 1..D: [nodes_p] items below each node
+    node_of_item: list[np.ndarray]  # per depth p = 1..D: [N] the item's depth-p node (depth D = item index)
+    leaves: list[np.ndarray]  # per depth p = 1..D: [nodes_p] items below each node (host: used before decoding)
 
     @property
     def levels(self) -> int:
@@ -56,7 +56,7 @@ class CodeTrie:
         def tensors(arrays):
             return [torch.as_tensor(a, dtype=torch.int64, device=device) for a in arrays]
 
-        return cls(tensors(ptr), tensors(token), tensors(child), max_children, tensors(node_of_item), tensors(leaves))
+        return cls(tensors(ptr), tensors(token), tensors(child), max_children, node_of_item, leaves)
 
     def children(self, level: int, nodes: torch.Tensor):
         """For nodes [R] at depth `level`: (token [R, C], child [R, C], valid [R, C]), C = max children."""
@@ -72,10 +72,5 @@ class CodeTrie:
             return [t.to(device) for t in ts]
 
         return CodeTrie(
-            move(self.ptr),
-            move(self.token),
-            move(self.child),
-            self.max_children,
-            move(self.node_of_item),
-            move(self.leaves),
+            move(self.ptr), move(self.token), move(self.child), self.max_children, self.node_of_item, self.leaves
         )

@@ -9,6 +9,7 @@ until `results()`.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from genrec.attention import ContextGroup
@@ -24,7 +25,7 @@ class BeamCohort:
         trie: CodeTrie,
         widths: list[int],
         contexts: list[ContextKV],
-        exclusions: list[torch.Tensor],
+        exclusions: list[np.ndarray],
         device,
     ):
         self.trie, self.widths, self.contexts, self.device = trie, widths, contexts, device
@@ -110,10 +111,9 @@ class BeamCohort:
         self.beam_k.append(new_k[:, :, 0])
         self.beam_v.append(new_v[:, :, 0])
 
-    def results(self) -> list[list[tuple[int, float]]]:
-        """Per request, (item index, logprob) best first; one host sync."""
-        scores = self.scores.cpu().tolist()
-        items = self.nodes.cpu().tolist()
+    def results(self, host: tuple[list[float], list[int]] | None = None) -> list[list[tuple[int, float]]]:
+        """Per request, (item index, logprob) best first. `host`: this cohort's part of `fetch_finals`."""
+        scores, items = host if host is not None else fetch_finals([self])[0]
         out = []
         for off, n in zip(self._offsets(), self.rows_per_req, strict=True):
             out.append([(items[i], scores[i]) for i in range(off, off + n) if scores[i] != NEG_INF])
@@ -152,10 +152,22 @@ class BeamCohort:
         return torch.isin(self.row_req[:, None] * nodes + child, keys)
 
 
-def _excluded_node_keys(trie: CodeTrie, exclusions: list[torch.Tensor], device) -> list[torch.Tensor | None]:
+def fetch_finals(cohorts: list[BeamCohort]) -> list[tuple[list[float], list[int]]]:
+    """Final scores and items of finished cohorts in ONE device-to-host transfer (float64 holds both exactly)."""
+    packed = torch.cat([torch.stack([c.scores.double(), c.nodes.double()]) for c in cohorts], dim=1).cpu()
+    out, start = [], 0
+    for c in cohorts:
+        part = packed[:, start : start + c.rows]
+        out.append((part[0].tolist(), [int(i) for i in part[1].tolist()]))
+        start += c.rows
+    return out
+
+
+def _excluded_node_keys(trie: CodeTrie, exclusions: list[np.ndarray], device) -> list[torch.Tensor | None]:
     """Per depth 1..D, keys `request * nodes + node` of nodes all of whose items are excluded.
 
-    Such a node must not take up a beam: every item below it is excluded.
+    Such a node must not take up a beam: every item below it is excluded. Computed on the host from the
+    trie's host arrays, before decoding starts, so it never waits on the device.
     """
     keys = []
     for depth in range(1, trie.levels + 1):
@@ -164,8 +176,8 @@ def _excluded_node_keys(trie: CodeTrie, exclusions: list[torch.Tensor], device) 
         for r, items in enumerate(exclusions):
             if len(items) == 0:
                 continue
-            nodes, counts = torch.unique(trie.node_of_item[depth - 1][items], return_counts=True)
+            nodes, counts = np.unique(trie.node_of_item[depth - 1][items], return_counts=True)
             dead = nodes[counts == trie.leaves[depth - 1][nodes]]
             parts.append(r * nodes_here + dead)
-        keys.append(torch.cat(parts).to(device) if parts else None)
+        keys.append(torch.as_tensor(np.concatenate(parts), device=device) if parts else None)
     return keys

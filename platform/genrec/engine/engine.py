@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from genrec.api import (
@@ -158,7 +159,7 @@ class Engine:
     @torch.inference_mode()
     def start_beams(self, prepared: list[Prepared], prefilled: list[Prefilled]) -> BeamCohort:
         """A cohort of beam requests, with the first level already chosen from their prefill logits."""
-        exclusions = [torch.tensor(p.exclusions, dtype=torch.int64, device=self.device) for p in prepared]
+        exclusions = [np.asarray(p.exclusions, dtype=np.int64) for p in prepared]
         widths = [p.request.beam_width for p in prepared]
         cohort = BeamCohort(self.trie, widths, [f.ctx for f in prefilled], exclusions, self.device)
         cohort.select(torch.log_softmax(torch.stack([f.last_logits for f in prefilled]), dim=-1))
@@ -170,9 +171,9 @@ class Engine:
 
     # -- results ---------------------------------------------------------------------------------
 
-    def retrieve_results(self, prepared, prefilled, cohort: BeamCohort) -> list[RetrieveResult]:
+    def retrieve_results(self, prepared, prefilled, cohort: BeamCohort, host=None) -> list[RetrieveResult]:
         out = []
-        for p, f, beams in zip(prepared, prefilled, cohort.results(), strict=True):
+        for p, f, beams in zip(prepared, prefilled, cohort.results(host), strict=True):
             items = [
                 ScoredItem(item_id=self.catalog.item_ids[i], semantic_id=self.catalog.codes[i].tolist(), logprob=s)
                 for i, s in beams[: p.request.num_results]

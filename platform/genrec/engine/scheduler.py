@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genrec.engine.beam import BeamCohort
+from genrec.engine.beam import BeamCohort, fetch_finals
 from genrec.engine.context_cache import ContextCache, context_key
 from genrec.engine.decode import decode_step
 from genrec.engine.engine import Engine, Prefilled
@@ -225,8 +225,9 @@ class Scheduler:
     def _beams_done(self, jobs: list[Job]) -> None:
         engine = self.engine
         recommends = []
-        for job in jobs:
-            (result,) = engine.retrieve_results([job.prepared], [job.prefilled], job.cohort)
+        finals = fetch_finals([job.cohort for job in jobs]) if jobs else []  # one host sync for all
+        for job, host in zip(jobs, finals, strict=True):
+            (result,) = engine.retrieve_results([job.prepared], [job.prefilled], job.cohort, host)
             if job.kind == "retrieve":
                 self.decoding.remove(job)
                 self._finish(job, result)

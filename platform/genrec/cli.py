@@ -74,7 +74,7 @@ def build_ids(
 
 @app.command()
 def demo(model_dir: Path = typer.Option(Path("out/demo-model"), help="where the tiny model is built")):
-    """Build a tiny model locally and run a retrieval end to end."""
+    """Build a tiny model locally; retrieve, score and recommend on it end to end."""
     from genrec.demo import run_demo
 
     typer.echo(json.dumps(run_demo(model_dir), indent=2))

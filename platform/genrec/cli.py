@@ -132,7 +132,7 @@ def bench_load(
     candidates: int = typer.Option(100, help="candidates per score request"),
     device: str = typer.Option("cpu"),
     burst: int = typer.Option(64, help="requests sent at once to measure saturation throughput"),
-    max_running: int = typer.Option(8, help="requests the engine runs at once (the rest wait)"),
+    max_running: int = typer.Option(None, help="requests the engine runs at once (default: 8 on CUDA, 64 on CPU)"),
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG: latency against offered load"),
 ):

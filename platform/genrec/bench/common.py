@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -25,8 +26,11 @@ def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> P
     if not (target / "genrec" / "catalog.parquet").exists():
         dtype = torch.bfloat16 if spec.hidden >= 2048 else torch.float32
         init_device = "cuda" if torch.cuda.is_available() else "cpu"
-        write_model_dir(target.with_suffix(".partial"), spec, dtype=dtype, init_device=init_device)
-        target.with_suffix(".partial").rename(target)  # a crash mid-write leaves no half directory
+        partial = target.with_suffix(".partial")
+        for stale in (partial, target):  # left by an interrupted earlier write
+            shutil.rmtree(stale, ignore_errors=True)
+        write_model_dir(partial, spec, dtype=dtype, init_device=init_device)
+        partial.rename(target)  # a crash mid-write leaves no half directory under the real name
     return target
 
 

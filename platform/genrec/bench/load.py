@@ -32,7 +32,7 @@ def run(
     device,
     burst,
     plot,
-    max_running: int = 8,
+    max_running: int | None = None,
 ):
     model_dir = model_dir_for(preset, model, levels)
     engine = Engine.from_pretrained(model_dir, device=device)
@@ -56,7 +56,7 @@ def run(
         "beam_width": beam_width,
         "levels": engine.catalog.levels,
         "candidates": candidates if kind != "retrieve" else None,
-        "max_running": max_running,
+        "max_running": async_engine.scheduler.config.max_running,
         "sequential": {"seconds_per_request": sequential_s, "qps": 1.0 / sequential_s},
         "saturation": saturation,
         "ratios": {"saturation_over_sequential": saturation["qps"] / (1.0 / sequential_s)},

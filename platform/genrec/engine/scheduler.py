@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,10 +30,11 @@ from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
 @dataclass
 class SchedulerConfig:
     max_queue: int = 256  # waiting requests; beyond it submit fails fast with Overloaded
-    # Requests in prefill or decode at once. Each running request costs a little host work per step
-    # (its context attention call, its beam selection): on an H200 with Qwen3-1.7B, 8 gave the highest
-    # throughput (about 20 QPS at prompt 2000 / beam 30 / 5 levels) against 14.8 QPS at 16.
-    max_running: int = 8
+    # Requests in prefill or decode at once (None: by device). Each running request costs some host work
+    # per step (its context attention call, its beam selection). On an H200 with Qwen3-1.7B, 8 gave the
+    # highest throughput (about 20 QPS at prompt 2000 / beam 30 / 5 levels; 14.8 QPS at 16); on a CPU,
+    # where compute rather than launches bounds a step, more requests per step pay (64).
+    max_running: int | None = None
     prefill_tokens_per_step: int = 4096  # chunked-prefill budget of one iteration
     kv_budget_bytes: int | None = None  # default: 4 GiB on CPU, half the free memory on CUDA
     request_timeout_s: float = 60.0
@@ -64,6 +65,8 @@ class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig | None = None):
         self.engine = engine
         self.config = config or SchedulerConfig()
+        if self.config.max_running is None:
+            self.config = replace(self.config, max_running=8 if engine.device.type == "cuda" else 64)
         self.model = engine.model
         self.per_token = kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
         self.budget = KVBudget(self.config.kv_budget_bytes or _default_budget(engine.device))

@@ -33,7 +33,11 @@ class LocalRedis:
         self.server = subprocess.Popen(
             [*args, "--dir", self.workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        _wait_for(port)
+        try:
+            _wait_for(port)
+        except BaseException:
+            self.__exit__()
+            raise
         return f"redis://127.0.0.1:{port}/0"
 
     def __exit__(self, *exc) -> None:

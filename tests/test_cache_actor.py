@@ -34,16 +34,17 @@ def test_acknowledged_puts_survive_an_actor_crash(ray_cluster, tmp_path):
     cache = EmbeddingCache.connect("crash", config)
     keys = np.arange(1000, 1500)
     cache.put(keys, data(500))  # acknowledged: put returned
+    before = ray.get(cache.actors[0].incarnation.remote())
     ray.kill(cache.actors[0], no_restart=False)
     deadline = time.monotonic() + 60
-    while True:
+    while True:  # the kill is asynchronous: wait until a new incarnation answers
         try:
-            ray.get(cache.actors[0].ping.remote(), timeout=5)
-            break
+            if ray.get(cache.actors[0].incarnation.remote(), timeout=5) != before:
+                break
         except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+            pass
+        assert time.monotonic() < deadline, "the cache actor did not come back"
+        time.sleep(0.2)
     assert cache.stats()[0]["resident"] == 0  # a fresh actor: the table starts empty
     got, found = cache.get(keys)
     assert found.all() and got.tobytes() == data(500).tobytes()

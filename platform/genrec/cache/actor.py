@@ -11,6 +11,7 @@ RAY_max_direct_call_object_size) so replies travel inline; `genrec bench cache` 
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -46,6 +47,7 @@ def open_store(config: CacheConfig, shard: int):
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class EmbeddingCacheActor:
     def __init__(self, config: dict, shard: int):
+        self.started = uuid.uuid4().hex  # tells a restarted actor from the one before it
         config = CacheConfig(**config)
         self.table = EmbeddingTable(
             config.dim, config.capacity, config.policy, config.admit_after, store=open_store(config, shard)
@@ -60,8 +62,8 @@ class EmbeddingCacheActor:
     def stats(self) -> dict:
         return {**self.table.stats.as_dict(), "resident": len(self.table)}
 
-    def ping(self) -> bool:
-        return True
+    def incarnation(self) -> str:
+        return self.started
 
 
 class EmbeddingCache:

@@ -209,3 +209,16 @@ def test_context_cache_prefills_a_repeated_prompt_once(engine, rng, monkeypatch)
         scheduler.step()
     assert len(calls) == 1 and scheduler.cache.hits == 1
     assert_same(score.result(), engine.score([ScoreRequest(prompt_token_ids=prompt, candidates=top)])[0])
+
+
+def test_an_error_in_the_loop_itself_fails_requests_instead_of_hanging(engine, rng, monkeypatch):
+    ae = AsyncEngine(engine)
+    monkeypatch.setattr(ae.scheduler, "_decode", lambda: (_ for _ in ()).throw(RuntimeError("loop bug")))
+    future = ae.submit(RetrieveRequest(prompt_token_ids=random_prompt(engine, 10, rng), beam_width=3))
+    with pytest.raises(RuntimeError, match="loop bug"):
+        future.result(timeout=30)
+    monkeypatch.undo()
+    again = ae.submit(RetrieveRequest(prompt_token_ids=random_prompt(engine, 10, rng), beam_width=3))
+    assert len(again.result(timeout=30).items) == 3
+    assert ae.kv_bytes_reserved == 0
+    ae.shutdown()

@@ -8,6 +8,7 @@ iterations. Cancelling the awaiting task cancels the request and frees its KV at
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 from genrec.api import RecommendRequest, RecommendResult, RetrieveRequest, RetrieveResult, ScoreRequest, ScoreResult
 from genrec.engine.engine import Engine
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
@@ -72,7 +75,12 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            worked = self.scheduler.step()
+            try:
+                worked = self.scheduler.step()
+            except Exception as err:  # a bug, not a request's fault: fail what is in flight, keep serving
+                log.exception("engine loop step failed")
+                self.scheduler.fail_all(err)
+                worked = False
             if not worked:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()

@@ -249,6 +249,14 @@ class Scheduler:
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request in the engine (after an unexpected error in the loop itself)."""
+        while self.inbox:
+            self.waiting.append(self.inbox.popleft())
+        for queue in (self.waiting, self.prefilling, self.decoding):
+            while queue:
+                self._finish(queue.pop(), error=error, status="error")
+
     def _guarded(self, jobs: list[Job], fn) -> None:
         """Run fn on the jobs together; if that raises, run it on each alone so only the culprit fails."""
         if not jobs:

@@ -42,7 +42,6 @@ class BeamCohort:
         self.beam_k: list[torch.Tensor] = []  # BeamKV: per pass, [layers, rows, kv_heads, head_dim]
         self.beam_v: list[torch.Tensor] = []
         self._excluded = _excluded_node_keys(trie, exclusions, device)
-        self._layouts: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
 
     @property
     def done(self) -> bool:
@@ -53,37 +52,8 @@ class BeamCohort:
         return sum(self.rows_per_req)
 
     def select(self, logprobs: torch.Tensor) -> None:
-        """Expand every row by its allowed next tokens and keep each request's best rows.
-
-        A request keeps min(width, nodes at the next depth) rows: no more beams can be alive, and this
-        bound is known on the host, so dead rows are never computed and nothing syncs.
-        """
-        level = self.level
-        token, child, valid = self.trie.children(level, self.nodes)
-        cand = self.scores[:, None] + logprobs.gather(1, token)
-        allowed = valid & ~self._is_excluded(level, child)
-        cand = cand.masked_fill(~allowed, NEG_INF)
-
-        current = self._layout(self.rows_per_req)
-        new_rows = [min(w, self.trie.nodes_at(level + 1)) for w in self.widths]
-        chosen = self._layout(new_rows)
-        C = token.shape[1]
-        padded = cand[current["pad_rows"]].masked_fill(~current["pad_valid"][..., None], NEG_INF).flatten(1)
-        k = min(max(new_rows), padded.shape[1])
-        top_scores, top_index = padded.topk(k, dim=1)
-
-        req, rank = chosen["row_req"], chosen["row_rank"]
-        clamped = rank.clamp(max=k - 1)
-        self.scores = top_scores[req, clamped].masked_fill(rank >= k, NEG_INF)
-        flat = top_index[req, clamped]
-        parent = current["pad_rows"][req, flat // C]
-        col = flat % C
-        self.parents.append(parent)
-        self.tokens.append(token[parent, col])
-        self.nodes = child[parent, col]
-        self.row_req = req
-        self.rows_per_req = new_rows
-        self.level += 1
+        """Expand every row by its allowed next tokens and keep each request's best rows."""
+        select_together([self], logprobs)
 
     def decode_inputs(self):
         """Inputs of the next decode pass: (tokens [R, 1], positions [R, 1], groups, past_k, past_v)."""
@@ -122,34 +92,97 @@ class BeamCohort:
     def _offsets(self) -> list[int]:
         return [sum(self.rows_per_req[:r]) for r in range(len(self.rows_per_req))]
 
-    def _layout(self, rows_per_req: list[int]) -> dict[str, torch.Tensor]:
-        """Index tensors of a row layout (request r owns rows_per_req[r] consecutive rows), built on the host.
 
-        pad_rows/pad_valid [N, max rows]: each request's flat rows, padded; row_req/row_rank [rows]:
-        the request of each flat row and its rank within the request.
-        """
-        key = tuple(rows_per_req)
-        if key not in self._layouts:
-            most, pad_rows, pad_valid, off = max(key), [], [], 0
-            for count in key:
-                pad_rows.append([off + min(i, count - 1) for i in range(most)])
-                pad_valid.append([i < count for i in range(most)])
-                off += count
-            counts = torch.tensor(key)
-            self._layouts[key] = {
-                "pad_rows": torch.tensor(pad_rows, device=self.device),
-                "pad_valid": torch.tensor(pad_valid, device=self.device),
-                "row_req": torch.repeat_interleave(torch.arange(len(key)), counts).to(self.device),
-                "row_rank": torch.cat([torch.arange(c) for c in key]).to(self.device),
-            }
-        return self._layouts[key]
+def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
+    """One selection step for cohorts standing at the same level, as one vectorised pass.
 
-    def _is_excluded(self, level: int, child: torch.Tensor) -> torch.Tensor:
-        keys = self._excluded[level]
-        if keys is None:
-            return torch.zeros_like(child, dtype=torch.bool)
-        nodes = self.trie.nodes_at(level + 1)
-        return torch.isin(self.row_req[:, None] * nodes + child, keys)
+    logprobs [rows of all cohorts, in order, vocab]. Every row is expanded by its allowed next tokens (one
+    CSR gather), and each request keeps its best min(width, nodes at the next depth) rows: no more beams
+    can be alive, and this bound is known on the host, so dead rows are never computed and nothing syncs.
+    """
+    first = cohorts[0]
+    trie, level, device = first.trie, first.level, first.device
+    assert all(c.level == level for c in cohorts), "cohorts must stand at the same level"
+    one = len(cohorts) == 1
+    nodes = first.nodes if one else torch.cat([c.nodes for c in cohorts])
+    scores = first.scores if one else torch.cat([c.scores for c in cohorts])
+    rows_per_req = [n for c in cohorts for n in c.rows_per_req]
+    widths = [w for c in cohorts for w in c.widths]
+    new_rows = [min(w, trie.nodes_at(level + 1)) for w in widths]
+    current, chosen = _layout(tuple(rows_per_req), device), _layout(tuple(new_rows), device)
+
+    token, child, valid = trie.children(level, nodes)
+    cand = scores[:, None] + logprobs.gather(1, token)
+    allowed = valid & ~_excluded(cohorts, level, current["row_req"], child)
+    cand = cand.masked_fill(~allowed, NEG_INF)
+    C = token.shape[1]
+    padded = cand[current["pad_rows"]].masked_fill(~current["pad_valid"][..., None], NEG_INF).flatten(1)
+    k = min(max(new_rows), padded.shape[1])
+    top_scores, top_index = padded.topk(k, dim=1)
+
+    req, rank = chosen["row_req"], chosen["row_rank"]
+    clamped = rank.clamp(max=k - 1)
+    new_scores = top_scores[req, clamped].masked_fill(rank >= k, NEG_INF)
+    flat = top_index[req, clamped]
+    parent = current["pad_rows"][req, flat // C]
+    col = flat % C
+    new_tokens, new_nodes = token[parent, col], child[parent, col]
+
+    # Hand each cohort its slice; parents and requests become cohort-local again.
+    old_row, new_row, request = 0, 0, 0
+    for c in cohorts:
+        n_req, old_rows = len(c.widths), c.rows
+        c.rows_per_req = new_rows[request : request + n_req]
+        rows = slice(new_row, new_row + c.rows)
+        c.parents.append(parent[rows] - old_row if old_row else parent[rows])
+        c.tokens.append(new_tokens[rows])
+        c.nodes, c.scores = new_nodes[rows], new_scores[rows]
+        c.row_req = req[rows] - request if request else req[rows]
+        c.level += 1
+        old_row, new_row, request = old_row + old_rows, new_row + c.rows, request + n_req
+
+
+def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
+    """Index tensors of a row layout (request r owns rows_per_req[r] consecutive rows), built on the host.
+
+    pad_rows/pad_valid [N, max rows]: each request's flat rows, padded; row_req/row_rank [rows]: the
+    request of each flat row and its rank within the request. Cached: layouts repeat from step to step.
+    """
+    key = (rows_per_req, str(device))
+    found = _LAYOUTS.get(key)
+    if found is None:
+        most, pad_rows, pad_valid, off = max(rows_per_req), [], [], 0
+        for count in rows_per_req:
+            pad_rows.append([off + min(i, count - 1) for i in range(most)])
+            pad_valid.append([i < count for i in range(most)])
+            off += count
+        counts = torch.tensor(rows_per_req)
+        found = {
+            "pad_rows": torch.tensor(pad_rows, device=device),
+            "pad_valid": torch.tensor(pad_valid, device=device),
+            "row_req": torch.repeat_interleave(torch.arange(len(rows_per_req)), counts).to(device),
+            "row_rank": torch.cat([torch.arange(c) for c in rows_per_req]).to(device),
+        }
+        if len(_LAYOUTS) >= 4096:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = found
+    return found
+
+
+_LAYOUTS: dict = {}
+
+
+def _excluded(cohorts: list[BeamCohort], level: int, row_req: torch.Tensor, child: torch.Tensor) -> torch.Tensor:
+    """Rows' candidate children that lead only to excluded items."""
+    nodes = cohorts[0].trie.nodes_at(level + 1)
+    keys, request = [], 0
+    for c in cohorts:
+        if c._excluded[level] is not None:
+            keys.append(c._excluded[level] + request * nodes if request else c._excluded[level])
+        request += len(c.widths)
+    if not keys:
+        return torch.zeros_like(child, dtype=torch.bool)
+    return torch.isin(row_req[:, None] * nodes + child, keys[0] if len(keys) == 1 else torch.cat(keys))
 
 
 def fetch_finals(cohorts: list[BeamCohort]) -> list[tuple[list[float], list[int]]]:

@@ -6,14 +6,17 @@ past suffix K/V is padded to the longest and masked.
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 
 from genrec.attention import ContextGroup
-from genrec.engine.beam import BeamCohort
+from genrec.engine.beam import BeamCohort, select_together
 from genrec.model.qwen3 import Qwen3
 
 
 def decode_step(model: Qwen3, cohorts: list[BeamCohort]) -> None:
+    cohorts = sorted(cohorts, key=lambda c: c.level)  # same-level cohorts adjacent: one selection each
     inputs = [c.decode_inputs() for c in cohorts]
     if len(cohorts) == 1:
         tokens, positions, groups, past_k, past_v = inputs[0]
@@ -23,10 +26,13 @@ def decode_step(model: Qwen3, cohorts: list[BeamCohort]) -> None:
     hidden, new_k, new_v = model.forward_rows(model.embed(tokens), positions, groups, past_k, past_v, mask=mask)
     logprobs = torch.log_softmax(model.logits(hidden[:, -1]), dim=-1)
     start = 0
-    for cohort in cohorts:
-        stop = start + cohort.rows
-        cohort.record_kv(new_k[:, start:stop], new_v[:, start:stop])
-        cohort.select(logprobs[start:stop])
+    for _, same_level in groupby(cohorts, key=lambda c: c.level):
+        group = list(same_level)
+        stop = start
+        for cohort in group:
+            cohort.record_kv(new_k[:, stop : stop + cohort.rows], new_v[:, stop : stop + cohort.rows])
+            stop += cohort.rows
+        select_together(group, logprobs[start:stop])
         start = stop
 
 

@@ -57,8 +57,13 @@ def run(keys, dim, batch, zipf, batches, redis_url, hit_rate_batches=3000) -> di
     in_process = _throughput(table.get, workload)
     del table
 
-    actor_default = _actor_throughput(vectors, all_keys, workload, inline_bytes=None)
-    actor = _actor_throughput(vectors, all_keys, workload, inline_bytes=INLINE_RETURN_BYTES)
+    import ray
+
+    if ray.is_initialized():  # inside a running cluster: its settings, whatever they are
+        actor = actor_default = _actor_throughput(vectors, all_keys, workload, inline_bytes=None)
+    else:
+        actor_default = _actor_throughput(vectors, all_keys, workload, inline_bytes=None)
+        actor = _actor_throughput(vectors, all_keys, workload, inline_bytes=INLINE_RETURN_BYTES)
     with contextlib.nullcontext(redis_url) if redis_url else LocalRedis() as url:
         store = RedisStore(url, dim, prefix="bench:")
         for start in range(0, keys, 20_000):
@@ -101,8 +106,10 @@ def _actor_throughput(vectors, all_keys, workload, inline_bytes) -> float:
     from genrec.cache.actor import CacheConfig, EmbeddingCache
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    system_config = {"max_direct_call_object_size": inline_bytes} if inline_bytes else None
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system_config)
+    started = not ray.is_initialized()
+    if started:
+        system_config = {"max_direct_call_object_size": inline_bytes} if inline_bytes else None
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system_config)
     try:
         config = CacheConfig(dim=vectors.shape[1], capacity=len(all_keys), store="none")
         cache = EmbeddingCache.connect(f"bench-{os.getpid()}", config, namespace=None)
@@ -113,7 +120,8 @@ def _actor_throughput(vectors, all_keys, workload, inline_bytes) -> float:
             ray.kill(a)
         return rate
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
 
 
 def _hit_rate(policy, vectors, capacity, workload) -> float:

@@ -1,0 +1,52 @@
+"""The benchmark commands run end to end on a tiny model and report sane JSON (not timed: smoke only)."""
+
+import json
+
+from typer.testing import CliRunner
+
+from genrec.cli import app
+
+
+def run(tmp_path, *args):
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["bench", *args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_bench_retrieve(tiny_dir, tmp_path):
+    report = run(
+        tmp_path, "retrieve", "--model", str(tiny_dir), "--prompt-len", "20", "--beam-width", "4",
+        "--repeats", "1", "--user-embedding",
+    )  # fmt: skip
+    assert report["ratios"]["retrieve_over_prefill"] > 0 and report["ratios"]["hf_over_retrieve"] > 0
+    assert report["hf_top_beam_agreement"] == 1.0
+    assert report["ratios"]["soft_token_over_token_only"] > 0
+
+
+def test_bench_score(tiny_dir, tmp_path):
+    report = run(
+        tmp_path, "score", "--model", str(tiny_dir), "--prefix-len", "20", "--candidates", "10",
+        "--repeats", "1", "--fanout-sample", "3",
+    )  # fmt: skip
+    assert report["fanout_measured_candidates"] == 3 and report["ratios"]["fanout_over_genrec"] > 0
+
+
+def test_bench_load(tiny_dir, tmp_path):
+    plot = tmp_path / "load.png"
+    report = run(
+        tmp_path, "load", "--model", str(tiny_dir), "--prompt-len", "16", "--beam-width", "4", "--rates", "20",
+        "--duration", "0.5", "--burst", "4", "--plot", str(plot),
+    )  # fmt: skip
+    (point,) = report["rates"]
+    assert point["errors"] == 0 and point["completed"] == point["sent"] > 0
+    assert report["saturation"]["requests"] == 4 and plot.stat().st_size > 0
+
+
+def test_bench_cache(ray_cluster, redis_url, tmp_path):
+    report = run(
+        tmp_path, "cache", "--keys", "5000", "--dim", "8", "--batch", "100", "--batches", "5", "--redis-url", redis_url,
+    )  # fmt: skip
+    rates = report["get_keys_per_s"]
+    assert all(v > 0 for v in rates.values())
+    assert 0 < report["hit_rate_at_10pct_capacity"]["lru"] <= 1

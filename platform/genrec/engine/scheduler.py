@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from genrec.api import RetrieveResult
 from genrec.engine.beam import BeamCohort, fetch_finals
 from genrec.engine.context_cache import ContextCache, context_key
 from genrec.engine.decode import decode_step
@@ -53,8 +54,8 @@ class Job:
     prefilled: Prefilled | None = None
     partial: object = None  # ContextKV while prefilling in chunks
     cohort: BeamCohort | None = None
+    retrieved: RetrieveResult | None = None  # recommend: the beams, waiting to be ranked
     reserved: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -235,7 +236,7 @@ class Scheduler:
                 self.decoding.remove(job)
                 self._finish(job, result)
             else:
-                job.extra["retrieved"] = result
+                job.retrieved = result
                 recommends.append(job)
         for job in recommends:
             self.decoding.remove(job)
@@ -243,9 +244,9 @@ class Scheduler:
 
     def _rank(self, jobs: list[Job]) -> None:
         engine = self.engine
-        score_input = [engine.score_job(j.prepared, j.prefilled, j.extra["retrieved"]) for j in jobs]
+        score_input = [engine.score_job(j.prepared, j.prefilled, j.retrieved) for j in jobs]
         for job, s in zip(jobs, score_jobs(self.model, score_input, engine.score_max_tokens), strict=True):
-            self._finish(job, engine.recommend_result(job.prepared, job.extra["retrieved"], s))
+            self._finish(job, engine.recommend_result(job.prepared, job.retrieved, s))
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
@@ -283,8 +284,7 @@ class Scheduler:
         if job.reserved:
             self.budget.release(job.kv_bytes)
             job.reserved = False
-        job.cohort = job.embeds = job.partial = job.prefilled = None
-        job.extra.clear()
+        job.cohort = job.embeds = job.partial = job.prefilled = job.retrieved = None
         try:
             if error is not None:
                 job.future.set_exception(error)

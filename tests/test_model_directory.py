@@ -147,3 +147,23 @@ def test_catalog_token_outside_level_range(broken, engine):
 def test_catalog_missing_column(broken):
     pq.write_table(pa.table({"item_id": ["a"]}), broken / "genrec" / "catalog.parquet")
     expect_error(broken, CatalogError, "semantic_id", "missing")
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["tiny-model", "OUT", "--items", "1000", "--levels", "2", "--codebook", "8"], "do not fit"),
+        (["build-ids", "/no/such.parquet", "--model", "MODEL"], "no such file"),
+        (["bench", "retrieve", "--preset", "huge", "--no-hf-baseline"], "unknown preset"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, monkeypatch, capsys, argv, fragment):
+    from genrec.cli import main
+
+    argv = [str(tmp_path / "out") if a == "OUT" else str(tiny_dir) if a == "MODEL" else a for a in argv]
+    monkeypatch.setattr("sys.argv", ["genrec", *argv])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err and "Traceback" not in err

@@ -200,7 +200,7 @@ def _emit(report: dict, json_out: Path | None) -> None:
 def main() -> None:
     try:
         app()
-    except GenrecError as err:
+    except (GenrecError, ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
         typer.echo(f"error: {err}", err=True)
         sys.exit(2)
 

@@ -53,6 +53,8 @@ def residual_codes(embeddings: np.ndarray, codebooks: list[int], last_size: int,
 
 
 def build_catalog(embeddings_path: Path, level_ranges: list[tuple[int, int]], iters=20, seed=0) -> Catalog:
+    if not Path(embeddings_path).is_file():
+        raise GenrecError(f"{embeddings_path}: no such file (expected Parquet with item_id, embedding)")
     table = pq.read_table(embeddings_path)
     for column in ("item_id", "embedding"):
         if column not in table.column_names:

@@ -151,17 +151,15 @@ def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
     key = (rows_per_req, str(device))
     found = _LAYOUTS.get(key)
     if found is None:
-        most, pad_rows, pad_valid, off = max(rows_per_req), [], [], 0
-        for count in rows_per_req:
-            pad_rows.append([off + min(i, count - 1) for i in range(most)])
-            pad_valid.append([i < count for i in range(most)])
-            off += count
         counts = torch.tensor(rows_per_req)
+        offsets = counts.cumsum(0) - counts
+        slots = torch.arange(max(rows_per_req))
+        row_req = torch.repeat_interleave(torch.arange(len(rows_per_req)), counts)
         found = {
-            "pad_rows": torch.tensor(pad_rows, device=device),
-            "pad_valid": torch.tensor(pad_valid, device=device),
-            "row_req": torch.repeat_interleave(torch.arange(len(rows_per_req)), counts).to(device),
-            "row_rank": torch.cat([torch.arange(c) for c in rows_per_req]).to(device),
+            "pad_rows": (offsets[:, None] + torch.minimum(slots[None, :], counts[:, None] - 1)).to(device),
+            "pad_valid": (slots[None, :] < counts[:, None]).to(device),
+            "row_req": row_req.to(device),
+            "row_rank": (torch.arange(len(row_req)) - offsets[row_req]).to(device),
         }
         if len(_LAYOUTS) >= 4096:
             _LAYOUTS.clear()

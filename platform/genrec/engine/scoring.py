@@ -7,6 +7,7 @@ at positions that continue the prompt: its score is exactly what it would be if 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -67,11 +68,8 @@ def _chunks(jobs: list[ScoreJob], max_tokens: int):
 def _score_chunk(model: Qwen3, chunk: _Chunk) -> list[LabelScores]:
     device = model.device
     rows = [cand for _, cands, _ in chunk.segments for cand in cands]
-    longest = max(len(c) for c in rows)
-    ids = torch.zeros(len(rows), longest, dtype=torch.int64)
-    for r, cand in enumerate(rows):  # host-side packing of the inputs, before any device work
-        ids[r, : len(cand)] = torch.tensor(cand)
-    lengths = torch.tensor([len(c) for c in rows])
+    ids, lengths = _pad(rows)
+    longest = ids.shape[1]
     starts, groups, offset = [], [], 0
     for ctx, cands, _ in chunk.segments:
         groups.append(ContextGroup(offset, offset + len(cands), ctx))
@@ -89,6 +87,17 @@ def _score_chunk(model: Qwen3, chunk: _Chunk) -> list[LabelScores]:
         out.append(LabelScores(logprob[offset : offset + len(cands)], prob[offset : offset + len(cands)]))
         offset += len(cands)
     return out
+
+
+def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [rows, longest] token matrix and the lengths, by one scatter (no loop per candidate)."""
+    lengths = torch.tensor([len(r) for r in rows])
+    flat = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    col = torch.arange(len(flat)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.int64)
+    ids[row, col] = flat
+    return ids, lengths
 
 
 def _label_scores(model: Qwen3, last_hidden: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, rows: int = 512):

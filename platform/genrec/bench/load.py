@@ -16,7 +16,7 @@ import torch
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.bench.common import machine, model_dir_for, random_prompt, synchronize
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
-from genrec.errors import Overloaded
+from genrec.errors import GenrecError, Overloaded
 
 
 def run(
@@ -166,7 +166,10 @@ async def _open_loop(async_engine, maker, rate: float, duration: float) -> dict:
 
 
 def _plot(report: dict, path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise GenrecError("--plot needs matplotlib: pip install 'genrec[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

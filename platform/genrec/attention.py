@@ -78,21 +78,23 @@ def shared_context_attention(
     q_all = qg.permute(2, 0, 3, 1, 4).reshape(KV, R * G * S, D)
     width = G * S
     outs, lses, row = [], [], 0
+
+    def nothing(rows: int) -> None:  # rows without a context take nothing from this part
+        outs.append(q_all.new_zeros(KV, rows * width, D))
+        lses.append(torch.full((KV, rows * width), float("-inf"), device=q.device))
+
     for g in sorted(groups, key=lambda g: g.start):
-        if g.start > row:  # rows without a context: nothing from this part
-            outs.append(q_all.new_zeros(KV, (g.start - row) * width, D))
-            lses.append(torch.full((KV, (g.start - row) * width), float("-inf"), device=q.device))
+        if g.start > row:
+            nothing(g.start - row)
         if g.k.shape[1] == 0:
-            outs.append(q_all.new_zeros(KV, (g.stop - g.start) * width, D))
-            lses.append(torch.full((KV, (g.stop - g.start) * width), float("-inf"), device=q.device))
+            nothing(g.stop - g.start)
         else:
             out, lse = context_attention(q_all[:, g.start * width : g.stop * width], g.k, g.v, scale)
             outs.append(out)
             lses.append(lse)
         row = g.stop
     if row < R:
-        outs.append(q_all.new_zeros(KV, (R - row) * width, D))
-        lses.append(torch.full((KV, (R - row) * width), float("-inf"), device=q.device))
+        nothing(R - row)
     out_ctx = torch.cat(outs, dim=1).view(KV, R, G, S, D).permute(1, 0, 2, 3, 4).float()
     lse_ctx = torch.cat(lses, dim=1).float().view(KV, R, G, S).permute(1, 0, 2, 3)
 

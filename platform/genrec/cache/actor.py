@@ -85,9 +85,9 @@ class EmbeddingCache:
         return cls(actors, config.dim)
 
     def _shard_of(self, keys: np.ndarray) -> np.ndarray:
-        from genrec.cache.hash_index import _mix
+        from genrec.cache.hash_index import mix64
 
-        return (_mix(keys) % np.uint64(len(self.actors))).astype(np.int64)
+        return (mix64(keys) % np.uint64(len(self.actors))).astype(np.int64)
 
     def get(self, ids) -> tuple[np.ndarray, np.ndarray]:
         keys = normalize_keys(ids)

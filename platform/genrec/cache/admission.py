@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from genrec.cache.hash_index import _mix
+from genrec.cache.hash_index import mix64
 
 _SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5], dtype=np.uint64)
 
@@ -25,7 +25,7 @@ class Admission:
         estimate = np.full(len(keys), np.iinfo(np.uint32).max, dtype=np.uint64)
         for row, seed in enumerate(_SEEDS):
             with np.errstate(over="ignore"):
-                column = (_mix((keys.view(np.uint64) ^ seed).view(np.int64)) % self.width).astype(np.int64)
+                column = (mix64((keys.view(np.uint64) ^ seed).view(np.int64)) % self.width).astype(np.int64)
             np.add.at(self.counts[row], column, 1)
             estimate = np.minimum(estimate, self.counts[row][column])
         return estimate >= self.threshold

@@ -12,7 +12,7 @@ import numpy as np
 from genrec.cache.keys import EMPTY, TOMBSTONE
 
 
-def _mix(keys: np.ndarray) -> np.ndarray:
+def mix64(keys: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser: spreads sequential IDs over the table."""
     z = keys.view(np.uint64).copy()
     with np.errstate(over="ignore"):
@@ -35,7 +35,7 @@ class HashIndex:
         self.tombstones = 0
 
     def _start(self, keys: np.ndarray) -> np.ndarray:
-        return (_mix(keys) & self.mask).astype(np.int64)
+        return (mix64(keys) & self.mask).astype(np.int64)
 
     def slots_of(self, keys: np.ndarray) -> np.ndarray:
         """The slot holding each key, or -1."""

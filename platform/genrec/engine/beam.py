@@ -33,7 +33,6 @@ class BeamCohort:
         self.level = 0
         self.prompt_lens = torch.tensor([c.length for c in contexts], device=device)
         # Rows before the first selection: one per request (its prefill's last position).
-        self.row_req = torch.arange(n, device=device)
         self.scores = torch.zeros(n, device=device)
         self.nodes = torch.zeros(n, dtype=torch.int64, device=device)
         self.rows_per_req = [1] * n
@@ -59,7 +58,8 @@ class BeamCohort:
         """Inputs of the next decode pass: (tokens [R, 1], positions [R, 1], groups, past_k, past_v)."""
         step = self.level  # pass `step` feeds the level-(step-1) tokens
         tokens = self.tokens[-1][:, None]
-        positions = (self.prompt_lens[self.row_req] + step - 1)[:, None]
+        row_req = _layout(tuple(self.rows_per_req), self.device)["row_req"]
+        positions = (self.prompt_lens[row_req] + step - 1)[:, None]
         groups = [
             ContextGroup(off, off + n, ctx)
             for off, n, ctx in zip(self._offsets(), self.rows_per_req, self.contexts, strict=True)
@@ -128,7 +128,7 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
     col = flat % C
     new_tokens, new_nodes = token[parent, col], child[parent, col]
 
-    # Hand each cohort its slice; parents and requests become cohort-local again.
+    # Hand each cohort its slice; parents become cohort-local again.
     old_row, new_row, request = 0, 0, 0
     for c in cohorts:
         n_req, old_rows = len(c.widths), c.rows
@@ -137,7 +137,6 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
         c.parents.append(parent[rows] - old_row if old_row else parent[rows])
         c.tokens.append(new_tokens[rows])
         c.nodes, c.scores = new_nodes[rows], new_scores[rows]
-        c.row_req = req[rows] - request if request else req[rows]
         c.level += 1
         old_row, new_row, request = old_row + old_rows, new_row + c.rows, request + n_req
 

@@ -104,7 +104,7 @@ class Engine:
         """Each request's candidates in one pass over its single prefill."""
         prepared = [self.prepare(r) for r in requests]
         prefilled = self.prefill_many(prepared)
-        scores = score_jobs(self.model, [self.score_job(p, f) for p, f in zip(prepared, prefilled, strict=True)])
+        scores = self.score_many([self.score_job(p, f) for p, f in zip(prepared, prefilled, strict=True)])
         return [self.score_result(p, f, s) for p, f, s in zip(prepared, prefilled, scores, strict=True)]
 
     @torch.inference_mode()
@@ -114,7 +114,7 @@ class Engine:
         prefilled = self.prefill_many(prepared)
         retrieved = self._run_beams(prepared, prefilled)
         jobs = [self.score_job(p, f, r) for p, f, r in zip(prepared, prefilled, retrieved, strict=True)]
-        scores = score_jobs(self.model, jobs, self.score_max_tokens)
+        scores = self.score_many(jobs)
         return [self.recommend_result(p, r, s) for p, r, s in zip(prepared, retrieved, scores, strict=True)]
 
     def _run_beams(self, prepared, prefilled) -> list[RetrieveResult]:
@@ -164,6 +164,11 @@ class Engine:
         cohort = BeamCohort(self.trie, widths, [f.ctx for f in prefilled], exclusions, self.device)
         cohort.select(torch.log_softmax(torch.stack([f.last_logits for f in prefilled]), dim=-1))
         return cohort
+
+    @torch.inference_mode()
+    def score_many(self, jobs: list[ScoreJob]) -> list[LabelScores]:
+        """The candidates of many requests, in passes of at most `score_max_tokens` padded tokens."""
+        return score_jobs(self.model, jobs, self.score_max_tokens)
 
     def score_job(self, prepared: Prepared, prefilled: Prefilled, retrieved: RetrieveResult | None = None):
         found = [i.semantic_id for i in retrieved.items] if retrieved is not None else []

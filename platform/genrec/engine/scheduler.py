@@ -24,7 +24,6 @@ from genrec.engine.engine import Engine, Prefilled
 from genrec.engine.kv_budget import KVBudget, kv_bytes_per_token, request_kv_tokens
 from genrec.engine.metrics import EngineMetrics
 from genrec.engine.prepared import Prepared
-from genrec.engine.scoring import score_jobs
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
 
 
@@ -211,9 +210,7 @@ class Scheduler:
 
     def _score(self, jobs: list[Job]) -> None:
         engine = self.engine
-        scores = score_jobs(
-            self.model, [engine.score_job(j.prepared, j.prefilled) for j in jobs], engine.score_max_tokens
-        )
+        scores = engine.score_many([engine.score_job(j.prepared, j.prefilled) for j in jobs])
         for job, s in zip(jobs, scores, strict=True):
             self._finish(job, engine.score_result(job.prepared, job.prefilled, s))
 
@@ -232,20 +229,18 @@ class Scheduler:
         finals = fetch_finals([job.cohort for job in jobs]) if jobs else []  # one host sync for all
         for job, host in zip(jobs, finals, strict=True):
             (result,) = engine.retrieve_results([job.prepared], [job.prefilled], job.cohort, host)
+            self.decoding.remove(job)
             if job.kind == "retrieve":
-                self.decoding.remove(job)
                 self._finish(job, result)
             else:
                 job.retrieved = result
                 recommends.append(job)
-        for job in recommends:
-            self.decoding.remove(job)
         self._guarded(recommends, self._rank)
 
     def _rank(self, jobs: list[Job]) -> None:
         engine = self.engine
-        score_input = [engine.score_job(j.prepared, j.prefilled, j.retrieved) for j in jobs]
-        for job, s in zip(jobs, score_jobs(self.model, score_input, engine.score_max_tokens), strict=True):
+        scores = engine.score_many([engine.score_job(j.prepared, j.prefilled, j.retrieved) for j in jobs])
+        for job, s in zip(jobs, scores, strict=True):
             self._finish(job, engine.recommend_result(job.prepared, job.retrieved, s))
 
     # -- bookkeeping -----------------------------------------------------------------------------

@@ -69,19 +69,18 @@ def _score_chunk(model: Qwen3, chunk: _Chunk) -> list[LabelScores]:
     device = model.device
     rows = [cand for _, cands, _ in chunk.segments for cand in cands]
     ids, lengths = _pad(rows)
-    longest = ids.shape[1]
-    starts, groups, offset = [], [], 0
-    for ctx, cands, _ in chunk.segments:
-        groups.append(ContextGroup(offset, offset + len(cands), ctx))
-        starts += [ctx.length] * len(cands)
-        offset += len(cands)
-    positions = torch.tensor(starts)[:, None] + torch.arange(longest)[None, :]
-    ids, positions = ids.to(device), positions.to(device)
+    counts = torch.tensor([len(cands) for _, cands, _ in chunk.segments])
+    groups, offset = [], 0
+    for (ctx, _, _), n in zip(chunk.segments, counts.tolist(), strict=True):
+        groups.append(ContextGroup(offset, offset + n, ctx))
+        offset += n
+    starts = torch.tensor([ctx.length for ctx, _, _ in chunk.segments]).repeat_interleave(counts)
+    positions = starts[:, None] + torch.arange(ids.shape[1])[None, :]
+    labels = torch.tensor([labels for _, _, labels in chunk.segments]).repeat_interleave(counts, dim=0)
+    ids, positions, labels = ids.to(device), positions.to(device), labels.to(device)
     hidden, _, _ = model.forward_rows(model.embed(ids), positions, groups, causal=True)
     last = hidden[torch.arange(len(rows), device=device), (lengths - 1).to(device)]
-    pos = torch.tensor([labels[0] for _, cands, labels in chunk.segments for _ in cands], device=device)
-    neg = torch.tensor([labels[1] for _, cands, labels in chunk.segments for _ in cands], device=device)
-    logprob, prob = _label_scores(model, last, pos, neg)
+    logprob, prob = _label_scores(model, last, labels[:, 0], labels[:, 1])
     out, offset = [], 0
     for _, cands, _ in chunk.segments:
         out.append(LabelScores(logprob[offset : offset + len(cands)], prob[offset : offset + len(cands)]))

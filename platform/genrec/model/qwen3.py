@@ -87,8 +87,6 @@ class MLP(nn.Module):
         self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -119,11 +117,6 @@ class Attention(nn.Module):
         """x: [..., hidden] -> q [..., heads, hd], k/v [..., kv_heads, hd] with q/k norm and RoPE applied."""
         lead = x.shape[:-1]
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        if self.qkv is None:
-            q = self.q_norm(self.q_proj(x).view(*lead, H, D))
-            k = self.k_norm(self.k_proj(x).view(*lead, KV, D))
-            v = self.v_proj(x).view(*lead, KV, D)
-            return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v
         projected = F.linear(x, *self.qkv)
         qk = projected[..., : (H + KV) * D].view(*lead, H + KV, D)
         v = projected[..., (H + KV) * D :].view(*lead, KV, D)
@@ -177,7 +170,8 @@ class Qwen3(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta)
 
     def fuse(self) -> Qwen3:
-        """Fuse projections for inference (fewer, larger kernels); numerically the same model."""
+        """Fuse projections for inference (fewer, larger kernels); numerically the same model.
+        The forward pass needs it: `load_qwen3` calls it once the weights are in."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()

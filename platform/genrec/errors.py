@@ -13,6 +13,9 @@ class ModelDirectoryError(GenrecError):
         self.path = str(path)
         self.problem = problem
 
+    def __reduce__(self):  # errors cross process boundaries (Ray): rebuild from the fields, not the message
+        return type(self), (self.path, self.problem)
+
 
 class CatalogError(ModelDirectoryError):
     """The item catalog does not validate."""
@@ -25,6 +28,9 @@ class InvalidRequestError(GenrecError, ValueError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
+
+    def __reduce__(self):
+        return type(self), (self.field, self.problem)
 
 
 class Overloaded(GenrecError):

@@ -167,3 +167,15 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, monkeypatch, capsys
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and "Traceback" not in err
+
+
+def test_model_version_is_a_content_hash(tiny_dir, tmp_path):
+    import shutil
+
+    from genrec.model.directory import model_version
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    assert model_version(copy) == model_version(tiny_dir)
+    (copy / "genrec" / "catalog.parquet").write_bytes((copy / "genrec" / "catalog.parquet").read_bytes() + b"x")
+    assert model_version(copy) != model_version(tiny_dir)

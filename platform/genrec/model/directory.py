@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from genrec.errors import ModelDirectoryError
@@ -31,3 +32,15 @@ class ModelDirectory:
     @property
     def soft_token_path(self) -> Path:
         return self.genrec_dir / "soft_token.safetensors"
+
+
+def model_version(path: str | Path) -> str:
+    """A content hash of every file in the model directory (names and bytes): the version Serve and the
+    batch job report, so a response or an output row says exactly which weights and catalog produced it."""
+    root = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0")
+        with file.open("rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()[:16]

@@ -3,6 +3,7 @@
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -10,6 +11,7 @@ from genrec.catalog import Catalog, CodeTrie
 from genrec.catalog.build_ids import residual_codes
 from genrec.catalog.reference import allowed_tokens_fn
 from genrec.cli import app
+from genrec.errors import CatalogError
 from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
 
 
@@ -67,3 +69,55 @@ def test_build_ids_cli_writes_a_valid_catalog(tiny_dir, tmp_path):
     ranges = semantic_token_ranges(load_tokenizer(tiny_dir))
     catalog = Catalog.load(out, ranges)
     assert len(catalog) == 120 and catalog.levels == 3
+
+
+def write_catalog(path, semantic_id, item_id=None):
+    item_id = item_id if item_id is not None else pa.array([f"i{n}" for n in range(len(semantic_id))])
+    pq.write_table(pa.table({"item_id": item_id, "semantic_id": semantic_id}), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "name, column, fragment",
+    [
+        ("float codes", lambda c: pa.array((c + 0.7).tolist(), pa.list_(pa.float64())), "list<element: double>"),
+        ("string codes", lambda c: pa.array(c.astype(str).tolist(), pa.list_(pa.string())), "list<element: string>"),
+        ("plain int column", lambda c: pa.array(c[:, 0]), "not int64"),
+        ("null element", lambda c: pa.array([[c[0, 0], None, c[0, 2]], *c[1:].tolist()]), "1 null token ID"),
+        ("null row", lambda c: pa.array([None, *c[1:].tolist()], pa.list_(pa.int64())), "null on 1 row"),
+        ("ragged", lambda c: pa.array([c[0, :2].tolist(), *c[1:].tolist()]), "ragged"),
+        ("fewer levels", lambda c: pa.array(c[:, :2].tolist()), "2 levels but the tokenizer defines 3"),
+        ("token out of range", lambda c: pa.array([c[0, ::-1].tolist(), *c[1:].tolist()]), "outside"),
+    ],
+)
+def test_bad_semantic_id_column_names_file_and_column(engine, tmp_path, name, column, fragment):
+    ranges = semantic_token_ranges(engine.tokenizer)
+    path = write_catalog(tmp_path / "catalog.parquet", column(engine.catalog.codes[:4]))
+    with pytest.raises(CatalogError) as info:
+        Catalog.load(path, ranges)
+    message = str(info.value)
+    assert str(path) in message and "'semantic_id'" in message and fragment in message, (name, message)
+
+
+@pytest.mark.parametrize("item_id", [pa.array([1, 2, 3, 4]), pa.array(["a", None, "c", "d"])])
+def test_bad_item_id_column_names_file_and_column(engine, tmp_path, item_id):
+    path = write_catalog(tmp_path / "catalog.parquet", pa.array(engine.catalog.codes[:4].tolist()), item_id)
+    with pytest.raises(CatalogError, match=r"catalog\.parquet: column 'item_id'"):
+        Catalog.load(path, semantic_token_ranges(engine.tokenizer))
+
+
+def test_catalog_of_any_integer_list_type_loads(engine, tmp_path):
+    codes = engine.catalog.codes[:4]
+    column = pa.array(codes.tolist(), pa.list_(pa.uint16(), 3))  # fixed-size list of unsigned ints
+    catalog = Catalog.load(write_catalog(tmp_path / "catalog.parquet", column), semantic_token_ranges(engine.tokenizer))
+    assert catalog.codes.dtype == np.int64 and (catalog.codes == codes).all()
+
+
+def test_catalog_path_that_is_a_directory(tmp_path):
+    with pytest.raises(CatalogError, match="is a directory"):
+        Catalog.load(tmp_path)
+
+
+def test_in_memory_float_codes_are_refused_not_truncated():
+    with pytest.raises(CatalogError, match="integer token IDs"):
+        Catalog.validated(np.array(["a", "b"], dtype=object), np.array([[1.5, 2.0], [3.0, 4.0]]), None)

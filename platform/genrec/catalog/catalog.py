@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from genrec.errors import CatalogError
@@ -34,6 +35,8 @@ class Catalog:
 
     @classmethod
     def load(cls, path: Path, level_ranges: list[tuple[int, int]] | None = None) -> Catalog:
+        if path.is_dir():
+            raise CatalogError(path, "is a directory; the catalog must be one Parquet file")
         if not path.exists():
             raise CatalogError(path, "catalog file is missing")
         try:
@@ -43,24 +46,19 @@ class Catalog:
         for column in ("item_id", "semantic_id"):
             if column not in table.column_names:
                 raise CatalogError(path, f"column {column!r} is missing (have {table.column_names})")
-        item_ids = np.array(table.column("item_id").to_pylist(), dtype=object)
-        codes = table.column("semantic_id").to_pylist()
-        return cls.validated(item_ids, codes, level_ranges, path)
+        return cls.validated(_item_ids(table, path), _codes(table, path), level_ranges, path)
 
     @classmethod
     def validated(cls, item_ids, codes, level_ranges, path="catalog") -> Catalog:
         if len(item_ids) == 0:
             raise CatalogError(path, "catalog has no items")
         if any(not isinstance(i, str) or not i for i in item_ids):
-            raise CatalogError(path, "item_id must be a non-empty string on every row")
-        lengths = {len(c) if c is not None else 0 for c in codes}
-        if len(lengths) != 1 or 0 in lengths:
-            raise CatalogError(path, f"semantic_id lengths are ragged or empty (lengths seen: {sorted(lengths)})")
-        code_array = np.asarray(codes, dtype=np.int64)
+            raise CatalogError(path, "column 'item_id' must be a non-empty string on every row")
+        code_array = _code_matrix(codes, path)
         _check_unique(item_ids, path, "item_id")
-        _check_unique_rows(code_array, item_ids, path)
-        if level_ranges is not None:
+        if level_ranges is not None:  # before uniqueness: codes cut short look like duplicates
             _check_ranges(code_array, item_ids, level_ranges, path)
+        _check_unique_rows(code_array, item_ids, path)
         return cls(np.asarray(item_ids, dtype=object), code_array)
 
     def save(self, path: Path) -> None:
@@ -72,6 +70,56 @@ class Catalog:
             }
         )
         pq.write_table(table, path)
+
+
+def _item_ids(table: pa.Table, path) -> np.ndarray:
+    kind = table.schema.field("item_id").type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise CatalogError(path, f"column 'item_id' must hold strings, not {kind}")
+    return np.array(table.column("item_id").to_pylist(), dtype=object)
+
+
+def _codes(table: pa.Table, path) -> np.ndarray:
+    """The semantic_id column as [N, D] int64, read by its Arrow type: lists of integers, no nulls."""
+    kind = table.schema.field("semantic_id").type
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    if not is_list or not pa.types.is_integer(kind.value_type):
+        raise CatalogError(path, f"column 'semantic_id' must be a list of integer token IDs, not {kind}")
+    column = table.column("semantic_id").combine_chunks()
+    if column.null_count:
+        raise CatalogError(path, f"column 'semantic_id' is null on {column.null_count} row(s)")
+    values = column.flatten()
+    if values.null_count:
+        raise CatalogError(path, f"column 'semantic_id' has {values.null_count} null token ID(s)")
+    lengths = pc.list_value_length(column).to_numpy()
+    if len(lengths) and (lengths.min() != lengths.max() or lengths.min() == 0):
+        raise _ragged(path, lengths)
+    try:
+        flat = values.cast(pa.int64()).to_numpy()
+    except pa.ArrowInvalid as err:
+        raise CatalogError(path, f"column 'semantic_id' holds a token ID outside int64 ({err})") from None
+    return flat.reshape(len(lengths), int(lengths[0]) if len(lengths) else 0)
+
+
+def _code_matrix(codes, path) -> np.ndarray:
+    """[N, D] int64 from an integer matrix or equal-length rows of integers; never truncates floats."""
+    if not isinstance(codes, np.ndarray):
+        lengths = [len(c) if c is not None else 0 for c in codes]
+        if len(set(lengths)) != 1 or 0 in lengths:
+            raise _ragged(path, lengths)
+        codes = np.asarray(codes)
+    if codes.ndim != 2 or codes.shape[1] == 0:
+        raise CatalogError(path, f"column 'semantic_id' must be one code per item, got shape {codes.shape}")
+    if codes.dtype.kind not in "iu":
+        raise CatalogError(path, f"column 'semantic_id' must hold integer token IDs, not {codes.dtype}")
+    return codes.astype(np.int64)
+
+
+def _ragged(path, lengths) -> CatalogError:
+    seen = sorted(set(np.asarray(lengths).tolist()))
+    return CatalogError(path, f"column 'semantic_id' lengths are ragged or empty (lengths seen: {seen[:10]})")
 
 
 def _check_unique(values, path, name):
@@ -91,7 +139,9 @@ def _check_unique_rows(codes, item_ids, path):
 def _check_ranges(codes, item_ids, level_ranges, path):
     if codes.shape[1] != len(level_ranges):
         raise CatalogError(
-            path, f"codes have {codes.shape[1]} levels but the tokenizer defines {len(level_ranges)} levels"
+            path,
+            f"column 'semantic_id' has codes of {codes.shape[1]} levels but the tokenizer defines "
+            f"{len(level_ranges)} levels",
         )
     for level, (lo, hi) in enumerate(level_ranges):
         bad = np.flatnonzero((codes[:, level] < lo) | (codes[:, level] > hi))
@@ -99,6 +149,6 @@ def _check_ranges(codes, item_ids, level_ranges, path):
             row = bad[0]
             raise CatalogError(
                 path,
-                f"item {item_ids[row]!r}: token {codes[row, level]} at level {level} is outside that level's "
-                f"range [{lo}, {hi}] ({len(bad)} rows affected)",
+                f"column 'semantic_id', item {item_ids[row]!r}: token {codes[row, level]} at level {level} is "
+                f"outside that level's range [{lo}, {hi}] ({len(bad)} rows affected)",
             )

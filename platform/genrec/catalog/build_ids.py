@@ -1,7 +1,14 @@
-"""Semantic IDs from item embeddings: residual k-means per level, plus a last level that makes codes unique."""
+"""Semantic IDs from item embeddings: residual k-means per level, plus a last level that makes codes unique.
+
+Assignment to a level's centers is capacity-bounded: an item goes to its nearest center unless the code prefix
+that would make is already full (holds as many items as the levels below it have codes), then to the nearest
+one with room. So a skewed catalog (many items on one prefix) never overflows the last level, and any catalog
+that fits the code space gets codes.
+"""
 
 from __future__ import annotations
 
+from math import prod
 from pathlib import Path
 
 import numpy as np
@@ -12,44 +19,97 @@ from genrec.catalog.catalog import Catalog
 from genrec.errors import GenrecError
 
 
-def kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain Lloyd's k-means: (centers [k, dim], assignment [n]). Empty clusters keep their center."""
+def kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+    """Plain Lloyd's k-means: centers [min(k, n), dim]. Empty clusters keep their center."""
     k = min(k, len(x))
     centers = x[torch.randperm(len(x), generator=generator)[:k]].clone()
-    assign = torch.zeros(len(x), dtype=torch.int64)
     for _ in range(iters):
         assign = torch.cdist(x, centers).argmin(dim=1)
         sums = torch.zeros_like(centers).index_add_(0, assign, x)
         counts = torch.bincount(assign, minlength=k)
         filled = counts > 0
         centers[filled] = sums[filled] / counts[filled, None]
-    return centers, assign
+    return centers
 
 
-def residual_codes(embeddings: np.ndarray, codebooks: list[int], last_size: int, iters=20, seed=0) -> np.ndarray:
+def balanced_assign(dist: torch.Tensor, group: np.ndarray, room: int) -> np.ndarray:
+    """Nearest center per row, with at most `room` rows of one group on one center.
+
+    Every row first takes its nearest center; where a (group, center) holds more than `room` rows, the
+    farthest ones give that center up and take their nearest remaining one, until none overflows. A full
+    center stays full (it only trades rows for nearer ones), so a group with at most k * room rows always
+    fits, in at most k rounds.
+    """
+    n, k = dist.shape
+    dist = dist.clone()
+    assign = dist.argmin(dim=1).numpy()
+    pending = np.arange(n)
+    while len(pending):
+        chosen = dist[np.arange(n), assign].numpy()
+        key = group * k + assign
+        rank = _rank_within(key, np.lexsort((np.arange(n), chosen, key)))  # nearest first, then by row
+        pending = np.flatnonzero(rank >= room)
+        rows = torch.from_numpy(pending)
+        dist[rows, torch.from_numpy(assign[pending])] = torch.inf
+        assign[pending] = dist[rows].argmin(dim=1).numpy()
+    return assign
+
+
+def residual_codes(
+    embeddings: np.ndarray, codebooks: list[int], last_size: int, iters=20, seed=0, item_ids=None, source="embeddings"
+) -> np.ndarray:
     """Codes [n, len(codebooks)+1]: residual k-means levels, then a rank among items with the same prefix."""
-    x = torch.as_tensor(embeddings, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    residual = x.clone()
-    columns = []
-    for k in codebooks:
-        centers, assign = kmeans(residual, k, iters, generator)
-        residual = residual - centers[assign]
-        columns.append(assign.numpy())
-    prefix = np.stack(columns, axis=1) if columns else np.zeros((len(x), 0), dtype=np.int64)
-    _, group = np.unique(prefix, axis=0, return_inverse=True)
-    group = group.reshape(-1)
-    order = np.argsort(group, kind="stable")
-    sorted_group = group[order]
-    starts = np.searchsorted(sorted_group, sorted_group, side="left")
-    rank = np.empty(len(x), dtype=np.int64)
-    rank[order] = np.arange(len(x)) - starts
-    if rank.max() >= last_size:
+    x = _checked_matrix(embeddings, item_ids, source)
+    sizes = [*codebooks, last_size]
+    if len(x) > prod(sizes):
         raise GenrecError(
-            f"{int(rank.max()) + 1} items share one code prefix but the last level has only {last_size} tokens: "
+            f"{source}: {len(x)} items do not fit in {len(sizes)} levels of {sizes} tokens ({prod(sizes)} codes): "
             "use a model with more levels or a larger codebook"
         )
-    return np.concatenate([prefix, rank[:, None]], axis=1)
+    x = x / x.abs().max().clamp_min(torch.finfo(x.dtype).tiny)  # k-means is scale-free; this keeps cdist finite
+    generator = torch.Generator().manual_seed(seed)
+    residual, prefix, columns = x.clone(), np.zeros(len(x), dtype=np.int64), []
+    for level, k in enumerate(codebooks):
+        centers = kmeans(residual, k, iters, generator)
+        assign = balanced_assign(torch.cdist(residual, centers), prefix, room=prod(sizes[level + 1 :]))
+        residual = residual - centers[assign]
+        prefix = np.unique(prefix * len(centers) + assign, return_inverse=True)[1].reshape(-1)
+        columns.append(assign)
+    rank = _rank_within(prefix, np.argsort(prefix, kind="stable"))
+    return np.stack([*columns, rank], axis=1)
+
+
+def _rank_within(key: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Each row's rank among the rows with its key, in `order` (a permutation that sorts by key)."""
+    sorted_key = key[order]
+    rank = np.empty(len(key), dtype=np.int64)
+    rank[order] = np.arange(len(key)) - np.searchsorted(sorted_key, sorted_key, side="left")
+    return rank
+
+
+def _checked_matrix(embeddings, item_ids, source: str) -> torch.Tensor:
+    x = torch.as_tensor(np.asarray(embeddings, dtype=np.float32))
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise GenrecError(f"{source}: expected a non-empty [items, dim] matrix of embeddings, got {tuple(x.shape)}")
+    bad = torch.nonzero(~torch.isfinite(x).all(dim=1)).flatten().tolist()
+    if bad:
+        row = bad[0]
+        name = f"item {item_ids[row]!r} (row {row})" if item_ids is not None else f"row {row}"
+        raise GenrecError(
+            f"{source}: {name} has a non-finite embedding value (NaN, infinity, or beyond float32); "
+            f"{len(bad)} rows affected"
+        )
+    return x
+
+
+def catalog_from_embeddings(
+    item_ids, embeddings, level_ranges: list[tuple[int, int]], iters=20, seed=0, source="embeddings"
+) -> Catalog:
+    """Item IDs + embeddings [n, dim] -> a validated catalog whose codes use the tokenizer's level ranges."""
+    sizes = [hi - lo + 1 for lo, hi in level_ranges]
+    codes = residual_codes(embeddings, sizes[:-1], sizes[-1], iters, seed, item_ids, source)
+    token_ids = codes + np.array([lo for lo, _ in level_ranges])
+    return Catalog.validated(np.asarray(item_ids, dtype=object), token_ids, level_ranges, source)
 
 
 def build_catalog(embeddings_path: Path, level_ranges: list[tuple[int, int]], iters=20, seed=0) -> Catalog:
@@ -61,9 +121,11 @@ def build_catalog(embeddings_path: Path, level_ranges: list[tuple[int, int]], it
             raise GenrecError(f"{embeddings_path}: column {column!r} is missing (have {table.column_names})")
     item_ids = np.array(table.column("item_id").to_pylist(), dtype=object)
     vectors = table.column("embedding").to_pylist()
-    if len({len(v) for v in vectors}) != 1:
-        raise GenrecError(f"{embeddings_path}: embeddings have different lengths")
-    sizes = [hi - lo + 1 for lo, hi in level_ranges]
-    codes = residual_codes(np.asarray(vectors, dtype=np.float32), sizes[:-1], sizes[-1], iters, seed)
-    token_ids = codes + np.array([lo for lo, _ in level_ranges])
-    return Catalog.validated(item_ids, token_ids, level_ranges, embeddings_path)
+    lengths = [len(v) if v is not None else 0 for v in vectors]
+    if len(set(lengths)) > 1 or 0 in lengths:
+        row = next(i for i, n in enumerate(lengths) if n != max(lengths) or n == 0)
+        raise GenrecError(
+            f"{embeddings_path}: column 'embedding' is null, empty or of another length on row {row} "
+            f"(item {item_ids[row]!r}: {lengths[row]} values; lengths seen: {sorted(set(lengths))})"
+        )
+    return catalog_from_embeddings(item_ids, vectors, level_ranges, iters, seed, str(embeddings_path))

@@ -179,3 +179,47 @@ def test_model_version_is_a_content_hash(tiny_dir, tmp_path):
     assert model_version(copy) == model_version(tiny_dir)
     (copy / "genrec" / "catalog.parquet").write_bytes((copy / "genrec" / "catalog.parquet").read_bytes() + b"x")
     assert model_version(copy) != model_version(tiny_dir)
+
+
+def edit_config(model_dir, **fields):
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(fields)
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (None, "hidden_size must be a positive integer, not 'abc'"),
+    ],
+)
+def test_invalid_config_is_reported_as_config_not_tokenizer(broken, body, fragment):
+    if body is None:
+        edit_config(broken, hidden_size="abc")
+    else:
+        (broken / "config.json").write_text(body)
+    expect_error(broken, ModelDirectoryError, "config.json", fragment)
+    with pytest.raises(ModelDirectoryError) as info:
+        Engine.from_pretrained(broken)
+    assert "tokenizer" not in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 0), ("vocab_size", -5), ("head_dim", 15)])
+def test_config_fields_out_of_range(broken, field, value):
+    edit_config(broken, **{field: value})
+    expect_error(broken, ModelDirectoryError, "config.json", field)
+
+
+def test_max_positions_must_hold_a_prompt_token_and_a_code(broken):
+    edit_config(broken, max_position_embeddings=3)  # the tiny model's codes have 3 levels
+    expect_error(broken, ModelDirectoryError, "config.json", "max_position_embeddings 3", "needs at least 4")
+    edit_config(broken, max_position_embeddings=4)
+    assert Engine.from_pretrained(broken).max_prompt_tokens == 1
+
+
+def test_catalog_path_that_is_a_directory(broken):
+    (broken / "genrec" / "catalog.parquet").unlink()
+    (broken / "genrec" / "catalog.parquet").mkdir()
+    expect_error(broken, CatalogError, "catalog.parquet", "is a directory")

@@ -72,7 +72,7 @@ class Engine:
         self.score_max_tokens = score_max_tokens
         self.prefill_pack_tokens = prefill_pack_tokens
         # Room for the generated code after the prompt.
-        self.max_prompt_tokens = model.config.max_position_embeddings - catalog.levels
+        self.max_prompt_tokens = model.config.prompt_room(catalog.levels)
 
     @classmethod
     def from_pretrained(

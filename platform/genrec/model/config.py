@@ -54,8 +54,21 @@ class Qwen3Config:
             raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
         return cls.from_dict(raw, path)
 
+    def prompt_room(self, levels: int) -> int:
+        """Positions left for a prompt once a `levels`-token code follows it: at least one, or the model is refused."""
+        room = self.max_position_embeddings - levels
+        if room < 1:
+            raise ModelDirectoryError(
+                "config.json",
+                f"max_position_embeddings {self.max_position_embeddings} cannot hold a 1-token prompt plus a "
+                f"{levels}-token semantic-ID code (needs at least {levels + 1})",
+            )
+        return room
+
     @classmethod
     def from_dict(cls, raw: dict, path: Path | str = "config.json") -> Qwen3Config:
+        if not isinstance(raw, dict):
+            raise ModelDirectoryError(path, f"config.json must be a JSON object, not {type(raw).__name__}")
         if raw.get("model_type") != "qwen3":
             raise ModelDirectoryError(path, f"model_type is {raw.get('model_type')!r}, genrec serves 'qwen3' only")
         if raw.get("use_sliding_window"):
@@ -63,32 +76,49 @@ class Qwen3Config:
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelDirectoryError(path, f"hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ModelDirectoryError(path, f"rope_parameters must be an object, not {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ModelDirectoryError(path, f"rope type {rope_type!r} is not supported (default only)")
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
-        missing = [
-            k
-            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-            if k not in raw
-        ]
+        missing = [k for k in _REQUIRED if k not in raw]
         if missing:
             raise ModelDirectoryError(path, f"config.json lacks {', '.join(missing)}")
-        heads = int(raw["num_attention_heads"])
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        heads = _positive_int(raw, "num_attention_heads", path)
+        kv_heads = _positive_int(raw, "num_key_value_heads", path, default=heads)
         if heads % kv_heads:
             raise ModelDirectoryError(path, f"num_attention_heads {heads} is not a multiple of kv heads {kv_heads}")
+        head_dim = _positive_int(raw, "head_dim", path, default=_positive_int(raw, "hidden_size", path) // heads)
+        if head_dim % 2:
+            raise ModelDirectoryError(path, f"head_dim {head_dim} must be even (rotary embedding)")
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            vocab_size=_positive_int(raw, "vocab_size", path),
+            hidden_size=_positive_int(raw, "hidden_size", path),
+            intermediate_size=_positive_int(raw, "intermediate_size", path),
+            num_hidden_layers=_positive_int(raw, "num_hidden_layers", path),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            head_dim=head_dim,
+            rms_norm_eps=_positive_float(raw, "rms_norm_eps", path, 1e-6),
+            rope_theta=_positive_float(rope, "rope_theta", path, _positive_float(raw, "rope_theta", path, 1e6)),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", path, default=40960),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
         )
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _positive_int(raw: dict, key: str, path, default: int | None = None) -> int:
+    value = raw.get(key) if raw.get(key) is not None else default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelDirectoryError(path, f"{key} must be a positive integer, not {value!r}")
+    return value
+
+
+def _positive_float(raw: dict, key: str, path, default: float) -> float:
+    value = raw.get(key) if raw.get(key) is not None else default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ModelDirectoryError(path, f"{key} must be a positive number, not {value!r}")
+    return float(value)

@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 from genrec.errors import ModelDirectoryError
+from genrec.model.config import Qwen3Config
 
 GENREC_SUBDIR = "genrec"
 
@@ -18,6 +19,8 @@ class ModelDirectory:
         for name in ("config.json",):
             if not (self.path / name).exists():
                 raise ModelDirectoryError(self.path, f"{name} is missing")
+        # Validated first: the tokenizer reads config.json too and would report a bad one as its own failure.
+        self.config = Qwen3Config.from_file(self.path / "config.json")
         if not self.catalog_path.exists():
             raise ModelDirectoryError(self.path, f"{GENREC_SUBDIR}/catalog.parquet is missing (the item catalog)")
 

@@ -43,3 +43,7 @@ class Overloaded(GenrecError):
 
 class RequestTimeout(GenrecError, TimeoutError):
     """A request did not finish within its deadline; its resources were freed."""
+
+
+class EngineStopped(GenrecError):
+    """The engine was shut down: requests it held were failed (or drained) and new ones are refused."""

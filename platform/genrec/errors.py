@@ -33,6 +33,14 @@ class InvalidRequestError(GenrecError, ValueError):
         return type(self), (self.field, self.problem)
 
 
+class CacheError(GenrecError, ValueError):
+    """Bad input to the embedding cache: IDs, vectors, a cache configuration or a bulk-load file."""
+
+
+class StoreError(GenrecError):
+    """A backing store cannot serve: unreachable, unreadable, or holding vectors of another width."""
+
+
 class Overloaded(GenrecError):
     """The engine's queue is full: retry later (HTTP 503 with Retry-After)."""
 

@@ -7,6 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -223,3 +225,54 @@ def test_catalog_path_that_is_a_directory(broken):
     (broken / "genrec" / "catalog.parquet").unlink()
     (broken / "genrec" / "catalog.parquet").mkdir()
     expect_error(broken, CatalogError, "catalog.parquet", "is a directory")
+
+
+def rewrite_weight(model_dir, name, change):
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors[name] = change(tensors[name])
+    save_file(tensors, str(model_dir / "model.safetensors"))
+
+
+def shard_index(model_dir, shard_name):
+    (model_dir / "model.safetensors").unlink()
+    names = ["model.embed_tokens.weight"]  # the rest is unread: the first shard is refused
+    index = {"weight_map": dict.fromkeys(names, shard_name)}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_weight_map_paths_must_stay_inside_the_directory(broken, tmp_path, where):
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(broken / "model.safetensors", outside)  # a valid file: only its place is wrong
+    shard_index(broken, str(outside) if where == "absolute" else "../outside.safetensors")
+    expect_error(broken, ModelDirectoryError, "model.safetensors.index.json", "outside.safetensors", "inside")
+
+
+def test_symlinked_shards_load_as_in_the_hugging_face_cache(broken, tmp_path):
+    blob = tmp_path / "blobs" / "0123abcd"  # the HF cache links snapshot files to blobs outside the snapshot
+    blob.parent.mkdir()
+    shutil.move(broken / "model.safetensors", blob)
+    (broken / "model-00001-of-00001.safetensors").symlink_to(blob)
+    names = load_file(str(blob)).keys()
+    index = {"weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert len(Engine.from_pretrained(broken).catalog) == 300
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(broken, value):
+    rewrite_weight(broken, "model.layers.1.mlp.up_proj.weight", lambda w: w.index_fill(0, torch.tensor([3]), value))
+    expect_error(broken, ModelDirectoryError, "model.layers.1.mlp.up_proj.weight", "NaN or infinite")
+
+
+def test_weights_that_overflow_the_model_dtype_are_refused(broken):
+    rewrite_weight(broken, "model.norm.weight", lambda w: w.fill_(1e6))  # finite in float32, not in float16
+    with pytest.raises(ModelDirectoryError, match="model.norm.weight holds NaN or infinite values"):
+        Engine.from_pretrained(broken, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_integer_or_bool_weights_are_refused_naming_the_tensor(broken, dtype):
+    name = "model.layers.0.self_attn.q_proj.weight"
+    rewrite_weight(broken, name, lambda w: w.to(dtype))
+    expect_error(broken, ModelDirectoryError, name, str(dtype), "floating point")

@@ -9,7 +9,7 @@ import torch
 from genrec.errors import ModelDirectoryError
 from genrec.model.config import Qwen3Config
 from genrec.model.qwen3 import Qwen3, Rotary
-from genrec.model.weights import load_state_dict
+from genrec.model.weights import load_state_dict, model_weight
 
 
 def load_qwen3(model_dir: Path, device="cpu", dtype: torch.dtype = torch.float32) -> Qwen3:
@@ -29,7 +29,7 @@ def load_qwen3(model_dir: Path, device="cpu", dtype: torch.dtype = torch.float32
         raise ModelDirectoryError(
             model_dir, f"tensor {n} has shape {tuple(tensors[n].shape)}, config implies {tuple(expected[n])}"
         )
-    state = {n: tensors[n].to(device=device, dtype=dtype) for n in expected}
+    state = {n: model_weight(n, tensors[n], device, dtype, model_dir) for n in expected}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(config.head_dim, config.rope_theta).to(device)
     return model.eval().requires_grad_(False).fuse()

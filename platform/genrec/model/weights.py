@@ -18,15 +18,38 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     if single.exists():
         return _read(single)
     if index.exists():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as err:
-            raise ModelDirectoryError(index, f"not a valid safetensors index ({err})") from None
         tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:
+        for shard in _shards(index):
             tensors.update(_read(model_dir / shard))
         return tensors
     raise ModelDirectoryError(model_dir, "no model.safetensors (nor model.safetensors.index.json) in the directory")
+
+
+def model_weight(name: str, tensor: torch.Tensor, device, dtype: torch.dtype, model_dir: Path) -> torch.Tensor:
+    """One checkpoint tensor in the model's dtype on its device. Integer or bool tensors, and values that are
+    not finite in the model's dtype, are refused: they would load fine and serve NaN scores."""
+    if not tensor.is_floating_point():
+        raise ModelDirectoryError(model_dir, f"tensor {name} has dtype {tensor.dtype}; weights must be floating point")
+    weight = tensor.to(device=device, dtype=dtype)
+    if not torch.isfinite(weight).all():
+        raise ModelDirectoryError(model_dir, f"tensor {name} holds NaN or infinite values (as {dtype})")
+    return weight
+
+
+def _shards(index: Path) -> list[str]:
+    """The index's shard file names. Each must be a relative path that stays inside the model directory.
+    (Symbolic links are followed: the Hugging Face cache links every file to a blob outside the snapshot.)"""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = set(weight_map.values())
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ModelDirectoryError(index, f"not a valid safetensors index ({type(err).__name__}: {err})") from None
+    for name in names:
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ModelDirectoryError(
+                index, f"weight_map names {name!r}: a shard must be a relative path inside the model directory"
+            )
+    return sorted(names)
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:

@@ -51,3 +51,24 @@ def test_matches_plain_softmax(monkeypatch, fused, S, U, causal):
     got = shared_context_attention(q, groups, suf_k, suf_v, mask, 0.3)
     want = reference(q, groups, suf_k, suf_v, mask, 0.3)
     assert (got - want).abs().max().item() < 1e-5
+
+
+def zero_row_groups() -> None:
+    """A group of no rows (a request with nothing left to score) among others, fused kernel on."""
+    g = torch.Generator().manual_seed(5)
+    R, S, H, KV, D, U = 3, 1, 4, 2, 8, 2
+    q = torch.randn(R, S, H, D, generator=g)
+    suf_k, suf_v = torch.randn(R, U, KV, D, generator=g), torch.randn(R, U, KV, D, generator=g)
+    ctx = [torch.randn(KV, 9, D, generator=g) for _ in range(4)]
+    full = [LayerContext(0, 0, ctx[0], ctx[1]), LayerContext(0, 3, ctx[2], ctx[3])]
+    got = shared_context_attention(q, full, suf_k, suf_v, None, 0.3)
+    assert (got - reference(q, full[1:], suf_k, suf_v, None, 0.3)).abs().max().item() < 1e-5
+    out, lse = attention.context_attention(q.new_empty(KV, 0, D), ctx[0], ctx[1], 0.3)
+    assert out.shape == (KV, 0, D) and lse.shape == (KV, 0)
+    print("ok")
+
+
+def test_zero_row_groups_never_reach_a_kernel():
+    from tests.test_engine_robustness import run_isolated
+
+    assert run_isolated("tests.test_attention:zero_row_groups").strip() == "ok"

@@ -57,7 +57,8 @@ def shared_context_attention(
 
     q: [R, S, H, D] (S query positions per row); suffix_k/suffix_v: [R, U, KV, D];
     suffix_mask: [R or 1, S, U] bool (True = may attend) or None for "all visible". Every query position
-    must see at least one suffix key. Rows outside every group attend to their suffix only.
+    must see at least one suffix key. Rows outside every group attend to their suffix only; a group of
+    no rows is skipped (a zero-row query must never reach a fused kernel: the CPU one dies on it).
     Returns [R, S, H, D] in q's dtype.
     """
     R, S, H, D = q.shape
@@ -83,7 +84,7 @@ def shared_context_attention(
         outs.append(q_all.new_zeros(KV, rows * width, D))
         lses.append(torch.full((KV, rows * width), float("-inf"), device=q.device))
 
-    for g in sorted(groups, key=lambda g: g.start):
+    for g in sorted((g for g in groups if g.stop > g.start), key=lambda g: g.start):
         if g.start > row:
             nothing(g.start - row)
         if g.k.shape[1] == 0:
@@ -110,7 +111,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     Returns (out [KV, M, D] in q's dtype, log-sum-exp of the scores [KV, M] float32). Uses PyTorch's
     fused flash kernels where they apply (they return the log-sum-exp we need for the merge), else matmuls.
     """
-    fused = _fused_kernel(q)
+    fused = _fused_kernel(q) if q.shape[1] else None  # no queries: never a fused kernel (SIGFPE on CPU)
     if fused is not None:
         try:
             out, lse = fused(q[None], k[None], v[None], scale)

@@ -31,8 +31,12 @@ class LabelScores:
 
 
 def score_jobs(model: Qwen3, jobs: list[ScoreJob], max_tokens: int = 16384) -> list[LabelScores]:
-    """Score every job's candidates; rows of many jobs share passes of at most `max_tokens` padded tokens."""
-    parts: list[list[LabelScores]] = [[] for _ in jobs]
+    """Score every job's candidates; rows of many jobs share passes of at most `max_tokens` padded tokens.
+
+    A job without candidates (a recommend that excluded everything) gets empty scores and no rows in any pass.
+    """
+    empty = LabelScores(torch.empty(0, device=model.device), torch.empty(0, device=model.device))
+    parts: list[list[LabelScores]] = [[empty] for _ in jobs]  # every job has a part, even with no rows
     for chunk in _chunks(jobs, max_tokens):
         for job_index, scores in zip(chunk.job_index, _score_chunk(model, chunk), strict=True):
             parts[job_index].append(scores)
@@ -59,8 +63,9 @@ def _chunks(jobs: list[ScoreJob], max_tokens: int):
                 yield chunk
                 chunk, rows, widest, start = _Chunk([], []), 0, len(cand), i
             rows, longest = rows + 1, widest
-        chunk.job_index.append(index)
-        chunk.segments.append((job.ctx, job.candidates[start:], job.labels))
+        if start < len(job.candidates):  # a job of no rows adds no segment: zero rows never reach attention
+            chunk.job_index.append(index)
+            chunk.segments.append((job.ctx, job.candidates[start:], job.labels))
     if chunk.segments:
         yield chunk
 

@@ -9,7 +9,7 @@ from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreReques
 from genrec.engine import AsyncEngine, SchedulerConfig
 from genrec.engine.kv_budget import request_kv_tokens
 from genrec.engine.scheduler import Scheduler
-from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
+from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from tests.conftest import random_prompt
 
 
@@ -222,3 +222,134 @@ def test_an_error_in_the_loop_itself_fails_requests_instead_of_hanging(engine, r
     assert len(again.result(timeout=30).items) == 3
     assert ae.kv_bytes_reserved == 0
     ae.shutdown()
+
+
+# -- shutdown, health, live limits -------------------------------------------------------------------------
+
+
+def slow_requests(engine, rng, n=20):
+    """Enough work that most are still queued or running a fraction of a second after submission."""
+    return [RetrieveRequest(prompt_token_ids=random_prompt(engine, 200, rng), beam_width=64) for _ in range(n)]
+
+
+async def submit_then_shutdown(ae, requests, wait_s, **shutdown):
+    tasks = [asyncio.ensure_future(call(ae, r)) for r in requests]
+    await asyncio.sleep(wait_s)
+    started = time.monotonic()
+    await asyncio.to_thread(ae.shutdown, **shutdown)
+    took = time.monotonic() - started
+    done, pending = await asyncio.wait(tasks, timeout=1.0)  # settled by shutdown: nothing left to wait for
+    assert not pending, f"{len(pending)} of {len(tasks)} callers still waiting after shutdown"
+    return [t.exception() or t.result() for t in tasks], took
+
+
+def test_shutdown_fails_every_queued_and_running_request_promptly(engine, rng):
+    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=16, max_running=4))
+    outcomes, took = asyncio.run(submit_then_shutdown(ae, slow_requests(engine, rng), 0.2, timeout_s=10.0))
+    stopped = [o for o in outcomes if isinstance(o, EngineStopped)]
+    assert len(stopped) >= 10 and all(isinstance(o, EngineStopped) or o.items for o in outcomes)
+    assert took < 5.0 and not ae.healthy
+    with pytest.raises(EngineStopped):
+        ae.submit(RetrieveRequest(prompt="user liked"))
+    assert ae.kv_bytes_reserved == 0 and ae.scheduler.idle
+    assert ae.metrics()["requests"].get("retrieve:stopped", 0) >= 1
+
+
+def test_shutdown_with_drain_finishes_what_it_holds_and_refuses_new_requests(engine, rng):
+    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=64, max_running=8))
+    requests = slow_requests(engine, rng)[:6]
+
+    async def drain_while_submitting():
+        tasks = [asyncio.ensure_future(call(ae, r)) for r in requests]
+        await asyncio.sleep(0.05)
+        closing = asyncio.ensure_future(asyncio.to_thread(ae.shutdown, timeout_s=120.0, drain=True))
+        while ae.healthy:
+            await asyncio.sleep(0.005)
+        with pytest.raises(EngineStopped, match="shut down"):
+            ae.submit(requests[0])
+        await closing
+        return await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+
+    results = asyncio.run(drain_while_submitting())
+    for request, result in zip(requests, results, strict=True):
+        assert_same(result, run_alone(engine, request))
+    assert ae.kv_bytes_reserved == 0
+
+
+def test_a_drain_that_runs_out_of_time_fails_the_rest(engine, rng):
+    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=8, max_running=2))
+    outcomes, took = asyncio.run(submit_then_shutdown(ae, slow_requests(engine, rng), 0.05, timeout_s=0.3, drain=True))
+    assert took < 3.0
+    assert sum(isinstance(o, EngineStopped) for o in outcomes) >= 10
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies on purpose
+def test_a_dead_loop_is_unhealthy_and_refuses_requests(engine, monkeypatch):
+    ae = AsyncEngine(engine)
+    assert ae.healthy
+    monkeypatch.setattr(ae.scheduler, "step", lambda: (_ for _ in ()).throw(SystemExit("loop gone")))
+    ae._wake.set()
+    ae._thread.join(5)
+    assert not ae.healthy
+    with pytest.raises(EngineStopped, match="not running"):
+        ae.submit(RetrieveRequest(prompt="user liked"))
+    ae.shutdown(timeout_s=1.0)
+
+
+def test_reconfigure_changes_live_limits_and_validates_them(engine, rng):
+    ae = AsyncEngine(engine)
+    request = RetrieveRequest(prompt_token_ids=random_prompt(engine, 10, rng))
+    try:
+        config = ae.reconfigure(max_queue=1, request_timeout_s=5.0, max_running=3, prefill_tokens_per_step=32)
+        assert (config.max_queue, config.max_running) == (1, 3) and ae.scheduler.config is config
+        for fields, name in [
+            ({"max_running": 0}, "max_running"),
+            ({"prefill_tokens_per_step": 0}, "prefill_tokens_per_step"),
+            ({"request_timeout_s": 0}, "request_timeout_s"),
+            ({"max_queue": True}, "max_queue"),
+            ({"kv_budget_bytes": 1 << 20}, "kv_budget_bytes"),  # sized once: not live
+            ({"no_such_limit": 1}, "no_such_limit"),
+        ]:
+            with pytest.raises(InvalidRequestError) as caught:
+                ae.reconfigure(**fields)
+            assert caught.value.field == name
+        assert ae.scheduler.config is config  # a refused change changes nothing
+        assert len(asyncio.run(ae.retrieve(request)).items) == request.beam_width  # and it still serves
+    finally:
+        ae.shutdown()
+
+
+def test_a_lower_max_queue_applies_to_the_next_submission(engine, rng):
+    scheduler = Scheduler(engine)
+    request = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 10, rng)))
+    scheduler.submit(request)
+    scheduler.reconfigure(max_queue=1)
+    with pytest.raises(Overloaded, match="1 waiting"):
+        scheduler.submit(request)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prefill_tokens_per_step": 0},
+        {"max_running": 0},
+        {"max_queue": 0},
+        {"request_timeout_s": 0},
+        {"request_timeout_s": float("nan")},
+        {"kv_budget_bytes": 0},
+        {"context_cache_entries": -1},
+        {"max_running": 2.5},
+    ],
+)
+def test_scheduler_config_refuses_values_that_would_stall(fields):
+    with pytest.raises(InvalidRequestError, match=next(iter(fields))):
+        SchedulerConfig(**fields)
+
+
+def test_a_zero_or_negative_request_timeout_is_refused_not_defaulted(engine, rng):
+    scheduler = Scheduler(engine)
+    prepared = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 5, rng)))
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(InvalidRequestError, match="timeout_s"):
+            scheduler.submit(prepared, bad)
+    assert scheduler.idle

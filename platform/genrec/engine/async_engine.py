@@ -3,6 +3,8 @@
 Requests are validated in the caller's thread (errors raise at once, before queueing); the loop thread
 runs `Scheduler.step()` so that requests of every kind, width and prompt length meet in the same
 iterations. Cancelling the awaiting task cancels the request and frees its KV at the next iteration.
+`shutdown()` settles every request it holds (fails it with EngineStopped, or first lets it finish when
+draining) before it returns, so no caller waits past it.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
 from genrec.api import RecommendRequest, RecommendResult, RetrieveRequest, RetrieveResult, ScoreRequest, ScoreResult
 from genrec.engine.engine import Engine
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
+from genrec.errors import EngineStopped
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +29,9 @@ class AsyncEngine:
         self.engine = engine
         self.scheduler = Scheduler(engine, config)
         self._lock = threading.Lock()  # one submitter at a time: the tokenizer is not thread-safe
+        self._closed = False  # set under _lock: after it, nothing new is admitted
+        self._held: set[Future] = set()  # the futures of every unfinished request: what a shutdown settles
+        self._settled = threading.Condition()  # notified whenever a held future is done
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
@@ -47,14 +54,27 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.submit(request, timeout_s))
 
     def submit(self, request, timeout_s: float | None = None) -> Future:
-        """Thread-safe, non-blocking: validate, queue, return a future. Raises Overloaded when full."""
-        if self._stop.is_set():
-            raise RuntimeError("the engine is shut down")
+        """Thread-safe, non-blocking: validate, queue, return a future. Raises Overloaded when full and
+        EngineStopped once the engine is shut down (or its loop is gone)."""
         with self._lock:
+            if not self.healthy:
+                raise EngineStopped("the engine is shut down" if self._closed else "the engine loop is not running")
             prepared = self.engine.prepare(request)
             future = self.scheduler.submit(prepared, timeout_s)
+            with self._settled:
+                self._held.add(future)
+            future.add_done_callback(self._release)
         self._wake.set()
         return future
+
+    @property
+    def healthy(self) -> bool:
+        """False once shut down, or when the loop thread is dead."""
+        return not self._closed and self._thread.is_alive()
+
+    def reconfigure(self, **fields) -> SchedulerConfig:
+        """Change live limits (request_timeout_s, max_queue, max_running, prefill_tokens_per_step); validated."""
+        return self.scheduler.reconfigure(**fields)
 
     def metrics(self) -> dict:
         snapshot = self.scheduler.metrics.snapshot()
@@ -66,10 +86,31 @@ class AsyncEngine:
     def kv_bytes_reserved(self) -> int:
         return self.scheduler.budget.reserved
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0, drain: bool = False) -> None:
+        """Stop admitting requests and settle every one held. drain=False fails them at once with EngineStopped;
+        drain=True lets them finish for up to `timeout_s`, then fails the rest. Returns within about timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._closed = True
+        if drain:
+            with self._settled:
+                self._settled.wait_for(lambda: not self._held, timeout=max(0.0, deadline - time.monotonic()))
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout_s)
+        with self._settled:
+            held = list(self._held)
+        stopped = EngineStopped("the engine shut down before this request finished")
+        for future in held:
+            try:
+                future.set_exception(stopped)
+            except InvalidStateError:
+                pass  # it finished or was cancelled meanwhile
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _release(self, future: Future) -> None:
+        with self._settled:
+            self._held.discard(future)
+            self._settled.notify_all()
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -84,3 +125,5 @@ class AsyncEngine:
             if not worked:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
+        # Stopped: free the KV of what was still running (its callers already have EngineStopped).
+        self.scheduler.fail_all(EngineStopped("the engine shut down before this request finished"), status="stopped")

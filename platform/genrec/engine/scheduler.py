@@ -18,6 +18,7 @@ import torch
 
 from genrec.api import RetrieveResult
 from genrec.engine.beam import BeamCohort, fetch_finals
+from genrec.engine.checks import check_int, check_seconds
 from genrec.engine.context_cache import ContextCache, context_key
 from genrec.engine.decode import decode_step
 from genrec.engine.engine import Engine, Prefilled
@@ -39,6 +40,20 @@ class SchedulerConfig:
     kv_budget_bytes: int | None = None  # default: 4 GiB on CPU, half the free memory on CUDA
     request_timeout_s: float = 60.0
     context_cache_entries: int = 0  # LRU of recent prefills by exact prompt; 0 = off
+
+    def __post_init__(self):
+        """Zero would stall the engine (every request times out) or refuse everything: refused here instead."""
+        check_int("max_queue", self.max_queue)
+        check_int("prefill_tokens_per_step", self.prefill_tokens_per_step)
+        check_seconds("request_timeout_s", self.request_timeout_s)
+        check_int("context_cache_entries", self.context_cache_entries, least=0)
+        for name in ("max_running", "kv_budget_bytes"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+
+
+# What `Scheduler.reconfigure` may change while requests run (the KV budget and the cache are sized once).
+LIVE_FIELDS = ("request_timeout_s", "max_queue", "max_running", "prefill_tokens_per_step")
 
 
 @dataclass(eq=False)
@@ -64,12 +79,11 @@ class Job:
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig | None = None):
         self.engine = engine
-        self.config = config or SchedulerConfig()
-        if self.config.max_running is None:
-            self.config = replace(self.config, max_running=8 if engine.device.type == "cuda" else 64)
+        self.config = _by_device(config or SchedulerConfig(), engine.device)
         self.model = engine.model
         self.per_token = kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
-        self.budget = KVBudget(self.config.kv_budget_bytes or _default_budget(engine.device))
+        budget = self.config.kv_budget_bytes
+        self.budget = KVBudget(budget if budget is not None else _default_budget(engine.device))
         self.cache = ContextCache(self.config.context_cache_entries)
         self.metrics = EngineMetrics()
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
@@ -79,7 +93,16 @@ class Scheduler:
 
     # -- submission (any thread; the AsyncEngine serialises submitters) ---------------------------
 
+    def reconfigure(self, **fields) -> SchedulerConfig:
+        """Change live limits (LIVE_FIELDS) between iterations; the new values are validated first."""
+        fixed = sorted(set(fields) - set(LIVE_FIELDS))
+        if fixed:
+            raise InvalidRequestError(fixed[0], f"cannot change on a running engine (live: {', '.join(LIVE_FIELDS)})")
+        self.config = _by_device(replace(self.config, **fields), self.engine.device)  # one atomic swap
+        return self.config
+
     def submit(self, prepared: Prepared, timeout_s: float | None = None) -> Future:
+        timeout_s = check_seconds("timeout_s", timeout_s) if timeout_s is not None else self.config.request_timeout_s
         kv_bytes = self.per_token * request_kv_tokens(prepared, self.engine.catalog.levels)
         if kv_bytes > self.budget.capacity:
             raise InvalidRequestError(
@@ -88,7 +111,7 @@ class Scheduler:
         if len(self.waiting) + len(self.inbox) >= self.config.max_queue:
             raise Overloaded(f"engine queue is full ({self.config.max_queue} waiting requests)")
         now = time.monotonic()
-        job = Job(prepared, Future(), now, now + (timeout_s or self.config.request_timeout_s), kv_bytes)
+        job = Job(prepared, Future(), now, now + timeout_s, kv_bytes)
         self.inbox.append(job)
         return job.future
 
@@ -245,13 +268,13 @@ class Scheduler:
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
-    def fail_all(self, error: BaseException) -> None:
-        """Fail every request in the engine (after an unexpected error in the loop itself)."""
+    def fail_all(self, error: BaseException, status: str = "error") -> None:
+        """Fail every request in the engine (after an unexpected error in the loop itself, or at shutdown)."""
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
         for queue in (self.waiting, self.prefilling, self.decoding):
             while queue:
-                self._finish(queue.pop(), error=error, status="error")
+                self._finish(queue.pop(), error=error, status=status)
 
     def _guarded(self, jobs: list[Job], fn) -> None:
         """Run fn on the jobs together; if that raises, run it on each alone so only the culprit fails."""
@@ -289,6 +312,12 @@ class Scheduler:
             pass  # the caller cancelled meanwhile: nobody waits for this result
         self.metrics.finished(job.kind, status, time.monotonic() - job.submitted)
         self.metrics.kv_bytes_reserved = self.budget.reserved
+
+
+def _by_device(config: SchedulerConfig, device: torch.device) -> SchedulerConfig:
+    if config.max_running is not None:
+        return config
+    return replace(config, max_running=8 if device.type == "cuda" else 64)
 
 
 def _default_budget(device: torch.device) -> int:

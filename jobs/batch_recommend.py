@@ -1,0 +1,62 @@
+"""Nightly batch recommendation: users Parquet -> one row per (user, rank) in OUT/recommendations/.
+
+    python jobs/batch_recommend.py --model DIR --users USERS.parquet --out OUT_DIR [--rank] [--actors N]
+    ray job submit --working-dir . -- python jobs/batch_recommend.py --model ... (absolute paths)
+
+Rerun with the same arguments after a failure: committed shards are skipped, the rest are computed.
+Exit status: 0, or 1 when the fraction of bad rows passes --max-error-fraction, or 2 for bad arguments.
+"""
+
+import argparse
+
+from genrec.batch import BatchSpec, Execution, ensure_ray, run_batch
+from genrec.batch.job_args import add_cache_flags, cache_spec, run_job
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory")
+    parser.add_argument("--users", required=True, help="Parquet file or directory: user_id, prompt | prompt_token_ids")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--beam-width", type=int, default=30)
+    parser.add_argument("--num-results", type=int, default=None, help="items per user (default: beam width)")
+    parser.add_argument("--rank", action="store_true", help="recommend: score the retrieved items (and candidates)")
+    parser.add_argument("--batch-size", type=int, default=64, help="users per engine call and per output file")
+    parser.add_argument("--actors", type=int, default=1, help="engine actors (one model copy each)")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor (0: CPU engine)")
+    parser.add_argument("--cpus-per-actor", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per actor")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--max-error-fraction", type=float, default=0.01)
+    parser.add_argument("--no-progress", action="store_true", help="no Ray Data progress bars")
+    add_cache_flags(parser)
+    args = parser.parse_args()
+
+    spec = BatchSpec(
+        model=args.model,
+        users=args.users,
+        out=args.out,
+        beam_width=args.beam_width,
+        num_results=args.num_results,
+        rank=args.rank,
+        batch_size=args.batch_size,
+        device="cuda" if args.num_gpus > 0 else "cpu",
+        dtype=args.dtype,
+        cache=cache_spec(args),
+    )
+    execution = Execution(
+        actors=args.actors,
+        num_gpus=args.num_gpus,
+        cpus_per_actor=args.cpus_per_actor,
+        threads=args.threads,
+        max_error_fraction=args.max_error_fraction,
+        progress=not args.no_progress,
+    )
+    ensure_ray()
+    summary = run_batch(spec, execution)
+    print(summary.line(), flush=True)
+    return 1 if summary.failed(execution.max_error_fraction) else 0
+
+
+if __name__ == "__main__":
+    run_job(main)

@@ -1,0 +1,7 @@
+"""Batch recommendation on Ray Data (the jobs in `jobs/` are thin wrappers around these functions)."""
+
+from genrec.batch.pipeline import Summary, ensure_ray, run_batch
+from genrec.batch.spec import BatchSpec, Execution
+from genrec.batch.user_embeddings import CacheSpec, load_user_embeddings
+
+__all__ = ["BatchSpec", "CacheSpec", "Execution", "Summary", "ensure_ray", "load_user_embeddings", "run_batch"]

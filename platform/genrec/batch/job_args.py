@@ -1,0 +1,43 @@
+"""What the scripts in `jobs/` share: the embedding-cache flags and one clear line for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from genrec.batch.user_embeddings import CacheSpec
+from genrec.errors import GenrecError
+
+
+def add_cache_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    group = parser.add_argument_group("embedding cache (the named EmbeddingCache actor; created on first use)")
+    group.add_argument("--cache", required=required, metavar="NAME", help="cache name")
+    group.add_argument("--cache-shards", type=int, default=1)
+    group.add_argument("--cache-capacity", type=int, default=1_000_000, help="vectors resident per shard")
+    group.add_argument("--cache-store", choices=["sqlite", "redis", "none"], default="sqlite")
+    group.add_argument("--cache-store-path", default="/tmp/genrec-embeddings.sqlite", help="sqlite file")
+    group.add_argument("--cache-redis-url", default="redis://127.0.0.1:6379/0")
+
+
+def cache_spec(args: argparse.Namespace) -> CacheSpec | None:
+    if not args.cache:
+        return None
+    return CacheSpec(
+        name=args.cache,
+        shards=args.cache_shards,
+        capacity=args.cache_capacity,
+        store=args.cache_store,
+        store_path=args.cache_store_path,
+        redis_url=args.cache_redis_url,
+    )
+
+
+def run_job(main: Callable[[], int]) -> None:
+    """Exit with main's status; bad input (a missing file, invalid settings or data) exits 2 with one line."""
+    try:
+        status = main()
+    except (GenrecError, ValueError, FileNotFoundError) as err:  # ValueError: pydantic's and load_parquet's
+        print(f"error: {err}", file=sys.stderr)
+        status = 2
+    sys.exit(status)

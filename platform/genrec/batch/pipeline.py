@@ -1,0 +1,141 @@
+"""run_batch: batch recommendation as a Ray Data pipeline over input shards, resumable and idempotent.
+
+    plan shards (driver)  ->  skip committed ones  ->  from_items(pending shards)
+      -> map_batches(ShardWorker, ActorPoolStrategy): read shard, validate rows, one engine call, commit files
+      -> per-shard reports  ->  summary
+
+Why shards and not Ray Data's read_parquet/write_parquet: Ray Data's blocks have no stable identity, and its
+checkpointing resumes per write task (at small scale one task held everything). A shard is a fixed row range
+with a fixed output name, committed by an atomic move, so a killed run loses only the shards in flight, a
+rerun recomputes exactly the missing ones, and every shard's results depend on its rows alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from genrec.batch.output import OutputDir, ShardCounts
+from genrec.batch.shards import Shard, UsersInput
+from genrec.batch.spec import BatchSpec, Execution
+from genrec.errors import GenrecError
+from genrec.model.directory import ModelDirectory, model_version
+
+
+@dataclass
+class Summary:
+    users: int
+    shards: int
+    processed: int  # users computed by this invocation
+    skipped_as_done: int  # users whose shard an earlier invocation had committed
+    rows_written: int  # recommendation rows in the output, all invocations
+    errors: int  # bad rows in the output, all invocations
+    error_fraction: float
+    seconds: float
+    users_per_s: float  # processed / seconds
+    run_id: str
+    model_version: str
+    out: str
+
+    def line(self) -> str:
+        return "batch summary: " + json.dumps(asdict(self))
+
+    def failed(self, max_error_fraction: float) -> bool:
+        return self.error_fraction > max_error_fraction
+
+
+def ensure_ray():
+    """Connect to the cluster (`ray job submit` sets RAY_ADDRESS) or start a local one."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs; a cluster's own setting wins
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    return ray
+
+
+def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
+    start = time.perf_counter()
+    _check_device(spec, execution)
+    directory = ModelDirectory(spec.model)
+    users = UsersInput(spec.users)
+    version = model_version(spec.model)
+    out = OutputDir(spec.out)
+    run_id = out.open_run(spec.identity(version, users.fingerprint()))
+    out.remove_stale_tmp()
+    shards = users.shards(spec.batch_size)
+    counts = out.committed(shards)
+    skipped = sum(s.rows for s in shards if s.index in counts)
+    pending = [s for s in shards if s.index not in counts]
+    processed = 0
+    if pending:
+        cache = spec.cache.connect(_user_dim(directory)) if spec.cache else None
+        for report in _run_shards(pending, spec, execution, version, run_id, cache):
+            if report["skipped"]:  # committed meanwhile by a late worker of a killed run
+                skipped += report["users"]
+            else:
+                processed += report["users"]
+            counts[report["shard"]] = ShardCounts(report["rows"], report["errors"])
+    rows = sum(c.rows for c in counts.values())
+    errors = sum(c.errors for c in counts.values())
+    seconds = time.perf_counter() - start
+    return Summary(
+        users=users.rows,
+        shards=len(shards),
+        processed=processed,
+        skipped_as_done=skipped,
+        rows_written=rows,
+        errors=errors,
+        error_fraction=errors / max(users.rows, 1),
+        seconds=round(seconds, 3),
+        users_per_s=round(processed / seconds, 2),
+        run_id=run_id,
+        model_version=version,
+        out=spec.out,
+    )
+
+
+def _run_shards(pending: list[Shard], spec: BatchSpec, execution: Execution, version: str, run_id: str, cache):
+    ray = ensure_ray()
+    from ray.data import ActorPoolStrategy, DataContext
+
+    from genrec.batch.worker import ShardWorker
+
+    DataContext.get_current().enable_progress_bars = execution.progress
+    dataset = ray.data.from_items([s.as_row() for s in pending], override_num_blocks=len(pending))
+    reports = dataset.map_batches(
+        ShardWorker,
+        fn_constructor_kwargs={
+            "spec": spec,
+            "model_version": version,
+            "run_id": run_id,
+            "cache": cache,
+            "threads": execution.threads,
+        },
+        batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
+        batch_format="pyarrow",
+        compute=ActorPoolStrategy(size=min(execution.actors, len(pending))),
+        num_cpus=execution.cpus_per_actor,
+        num_gpus=execution.num_gpus or None,
+    )
+    yield from reports.iter_rows()
+
+
+def _check_device(spec: BatchSpec, execution: Execution) -> None:
+    on_gpu = spec.device.startswith("cuda")
+    if on_gpu != (execution.num_gpus > 0):
+        raise GenrecError(
+            f"device {spec.device!r} with num_gpus={execution.num_gpus}: a CUDA engine needs GPUs per actor "
+            "and a CPU engine none"
+        )
+
+
+def _user_dim(directory: ModelDirectory) -> int:
+    from safetensors import safe_open
+
+    if not directory.soft_token_path.exists():
+        raise GenrecError(f"{directory.path}: the model has no soft-token projector to take user embeddings")
+    with safe_open(str(directory.soft_token_path), "pt") as tensors:
+        return tensors.get_slice("weight").get_shape()[1]

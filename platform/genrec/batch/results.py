@@ -1,0 +1,66 @@
+"""Engine results and row errors -> the output tables: one row per (user, rank), one row per bad input row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from genrec.batch.rows import RowError
+
+
+def output_schema(user_id: pa.DataType) -> pa.Schema:
+    return pa.schema(
+        [
+            ("user_id", user_id),
+            ("rank", pa.int32()),  # 1 = best
+            ("item_id", pa.string()),
+            ("semantic_id", pa.list_(pa.int64())),
+            ("retrieval_logprob", pa.float64()),  # null for a given candidate (recommend)
+            ("score", pa.float64()),  # recommend: the label logprob it is ranked by; retrieve: null
+            ("model_version", pa.string()),
+            ("run_id", pa.string()),
+        ]
+    )
+
+
+def error_schema(user_id: pa.DataType) -> pa.Schema:
+    return pa.schema(
+        [
+            ("user_id", user_id),
+            ("row", pa.int64()),  # in its input file
+            ("field", pa.string()),
+            ("reason", pa.string()),
+            ("run_id", pa.string()),
+        ]
+    )
+
+
+def recommendations_table(
+    user_ids: pa.Array, positions: list[int], results: list, rank: bool, model_version: str, run_id: str
+) -> pa.Table:
+    """`results`: RetrieveResults (items ranked by beam logprob) or, with `rank`, RecommendResults (by score)."""
+    counts = np.asarray([len(r.items) for r in results], dtype=np.int64)
+    items = [item for r in results for item in r.items]
+    first_of_user = np.repeat(np.cumsum(counts) - counts, counts)
+    columns = {
+        "user_id": user_ids.take(pa.array(np.repeat(np.asarray(positions, dtype=np.int64), counts))),
+        "rank": pa.array(np.arange(len(items)) - first_of_user + 1, pa.int32()),
+        "item_id": [item.item_id for item in items],
+        "semantic_id": [item.semantic_id for item in items],
+        "retrieval_logprob": [item.retrieval_logprob if rank else item.logprob for item in items],
+        "score": [item.score_logprob if rank else None for item in items],
+        "model_version": [model_version] * len(items),
+        "run_id": [run_id] * len(items),
+    }
+    return pa.table(columns, schema=output_schema(user_ids.type))
+
+
+def errors_table(user_ids: pa.Array, errors: list[RowError], first_row: int, run_id: str) -> pa.Table:
+    columns = {
+        "user_id": user_ids.take(pa.array([e.position for e in errors], pa.int64())),
+        "row": [first_row + e.position for e in errors],
+        "field": [e.field for e in errors],
+        "reason": [e.reason for e in errors],
+        "run_id": [run_id] * len(errors),
+    }
+    return pa.table(columns, schema=error_schema(user_ids.type))

@@ -1,0 +1,68 @@
+"""Input rows -> engine requests. A bad row becomes an error (field, reason), never an exception."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+from pydantic import ValidationError
+
+from genrec.api import RecommendRequest, RetrieveRequest
+
+REQUEST_COLUMNS = ("prompt", "prompt_token_ids", "user_embedding", "exclude_item_ids")
+
+
+@dataclass
+class RowError:
+    position: int  # row in the shard
+    field: str
+    reason: str
+
+
+@dataclass
+class Parsed:
+    requests: list = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # the shard row of each request
+    errors: list[RowError] = field(default_factory=list)
+
+
+def parse_rows(
+    table: pa.Table, rank: bool, beam_width: int, num_results: int | None, embeddings: list | None = None
+) -> Parsed:
+    """Validate every row with the API models. `embeddings` (from the cache) fill rows that carry none."""
+    kind = RecommendRequest if rank else RetrieveRequest
+    wanted = [*REQUEST_COLUMNS, "candidates"] if rank else list(REQUEST_COLUMNS)
+    columns = {name: table.column(name).to_pylist() for name in wanted if name in table.column_names}
+    user_ids = table.column("user_id").to_pylist()
+    parsed = Parsed()
+    for row, user_id in enumerate(user_ids):
+        if user_id is None:
+            parsed.errors.append(RowError(row, "user_id", "is null"))
+            continue
+        fields = {name: values[row] for name, values in columns.items() if values[row] is not None}
+        if embeddings is not None and "user_embedding" not in fields:
+            if embeddings[row] is None:
+                parsed.errors.append(RowError(row, "user_embedding", "none in the row and none in the cache"))
+                continue
+            fields["user_embedding"] = embeddings[row]
+        if "candidates" in fields:
+            fields["candidates"] = [{"item_id": c} if isinstance(c, str) else c for c in fields["candidates"]]
+        try:
+            request = kind(**fields, beam_width=beam_width, num_results=num_results)
+        except ValidationError as err:
+            parsed.errors.append(_validation_error(row, err, kind))
+            continue
+        parsed.requests.append(request)
+        parsed.positions.append(row)
+    return parsed
+
+
+def _validation_error(row: int, err: ValidationError, kind) -> RowError:
+    first = err.errors()[0]
+    reason = first["msg"].removeprefix("Value error, ")
+    name = ".".join(str(part) for part in first["loc"])
+    if not name:  # a check across fields: its message quotes the field(s) it is about
+        quoted = [f for f in re.findall(r"'(\w+)'", reason) if f in kind.model_fields]
+        name = quoted[0] if quoted else "row"
+    return RowError(row, name, reason)

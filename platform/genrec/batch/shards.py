@@ -1,0 +1,139 @@
+"""The users input and its shards: fixed row ranges of the Parquet file(s), numbered in a stable order.
+
+A shard is the unit of work, of output and of resumption: one engine call, one output file. Its number
+depends only on the input files and the batch size, so a rerun names every shard as the first run did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from genrec.batch.storage import filesystem
+from genrec.errors import GenrecError
+
+PROMPT_COLUMNS = ("prompt", "prompt_token_ids")
+OPTIONAL_COLUMNS = ("user_embedding", "exclude_item_ids", "candidates")
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    path: str  # inside the input's filesystem
+    start: int  # first row in that file
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"part-{self.index:06d}.parquet"
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str
+    rows: int
+    row_group_starts: tuple[int, ...]
+    footer: str  # digest of size and Parquet footer: changes when the file does
+
+
+class UsersInput:
+    """A Parquet file or a directory of them (read in sorted name order) with one row per user."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.fs, root = filesystem(uri)
+        info = self.fs.get_file_info(root)
+        if info.type == pafs.FileType.NotFound:
+            raise GenrecError(f"{uri}: no such file or directory (expected the users Parquet)")
+        paths = [root] if info.type == pafs.FileType.File else _parquet_files(self.fs, root)
+        if not paths:
+            raise GenrecError(f"{uri}: no .parquet files in this directory")
+        self.files = [self._describe(path) for path in paths]
+        self.columns = self._check_schema()
+
+    def _describe(self, path: str) -> InputFile:
+        try:
+            with self.fs.open_input_file(path) as handle:
+                size = handle.size()
+                meta = pq.ParquetFile(handle).metadata
+        except (OSError, pa.ArrowException) as err:
+            raise GenrecError(f"{path}: not a readable Parquet file ({err})") from None
+        starts, offset = [], 0
+        for i in range(meta.num_row_groups):
+            starts.append(offset)
+            offset += meta.row_group(i).num_rows
+        text = json.dumps([size, meta.to_dict()], sort_keys=True, default=str)
+        return InputFile(path, meta.num_rows, tuple(starts), hashlib.sha256(text.encode()).hexdigest())
+
+    def _check_schema(self) -> list[str]:
+        schemas = []
+        for file in self.files:
+            with self.fs.open_input_file(file.path) as handle:
+                schemas.append((file.path, pq.read_schema(handle)))
+        path, schema = schemas[0]
+        for other_path, other in schemas[1:]:
+            if other.names != schema.names:
+                raise GenrecError(f"{other_path}: columns {other.names} differ from {path}'s {schema.names}")
+        if "user_id" not in schema.names:
+            raise GenrecError(f"{path}: column 'user_id' is missing (have {schema.names})")
+        kind = schema.field("user_id").type
+        if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise GenrecError(f"{path}: column 'user_id' must hold integers or strings, not {kind}")
+        if not any(c in schema.names for c in PROMPT_COLUMNS):
+            raise GenrecError(f"{path}: needs a column 'prompt' (text) or 'prompt_token_ids' (have {schema.names})")
+        return [c for c in ("user_id", *PROMPT_COLUMNS, *OPTIONAL_COLUMNS) if c in schema.names]
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    def fingerprint(self) -> str:
+        text = json.dumps([(f.path.rsplit("/", 1)[-1], f.footer) for f in self.files])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def shards(self, rows_per_shard: int) -> list[Shard]:
+        out = []
+        for file in self.files:
+            for start in range(0, file.rows, rows_per_shard):
+                out.append(Shard(len(out), file.path, start, min(start + rows_per_shard, file.rows)))
+        return out
+
+    def file(self, path: str) -> InputFile:
+        return next(f for f in self.files if f.path == path)
+
+
+class ShardReader:
+    """Reads a shard's rows: the row groups that cover it, kept while consecutive shards fall in them."""
+
+    def __init__(self, users: UsersInput):
+        self.users = users
+        self._cached: tuple[tuple, pa.Table] | None = None
+
+    def read(self, shard: Shard) -> pa.Table:
+        file = self.users.file(shard.path)
+        starts, ends = file.row_group_starts, (*file.row_group_starts[1:], file.rows)
+        groups = [i for i, (s, e) in enumerate(zip(starts, ends, strict=True)) if s < shard.stop and e > shard.start]
+        key = (shard.path, tuple(groups))
+        if self._cached is None or self._cached[0] != key:
+            with self.users.fs.open_input_file(shard.path) as handle:
+                table = pq.ParquetFile(handle).read_row_groups(groups, columns=self.users.columns)
+            self._cached = (key, table)
+        return self._cached[1].slice(shard.start - starts[groups[0]], shard.rows)
+
+
+def _parquet_files(fs: pafs.FileSystem, root: str) -> list[str]:
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    visible = [i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith((".", "_"))]
+    return sorted(i.path for i in visible if i.path.endswith(".parquet"))

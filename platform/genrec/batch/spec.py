@@ -1,0 +1,68 @@
+"""What a batch run computes (its identity) and how it executes (not part of the identity)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from genrec.api import MAX_BEAM_WIDTH
+from genrec.batch.user_embeddings import CacheSpec
+
+FORMAT = 1  # bump when the output layout or columns change
+
+
+class BatchSpec(BaseModel):
+    """Everything that decides the output: two runs with equal specs (and equal inputs) write equal files."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="model directory")
+    users: str = Field(description="users Parquet file or directory (local path or URI)")
+    out: str = Field(description="output directory (local path or URI)")
+    beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH)
+    num_results: int | None = Field(None, ge=1, description="items per user (default: beam_width)")
+    rank: bool = Field(False, description="recommend (retrieve, then score on the same prefill) instead of retrieve")
+    batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
+    device: str = "cpu"
+    dtype: str | None = Field(None, description="default: bfloat16 on CUDA, float32 on the CPU")
+    cache: CacheSpec | None = Field(None, description="user embeddings by user_id when the input has none")
+
+    @model_validator(mode="after")
+    def _results_within_beam(self):
+        if self.num_results is not None and self.num_results > self.beam_width:
+            raise ValueError(f"num_results ({self.num_results}) exceeds beam_width ({self.beam_width})")
+        return self
+
+    def identity(self, model_version: str, input_fingerprint: str) -> dict:
+        """The settings a rerun must share with the first run for its output to be the same run's."""
+        return {
+            "format": FORMAT,
+            "model_version": model_version,
+            "input": input_fingerprint,
+            "beam_width": self.beam_width,
+            "num_results": self.num_results or self.beam_width,
+            "rank": self.rank,
+            "batch_size": self.batch_size,
+            "device": self.device.split(":")[0],
+            "dtype": self.dtype,
+            "cache": self.cache.name if self.cache else None,
+        }
+
+
+def run_id_of(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Execution(BaseModel):
+    """How the run is spread over the cluster; changing it between a run and its rerun is fine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    actors: int = Field(1, ge=1, description="engine actors in the pool (one model copy each)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0: CPU engine)")
+    cpus_per_actor: float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
+    threads: int | None = Field(None, ge=1, description="torch threads per actor (default: Ray's, 1 per CPU)")
+    max_error_fraction: float = Field(0.01, ge=0, le=1, description="exit non-zero above this fraction of users")
+    progress: bool = Field(True, description="Ray Data progress bars")

@@ -1,0 +1,82 @@
+"""User embeddings for batch jobs from the shared EmbeddingCache actor: lookup by user_id, and bulk load."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from genrec.errors import GenrecError
+
+
+class CacheSpec(BaseModel):
+    """Which cache to use: created on first use with these settings, found by name afterwards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    shards: int = Field(1, ge=1)
+    capacity: int = Field(1_000_000, gt=0)
+    policy: str = "lru"
+    store: Literal["sqlite", "redis", "none"] = "sqlite"
+    store_path: str = "/tmp/genrec-embeddings.sqlite"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+
+    def connect(self, dim: int):
+        from genrec.cache.actor import CacheConfig, EmbeddingCache
+
+        settings = self.model_dump(exclude={"name", "shards"})
+        return EmbeddingCache.connect(self.name, CacheConfig(dim=dim, **settings), shards=self.shards)
+
+
+def lookup(cache, user_ids: list) -> list[list[float] | None]:
+    """Each user's embedding from the cache, None where it has none (or the user_id is null)."""
+    present = [i for i, u in enumerate(user_ids) if u is not None]
+    out: list[list[float] | None] = [None] * len(user_ids)
+    if present:
+        vectors, found = cache.get(np.asarray([user_ids[i] for i in present]))
+        for i, vector, hit in zip(present, vectors, found, strict=True):
+            if hit:
+                out[i] = vector.tolist()
+    return out
+
+
+class _ThroughCache:
+    """The Store protocol of `load_parquet` over the cache client: each put writes the actor's durable store
+    first and then its table, so the load is durable and warms the actor in one pass."""
+
+    def __init__(self, cache, dim: int):
+        self.cache, self.dim = cache, dim
+
+    def put_many(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+        self.cache.put(keys, vectors)
+
+    def close(self) -> None:
+        pass
+
+
+def load_user_embeddings(path: str, spec: CacheSpec, dim: int | None = None, batch_rows: int = 65536) -> dict:
+    """Bulk-load a `user_id, embedding` Parquet into the cache (created if it does not exist yet)."""
+    from genrec.cache import load_parquet
+
+    dim = dim or _embedding_dim(path)
+    cache = spec.connect(dim)
+    loaded = load_parquet(path, _ThroughCache(cache, dim), batch_rows=batch_rows)
+    resident = sum(s["resident"] for s in cache.stats())
+    return {"cache": spec.name, "shards": spec.shards, "dim": dim, "loaded": loaded, "resident": resident}
+
+
+def _embedding_dim(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, ValueError) as err:
+        raise GenrecError(f"{path}: not a readable Parquet file ({err})") from None
+    if "embedding" not in parquet.schema_arrow.names:
+        raise GenrecError(f"{path}: column 'embedding' is missing (have {parquet.schema_arrow.names})")
+    first = parquet.read_row_group(0, columns=["embedding"]).column(0) if parquet.num_row_groups else None
+    if first is None or len(first) == 0 or first[0].as_py() is None:
+        raise GenrecError(f"{path}: no embeddings to take the dimension from (pass the dimension explicitly)")
+    return len(first[0].as_py())

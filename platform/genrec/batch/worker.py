@@ -1,0 +1,94 @@
+"""The Ray Data callable class: one Engine per actor; each call runs whole shards, read to committed.
+
+Nothing here imports Ray: Ray Data constructs the class once per actor and calls it with batches of shard
+descriptors. A shard is read, validated row by row, run through the engine in ONE call (so its results
+depend on the shard alone, never on scheduling) and committed; a shard already committed is skipped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from genrec.batch.output import OutputDir
+from genrec.batch.results import errors_table, recommendations_table
+from genrec.batch.rows import Parsed, RowError, parse_rows
+from genrec.batch.shards import Shard, ShardReader, UsersInput
+from genrec.batch.spec import BatchSpec
+from genrec.batch.user_embeddings import lookup
+from genrec.errors import GenrecError, InvalidRequestError
+
+REPORT = pa.schema(
+    [
+        ("shard", pa.int64()),
+        ("users", pa.int64()),
+        ("rows", pa.int64()),
+        ("errors", pa.int64()),
+        ("skipped", pa.bool_()),
+        ("seconds", pa.float64()),
+    ]
+)
+
+
+class ShardWorker:
+    def __init__(self, spec: BatchSpec, model_version: str, run_id: str, cache=None, threads: int | None = None):
+        import torch
+
+        from genrec.engine import Engine
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.spec, self.model_version, self.run_id, self.cache = spec, model_version, run_id, cache
+        self.engine = Engine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype)
+        self.reader = ShardReader(UsersInput(spec.users))
+        self.out = OutputDir(spec.out)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self.run(Shard(**row)) for row in batch.to_pylist()], schema=REPORT)
+
+    def run(self, shard: Shard) -> dict:
+        start = time.perf_counter()
+        done = self.out.counts(shard)  # a retried task, or a late duplicate of a shard
+        skipped = done is not None
+        if not skipped:
+            done = self.out.commit(shard, *self.compute(shard))
+        seconds = time.perf_counter() - start
+        return {
+            "shard": shard.index,
+            "users": shard.rows,
+            "rows": done.rows,
+            "errors": done.errors,
+            "skipped": skipped,
+            "seconds": seconds,
+        }
+
+    def compute(self, shard: Shard) -> tuple[pa.Table, pa.Table]:
+        table = self.reader.read(shard)
+        user_ids = table.column("user_id").combine_chunks()
+        embeddings = None
+        if self.cache is not None and "user_embedding" not in table.column_names:
+            embeddings = lookup(self.cache, user_ids.to_pylist())
+        spec = self.spec
+        parsed = parse_rows(table, spec.rank, spec.beam_width, spec.num_results, embeddings)
+        self._check_against_model(parsed)
+        run = self.engine.recommend if spec.rank else self.engine.retrieve
+        results = run(parsed.requests) if parsed.requests else []
+        return (
+            recommendations_table(user_ids, parsed.positions, results, spec.rank, self.model_version, self.run_id),
+            errors_table(user_ids, sorted(parsed.errors, key=lambda e: e.position), shard.start, self.run_id),
+        )
+
+    def _check_against_model(self, parsed: Parsed) -> None:
+        """Move requests the model refuses (too long, unknown candidate, wrong embedding size) to the errors."""
+        keep = []
+        for request, position in zip(parsed.requests, parsed.positions, strict=True):
+            try:
+                self.engine.prepare(request)
+                keep.append((request, position))
+            except InvalidRequestError as err:
+                parsed.errors.append(RowError(position, err.field, err.problem))
+            except GenrecError as err:
+                parsed.errors.append(RowError(position, "request", str(err)))
+        parsed.requests = [r for r, _ in keep]
+        parsed.positions = [p for _, p in keep]

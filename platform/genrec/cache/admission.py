@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from genrec.cache.hash_index import mix64
+from genrec.cache.keys import mix64
 
 _SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5], dtype=np.uint64)
 

@@ -9,19 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from genrec.cache.keys import EMPTY, TOMBSTONE
-
-
-def mix64(keys: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: spreads sequential IDs over the table."""
-    z = keys.view(np.uint64).copy()
-    with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    return z
+from genrec.cache.keys import EMPTY, TOMBSTONE, mix64
 
 
 class HashIndex:

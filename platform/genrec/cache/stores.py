@@ -1,29 +1,38 @@
-"""Backing stores behind one small protocol, plus a bulk load from Parquet.
+"""Backing stores behind one small protocol.
 
 * SQLiteStore: the embedded default. One local file; WAL with synchronous=FULL and one transaction
-  per batch, so a `put_many` that returned survives a crash of the process or the machine.
-* RedisStore: a real Redis server; one MGET / one pipelined MSET per batch.
+  per batch, so a `put_many` that returned survives a crash of the process or the machine. The file
+  records its vector width; opening it with another `dim` is refused.
+* RedisStore: a real Redis server; one MGET / one MSET per batch. The width is recorded under
+  `{prefix}dim` at open; opening the same prefix with another `dim` is refused.
+
+Both accept the IDs the table does (integers or strings, see `genrec.cache.keys`), check every write
+(one row of `dim` finite values per ID) before it reaches the store, and turn a backend failure into a
+`StoreError`. Both are safe to share between threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from genrec.cache.keys import normalize_keys
+from genrec.cache.vectors import check_dim, checked_batch
+from genrec.errors import CacheError, StoreError
 
 
 class Store(Protocol):
     dim: int
 
-    def get_many(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """keys [n] int64 -> (vectors [n, dim] float32, found [n] bool)."""
+    def get_many(self, keys) -> tuple[np.ndarray, np.ndarray]:
+        """IDs [n] -> (vectors [n, dim] float32, found [n] bool)."""
 
-    def put_many(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+    def put_many(self, keys, vectors) -> None:
         """Durable when it returns (as durable as the store is)."""
 
     def close(self) -> None: ...
@@ -33,87 +42,136 @@ class SQLiteStore:
     _CHUNK = 900  # SQLite's bound-parameter limit is 999 on older builds
 
     def __init__(self, path: str | Path, dim: int):
-        self.path, self.dim = str(path), dim
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS embeddings (key INTEGER PRIMARY KEY, vec BLOB NOT NULL)")
+        self.path, self.dim = str(path), check_dim(dim)
+        self._lock = threading.Lock()  # one connection, one statement or transaction at a time
+        try:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except (OSError, sqlite3.Error) as e:
+            raise StoreError(f"{self.path}: cannot open ({e})") from None
+        try:
+            with self._using() as db:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=FULL")
+                db.execute("CREATE TABLE IF NOT EXISTS embeddings (key INTEGER PRIMARY KEY, vec BLOB NOT NULL)")
+                db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                with db:
+                    db.execute("BEGIN IMMEDIATE")
+                    stored = self._recorded_dim(db)
+            if stored != self.dim:
+                raise StoreError(f"{self.path} holds {stored}-d vectors; it cannot be opened with dim={self.dim}")
+        except StoreError:
+            self._db.close()
+            raise
+
+    def _recorded_dim(self, db) -> int:
+        """The width the file records; a file without one (new, or written before the record existed)
+        gets ours, once every vector in it is checked to have that width."""
+        row = db.execute("SELECT value FROM meta WHERE name = 'dim'").fetchone()
+        if row is not None:
+            return int(row[0])
+        wrong = db.execute("SELECT COUNT(*) FROM embeddings WHERE length(vec) != ?", (4 * self.dim,)).fetchone()[0]
+        if wrong:
+            raise StoreError(f"{self.path}: {wrong} stored vectors are not {self.dim} float32 values wide")
+        db.execute("INSERT INTO meta (name, value) VALUES ('dim', ?)", (str(self.dim),))
+        return self.dim
+
+    @contextlib.contextmanager
+    def _using(self):
+        with self._lock:
+            try:
+                yield self._db
+            except sqlite3.Error as e:
+                raise StoreError(f"{self.path}: {e}") from None
 
     def get_many(self, keys):
-        keys = np.asarray(keys, dtype=np.int64)
-        out = np.zeros((len(keys), self.dim), dtype=np.float32)
-        found = np.zeros(len(keys), dtype=bool)
-        position = {k: i for i, k in enumerate(keys.tolist())}
-        for start in range(0, len(keys), self._CHUNK):
-            chunk = keys[start : start + self._CHUNK].tolist()
-            marks = ",".join("?" * len(chunk))
-            for key, blob in self._db.execute(f"SELECT key, vec FROM embeddings WHERE key IN ({marks})", chunk):
-                i = position[key]
-                out[i] = np.frombuffer(blob, dtype=np.float32)
-                found[i] = True
-        return out, found
+        keys = normalize_keys(keys)
+        distinct, inverse = np.unique(keys, return_inverse=True)  # a key asked twice is found twice
+        rows = []
+        with self._using() as db:
+            for start in range(0, len(distinct), self._CHUNK):
+                chunk = distinct[start : start + self._CHUNK].tolist()
+                marks = ",".join("?" * len(chunk))
+                rows += db.execute(f"SELECT key, vec FROM embeddings WHERE key IN ({marks})", chunk).fetchall()
+        vectors = np.zeros((len(distinct), self.dim), dtype=np.float32)
+        found = np.zeros(len(distinct), dtype=bool)
+        if rows:
+            at = np.searchsorted(distinct, np.fromiter((k for k, _ in rows), dtype=np.int64, count=len(rows)))
+            vectors[at] = _rows_of(b"".join(v for _, v in rows), len(rows), self.dim, self.path)
+            found[at] = True
+        return vectors[inverse], found[inverse]
 
     def put_many(self, keys, vectors):
-        rows = zip(np.asarray(keys, dtype=np.int64).tolist(), map(bytes, np.asarray(vectors, np.float32)), strict=True)
-        with self._db:  # one transaction: committed (and fsynced) before we return
-            self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR REPLACE INTO embeddings (key, vec) VALUES (?, ?)", rows)
+        keys, vectors = checked_batch(keys, vectors, self.dim)
+        rows = zip(keys.tolist(), map(bytes, vectors), strict=True)
+        with self._using() as db, db:  # one transaction: committed (and fsynced) before we return
+            db.execute("BEGIN")
+            db.executemany("INSERT OR REPLACE INTO embeddings (key, vec) VALUES (?, ?)", rows)
 
     def count(self) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM embeddings").fetchone()[0]
+        with self._using() as db:
+            return db.execute("SELECT COUNT(*) FROM embeddings").fetchone()[0]
 
     def close(self):
-        self._db.close()
+        with self._lock:
+            self._db.close()
 
 
 class RedisStore:
-    def __init__(self, url: str, dim: int, prefix: str = "genrec:emb:"):
+    def __init__(self, url: str, dim: int, prefix: str = "genrec:emb:", connect_timeout_s: float = 5.0):
         import redis
 
-        self.dim, self.prefix = dim, prefix
-        self._redis = redis.Redis.from_url(url)
+        self.url, self.dim, self.prefix = url, check_dim(dim), prefix
+        try:
+            self._redis = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s)
+        except ValueError as e:
+            raise CacheError(f"redis_url {url!r}: {e}") from None
+        try:
+            with self._using() as r:  # also the reachability check: fail at open, not at the first get
+                r.set(f"{prefix}dim", self.dim, nx=True)  # the first opener records the width
+                stored = int(r.get(f"{prefix}dim"))
+            if stored != self.dim:
+                raise StoreError(f"{url} prefix {prefix!r} holds {stored}-d vectors; cannot open it with dim={dim}")
+        except StoreError:
+            self._redis.close()
+            raise
 
-    def _names(self, keys) -> list[str]:
-        return [f"{self.prefix}{k}" for k in np.asarray(keys, dtype=np.int64).tolist()]
+    @contextlib.contextmanager
+    def _using(self):
+        import redis
+
+        try:
+            yield self._redis
+        except redis.RedisError as e:
+            raise StoreError(f"redis at {self.url}: {e}") from None
+
+    def _names(self, keys: np.ndarray) -> list[str]:
+        return [f"{self.prefix}{k}" for k in keys.tolist()]
 
     def get_many(self, keys):
+        keys = normalize_keys(keys)
         out = np.zeros((len(keys), self.dim), dtype=np.float32)
-        found = np.zeros(len(keys), dtype=bool)
         if len(keys) == 0:
-            return out, found
-        blobs = self._redis.mget(self._names(keys))
+            return out, np.zeros(0, dtype=bool)
+        with self._using() as r:
+            blobs = r.mget(self._names(keys))
         found = np.fromiter((b is not None for b in blobs), dtype=bool, count=len(blobs))
         if found.any():  # one buffer for all found rows, not one array per key
-            out[found] = np.frombuffer(b"".join(b for b in blobs if b is not None), dtype=np.float32).reshape(
-                -1, self.dim
-            )
+            out[found] = _rows_of(b"".join(b for b in blobs if b is not None), int(found.sum()), self.dim, self.url)
         return out, found
 
     def put_many(self, keys, vectors):
-        vectors = np.asarray(vectors, dtype=np.float32)
-        self._redis.mset(dict(zip(self._names(keys), map(bytes, vectors), strict=True)))
+        keys, vectors = checked_batch(keys, vectors, self.dim)
+        if len(keys):
+            with self._using() as r:
+                r.mset(dict(zip(self._names(keys), map(bytes, vectors), strict=True)))
 
     def close(self):
         self._redis.close()
 
 
-def load_parquet(path: str | Path, store: Store, batch_rows: int = 65536) -> int:
-    """Bulk-load `user_id`, `embedding` (list<float>) rows into a store; returns the rows loaded."""
-    parquet = pq.ParquetFile(str(path))
-    for column in ("user_id", "embedding"):
-        if column not in parquet.schema_arrow.names:
-            raise ValueError(f"{path}: column {column!r} is missing (have {parquet.schema_arrow.names})")
-    loaded = 0
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=["user_id", "embedding"]):
-        keys = normalize_keys(batch.column("user_id").to_numpy(zero_copy_only=False))
-        embedding = batch.column("embedding")
-        vectors = np.asarray(embedding.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
-        if len(vectors) != len(keys) * store.dim:
-            raise ValueError(f"{path}: every embedding must have {store.dim} values")
-        vectors = vectors.reshape(len(keys), store.dim)
-        if not np.isfinite(vectors).all():
-            raise ValueError(f"{path}: embeddings contain non-finite values")
-        store.put_many(keys, vectors)
-        loaded += len(keys)
-    return loaded
+def _rows_of(buffer: bytes, rows: int, dim: int, where: str) -> np.ndarray:
+    """`rows` stored vectors, concatenated, as [rows, dim] float32; a width that differs is refused."""
+    if len(buffer) != 4 * rows * dim:
+        raise StoreError(f"{where}: stored vectors are not all {dim} float32 values wide (written by another client?)")
+    return np.frombuffer(buffer, dtype=np.float32).reshape(rows, dim)

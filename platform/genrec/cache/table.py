@@ -2,6 +2,8 @@
 
 Batched `get`/`put` on numpy arrays, with no Python work per key. Misses read through to an optional
 backing store; puts write through to it first, so an acknowledged put is durable when the store is.
+Admission (`admit_after`) gates only the fills of read-through misses; a put always enters the table, so
+an acknowledged write is readable (until evicted by capacity: without a store the table is a bounded cache).
 Like the hash tables of DynamicEmb / HierarchicalKV, but on the host. Not thread-safe: one caller at a
 time (the Ray actor serialises its callers).
 """
@@ -15,7 +17,9 @@ import numpy as np
 from genrec.cache.admission import Admission
 from genrec.cache.hash_index import HashIndex
 from genrec.cache.keys import EMPTY, normalize_keys
-from genrec.cache.policies import make_policy
+from genrec.cache.policies import POLICIES, make_policy
+from genrec.cache.vectors import check_dim, checked_batch
+from genrec.errors import CacheError
 
 
 @dataclass
@@ -41,9 +45,10 @@ class EmbeddingTable:
         store=None,
         **policy_options,
     ):
-        if dim <= 0 or capacity <= 0:
-            raise ValueError("dim and capacity must be positive")
-        self.dim, self.capacity, self.store = dim, capacity, store
+        check_table_options(dim, capacity, policy, admit_after)
+        if store is not None and store.dim != dim:
+            raise CacheError(f"the store holds {store.dim}-d vectors, the table {dim}-d")
+        self.dim, self.capacity, self.store = int(dim), int(capacity), store
         self.values = np.zeros((capacity, dim), dtype=np.float32)
         self.row_key = np.full(capacity, EMPTY, dtype=np.int64)
         self.index = HashIndex(capacity)
@@ -79,10 +84,9 @@ class EmbeddingTable:
         return out, found
 
     def _read_through(self, keys, hit, out, found) -> None:
-        missing, inverse = np.unique(keys[~hit], return_inverse=True)
         if self.store is None:
-            self.admission.record_and_admit(missing)
             return
+        missing, inverse = np.unique(keys[~hit], return_inverse=True)
         vectors, in_store = self.store.get_many(missing)
         self.stats.store_hits += int(in_store.sum())
         positions = np.flatnonzero(~hit)
@@ -95,12 +99,7 @@ class EmbeddingTable:
     def put(self, ids, vectors) -> int:
         """Write vectors (write-through to the store first). Duplicate IDs in one call: the last wins.
         Returns the number of distinct keys written."""
-        keys = normalize_keys(ids)
-        matrix = np.asarray(vectors, dtype=np.float32)
-        if matrix.ndim != 2 or matrix.shape != (len(keys), self.dim):
-            raise ValueError(f"vectors must have shape ({len(keys)}, {self.dim}), got {matrix.shape}")
-        if not np.isfinite(matrix).all():
-            raise ValueError("vectors contain non-finite values (NaN or infinity)")
+        keys, matrix = checked_batch(ids, vectors, self.dim)
         if len(keys) == 0:
             return 0
         keys, matrix = _last_wins(keys, matrix)
@@ -111,16 +110,20 @@ class EmbeddingTable:
         resident = rows >= 0
         self.values[rows[resident]] = matrix[resident]
         self.policy.touch(rows[resident], self.tick)
-        self._offer(keys[~resident], matrix[~resident])
+        self._insert(keys[~resident], matrix[~resident])  # a write bypasses admission
         return len(keys)
 
     def _offer(self, keys: np.ndarray, vectors: np.ndarray) -> None:
-        """Insert keys that pass admission, evicting the lowest-scoring rows when full."""
+        """Fill the table with read-through keys that pass admission."""
         if len(keys) == 0:
             return
         admitted = self.admission.record_and_admit(keys)
         self.stats.admissions_refused += int((~admitted).sum())
-        keys, vectors = keys[admitted][-self.capacity :], vectors[admitted][-self.capacity :]
+        self._insert(keys[admitted], vectors[admitted])
+
+    def _insert(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+        """Insert absent, unique keys, evicting the lowest-scoring rows when full."""
+        keys, vectors = keys[-self.capacity :], vectors[-self.capacity :]
         if len(keys) == 0:
             return
         rows = self._take_rows(len(keys))
@@ -149,6 +152,15 @@ class EmbeddingTable:
 
     def resident_keys(self) -> np.ndarray:
         return self.row_key[self.row_key != EMPTY]
+
+
+def check_table_options(dim, capacity, policy, admit_after) -> None:
+    check_dim(dim)
+    for name, value in (("capacity", capacity), ("admit_after", admit_after)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise CacheError(f"{name} must be a positive integer, got {value!r}")
+    if policy not in POLICIES:
+        raise CacheError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}")
 
 
 def _last_wins(keys: np.ndarray, matrix: np.ndarray):

@@ -42,7 +42,7 @@ def users_rows(engine, n, seed):
 def users(engine, tmp_path_factory):
     path = tmp_path_factory.mktemp("users") / "users.parquet"
     rows = users_rows(engine, USERS, seed=7)
-    pq.write_table(pa.Table.from_pylist(rows, SCHEMA), path, row_group_size=32)  # shards cross row groups
+    pq.write_table(pa.Table.from_pylist(rows, SCHEMA), path, row_group_size=25)  # some shards span two row groups
     return path, rows
 
 

@@ -61,7 +61,7 @@ def parse_rows(
 def _validation_error(row: int, err: ValidationError, kind) -> RowError:
     first = err.errors()[0]
     reason = first["msg"].removeprefix("Value error, ")
-    name = ".".join(str(part) for part in first["loc"])
+    name = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
     if not name:  # a check across fields: its message quotes the field(s) it is about
         quoted = [f for f in re.findall(r"'(\w+)'", reason) if f in kind.model_fields]
         name = quoted[0] if quoted else "row"

@@ -1,0 +1,123 @@
+"""The batch worker and output directory in-process (no Ray): every kind of bad row becomes an error row that
+names its field, a cut output file counts as not done, and a rerun with other settings is refused."""
+
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from genrec.batch import BatchSpec, run_batch
+from genrec.batch.output import OutputDir
+from genrec.batch.shards import UsersInput
+from genrec.batch.worker import ShardWorker
+from genrec.errors import GenrecError
+from genrec.model.directory import model_version
+from genrec.model.tokenizer import USER_TOKEN
+from tests.conftest import random_prompt
+
+SCHEMA = pa.schema(
+    [
+        ("user_id", pa.int64()),
+        ("prompt", pa.string()),
+        ("prompt_token_ids", pa.list_(pa.int64())),
+        ("user_embedding", pa.list_(pa.float32())),
+        ("candidates", pa.list_(pa.string())),
+    ]
+)
+
+
+def test_every_kind_of_bad_row_becomes_an_error_naming_its_field(engine, tiny_dir, tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    placeholder = engine.tokenizer.convert_tokens_to_ids(USER_TOKEN)
+    dim, vocab = engine.projector.user_dim, engine.model.config.vocab_size
+    ok = random_prompt(engine, 12, gen)
+    cases = [  # (row fields, the field its error names; None: a good row)
+        ({"prompt_token_ids": ok}, None),
+        ({"prompt_token_ids": ok, "user_id": None}, "user_id"),
+        ({"prompt": "   "}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt_token_ids": [3, -1]}, "prompt_token_ids[1]"),
+        ({"prompt_token_ids": [vocab + 5]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [3] * (engine.max_prompt_tokens + 1)}, "prompt_token_ids"),
+        ({"prompt_token_ids": [placeholder, *ok], "user_embedding": [0.5] * (dim + 1)}, "user_embedding"),
+        ({"prompt_token_ids": [placeholder, *ok], "user_embedding": [math.nan] * dim}, "user_embedding"),
+        ({"prompt_token_ids": [placeholder, *ok]}, "user_embedding"),
+        ({"prompt_token_ids": ok, "candidates": ["item-000001", "no-such-item"]}, "candidates[1].item_id"),
+        ({"prompt_token_ids": [placeholder, *ok], "user_embedding": [0.1] * dim, "candidates": ["item-000002"]}, None),
+    ]
+    rows = [{"user_id": i, **fields} for i, (fields, _) in enumerate(cases)]
+    pq.write_table(pa.Table.from_pylist(rows, SCHEMA), tmp_path / "users.parquet")
+    spec = BatchSpec(
+        model=str(tiny_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), beam_width=4, rank=True
+    )
+    (shard,) = UsersInput(spec.users).shards(spec.batch_size)
+    OutputDir(spec.out).open_run({})
+    worker = ShardWorker(spec, model_version="v", run_id="r")  # the Ray Data callable class, called in-process
+    (report,) = worker(pa.Table.from_pylist([shard.as_row()])).to_pylist()
+
+    errors = pq.read_table(tmp_path / "out" / "errors" / shard.name).to_pylist()
+    want = [(i, field) for i, (_, field) in enumerate(cases) if field]
+    assert [(e["row"], e["field"]) for e in errors] == want
+    assert [e["user_id"] for e in errors] == [None if i == 1 else i for i, _ in want]
+    assert all(e["reason"] for e in errors)
+    output = pq.read_table(tmp_path / "out" / "recommendations" / shard.name).to_pylist()
+    assert {r["user_id"] for r in output} == {0, len(cases) - 1}
+    assert report == {
+        "shard": 0,
+        "users": len(cases),
+        "rows": len(output),
+        "errors": len(want),
+        "skipped": False,
+        "seconds": report["seconds"],
+    }
+    (again,) = worker(pa.Table.from_pylist([shard.as_row()])).to_pylist()  # a retried task: nothing recomputed
+    assert again["skipped"] and again["rows"] == len(output)
+
+
+def test_a_cut_or_missing_output_file_is_not_done_and_stale_temporaries_go(tmp_path):
+    out = OutputDir(str(tmp_path / "out"))
+    out.open_run({"beam_width": 1})
+    users = tmp_path / "users.parquet"
+    pq.write_table(pa.table({"user_id": list(range(5)), "prompt": ["x"] * 5}), users)
+    shards = UsersInput(str(users)).shards(2)
+    assert [(s.start, s.stop) for s in shards] == [(0, 2), (2, 4), (4, 5)]
+    empty = pa.table({"user_id": pa.array([], pa.int64())})
+    for shard in shards:
+        out.commit(shard, empty, empty)
+    recommendations = tmp_path / "out" / "recommendations"
+    cut = recommendations / shards[1].name
+    cut.write_bytes(cut.read_bytes()[:20])  # as a machine crash might leave it
+    (tmp_path / "out" / "errors" / shards[2].name).unlink()
+    (recommendations / ".part-000009.parquet.0123.tmp").write_bytes(b"partial")
+    assert sorted(out.committed(shards)) == [0]
+    assert out.remove_stale_tmp() == 1 and not list(recommendations.glob(".*"))
+
+
+def test_a_rerun_with_other_settings_is_refused_before_any_work(tiny_dir, tmp_path):
+    users = tmp_path / "users.parquet"
+    pq.write_table(pa.table({"user_id": ["a"], "prompt": ["hello"]}), users)
+    first = BatchSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=8)
+    OutputDir(first.out).open_run(first.identity(model_version(tiny_dir), UsersInput(str(users)).fingerprint()))
+    with pytest.raises(GenrecError, match="another run .*beam_width: 8 -> 9"):
+        run_batch(first.model_copy(update={"beam_width": 9}))
+    pq.write_table(pa.table({"user_id": ["a"], "prompt": ["hello again"]}), users)  # a new night's input
+    with pytest.raises(GenrecError, match="another run .*input"):
+        run_batch(first)
+
+
+@pytest.mark.parametrize(
+    "columns, fragment",
+    [
+        ({"prompt": ["x"]}, "column 'user_id' is missing"),
+        ({"user_id": [1], "text": ["x"]}, "needs a column 'prompt'"),
+        ({"user_id": [1.5], "prompt": ["x"]}, "must hold integers or strings"),
+    ],
+)
+def test_an_unusable_users_file_is_one_clear_error(tmp_path, columns, fragment):
+    pq.write_table(pa.table(columns), tmp_path / "users.parquet")
+    with pytest.raises(GenrecError, match=fragment):
+        UsersInput(str(tmp_path / "users.parquet"))
+    with pytest.raises(GenrecError, match="no such file"):
+        UsersInput(str(tmp_path / "missing.parquet"))

@@ -1,8 +1,12 @@
 """The shared embedding cache as Ray actors: every Serve replica and Ray Data worker uses the same one.
 
-`EmbeddingCache.connect(...)` creates or finds the named actor(s) (`get_if_exists=True`). With `shards=K`
-it creates K actors and fans each batch out by key hash, then gathers. Actors restart after a crash
-(`max_restarts=-1`); the table refills by reading through the durable store, so nothing acknowledged is lost.
+`EmbeddingCache.connect(...)` creates or finds the named actor(s) (`get_if_exists=True`) and waits until
+each answers with its configuration: a cache whose store cannot open (Redis unreachable, a SQLite file of
+another width) fails there with a `StoreError`, and one that exists under the name with another
+configuration (dim, shards, store, ...) with a `CacheError`. With `shards=K` it creates K actors and fans
+each batch out by key hash, then gathers; `get_async` does the same without blocking an event loop.
+Actors restart after a crash (`max_restarts=-1`); the table refills by reading through the durable store,
+so nothing acknowledged is lost.
 Vectors travel as numpy arrays. A batch of 1,000 x 128 floats is 512 KiB: above Ray's default inline
 limit (100 KiB) each reply goes through the object store, which costs more than the lookup itself. Start
 the cluster with `max_direct_call_object_size` of a few MiB (cluster.yaml sets
@@ -11,14 +15,23 @@ RAY_max_direct_call_object_size) so replies travel inline; `genrec bench cache` 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+import urllib.parse
 import uuid
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from genrec.cache.keys import normalize_keys
-from genrec.cache.table import EmbeddingTable
+from genrec.cache.keys import mix64, normalize_keys
+from genrec.cache.table import EmbeddingTable, check_table_options
+from genrec.cache.vectors import checked_batch
+from genrec.errors import CacheError, GenrecError, StoreError
+
+STORES = ("sqlite", "redis", "none")
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,16 @@ class CacheConfig:
     store_path: str = "/tmp/genrec-embeddings.sqlite"  # sqlite: the file (one per shard, suffixed)
     redis_url: str = "redis://127.0.0.1:6379/0"
 
+    def __post_init__(self):
+        check_table_options(self.dim, self.capacity, self.policy, self.admit_after)
+        if self.store not in STORES:
+            raise CacheError(f"store: unknown store {self.store!r}; choose one of {list(STORES)}")
+        if self.store == "sqlite" and not (isinstance(self.store_path, str) and self.store_path):
+            raise CacheError(f"store_path must name a file, got {self.store_path!r}")
+        scheme = urllib.parse.urlparse(self.redis_url).scheme if isinstance(self.redis_url, str) else None
+        if self.store == "redis" and scheme not in ("redis", "rediss", "unix"):
+            raise CacheError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+
 
 def open_store(config: CacheConfig, shard: int):
     from genrec.cache.stores import RedisStore, SQLiteStore
@@ -39,28 +62,42 @@ def open_store(config: CacheConfig, shard: int):
         return SQLiteStore(f"{config.store_path}.{shard}" if shard else config.store_path, config.dim)
     if config.store == "redis":
         return RedisStore(config.redis_url, config.dim)
-    if config.store == "none":
-        return None
-    raise ValueError(f"unknown store {config.store!r}")
+    return None
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class EmbeddingCacheActor:
-    def __init__(self, config: dict, shard: int):
+    """One shard. A store that does not open (now, or after a restart) leaves the actor up without a table:
+    each call retries the open and raises its StoreError, which reaches the caller as itself (a constructor
+    error would reach it only as a bare ActorDiedError)."""
+
+    def __init__(self, config: dict, shard: int, shards: int):
         self.started = uuid.uuid4().hex  # tells a restarted actor from the one before it
-        config = CacheConfig(**config)
-        self.table = EmbeddingTable(
-            config.dim, config.capacity, config.policy, config.admit_after, store=open_store(config, shard)
-        )
+        self.config, self.shard, self.shards = CacheConfig(**config), shard, shards
+        self.table: EmbeddingTable | None = None
+        with contextlib.suppress(GenrecError):
+            self._table()
+
+    def _table(self) -> EmbeddingTable:
+        if self.table is None:
+            c = self.config
+            self.table = EmbeddingTable(c.dim, c.capacity, c.policy, c.admit_after, store=open_store(c, self.shard))
+        return self.table
+
+    def describe(self) -> dict:
+        """The configuration this shard serves (raises if its store does not open)."""
+        self._table()
+        return {**asdict(self.config), "shards": self.shards}
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.table.get(keys)
+        return self._table().get(keys)
 
     def put(self, keys: np.ndarray, vectors: np.ndarray) -> int:
-        return self.table.put(keys, vectors)
+        return self._table().put(keys, vectors)
 
     def stats(self) -> dict:
-        return {**self.table.stats.as_dict(), "resident": len(self.table)}
+        table = self._table()
+        return {**table.stats.as_dict(), "resident": len(table)}
 
     def incarnation(self) -> str:
         return self.started
@@ -74,47 +111,94 @@ class EmbeddingCache:
 
     @classmethod
     def connect(
-        cls, name: str, config: CacheConfig, shards: int = 1, namespace: str | None = "genrec", num_cpus=0
+        cls,
+        name: str,
+        config: CacheConfig,
+        shards: int = 1,
+        namespace: str | None = "genrec",
+        num_cpus=0,
+        timeout_s: float = 60.0,
     ) -> EmbeddingCache:
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise CacheError(f"shards must be a positive integer, got {shards!r}")
         actors = [
             EmbeddingCacheActor.options(
                 name=f"{name}-{i}", namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=num_cpus
-            ).remote(asdict(config), i)
+            ).remote(asdict(config), i, shards)
             for i in range(shards)
         ]
+        _check_started(name, actors, {**asdict(config), "shards": shards}, timeout_s)
         return cls(actors, config.dim)
 
     def _shard_of(self, keys: np.ndarray) -> np.ndarray:
-        from genrec.cache.hash_index import mix64
-
         return (mix64(keys) % np.uint64(len(self.actors))).astype(np.int64)
+
+    def _fan_out(self, method: str, keys: np.ndarray, *columns: np.ndarray) -> list:
+        """Send each shard its keys (and their rows of `columns`): [(positions in the batch or None, ref)]."""
+        if len(self.actors) == 1:
+            return [(None, getattr(self.actors[0], method).remote(keys, *columns))]
+        shard = self._shard_of(keys)
+        calls = []
+        for s, actor in enumerate(self.actors):
+            if len(positions := np.flatnonzero(shard == s)):
+                rows = (c[positions] for c in columns)
+                calls.append((positions, getattr(actor, method).remote(keys[positions], *rows)))
+        return calls
+
+    def _gather(self, n: int, calls: list, replies: list) -> tuple[np.ndarray, np.ndarray]:
+        if len(calls) == 1 and calls[0][0] is None:
+            return replies[0]
+        out = np.zeros((n, self.dim), dtype=np.float32)
+        found = np.zeros(n, dtype=bool)
+        for (positions, _), (vectors, hit) in zip(calls, replies, strict=True):
+            out[positions] = vectors
+            found[positions] = hit
+        return out, found
 
     def get(self, ids) -> tuple[np.ndarray, np.ndarray]:
         keys = normalize_keys(ids)
-        if len(self.actors) == 1:
-            return ray.get(self.actors[0].get.remote(keys))
-        shard = self._shard_of(keys)
-        parts = {s: np.flatnonzero(shard == s) for s in range(len(self.actors))}
-        refs = {s: self.actors[s].get.remote(keys[idx]) for s, idx in parts.items() if len(idx)}
-        out = np.zeros((len(keys), self.dim), dtype=np.float32)
-        found = np.zeros(len(keys), dtype=bool)
-        for s, (vectors, hit) in zip(refs, ray.get(list(refs.values())), strict=True):
-            out[parts[s]] = vectors
-            found[parts[s]] = hit
-        return out, found
+        calls = self._fan_out("get", keys)
+        return self._gather(len(keys), calls, ray.get([ref for _, ref in calls]))
+
+    async def get_async(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """`get` for an event loop (a Serve ingress): awaits the shards' replies, never blocks the loop."""
+        keys = normalize_keys(ids)
+        calls = self._fan_out("get", keys)
+        return self._gather(len(keys), calls, await asyncio.gather(*(ref for _, ref in calls)))
 
     def put(self, ids, vectors) -> int:
-        keys = normalize_keys(ids)
-        matrix = np.asarray(vectors, dtype=np.float32)
-        if len(self.actors) == 1:
-            return ray.get(self.actors[0].put.remote(keys, matrix))
-        shard = self._shard_of(keys)
-        refs = [
-            self.actors[s].put.remote(keys[idx], matrix[idx])
-            for s in range(len(self.actors))
-            if len(idx := np.flatnonzero(shard == s))
-        ]
-        return sum(ray.get(refs))
+        """Write `vectors` [n, dim] under `ids` [n] (checked here, before any shard is written)."""
+        keys, matrix = checked_batch(ids, vectors, self.dim)
+        return sum(ray.get([ref for _, ref in self._fan_out("put", keys, matrix)]))
 
     def stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.actors])
+
+
+def _check_started(name: str, actors: list, wanted: dict, timeout_s: float) -> None:
+    """Wait for every shard's configuration; raise if one cannot start or serves another configuration."""
+    refs = [a.describe.remote() for a in actors]
+    deadline = time.monotonic() + timeout_s
+    conflicts, failures, ours = [], [], []
+    for i, (actor, ref) in enumerate(zip(actors, refs, strict=True)):
+        try:
+            have = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        except GetTimeoutError:
+            failures.append(f"shard {i} did not answer within {timeout_s} s")
+        except RayTaskError as e:  # e.g. its store does not open: free the name for a corrected configuration
+            ray.kill(actor)
+            failures.append(f"shard {i} cannot start: {getattr(e, 'cause', None) or e}")
+        except RayActorError as e:
+            failures.append(f"shard {i} did not start: {e}")
+        else:
+            if have == wanted:
+                ours.append(actor)
+            else:
+                differ = ", ".join(f"{k}={have.get(k)!r} (asked {v!r})" for k, v in wanted.items() if have.get(k) != v)
+                conflicts.append(f"shard {i} exists with {differ}")
+    if conflicts:  # the shards just created for this configuration would only hold memory
+        for actor in ours:
+            ray.kill(actor)
+        raise CacheError(f"embedding cache {name!r}: " + "; ".join(conflicts))
+    if failures:
+        raise StoreError(f"embedding cache {name!r}: " + "; ".join(failures))

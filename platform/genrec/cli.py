@@ -19,6 +19,13 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 
+def _device(device: str) -> str:
+    """Every --device is checked here, before any model is built."""
+    from genrec.bench.common import check_device
+
+    return check_device(device)
+
+
 @app.command("tiny-model")
 def tiny_model(
     out_dir: Path,
@@ -33,9 +40,10 @@ def tiny_model(
     head_dim: int = 16,
     intermediate: int = 128,
     seed: int = 0,
+    force: bool = typer.Option(False, "--force", help="replace a model directory already at OUT_DIR"),
 ):
     """Write a complete model directory with random weights of the real Qwen3 architecture."""
-    from genrec.model.tiny import ModelSpec, write_model_dir
+    from genrec.model.tiny import ModelSpec, make_room, write_model_dir
 
     spec = ModelSpec(
         items=items,
@@ -50,6 +58,7 @@ def tiny_model(
         intermediate=intermediate,
         seed=seed,
     )
+    make_room(out_dir, force)
     typer.echo(str(write_model_dir(out_dir, spec)))
 
 
@@ -82,14 +91,14 @@ def demo(model_dir: Path = typer.Option(Path("out/demo-model"), help="where the 
 
 @bench_app.command("retrieve")
 def bench_retrieve(
-    prompt_len: int = typer.Option(2000),
-    beam_width: int = typer.Option(30),
+    prompt_len: int = typer.Option(2000, min=1),
+    beam_width: int = typer.Option(30, min=1),
     preset: str = typer.Option("tiny", help="tiny | small | qwen3-1.7b (random weights)"),
     model: Path = typer.Option(None, help="a model directory instead of a preset"),
-    levels: int = typer.Option(None, help="code length of the preset's catalog (3-5)"),
-    batch: int = typer.Option(1, help="requests per Engine.retrieve call"),
-    device: str = typer.Option("cpu"),
-    repeats: int = typer.Option(3),
+    levels: int = typer.Option(None, min=1, help="code length of the preset's catalog (3-5)"),
+    batch: int = typer.Option(1, min=1, help="requests per Engine.retrieve call"),
+    device: str = typer.Option("cpu", callback=_device),
+    repeats: int = typer.Option(3, min=1),
     hf_baseline: bool = typer.Option(True, help="also time transformers generate(num_beams=...)"),
     user_embedding: bool = typer.Option(False, help="also time the soft-token path against token-only prompts"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
@@ -103,14 +112,14 @@ def bench_retrieve(
 
 @bench_app.command("score")
 def bench_score(
-    prefix_len: int = typer.Option(1000),
-    candidates: int = typer.Option(500),
-    candidate_len: int = typer.Option(0, help="random candidates of this many tokens (0: catalog items' codes)"),
+    prefix_len: int = typer.Option(1000, min=1),
+    candidates: int = typer.Option(500, min=1),
+    candidate_len: int = typer.Option(0, min=0, help="random candidates of this many tokens (0: catalog items' codes)"),
     preset: str = typer.Option("tiny"),
     model: Path = typer.Option(None),
-    device: str = typer.Option("cpu"),
-    repeats: int = typer.Option(3),
-    fanout_sample: int = typer.Option(50, help="fan-out forwards actually timed (the rest are the same cost)"),
+    device: str = typer.Option("cpu", callback=_device),
+    repeats: int = typer.Option(3, min=1),
+    fanout_sample: int = typer.Option(50, min=1, help="fan-out forwards actually timed (the rest are the same cost)"),
     json_out: Path = typer.Option(None, "--json"),
 ):
     """One-pass scoring against one forward per candidate and one plain forward of as many tokens."""
@@ -123,25 +132,28 @@ def bench_score(
 def bench_load(
     kind: str = typer.Option("retrieve", help="retrieve | score | mixed"),
     rates: str = typer.Option("1,2,4", help="offered loads, requests per second"),
-    duration: float = typer.Option(10.0, help="seconds of arrivals per rate"),
+    duration: float = typer.Option(10.0, min=0.1, help="seconds of arrivals per rate"),
     preset: str = typer.Option("tiny"),
     model: Path = typer.Option(None),
-    levels: int = typer.Option(None),
-    prompt_len: int = typer.Option(2000),
-    beam_width: int = typer.Option(30),
-    candidates: int = typer.Option(100, help="candidates per score request"),
-    device: str = typer.Option("cpu"),
-    burst: int = typer.Option(64, help="requests sent at once to measure saturation throughput"),
-    max_running: int = typer.Option(None, help="requests the engine runs at once (default: 8 on CUDA, 64 on CPU)"),
+    levels: int = typer.Option(None, min=1),
+    prompt_len: int = typer.Option(2000, min=1),
+    beam_width: int = typer.Option(30, min=1),
+    candidates: int = typer.Option(100, min=1, help="candidates per score request"),
+    device: str = typer.Option("cpu", callback=_device),
+    burst: int = typer.Option(64, min=1, help="requests sent at once to measure saturation throughput"),
+    max_running: int = typer.Option(
+        None, min=1, help="requests the engine runs at once (default: 8 on CUDA, 64 on CPU)"
+    ),
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG: latency against offered load"),
 ):
     """Open-loop Poisson load on the in-process AsyncEngine, with sequential and saturation baselines."""
+    from genrec.bench.common import parse_rates
     from genrec.bench.load import run
 
     if kind not in ("retrieve", "score", "mixed"):
         raise typer.BadParameter("kind must be retrieve, score or mixed")
-    parsed = [float(r) for r in rates.split(",") if r.strip()]
+    parsed = parse_rates(rates)
     report = run(
         kind,
         parsed,
@@ -162,11 +174,11 @@ def bench_load(
 
 @bench_app.command("cache")
 def bench_cache(
-    keys: int = typer.Option(1_000_000),
-    dim: int = typer.Option(128),
-    batch: int = typer.Option(1000),
-    zipf: float = typer.Option(1.1),
-    batches: int = typer.Option(200, help="batches in the Zipf workload"),
+    keys: int = typer.Option(1_000_000, min=10, help="at least 10: the hit-rate table holds 10 %"),
+    dim: int = typer.Option(128, min=1),
+    batch: int = typer.Option(1000, min=1),
+    zipf: float = typer.Option(1.1, min=0.0),
+    batches: int = typer.Option(200, min=1, help="batches in the Zipf workload"),
     redis_url: str = typer.Option(None, help="default: start a private redis-server for the run"),
     json_out: Path = typer.Option(None, "--json"),
 ):
@@ -179,7 +191,7 @@ def bench_cache(
 @bench_app.command("suite")
 def bench_suite(
     out: Path = typer.Option(Path("out/bench"), help="one JSON file per run"),
-    device: str = typer.Option("cuda"),
+    device: str = typer.Option("cuda", callback=_device),
     preset: str = typer.Option("qwen3-1.7b"),
     only: str = typer.Option(None, help="comma-separated run names"),
 ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import statistics
@@ -17,6 +18,8 @@ from genrec.model.tiny import preset, write_model_dir
 def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> Path:
     """The user's directory, or a cached random-weight directory of the preset's dimensions."""
     if model is not None:
+        if levels is not None:
+            raise ValueError("--levels sets the code length of a preset's catalog; --model brings its own: drop one")
         return model
     overrides = {"levels": levels} if levels else {}
     spec = preset(preset_name, **overrides)
@@ -32,6 +35,39 @@ def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> P
         write_model_dir(partial, spec, dtype=dtype, init_device=init_device)
         partial.rename(target)  # a crash mid-write leaves no half directory under the real name
     return target
+
+
+def check_device(device: str) -> str:
+    """`device` if this machine has it (cpu, cuda, cuda:N); otherwise one clear error before any work."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device name (cpu, cuda, cuda:N)") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: genrec runs on cpu or cuda")
+    return device
+
+
+def check_rate(rate: float) -> float:
+    """An offered load in requests per second: positive and finite (a Poisson clock never advances otherwise)."""
+    if not 0 < rate < math.inf:
+        raise ValueError(f"rate {rate}: offered loads must be positive numbers of requests per second")
+    return rate
+
+
+def parse_rates(text: str) -> list[float]:
+    """`--rates 1,2,4`: comma-separated offered loads, each checked."""
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--rates {text!r}: expected comma-separated numbers, e.g. 1,2,4") from None
+    if not rates:
+        raise ValueError("--rates is empty: give at least one offered load, e.g. 1,2,4")
+    return [check_rate(r) for r in rates]
 
 
 def random_prompt(engine, length: int, generator: torch.Generator) -> list[int]:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
-from genrec.bench.common import machine, model_dir_for, random_prompt, synchronize
+from genrec.bench.common import check_rate, machine, model_dir_for, random_prompt, synchronize
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.errors import GenrecError, Overloaded
 
@@ -34,6 +34,7 @@ def run(
     plot,
     max_running: int | None = None,
 ):
+    rates = [check_rate(rate) for rate in rates]  # before minutes of model loading
     model_dir = model_dir_for(preset, model, levels)
     engine = Engine.from_pretrained(model_dir, device=device)
     maker = _RequestMaker(engine, kind, prompt_len, beam_width, candidates)
@@ -124,7 +125,7 @@ async def _burst(async_engine, maker, count: int) -> dict:
 
 
 async def _open_loop(async_engine, maker, rate: float, duration: float) -> dict:
-    rng = random.Random(int(rate * 1000))
+    rng = random.Random(int(check_rate(rate) * 1000))
     latencies, errors, overloaded = [], 0, 0
 
     async def one(request):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,10 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from genrec.catalog.catalog import Catalog
+from genrec.errors import ModelDirectoryError
 from genrec.model.config import Qwen3Config
 from genrec.model.directory import GENREC_SUBDIR
 from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import build_tokenizer, semantic_token_ranges
+from genrec.model.tokenizer import LEVEL_LETTERS, build_tokenizer, semantic_token_ranges
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,35 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     max_positions: int = 8192
     seed: int = 0
+
+    def __post_init__(self):
+        problem = next(_spec_problems(self), None)
+        if problem:
+            raise ValueError(f"model spec: {problem}")
+
+
+_MINIMUM = dict.fromkeys(("items", "levels", "codebook", "hidden", "layers", "heads", "kv_heads", "head_dim"), 1)
+_MINIMUM.update(intermediate=1, user_dim=0, seed=0)
+
+
+def _spec_problems(spec: ModelSpec):
+    """Why a spec cannot be written or served (checked before anything is written)."""
+    for name, low in _MINIMUM.items():
+        if getattr(spec, name) < low:
+            yield f"{name} must be at least {low}, not {getattr(spec, name)}"
+    if spec.levels > len(LEVEL_LETTERS):
+        yield f"levels must be at most {len(LEVEL_LETTERS)} (one letter per level in token names), not {spec.levels}"
+    if spec.heads % spec.kv_heads:
+        yield f"heads ({spec.heads}) must be a multiple of kv_heads ({spec.kv_heads})"
+    if spec.head_dim % 2:
+        yield f"head_dim must be even (rotary embedding), not {spec.head_dim}"
+    if spec.max_positions <= spec.levels:
+        yield f"max_positions {spec.max_positions} cannot hold a prompt token plus a {spec.levels}-token code"
+    if spec.items > spec.codebook**spec.levels:
+        yield (
+            f"{spec.items} items do not fit in {spec.levels} levels of {spec.codebook} codes "
+            f"({spec.codebook**spec.levels} codes)"
+        )
 
 
 PRESETS = {
@@ -71,6 +102,22 @@ def preset(name: str, **overrides) -> ModelSpec:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], **overrides)
+
+
+def make_room(out: Path, force: bool) -> None:
+    """Let a new model directory be written at `out`: absent or empty is fine; an existing model directory is
+    removed only with `force`; anything else is refused, so `--force` never deletes what is not a model."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ModelDirectoryError(out, "exists and is not a directory")
+    if not any(out.iterdir()):
+        return
+    if not (out / "config.json").is_file():
+        raise ModelDirectoryError(out, "exists, is not empty and is not a model directory: choose another path")
+    if not force:
+        raise ModelDirectoryError(out, "a model directory is already there: pass --force to replace it")
+    shutil.rmtree(out)
 
 
 def write_model_dir(
@@ -155,8 +202,6 @@ def _random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torc
 def _random_codes(items: int, levels: int, codebook: int, seed: int) -> np.ndarray:
     """`items` distinct codes in [0, codebook)^levels."""
     space = codebook**levels
-    if items > space:
-        raise ValueError(f"{items} items do not fit in {levels} levels of {codebook} codes ({space} codes)")
     rng = np.random.default_rng(seed)
     chosen = np.unique(rng.integers(0, space, size=items * 2))
     while len(chosen) < items:

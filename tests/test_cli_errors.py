@@ -1,0 +1,108 @@
+"""Bad command-line input ends in exit code 2 and a clear message, never a traceback or a hang."""
+
+import contextlib
+import json
+import signal
+
+import pytest
+import torch
+
+from genrec.cli import main
+
+
+@contextlib.contextmanager
+def deadline(seconds=60):
+    """Fail, rather than hang the suite, if the block does not finish in time."""
+
+    def hung(signum, frame):
+        raise AssertionError(f"did not return within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_main(monkeypatch, capsys, *argv) -> str:
+    """`genrec ARGV` through its entry point `main`; returns stderr after asserting exit code 2, no traceback."""
+    monkeypatch.setenv("COLUMNS", "200")  # typer's usage box: one line per message
+    monkeypatch.setattr("sys.argv", ["genrec", *map(str, argv)])
+    with deadline(), pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "rates, fragment",
+    [("-5", "rate -5.0"), ("0", "rate 0.0"), ("1,nan", "rate nan"), ("1,abc", "'1,abc'"), (",", "empty")],
+)
+def test_bench_load_bad_rates(tiny_dir, monkeypatch, capsys, rates, fragment):
+    """`--rates -5` used to hang forever: the Poisson clock ran backwards."""
+    err = run_main(monkeypatch, capsys, "bench", "load", "--model", tiny_dir, f"--rates={rates}")
+    assert err.startswith("error: ") and fragment in err and err.count("\n") == 1
+
+
+def test_load_benchmark_refuses_a_rate_that_never_advances(tiny_dir):
+    """The library entry too (the suite and `bench serve` call it without the CLI's parsing)."""
+    from genrec.bench.load import run
+
+    with deadline(), pytest.raises(ValueError, match="rate -5.0: offered loads must be positive"):
+        run("retrieve", [-5.0], 0.5, "tiny", tiny_dir, None, 8, 2, 4, "cpu", 1, None)
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["bench", "cache", "--keys", "0"], "Invalid value for '--keys'"),
+        (["bench", "retrieve", "--beam-width", "0"], "Invalid value for '--beam-width'"),
+        (["bench", "score", "--repeats", "0"], "Invalid value for '--repeats'"),
+        (["tiny-model", "OUT", "--levels", "30"], "levels must be at most 26"),
+        (["tiny-model", "OUT", "--user-dim", "-1"], "user_dim must be at least 0, not -1"),
+        (["tiny-model", "OUT", "--heads", "3"], "heads (3) must be a multiple of kv_heads (2)"),
+        (["bench", "retrieve", "--model", "MODEL", "--levels", "9"], "--levels sets the code length of a preset"),
+        (["bench", "score", "--model", "MODEL", "--device", "gpu"], "--device 'gpu' is not a device name"),
+    ],
+)
+def test_bad_option_is_exit_2_with_the_option_named(tiny_dir, tmp_path, monkeypatch, capsys, argv, fragment):
+    out = tmp_path / "out"
+    argv = [out if a == "OUT" else tiny_dir if a == "MODEL" else a for a in argv]
+    assert fragment in run_main(monkeypatch, capsys, *argv)
+    assert not out.exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("command", ["retrieve", "score", "load", "suite"])
+def test_device_this_machine_lacks_is_refused_before_loading(tiny_dir, monkeypatch, capsys, command):
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU; on a CPU machine, any CUDA device
+    model = ["--model", str(tiny_dir)] if command != "suite" else []
+    err = run_main(monkeypatch, capsys, "bench", command, *model, "--device", missing)
+    expected = "CUDA is not available" if not torch.cuda.is_available() else "CUDA device(s)"
+    assert err.startswith(f"error: --device {missing}: ") and expected in err
+
+
+def test_tiny_model_does_not_overwrite_without_force(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (target / "keep.txt").write_text("mine")
+    args = ["tiny-model", target, "--items", "20", "--levels", "2", "--codebook", "8", "--user-dim", "0"]
+    assert "pass --force to replace it" in run_main(monkeypatch, capsys, *args)
+    assert (target / "keep.txt").read_text() == "mine"
+
+    monkeypatch.setattr("sys.argv", ["genrec", *map(str, args), "--force"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 0
+    assert not (target / "keep.txt").exists()  # replaced whole: no stale file of the old model is left
+    assert json.loads((target / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_force_never_deletes_a_directory_that_is_not_a_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("precious")
+    err = run_main(monkeypatch, capsys, "tiny-model", tmp_path, "--items", "20", "--levels", "2", "--force")
+    assert "not a model directory" in err and (tmp_path / "notes.txt").read_text() == "precious"

@@ -259,7 +259,7 @@ def test_symlinked_shards_load_as_in_the_hugging_face_cache(broken, tmp_path):
     assert len(Engine.from_pretrained(broken).catalog) == 300
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_weights_are_refused_naming_the_tensor(broken, value):
     rewrite_weight(broken, "model.layers.1.mlp.up_proj.weight", lambda w: w.index_fill(0, torch.tensor([3]), value))
     expect_error(broken, ModelDirectoryError, "model.layers.1.mlp.up_proj.weight", "NaN or infinite")

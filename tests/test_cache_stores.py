@@ -213,7 +213,10 @@ def test_bulk_load_takes_fixed_size_and_float64_lists(make_store, tmp_path):
             f"row 0 has an embedding of {DIM - 1}",
         ),
         ({"user_id": [1, 2], "embedding": [[1.0] * DIM, [1.0] * (DIM - 1)]}, f"must have {DIM} values"),
-        ({"user_id": ["a", None, None], "embedding": [[1.0] * DIM] * 3}, "2 rows have a null 'user_id' .the first: row 1"),
+        (
+            {"user_id": ["a", None, None], "embedding": [[1.0] * DIM] * 3},
+            r"2 rows have a null 'user_id' \(the first: row 1\)",
+        ),
         ({"user_id": [1, 2], "embedding": [[1.0] * DIM, None]}, "null 'embedding'"),
         ({"user_id": [1], "embedding": ["0.1 0.2"]}, "column 'embedding' must be a list of floats, got string"),
         ({"user_id": [1.5], "embedding": [[1.0] * DIM]}, "column 'user_id' must hold integers or strings, got double"),

@@ -79,7 +79,7 @@ def test_string_keys_match_the_reference_and_include_the_length():
     assert normalize_keys(strings).tolist() == [reference_key(s) for s in strings]
     assert normalize_keys(["ab", "ab\x00"])[0] != normalize_keys(["ab", "ab\x00"])[1]
     # Every input form of the same strings gives the same keys: a list, numpy, Arrow (sliced, chunked), pandas.
-    plain = ["alice", "bob", "émile"]
+    plain = ["alice", "bob", "émile", "a\x00b"]
     expected = normalize_keys(plain).tolist()
     for form in (
         np.array(plain),
@@ -226,6 +226,20 @@ def test_an_acknowledged_put_is_readable_whatever_the_admission(tmp_path, with_s
     got, found = table.get([3, 1, 2])
     assert found.all() and np.array_equal(got, data[[2, 0, 1]])
     assert table.stats.store_hits == 0  # served from the table itself
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "decayed_lfu"])
+def test_a_put_does_not_evict_its_own_keys(policy):
+    """Key 1 is popular; a put of resident key 2 and new key 3 into a full table must keep both 2 and 3."""
+    table = EmbeddingTable(dim=4, capacity=2, policy=policy)
+    table.put([1, 2], vectors(2))
+    for _ in range(10):
+        table.get([1])
+    data = vectors(2, seed=1)
+    table.put([2, 3], data)
+    got, found = table.get([2, 3])
+    assert found.all() and np.array_equal(got, data)
+    assert sorted(table.resident_keys().tolist()) == [2, 3]
 
 
 def test_capacity_is_bounded():

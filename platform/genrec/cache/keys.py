@@ -22,18 +22,20 @@ EMPTY = np.int64(np.iinfo(np.int64).min)  # reserved: marks a free hash slot
 TOMBSTONE = np.int64(np.iinfo(np.int64).min + 1)  # reserved: marks a deleted hash slot
 _POSITION = np.uint64(0x9E3779B97F4A7C15)
 _LENGTH = np.uint64(0x632BE59BD9B4E019)
-_ALL_BYTES = np.uint64(0xFFFFFFFFFFFFFFFF)
+_SHIFTS = np.uint64(30), np.uint64(27), np.uint64(31)
+_MULTIPLIERS = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_TAIL_MASK = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64)  # the first k bytes of a word
 
 
 def mix64(keys: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser (a bijection of 64-bit words): spreads sequential IDs over the table."""
-    z = keys.view(np.uint64).copy()
-    with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
+    """splitmix64 finaliser (a bijection of 64-bit words): spreads sequential IDs over the table.
+    (Array integer arithmetic wraps modulo 2^64 without a warning, as the hash wants.)"""
+    z = keys.view(np.uint64)
+    z = z ^ (z >> _SHIFTS[0])
+    z *= _MULTIPLIERS[0]
+    z ^= z >> _SHIFTS[1]
+    z *= _MULTIPLIERS[1]
+    z ^= z >> _SHIFTS[2]
     return z
 
 
@@ -69,6 +71,8 @@ def _as_arrow(ids) -> pa.Array:
             raise CacheError(f"ids must be one-dimensional, got shape {ids.shape}")
         if ids.dtype.kind not in "UO":
             raise CacheError(f"ids must be integers or strings, got dtype {ids.dtype}")
+        if ids.dtype.kind == "U":  # Arrow's own conversion of numpy str arrays stops at the first NUL
+            ids = ids.astype(object)
     try:
         return pa.array(ids)
     except UnicodeError as e:
@@ -80,7 +84,7 @@ def _as_arrow(ids) -> pa.Array:
 
 
 def _integer_keys(ids: np.ndarray) -> np.ndarray:
-    if ids.dtype == np.uint64 and len(ids) and ids.max() > np.iinfo(np.int64).max:
+    if ids.dtype.kind == "u" and ids.dtype.itemsize == 8 and len(ids) and ids.max() > np.iinfo(np.int64).max:
         raise CacheError("ids: an integer does not fit in int64")
     keys = ids.astype(np.int64, copy=False)
     if (keys <= TOMBSTONE).any():
@@ -90,28 +94,32 @@ def _integer_keys(ids: np.ndarray) -> np.ndarray:
 
 def hash_strings(strings: pa.Array) -> np.ndarray:
     """An Arrow string array (no nulls) -> int64 keys, clear of the reserved values."""
-    strings = strings.cast(pa.large_string())
+    if not (pa.types.is_string(strings.type) or pa.types.is_large_string(strings.type)):
+        strings = strings.cast(pa.large_string())
     n = len(strings)
     _, offsets_buffer, data_buffer = strings.buffers()
-    offsets = np.frombuffer(offsets_buffer, dtype=np.int64, count=n + 1, offset=8 * strings.offset)
-    data = np.zeros(int(offsets[-1]) + 8, dtype=np.uint8)  # 8 spare bytes: every word read stays inside
+    offset_type = np.int32 if pa.types.is_string(strings.type) else np.int64
+    offsets = np.frombuffer(
+        offsets_buffer, dtype=offset_type, count=n + 1, offset=strings.offset * offset_type(0).itemsize
+    )
+    offsets = offsets.astype(np.int64)
+    data = np.zeros(offsets[-1] + 8, dtype=np.uint8)  # 8 spare bytes: every word read stays inside
     if data_buffer is not None:
-        data[: offsets[-1]] = np.frombuffer(data_buffer, dtype=np.uint8, count=int(offsets[-1]))
+        data[: offsets[-1]] = np.frombuffer(data_buffer, dtype=np.uint8, count=offsets[-1])
     lengths = np.diff(offsets)
-    words = (lengths + 7) // 8
+    words = (lengths + 7) >> 3
     first_word = np.cumsum(words) - words
     owner = np.repeat(np.arange(n), words)  # one entry per word, not per byte
     position = np.arange(len(owner)) - first_word[owner]
     # The little-endian 64-bit word at any byte offset (an unaligned view), masked to its string's bytes.
     word_at = np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
-    word = word_at[offsets[:-1][owner] + 8 * position]
-    tail = np.minimum(lengths[owner] - 8 * position, 8).astype(np.uint64)
-    word &= np.where(tail == 8, _ALL_BYTES, (np.uint64(1) << (np.uint64(8) * tail % np.uint64(64))) - np.uint64(1))
-    with np.errstate(over="ignore"):
-        mixed = mix64(word ^ (position.astype(np.uint64) * _POSITION))
+    start = offsets[:-1][owner] + 8 * position
+    word = word_at[start] & _TAIL_MASK[np.minimum(offsets[1:][owner] - start, 8)]
+    mixed = mix64(word ^ (position.astype(np.uint64) * _POSITION))
+    if words.all():
+        total = np.add.reduceat(mixed, first_word) if n else np.zeros(0, dtype=np.uint64)
+    else:  # reduceat cannot sum an empty run: empty strings keep 0
         total = np.zeros(n, dtype=np.uint64)
-        nonempty = words > 0
-        if len(mixed):
-            total[nonempty] = np.add.reduceat(mixed, first_word[nonempty])
-        keys = mix64(total + mix64(lengths.astype(np.uint64) ^ _LENGTH)).view(np.int64)
+        total[words > 0] = np.add.reduceat(mixed, first_word[words > 0]) if len(mixed) else 0
+    keys = mix64(total + mix64(lengths.astype(np.uint64) ^ _LENGTH)).view(np.int64)
     return np.where(keys <= TOMBSTONE, keys + 2, keys)  # keep clear of the reserved values

@@ -143,6 +143,9 @@ class EmbeddingTable:
 
     def _evict(self, n: int) -> np.ndarray:
         occupied = np.flatnonzero(self.row_key != EMPTY)
+        older = occupied[self.policy.last[occupied] < self.tick]
+        if len(older) >= n:  # rows this very batch wrote or read stay (a put's own keys survive its inserts)
+            occupied = older
         scores = self.policy.scores(occupied, self.tick)
         victims = occupied[np.argpartition(scores, n - 1)[:n]] if n < len(occupied) else occupied
         self.index.remove(self.row_key[victims])

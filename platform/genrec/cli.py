@@ -101,12 +101,15 @@ def bench_retrieve(
     repeats: int = typer.Option(3, min=1),
     hf_baseline: bool = typer.Option(True, help="also time transformers generate(num_beams=...)"),
     user_embedding: bool = typer.Option(False, help="also time the soft-token path against token-only prompts"),
+    peer: str = typer.Option(None, help="vllm: also run vLLM on the same model and prompts (`make peers`)"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ):
     """Engine.retrieve against one plain prefill (the floor) and transformers beam search."""
     from genrec.bench.retrieve import run
 
-    report = run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding)
+    report = run(
+        prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding, peer
+    )
     _emit(report, json_out)
 
 
@@ -120,12 +123,14 @@ def bench_score(
     device: str = typer.Option("cpu", callback=_device),
     repeats: int = typer.Option(3, min=1),
     fanout_sample: int = typer.Option(50, min=1, help="fan-out forwards actually timed (the rest are the same cost)"),
+    peer: str = typer.Option(None, help="vllm: also run vLLM on the same model and prompts (`make peers`)"),
     json_out: Path = typer.Option(None, "--json"),
 ):
     """One-pass scoring against one forward per candidate and one plain forward of as many tokens."""
     from genrec.bench.score import run
 
-    _emit(run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample), json_out)
+    report = run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample, peer)
+    _emit(report, json_out)
 
 
 @bench_app.command("load")

@@ -7,14 +7,19 @@ from pathlib import Path
 import torch
 
 from genrec.api import RetrieveRequest
+from genrec.bench import peer_vllm
 from genrec.bench.common import interleaved_medians, load_hf, machine, median_seconds, model_dir_for, random_prompt
 from genrec.catalog.reference import allowed_tokens_fn
 from genrec.engine import Engine
 
 
-def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding=False):
+def run(
+    prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding=False, peer=None
+):
     model_dir = model_dir_for(preset, model, levels)
     engine = Engine.from_pretrained(model_dir, device=device)
+    if peer:
+        peer_vllm.check(peer, engine.model.config, device, beam_width)
     generator = torch.Generator().manual_seed(0)
     requests = [
         RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, generator), beam_width=beam_width)
@@ -53,6 +58,8 @@ def run(prompt_len, beam_width, preset, model, levels, batch, device, repeats, h
         report["seconds"]["hf_generate"] = hf_s
         report["ratios"]["hf_over_retrieve"] = hf_s / retrieve_s
         report["hf_top_beam_agreement"] = agreement
+    if peer:
+        report[peer] = peer_vllm.compare_retrieve(engine, model_dir, requests, device, repeats)
     return report
 
 

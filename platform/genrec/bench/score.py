@@ -5,14 +5,17 @@ from __future__ import annotations
 import torch
 
 from genrec.api import Candidate, ScoreRequest
+from genrec.bench import peer_vllm
 from genrec.bench.common import interleaved_medians, load_hf, machine, model_dir_for, random_prompt, synchronize
 from genrec.engine import Engine
 from genrec.model import ContextKV
 
 
-def run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample) -> dict:
+def run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample, peer=None) -> dict:
     model_dir = model_dir_for(preset, model, None)
     engine = Engine.from_pretrained(model_dir, device=device, max_candidates=max(candidates, 2048))
+    if peer:
+        peer_vllm.check(peer, engine.model.config, device)
     generator = torch.Generator().manual_seed(0)
     prompt = random_prompt(engine, prefix_len, generator)
     if candidate_len:
@@ -33,7 +36,7 @@ def run(prefix_len, candidates, candidate_len, preset, model, device, repeats, f
     seconds = interleaved_medians({"genrec": lambda: engine.score([request]), "plain": plain_forward}, repeats, device)
     genrec_s, plain_s = seconds["genrec"], seconds["plain"]
     fanout_s, sampled = _fanout(engine, model_dir, request, device, fanout_sample)
-    return {
+    report = {
         "benchmark": "score",
         "model": str(model_dir),
         "preset": None if model else preset,
@@ -48,6 +51,9 @@ def run(prefix_len, candidates, candidate_len, preset, model, device, repeats, f
         "ratios": {"fanout_over_genrec": fanout_s / genrec_s, "genrec_over_plain_forward": genrec_s / plain_s},
         "machine": machine(),
     }
+    if peer:
+        report[peer] = peer_vllm.compare_score(engine, model_dir, request, device, repeats)
+    return report
 
 
 @torch.inference_mode()

@@ -47,8 +47,8 @@ def test_refuses_head_size_vllm_cpu_lacks(tiny_dir, monkeypatch, capsys):
 
 def test_refuses_vocabulary_below_twice_the_beam(head64_dir, monkeypatch, capsys):
     vocab = json.loads((head64_dir / "config.json").read_text())["vocab_size"]
-    width = vocab // 2 + 1
-    err = exit_2(monkeypatch, capsys, "bench", "retrieve", "--model", head64_dir, "--beam-width", width, "--peer", "vllm")
+    args = ["bench", "retrieve", "--model", head64_dir, "--beam-width", vocab // 2 + 1, "--peer", "vllm"]
+    err = exit_2(monkeypatch, capsys, *args)
     assert f"crashes on this model's vocabulary of {vocab}" in err and f"beam width <= {vocab // 2}" in err
 
 
@@ -92,7 +92,7 @@ def bench(tmp_path, *args) -> dict:
 def test_bench_retrieve_with_vllm_peer(head64_dir, tmp_path):
     args = ["retrieve", "--model", head64_dir, "--prompt-len", "70", "--beam-width", "4", "--no-hf-baseline"]
     peer = bench(tmp_path, *map(str, args))
-    assert peer["vllm"] == "0.32.0" and peer["engine_options"]["max_logprobs"] >= 8
+    assert peer["vllm"] == "0.32.0" and peer["options"]["max_logprobs"] >= 8
     assert peer["ratios"]["vllm_over_genrec"] > 0 and peer["beams"] == 4
     assert 0 <= peer["beams_not_in_catalog"] <= 4
 

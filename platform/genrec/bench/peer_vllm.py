@@ -77,14 +77,18 @@ class VllmPeer:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_kv_cache_gib(config, max_model_len, rows)))
         else:
             engine["gpu_memory_utilization"] = 0.5  # genrec's engine holds the rest of the device
-        self.engine_options = engine
+        self.options = {**engine, **{k: v for k, v in env.items() if k.startswith("VLLM_")}}
         self.log = tempfile.TemporaryFile(mode="w+")
         python = peers_venv() / "bin" / "python"
         self.proc = subprocess.Popen(  # -I: the worker's folder (genrec/bench) must not shadow vLLM's imports
             [str(python), "-I", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
             text=True, env=env,
         )  # fmt: skip
-        self.ready = self.call({"model": str(model_dir), "dtype": dtype, "engine": engine})
+        try:
+            self.ready = self.call({"model": str(model_dir), "dtype": dtype, "engine": engine})
+        except BaseException:
+            self.close()
+            raise
 
     def call(self, job: dict) -> dict:
         try:
@@ -140,7 +144,7 @@ def compare_retrieve(engine, model_dir: Path, requests, device: str, repeats: in
     ]
     return {
         **peer.ready,
-        "engine_options": peer.engine_options,
+        "options": peer.options,
         "seconds": seconds,
         "ratios": {"vllm_over_genrec": seconds["vllm_beam_search"] / seconds["genrec"]},
         "beams": len(beams),
@@ -168,7 +172,7 @@ def compare_score(engine, model_dir: Path, request, device: str, repeats: int) -
     fastest = min(jobs, key=seconds.get)
     return {
         **peer.ready,
-        "engine_options": peer.engine_options,
+        "options": peer.options,
         "seconds": seconds,
         "ratios": {"vllm_over_genrec": seconds[fastest] / seconds["genrec"], "vllm_mode": fastest},
         "max_abs_logprob_diff": {

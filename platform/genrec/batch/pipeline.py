@@ -99,12 +99,12 @@ def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
 
 def _run_shards(pending: list[Shard], spec: BatchSpec, execution: Execution, version: str, run_id: str, cache):
     ray = ensure_ray()
-    from ray.data import ActorPoolStrategy, DataContext
+    from ray.data import ActorPoolStrategy
 
     from genrec.batch.worker import ShardWorker
 
-    DataContext.get_current().enable_progress_bars = execution.progress
     dataset = ray.data.from_items([s.as_row() for s in pending], override_num_blocks=len(pending))
+    dataset.context.enable_progress_bars = execution.progress  # this dataset's copy of the context
     reports = dataset.map_batches(
         ShardWorker,
         fn_constructor_kwargs={

@@ -1,0 +1,133 @@
+"""The jobs as a cluster runs them: semantic IDs through Ray Data, and one real `ray job submit` of the batch job
+against a `ray start --head` cluster that this test starts (and stops) on ports and a temp dir of its own."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from genrec.batch.semantic_ids import build_semantic_ids, fixed_size_block
+from genrec.catalog import Catalog
+from genrec.catalog.build_ids import build_catalog
+from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_semantic_ids_through_ray_data_equal_build_ids(ray_cluster, tiny_dir, tmp_path):
+    vectors = np.random.default_rng(4).normal(size=(300, 12)).astype(np.float32)
+    items = [f"item-{i:06d}" for i in range(300)]
+    whole = pa.table({"item_id": items, "embedding": vectors.tolist()})
+    (tmp_path / "items").mkdir()
+    for part, (start, stop) in enumerate([(0, 120), (120, 300)]):  # a directory of files, read in name order
+        pq.write_table(whole.slice(start, stop - start), tmp_path / "items" / f"part-{part}.parquet")
+    pq.write_table(whole, tmp_path / "whole.parquet")
+
+    report = build_semantic_ids(str(tmp_path / "items"), str(tiny_dir), str(tmp_path / "catalog.parquet"), iters=5)
+    assert report["items"] == 300 and report["dim"] == 12
+    ranges = semantic_token_ranges(load_tokenizer(tiny_dir))
+    built = Catalog.load(tmp_path / "catalog.parquet", ranges)
+    reference = build_catalog(tmp_path / "whole.parquet", ranges, iters=5)  # what `genrec build-ids` computes
+    assert built.item_ids.tolist() == reference.item_ids.tolist()
+    assert np.array_equal(built.codes, reference.codes)
+
+
+@pytest.mark.parametrize("bad", [[1.0], None, []])
+def test_a_bad_embedding_block_names_its_item(bad):
+    block = fixed_size_block(pa.table({"item_id": ["a", "b"], "embedding": [[1.0, 2.0], bad]}))
+    (problem,) = block.column("problem").to_pylist()  # the driver raises it as one GenrecError
+    assert problem.startswith("item 'b' has a null, empty or differently sized embedding")
+
+
+def free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_ray_job_submit_runs_the_batch_job(tiny_dir, tmp_path):
+    users = tmp_path / "users.parquet"
+    pq.write_table(
+        pa.table({"user_id": list(range(6)), "prompt": [f"user {i} likes podcasts" for i in range(6)]}), users
+    )
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+    gcs, dashboard, agent_http, agent_grpc, metrics, node_manager, objects, runtime_env, client = free_ports(9)
+    temp = tempfile.mkdtemp(prefix="gr-", dir="/tmp")  # short: Ray's socket paths live under it
+    head_cmd = [ray_bin, "start", "--head", "--block", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"]
+    head_cmd += [f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
+    head_cmd += [f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}"]
+    head_cmd += [f"--metrics-export-port={metrics}", f"--node-manager-port={node_manager}"]
+    head_cmd += [f"--object-manager-port={objects}", f"--runtime-env-agent-port={runtime_env}"]
+    head_cmd += [f"--ray-client-server-port={client}"]
+    # Its own session: every process of this cluster can be ended by this group id, and only those.
+    head = subprocess.Popen(
+        head_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert head.poll() is None, "ray start --head exited"
+            try:
+                if httpx.get(f"{address}/api/version", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(0.5)
+        job = [sys.executable, "jobs/batch_recommend.py", "--model", str(tiny_dir), "--users", str(users)]
+        job += ["--out", str(tmp_path / "out"), "--beam-width", "4", "--batch-size", "4", "--no-progress"]
+        submit = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", *job]
+        done = subprocess.run(submit, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        line = next(x for x in done.stdout.splitlines() if x.startswith("batch summary: "))
+        summary = json.loads(line.removeprefix("batch summary: "))
+        assert (summary["users"], summary["processed"], summary["errors"]) == (6, 6, 0)
+        output = pq.read_table(tmp_path / "out" / "recommendations")
+        assert output.num_rows == summary["rows_written"] == 6 * 4
+    finally:
+        stop_cluster(head, temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def stop_cluster(head: subprocess.Popen, temp: str) -> None:
+    """End every process of the cluster: they share the head's process group (and no other process does)."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while cluster_processes(temp) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    head.wait()
+    assert not cluster_processes(temp), "processes of the test's cluster survived"
+
+
+def cluster_processes(temp: str) -> list[int]:
+    """Processes whose command line names the cluster's temp dir (all of its Ray processes do)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and temp.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found

@@ -193,6 +193,26 @@ def bench_cache(
     _emit(run(keys, dim, batch, zipf, batches, redis_url), json_out)
 
 
+@bench_app.command("batch")
+def bench_batch(
+    users: int = typer.Option(2000, min=1),
+    batch_size: int = typer.Option(32, min=1, help="users per engine call, in the loop and per shard in the job"),
+    preset: str = typer.Option("tiny"),
+    model: Path = typer.Option(None),
+    levels: int = typer.Option(None),
+    prompt_len: int = typer.Option(256, min=1),
+    beam_width: int = typer.Option(16, min=1),
+    actors: str = typer.Option("1,2", help="actor counts to run the job with (the first is compared to the loop)"),
+    threads: int = typer.Option(None, help="torch threads in the loop, shared out among the actors (default: all)"),
+    json_out: Path = typer.Option(None, "--json"),
+):
+    """Users/s of the Ray Data batch job against a plain loop over the in-process Engine; scaling with actors."""
+    from genrec.bench.batch import run
+
+    counts = [int(a) for a in actors.split(",") if a.strip()]
+    _emit(run(users, batch_size, preset, model, levels, prompt_len, beam_width, counts, threads), json_out)
+
+
 @bench_app.command("suite")
 def bench_suite(
     out: Path = typer.Option(Path("out/bench"), help="one JSON file per run"),

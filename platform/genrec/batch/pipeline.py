@@ -34,6 +34,7 @@ class Summary:
     errors: int  # bad rows in the output, all invocations
     error_fraction: float
     seconds: float
+    first_shard_s: float | None  # until the first shard was committed: actor start, model load, one shard
     users_per_s: float  # processed / seconds
     run_id: str
     model_version: str
@@ -46,13 +47,13 @@ class Summary:
         return self.error_fraction > max_error_fraction
 
 
-def ensure_ray():
-    """Connect to the cluster (`ray job submit` sets RAY_ADDRESS) or start a local one."""
+def ensure_ray(**init_options):
+    """Connect to the cluster (`ray job submit` sets RAY_ADDRESS) or start a local one; a connected Ray stays."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs; a cluster's own setting wins
     import ray
 
     if not ray.is_initialized():
-        ray.init()
+        ray.init(**init_options)
     return ray
 
 
@@ -69,10 +70,11 @@ def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
     counts = out.committed(shards)
     skipped = sum(s.rows for s in shards if s.index in counts)
     pending = [s for s in shards if s.index not in counts]
-    processed = 0
+    processed, first_shard_s = 0, None
     if pending:
         cache = spec.cache.connect(_user_dim(directory)) if spec.cache else None
         for report in _run_shards(pending, spec, execution, version, run_id, cache):
+            first_shard_s = first_shard_s or round(time.perf_counter() - start, 3)
             if report["skipped"]:  # committed meanwhile by a late worker of a killed run
                 skipped += report["users"]
             else:
@@ -90,6 +92,7 @@ def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
         errors=errors,
         error_fraction=errors / max(users.rows, 1),
         seconds=round(seconds, 3),
+        first_shard_s=first_shard_s,
         users_per_s=round(processed / seconds, 2),
         run_id=run_id,
         model_version=version,

@@ -65,7 +65,7 @@ def run(keys, dim, batch, zipf, batches, redis_url, hit_rate_batches=3000) -> di
         actor_default = _actor_throughput(vectors, all_keys, workload, inline_bytes=None)
         actor = _actor_throughput(vectors, all_keys, workload, inline_bytes=INLINE_RETURN_BYTES)
     with contextlib.nullcontext(redis_url) if redis_url else LocalRedis() as url:
-        store = RedisStore(url, dim, prefix="bench:")
+        store = RedisStore(url, dim, prefix=f"bench:{dim}:")  # a store records its width: one prefix a dim
         for start in range(0, keys, 20_000):
             store.put_many(all_keys[start : start + 20_000], vectors[start : start + 20_000])
         redis_mget = _throughput(store.get_many, workload)

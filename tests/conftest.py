@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -58,3 +60,22 @@ def redis_url():
 
     with LocalRedis(install=True) as url:
         yield url
+
+
+# The bearer token of the Serve tests' auth-on app. Set before Ray starts: replicas read it from the
+# environment of the node, as a production deployment does (from a secret).
+API_TOKEN_ENV = "GENREC_TEST_API_TOKEN"
+os.environ.setdefault(API_TOKEN_ENV, "test-token-7f3a9c")
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster):
+    """Ray Serve on the session's Ray, HTTP on 127.0.0.1 and a free port; apps are added per test module."""
+    from ray import serve
+
+    from genrec.bench.common import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

@@ -177,6 +177,32 @@ def bench_load(
     _emit(report, json_out)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    kind: str = typer.Option("retrieve", help="retrieve | score | mixed"),
+    rates: str = typer.Option("2,4,8", help="offered loads, requests per second"),
+    duration: float = typer.Option(10.0, min=0.1, help="seconds of arrivals per rate"),
+    preset: str = typer.Option("small"),
+    model: Path = typer.Option(None),
+    levels: int = typer.Option(None),
+    prompt_len: int = typer.Option(200, min=1),
+    beam_width: int = typer.Option(32, min=1),
+    candidates: int = typer.Option(100, min=1, help="candidates per score request"),
+    burst: int = typer.Option(64, min=1, help="requests sent at once to measure saturation throughput"),
+    json_out: Path = typer.Option(None, "--json"),
+    plot: Path = typer.Option(None, help="PNG: latency against achieved throughput, both paths"),
+):
+    """Open-loop load through the Serve app over HTTP and on the in-process AsyncEngine, same run."""
+    from genrec.bench.common import parse_rates
+    from genrec.bench.serve import run
+
+    if kind not in ("retrieve", "score", "mixed"):
+        raise typer.BadParameter("kind must be retrieve, score or mixed")
+    parsed = parse_rates(rates)
+    report = run(kind, parsed, duration, preset, model, levels, prompt_len, beam_width, candidates, burst, plot)
+    _emit(report, json_out)
+
+
 @bench_app.command("cache")
 def bench_cache(
     keys: int = typer.Option(1_000_000, min=10, help="at least 10: the hit-rate table holds 10 %"),

@@ -6,6 +6,7 @@ import hashlib
 import math
 import os
 import shutil
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -124,3 +125,10 @@ def machine() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (benchmarks only ever listen on the loopback)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -7,6 +7,7 @@ Per offered rate: achieved QPS, latency percentiles, errors. In the same run, th
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import statistics
 import time
@@ -37,13 +38,14 @@ def run(
     rates = [check_rate(rate) for rate in rates]  # before minutes of model loading
     model_dir = model_dir_for(preset, model, levels)
     engine = Engine.from_pretrained(model_dir, device=device)
-    maker = _RequestMaker(engine, kind, prompt_len, beam_width, candidates)
+    maker = RequestMaker(engine, kind, prompt_len, beam_width, candidates)
     sequential_s = _sequential_seconds(engine, maker, device)
     config = SchedulerConfig(max_queue=4096, max_running=max_running, request_timeout_s=600)
     async_engine = AsyncEngine(engine, config)
     try:
-        saturation = asyncio.run(_burst(async_engine, maker, burst))
-        points = [asyncio.run(_open_loop(async_engine, maker, rate, duration)) for rate in rates]
+        call = functools.partial(call_engine, async_engine)
+        saturation = asyncio.run(burst_throughput(call, maker, burst))
+        points = [asyncio.run(open_loop(call, maker, rate, duration)) for rate in rates]
         metrics = async_engine.metrics()
     finally:
         async_engine.shutdown()
@@ -73,7 +75,7 @@ def run(
     return report
 
 
-class _RequestMaker:
+class RequestMaker:
     def __init__(self, engine, kind, prompt_len, beam_width, candidates):
         self.engine, self.kind = engine, kind
         self.prompt_len, self.beam_width, self.candidates = prompt_len, beam_width, candidates
@@ -109,22 +111,24 @@ def _sequential_seconds(engine, maker, device, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-async def _call(async_engine, request):
+async def call_engine(async_engine, request):
     if isinstance(request, RetrieveRequest):
         return await async_engine.retrieve(request)
     return await async_engine.score(request)
 
 
-async def _burst(async_engine, maker, count: int) -> dict:
-    await _call(async_engine, maker())  # warm-up through the loop
+async def burst_throughput(call, maker, count: int) -> dict:
+    """Saturation: `count` requests sent at once, served as fast as the server can. `call` is async."""
+    await call(maker())  # warm-up through the loop
     requests = [maker() for _ in range(count)]
     start = time.perf_counter()
-    await asyncio.gather(*(_call(async_engine, r) for r in requests))
+    await asyncio.gather(*(call(r) for r in requests))
     elapsed = time.perf_counter() - start
     return {"requests": count, "seconds": elapsed, "qps": count / elapsed}
 
 
-async def _open_loop(async_engine, maker, rate: float, duration: float) -> dict:
+async def open_loop(call, maker, rate: float, duration: float) -> dict:
+    """Poisson arrivals at `rate` for `duration` seconds; latency percentiles of what completed."""
     rng = random.Random(int(check_rate(rate) * 1000))
     latencies, errors, overloaded = [], 0, 0
 
@@ -132,7 +136,7 @@ async def _open_loop(async_engine, maker, rate: float, duration: float) -> dict:
         nonlocal errors, overloaded
         start = time.perf_counter()
         try:
-            await _call(async_engine, request)
+            await call(request)
             latencies.append(time.perf_counter() - start)
         except Overloaded:
             overloaded += 1

@@ -1,0 +1,164 @@
+"""`genrec bench serve`: the same open-loop load through the Serve app over HTTP and on the in-process AsyncEngine.
+
+In one run, on one model: saturation (a burst) and Poisson rates against the in-process AsyncEngine, then the
+same against a local Serve app (ingress + one engine replica with as many torch threads) over HTTP on
+127.0.0.1. The ratios say what Serve costs: saturation through Serve / in-process, and the latency it adds to
+one request at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import statistics
+import time
+
+import httpx
+import torch
+
+from genrec.bench.common import free_port, machine, model_dir_for
+from genrec.bench.load import RequestMaker, burst_throughput, call_engine, open_loop
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.errors import GenrecError, Overloaded
+
+APP = "bench"
+
+
+def run(kind, rates, duration, preset, model, levels, prompt_len, beam_width, candidates, burst, plot) -> dict:
+    model_dir = model_dir_for(preset, model, levels)
+    engine = Engine.from_pretrained(model_dir)
+    maker = RequestMaker(engine, kind, prompt_len, beam_width, candidates)
+    in_process = _measure_in_process(engine, maker, rates, duration, burst)
+    with _local_serve(model_dir) as url:
+        serve = asyncio.run(_measure_http(url, maker, rates, duration, burst))
+    report = {
+        "benchmark": "serve",
+        "kind": kind,
+        "model": str(model_dir),
+        "preset": None if model else preset,
+        "prompt_len": prompt_len,
+        "beam_width": beam_width,
+        "levels": engine.catalog.levels,
+        "in_process": in_process,
+        "serve": serve,
+        "ratios": {
+            "saturation_serve_over_in_process": serve["saturation"]["qps"] / in_process["saturation"]["qps"],
+            "added_latency_ms_one_at_a_time": 1000 * (serve["one_at_a_time_s"] - in_process["one_at_a_time_s"]),
+        },
+        "goals": {"saturation_serve_over_in_process": ">= 0.8", "added_latency_ms_one_at_a_time": "<= 10"},
+        "machine": machine(),
+    }
+    if plot:
+        _plot(report, plot)
+    return report
+
+
+def _measure_in_process(engine, maker, rates, duration, burst) -> dict:
+    async_engine = AsyncEngine(engine, SchedulerConfig(max_queue=4096, request_timeout_s=600))
+    try:
+        return asyncio.run(_measure(functools.partial(call_engine, async_engine), maker, rates, duration, burst))
+    finally:
+        async_engine.shutdown()
+
+
+async def _measure_http(url, maker, rates, duration, burst) -> dict:
+    async with httpx.AsyncClient(timeout=600, limits=_connections(burst)) as client:
+        return await _measure(functools.partial(_post, client, url), maker, rates, duration, burst)
+
+
+async def _measure(call, maker, rates, duration, burst) -> dict:
+    one = await _one_at_a_time(call, maker)
+    saturation = await burst_throughput(call, maker, burst)
+    points = [await open_loop(call, maker, rate, duration) for rate in rates]
+    return {"one_at_a_time_s": one, "saturation": saturation, "rates": points}
+
+
+async def _one_at_a_time(call, maker, repeats: int = 15) -> float:
+    """Median latency of requests sent one after another (no queueing): what the path itself adds."""
+    await call(maker())
+    times = []
+    for _ in range(repeats):
+        request = maker()
+        start = time.perf_counter()
+        await call(request)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+async def _post(client: httpx.AsyncClient, url: str, request):
+    route = "retrieve" if request.__class__.__name__ == "RetrieveRequest" else "score"
+    response = await client.post(f"{url}/v1/{route}", json=request.model_dump(exclude_none=True))
+    if response.status_code == 503:
+        raise Overloaded(response.text)
+    if response.status_code != 200:
+        raise GenrecError(f"HTTP {response.status_code}: {response.text[:200]}")
+    return response.json()
+
+
+def _connections(burst: int) -> httpx.Limits:
+    return httpx.Limits(max_connections=burst + 16, max_keepalive_connections=burst + 16)
+
+
+@contextlib.contextmanager
+def _local_serve(model_dir):
+    """The app on a local Ray (started here unless this process is connected), HTTP on 127.0.0.1."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from genrec.serving.app import build_app
+    from genrec.serving.args import AppArgs
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = AppArgs(
+        model_dir=str(model_dir),
+        torch_threads=torch.get_num_threads(),  # as many as the in-process engine had
+        engine_num_cpus=1,
+        ingress_num_cpus=0.1,
+        request_timeout_s=600,
+        limits={"max_queue": 4096},
+        max_ongoing_requests=4096,
+        max_queued_requests=4096,
+    )
+    try:
+        serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+        yield f"http://127.0.0.1:{port}/{APP}"
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+def _plot(report: dict, path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise GenrecError("--plot needs matplotlib: pip install 'genrec[bench]'") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for side, style in (("in_process", "-"), ("serve", "--")):
+        points = [p for p in report[side]["rates"] if p["p50_s"] is not None]
+        achieved = [p["achieved_qps"] for p in points]
+        for key, color in (("p50_s", "tab:blue"), ("p99_s", "tab:red")):
+            label = f"{side.replace('_', '-')} {key[:3]}"
+            ax.plot(achieved, [p[key] * 1000 for p in points], style, marker="o", color=color, label=label)
+        ax.axvline(report[side]["saturation"]["qps"], linestyle=style, color="grey")
+    ax.set_xlabel("achieved throughput (requests / s); grey: saturation")
+    ax.set_ylabel("latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"genrec {report['kind']} through Serve vs in-process (prompt {report['prompt_len']})")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+

@@ -1,0 +1,49 @@
+"""The application builder named by every Serve config: `import_path: genrec.serving.app:build_app`."""
+
+# No `from __future__ import annotations`: Serve reads build_app's parameter annotation (AppArgs) to
+# validate a config's `args`; a string annotation would hand it a plain dict.
+from ray.serve import Application
+
+from genrec.serving.args import AppArgs
+from genrec.serving.engine_server import EngineServer
+from genrec.serving.ingress import Ingress
+
+
+def build_app(args: AppArgs) -> Application:
+    """Ingress -> EngineServer, each deployment's options derived from the arguments."""
+    engine = EngineServer.options(**engine_options(args)).bind(
+        args.model_dir, args.device, args.dtype, args.max_candidates, args.torch_threads
+    )
+    ingress = Ingress.options(
+        num_replicas=args.ingress_replicas,
+        max_queued_requests=args.max_queued_requests,
+        backpressure_config=backpressure(args),
+        ray_actor_options={"num_cpus": args.ingress_num_cpus},
+        user_config={"request_timeout_s": args.request_timeout_s},
+    )
+    return ingress.bind(engine, args.ingress_settings())
+
+
+def engine_options(args: AppArgs) -> dict:
+    on_gpu = args.device == "cuda"
+    gpus = args.engine_num_gpus if args.engine_num_gpus is not None else (1 if on_gpu else 0)
+    cpus = args.engine_num_cpus if args.engine_num_cpus is not None else 1
+    return {
+        "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus},
+        # High enough that concurrent requests meet inside the engine's batching loop; the engine's own
+        # max_queue, then the handle's max_queued_requests, bound what waits.
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "backpressure_config": backpressure(args),
+        "autoscaling_config": {
+            "min_replicas": args.min_replicas,
+            "max_replicas": args.max_replicas,
+            "target_ongoing_requests": args.target_ongoing_requests,
+        },
+        "user_config": args.limits.model_dump(),
+    }
+
+
+def backpressure(args: AppArgs) -> dict:
+    """Past max_queued_requests: 503 with Retry-After, so clients back off instead of piling up."""
+    return {"status_code": 503, "retry_after_s": args.retry_after_s}

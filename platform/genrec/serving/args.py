@@ -1,0 +1,83 @@
+"""The application's arguments: what a Serve config's `args` may say, validated at deploy time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a typo in a config file fails the deploy instead of vanishing
+
+
+class CacheArgs(_Args):
+    """The shared embedding cache the ingress resolves `user_id`s through (see genrec.cache.actor)."""
+
+    name: str
+    dim: int = Field(gt=0)
+    shards: int = Field(1, ge=1)
+    capacity: int = Field(1_000_000, gt=0)
+    policy: str = "lru"
+    store: Literal["sqlite", "redis", "none"] = "sqlite"
+    store_path: str = "/tmp/genrec-embeddings.sqlite"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+
+
+class EngineLimits(_Args):
+    """What may change live (`user_config` -> `reconfigure`, no restart): queueing and batching limits."""
+
+    max_queue: int = Field(256, ge=1, description="requests waiting in one replica's engine; beyond: 503")
+    max_running: int | None = Field(None, ge=1, description="requests batched at once (default: by device)")
+    prefill_tokens_per_step: int = Field(4096, ge=1)
+
+
+class IngressSettings(_Args):
+    """What the ingress is built with (a change replaces its replicas)."""
+
+    auth_token_env: str | None = Field(
+        None, description="name of the environment variable holding the bearer token; unset: no auth"
+    )
+    cache: CacheArgs | None = Field(None, description="resolve user_id -> user_embedding through this cache")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 503 when the engines are overloaded")
+
+
+class IngressLimits(_Args):
+    """What may change live in the ingress (`user_config` -> `reconfigure`)."""
+
+    request_timeout_s: float = Field(30.0, gt=0, description="deadline of a request (504 past it)")
+
+
+class AppArgs(IngressSettings, IngressLimits):
+    model_dir: str = Field(description="a genrec model directory, present on every node that runs an engine")
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="default: bf16 on cuda")
+    limits: EngineLimits = EngineLimits()
+    max_candidates: int = Field(2048, ge=1)
+    # Resources and scaling of the engine deployment (config files may also override them per deployment).
+    engine_num_cpus: float | None = Field(None, gt=0, description="default: 1")
+    engine_num_gpus: float | None = Field(None, ge=0, description="default: 1 on cuda, 0 on cpu")
+    torch_threads: int | None = Field(None, ge=1, description="intra-op threads of an engine replica")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(32, gt=0, description="per engine replica, for autoscaling")
+    max_ongoing_requests: int = Field(256, ge=1, description="per engine replica: they meet in its batching loop")
+    max_queued_requests: int = Field(512, ge=1, description="per engine deployment handle; beyond: 503")
+    ingress_num_cpus: float = Field(0.25, ge=0)
+    ingress_replicas: int = Field(1, ge=1)
+
+    @field_validator("model_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        """Relative to where the app is built (`serve run`'s directory), so every replica finds it."""
+        return str(Path(value).expanduser().resolve())
+
+    def ingress_settings(self) -> IngressSettings:
+        return IngressSettings.model_validate(self.model_dump(include=set(IngressSettings.model_fields)))
+
+    @model_validator(mode="after")
+    def _replica_bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self

@@ -1,0 +1,95 @@
+"""The engine deployment: one AsyncEngine per replica, so concurrent requests meet in its batching loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ray import serve
+
+from genrec.api import MAX_BEAM_WIDTH
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
+from genrec.model.directory import model_version
+from genrec.serving.args import EngineLimits
+from genrec.serving.metrics import EngineMetricsExporter
+from genrec.serving.schemas import ModelInfo
+
+
+@serve.deployment(name="EngineServer", health_check_period_s=5, health_check_timeout_s=10)
+class EngineServer:
+    def __init__(self, model_dir: str, device: str, dtype: str | None, max_candidates: int, torch_threads=None):
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        started = time.perf_counter()
+        engine = Engine.from_pretrained(model_dir, device=device, dtype=dtype, max_candidates=max_candidates)
+        self.engine = AsyncEngine(engine, SchedulerConfig())
+        self.info = ModelInfo(
+            version=model_version(model_dir),
+            model_dir=str(model_dir),
+            device=device,
+            catalog_items=len(engine.catalog),
+            levels=engine.catalog.levels,
+            max_beam_width=MAX_BEAM_WIDTH,
+            max_candidates=engine.max_candidates,
+            max_prompt_tokens=engine.max_prompt_tokens,
+            user_dim=engine.projector.user_dim if engine.projector is not None else None,
+        )
+        self.metrics = EngineMetricsExporter()
+        self.metrics.model_load_seconds.set(time.perf_counter() - started)
+        self._stopped = threading.Event()
+        threading.Thread(target=self._export_until_stopped, name="genrec-metrics", daemon=True).start()
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Live limits (queue, batching) from the config's `user_config`, without a restart."""
+        limits = EngineLimits.model_validate(user_config)
+        self.engine.reconfigure(**limits.model_dump(exclude_none=True))
+
+    async def retrieve(self, request, timeout_s: float):
+        return await self._run("retrieve", self.engine.retrieve, request, timeout_s)
+
+    async def score(self, request, timeout_s: float):
+        return await self._run("score", self.engine.score, request, timeout_s)
+
+    async def recommend(self, request, timeout_s: float):
+        return await self._run("recommend", self.engine.recommend, request, timeout_s)
+
+    def model_info(self) -> ModelInfo:
+        return self.info
+
+    def check_health(self) -> None:
+        if not self.engine.healthy:
+            raise RuntimeError("the engine loop is not running")
+
+    def __del__(self):  # Serve calls this after draining the replica's ongoing requests
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            self._stopped.set()
+            engine.shutdown(timeout_s=5.0, drain=True)
+
+    async def _run(self, kind: str, method, request, timeout_s: float):
+        started, status = time.perf_counter(), "error"
+        try:
+            result = await method(request, timeout_s=timeout_s)
+            status = "ok"
+            return result, self.info.version
+        except InvalidRequestError:
+            status = "invalid"
+            raise
+        except Overloaded:
+            status = "overloaded"
+            raise
+        except RequestTimeout:
+            status = "timeout"
+            raise
+        except EngineStopped:
+            status = "stopped"
+            raise
+        finally:
+            self.metrics.finished(kind, status, time.perf_counter() - started)
+
+    def _export_until_stopped(self, period_s: float = 1.0) -> None:
+        while not self._stopped.wait(period_s):
+            self.metrics.update(self.engine.metrics())

@@ -1,0 +1,84 @@
+"""Every way a request can fail, as an HTTP status and a JSON body that says what to do about it.
+
+Client mistakes are 4xx naming the field; overload and a replaced replica are 503 with Retry-After; a
+missed deadline is 504. Only a bug is a 500 (logged with its traceback, answered without internals).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from genrec.errors import EngineStopped, GenrecError, InvalidRequestError, Overloaded, RequestTimeout
+from genrec.serving.schemas import ErrorBody, ErrorDetail
+
+log = logging.getLogger(__name__)
+
+
+class Unauthorized(GenrecError):
+    """Missing or wrong bearer token."""
+
+
+class UnknownUser(GenrecError):
+    """A user_id with no stored embedding (and no inline user_embedding)."""
+
+    def __init__(self, user_id):
+        super().__init__(f"user_id {user_id!r} has no stored embedding; send user_embedding inline or load it first")
+        self.user_id = user_id
+
+
+class EngineUnavailable(GenrecError):
+    """The engine replica died or is being replaced: retry shortly."""
+
+
+def error_response(error: BaseException, retry_after_s: float = 1.0) -> JSONResponse:
+    status, body, headers = _classify(error, retry_after_s)
+    return JSONResponse(ErrorBody(**body).model_dump(), status_code=status, headers=headers)
+
+
+def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, dict]:
+    retry = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    if isinstance(error, InvalidRequestError):
+        detail = ErrorDetail(field=error.field, message=error.problem)
+        return 422, {"code": "invalid_request", "message": str(error), "details": [detail]}, {}
+    if isinstance(error, ValidationError):  # a request rebuilt in the ingress (e.g. with a cached embedding)
+        details = [ErrorDetail(field=_field_path(e["loc"]), message=e["msg"]) for e in error.errors()]
+        return 422, {"code": "invalid_request", "message": str(error), "details": details}, {}
+    if isinstance(error, Unauthorized):
+        return 401, {"code": "unauthorized", "message": str(error)}, {"WWW-Authenticate": "Bearer"}
+    if isinstance(error, UnknownUser):
+        detail = ErrorDetail(field="user_id", message=str(error))
+        return 404, {"code": "unknown_user", "message": str(error), "details": [detail]}, {}
+    if isinstance(error, Overloaded):
+        retry = {"Retry-After": str(max(1, math.ceil(error.retry_after_s or retry_after_s)))}
+        return 503, {"code": "overloaded", "message": str(error)}, retry
+    if isinstance(error, EngineStopped | EngineUnavailable):
+        return 503, {"code": "unavailable", "message": str(error)}, retry
+    if isinstance(error, RequestTimeout):
+        return 504, {"code": "timeout", "message": str(error)}, {}
+    log.error("request failed unexpectedly", exc_info=error)
+    return 500, {"code": "internal", "message": f"internal error ({type(error).__name__}); it was logged"}, {}
+
+
+async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's own validation of the body: one detail per field, 400 for unparsable JSON, else 422."""
+    details = [
+        ErrorDetail(field=_field_path(e.get("loc", ())), message=e.get("msg", "invalid")) for e in error.errors()
+    ]
+    malformed = any(e.get("type") == "json_invalid" for e in error.errors())
+    message = "; ".join(f"{d.field}: {d.message}" if d.field else d.message for d in details)
+    body = ErrorBody(code="invalid_request", message=message or "invalid request", details=details)
+    return JSONResponse(body.model_dump(), status_code=400 if malformed else 422)
+
+
+def _field_path(loc) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if part.isdigit() else (f".{part}" if path else part)
+    return path or None

@@ -1,0 +1,155 @@
+"""The HTTP ingress (FastAPI under `@serve.ingress`): auth, validation, user_id -> embedding, engine calls.
+
+It does no model work: it checks the request, resolves the user's embedding through the shared cache
+(awaiting the actor, never blocking the event loop), calls the engine deployment by handle under the
+request's deadline and turns every failure into the status the client can act on (see http_errors).
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the route signatures' real types.
+import asyncio
+import hmac
+import os
+
+from fastapi import Depends, FastAPI, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+from genrec.api import RecommendResult, RetrieveResult, ScoreResult
+from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
+from genrec.serving.args import IngressLimits, IngressSettings
+from genrec.serving.http_errors import (
+    EngineUnavailable,
+    Unauthorized,
+    UnknownUser,
+    error_response,
+    validation_error_handler,
+)
+from genrec.serving.schemas import ErrorBody, ModelInfo, RecommendBody, RetrieveBody, ScoreBody
+
+# Past the engine's own deadline, how long the ingress still waits for its answer before it gives up.
+DEADLINE_GRACE_S = 2.0
+MODEL_VERSION_HEADER = "X-Model-Version"
+
+api = FastAPI(
+    title="genrec",
+    description="Generative recommendation with semantic IDs: retrieve, score, recommend.",
+    responses={code: {"model": ErrorBody} for code in (400, 401, 404, 422, 503, 504)},
+)
+api.add_exception_handler(RequestValidationError, validation_error_handler)
+bearer = HTTPBearer(auto_error=False, description="set when the deployment has auth_token_env")
+
+
+def _cause(err: RayTaskError) -> BaseException:
+    """The exception the engine raised (its class and fields), not Ray's wrapper around it."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+def _read_token(env_name: str | None) -> bytes | None:
+    if env_name is None:
+        return None
+    token = os.environ.get(env_name, "")
+    if not token:
+        raise ValueError(f"auth_token_env is {env_name!r} but that environment variable is unset or empty")
+    return token.encode()
+
+
+def _connect_cache(cache_args):
+    if cache_args is None:
+        return None
+    from genrec.cache.actor import CacheConfig, EmbeddingCache
+
+    settings = cache_args.model_dump()
+    name, shards = settings.pop("name"), settings.pop("shards")
+    return EmbeddingCache.connect(name, CacheConfig(**settings), shards=shards)
+
+
+# The class is serialised when it is decorated: everything it calls must already be defined above.
+@serve.deployment(name="Ingress", max_ongoing_requests=1024)
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, engine, settings: IngressSettings):
+        self.engine = engine
+        self.retry_after_s = settings.retry_after_s
+        self.token = _read_token(settings.auth_token_env)
+        self.cache = _connect_cache(settings.cache)
+        self.request_timeout_s = None  # set by reconfigure, which Serve calls before the first request
+
+    def reconfigure(self, user_config: dict) -> None:
+        """The request deadline changes live (`user_config`), without replacing the replica."""
+        self.request_timeout_s = IngressLimits.model_validate(user_config).request_timeout_s
+
+    @api.post("/v1/retrieve", response_model=RetrieveResult)
+    async def retrieve(self, body: RetrieveBody, response: Response, auth=Depends(bearer)):
+        return await self._serve("retrieve", body, response, auth)
+
+    @api.post("/v1/score", response_model=ScoreResult)
+    async def score(self, body: ScoreBody, response: Response, auth=Depends(bearer)):
+        return await self._serve("score", body, response, auth)
+
+    @api.post("/v1/recommend", response_model=RecommendResult)
+    async def recommend(self, body: RecommendBody, response: Response, auth=Depends(bearer)):
+        return await self._serve("recommend", body, response, auth)
+
+    @api.get("/v1/model", response_model=ModelInfo)
+    async def model(self, auth=Depends(bearer)):
+        try:
+            self._authorize(auth)
+            return await self._engine_call(self.engine.model_info.remote(), timeout_s=self.request_timeout_s)
+        except Exception as err:  # noqa: BLE001 - every failure becomes its status (see http_errors)
+            return error_response(err, self.retry_after_s)
+
+    @api.get("/healthz")
+    async def healthz(self):
+        """Ready when an engine replica answers (no auth: load balancers probe it)."""
+        try:
+            info = await self._engine_call(self.engine.model_info.remote(), timeout_s=5.0)
+            return {"status": "ok", "model_version": info.version}
+        except Exception as err:  # noqa: BLE001
+            return error_response(err, self.retry_after_s)
+
+    async def _serve(self, kind: str, body, response: Response, auth):
+        try:
+            self._authorize(auth)
+            request = body.to_request(await self._user_embedding(body))
+            timeout_s = self.request_timeout_s
+            result, version = await self._engine_call(
+                getattr(self.engine, kind).remote(request, timeout_s), timeout_s + DEADLINE_GRACE_S
+            )
+            response.headers[MODEL_VERSION_HEADER] = version
+            return result
+        except Exception as err:  # noqa: BLE001
+            return error_response(err, self.retry_after_s)
+
+    def _authorize(self, auth: HTTPAuthorizationCredentials | None) -> None:
+        if self.token is None:
+            return
+        given = auth.credentials.encode() if auth is not None else b""
+        if not hmac.compare_digest(given, self.token):  # constant time: the token does not leak by timing
+            raise Unauthorized("a valid 'Authorization: Bearer <token>' header is required")
+
+    async def _user_embedding(self, body) -> list[float] | None:
+        if body.user_embedding is not None or body.user_id is None:
+            return None  # an inline vector wins; no user_id, nothing to look up
+        if self.cache is None:
+            raise InvalidRequestError("user_id", "this deployment has no embedding cache; send user_embedding")
+        vectors, found = await self.cache.get_async([body.user_id])
+        if not found[0]:
+            raise UnknownUser(body.user_id)
+        return vectors[0].tolist()
+
+    async def _engine_call(self, response, timeout_s: float):
+        try:
+            return await asyncio.wait_for(response, timeout_s)
+        except TimeoutError:
+            response.cancel()  # the engine drops the request at its next step
+            raise RequestTimeout(f"no answer within {timeout_s:.1f} s") from None
+        except BackPressureError as err:
+            raise Overloaded(f"the engines' queues are full ({err})", self.retry_after_s) from None
+        except (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError) as err:
+            raise EngineUnavailable(f"the engine replica is unavailable ({type(err).__name__}); retry") from None
+        except RayTaskError as err:
+            raise _cause(err) from None

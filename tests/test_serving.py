@@ -1,0 +1,322 @@
+"""The Serve app over real HTTP: routes, auth, bad input, overload, deadlines, replica loss, rollout."""
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.model.directory import model_version
+from genrec.model.tiny import write_model_dir
+from genrec.serving.args import AppArgs
+from tests.conftest import API_TOKEN_ENV, TINY
+
+PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
+SMALL = {"engine_num_cpus": 0.2, "ingress_num_cpus": 0.05}  # many apps share the 2-CPU test cluster
+
+
+def deploy(name: str, deployments: list[dict] | None = None, **args) -> None:
+    """Deploy as `serve deploy` / `serve run CONFIG` do: from a config naming the builder, so a change of
+    `user_config` alone reconfigures the running replicas instead of replacing them."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    AppArgs(**(SMALL | args))  # fail here, readably, on a typo in a test
+    _DEPLOYED[name] = {
+        "name": name,
+        "route_prefix": f"/{name}",
+        "import_path": "genrec.serving.app:build_app",
+        "args": SMALL | args,
+        "deployments": deployments or [],
+    }
+    # A config is declarative (apps it leaves out are removed): it lists every app this module runs.
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=list(_DEPLOYED.values())), _blocking=True)
+
+
+def delete(name: str) -> None:
+    from ray import serve
+
+    _DEPLOYED.pop(name)
+    serve.delete(name)
+
+
+_DEPLOYED: dict[str, dict] = {}
+
+
+def user_vector(seed: int) -> list[float]:
+    return np.random.default_rng(seed).normal(size=TINY.user_dim).round(4).tolist()
+
+
+@pytest.fixture(scope="module")
+def cache_args(tmp_path_factory):
+    return {
+        "name": "serve-test-users",
+        "dim": TINY.user_dim,
+        "store": "sqlite",
+        "store_path": str(tmp_path_factory.mktemp("cache") / "users.sqlite"),
+    }
+
+
+@pytest.fixture(scope="module")
+def open_url(serve_url, tiny_dir, cache_args):
+    from genrec.cache.actor import CacheConfig, EmbeddingCache
+
+    settings = {k: v for k, v in cache_args.items() if k != "name"}
+    EmbeddingCache.connect(cache_args["name"], CacheConfig(**settings)).put(
+        ["u-1", "u-2"], [user_vector(1), user_vector(2)]
+    )
+    deploy("open", model_dir=str(tiny_dir), cache=cache_args, request_timeout_s=20)
+    yield f"{serve_url}/open"
+    delete("open")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client(timeout=60) as c:
+        yield c
+
+
+# -- routes ---------------------------------------------------------------------------------------
+
+
+def test_retrieve_score_recommend_equal_the_engine(open_url, client, engine, tiny_dir):
+    vector = user_vector(1)
+    candidates = [Candidate(item_id=engine.catalog.item_ids[i]) for i in (3, 30)] + [Candidate(text="a science show")]
+    cases = [
+        (
+            "retrieve",
+            RetrieveRequest(prompt=PROMPT, user_embedding=vector, beam_width=16, num_results=8),
+            engine.retrieve,
+        ),
+        ("score", ScoreRequest(prompt=PROMPT, user_embedding=vector, candidates=candidates), engine.score),
+        (
+            "recommend",
+            RecommendRequest(prompt=PROMPT, user_embedding=vector, beam_width=8, candidates=candidates[2:]),
+            engine.recommend,
+        ),
+    ]
+    for route, request, direct in cases:
+        response = client.post(f"{open_url}/v1/{route}", json=request.model_dump(exclude_none=True))
+        assert response.status_code == 200, response.text
+        assert response.headers["x-model-version"] == model_version(tiny_dir)
+        (want,) = direct([request])
+        got = response.json()
+        if route == "score":
+            assert [s["logprob"] for s in got["scores"]] == pytest.approx([s.logprob for s in want.scores], abs=1e-4)
+        else:
+            assert [i["item_id"] for i in got["items"]] == [i.item_id for i in want.items]
+            key = "logprob" if route == "retrieve" else "score_logprob"
+            assert [i[key] for i in got["items"]] == pytest.approx([getattr(i, key) for i in want.items], abs=1e-4)
+
+
+def test_model_info_health_and_docs(open_url, client, tiny_dir):
+    info = client.get(f"{open_url}/v1/model").json()
+    assert info["version"] == model_version(tiny_dir)
+    assert (info["catalog_items"], info["levels"], info["user_dim"]) == (TINY.items, TINY.levels, TINY.user_dim)
+    assert info["max_beam_width"] >= 256 and info["max_candidates"] > 0
+    health = client.get(f"{open_url}/healthz")
+    assert health.status_code == 200 and health.json()["model_version"] == info["version"]
+    assert client.get(f"{open_url}/docs").status_code == 200
+    paths = client.get(f"{open_url}/openapi.json").json()["paths"]
+    assert {"/v1/retrieve", "/v1/score", "/v1/recommend", "/v1/model", "/healthz"} <= set(paths)
+
+
+def test_user_id_is_resolved_through_the_cache(open_url, client):
+    by_id = client.post(f"{open_url}/v1/retrieve", json={"prompt": PROMPT, "user_id": "u-2", "beam_width": 8})
+    inline = client.post(
+        f"{open_url}/v1/retrieve", json={"prompt": PROMPT, "user_embedding": user_vector(2), "beam_width": 8}
+    )
+    assert by_id.status_code == inline.status_code == 200
+    assert by_id.json()["items"] == inline.json()["items"]
+    other = client.post(f"{open_url}/v1/retrieve", json={"prompt": PROMPT, "user_id": "u-1", "beam_width": 8})
+    assert other.json()["items"] != by_id.json()["items"]
+    wins = client.post(
+        f"{open_url}/v1/retrieve",
+        json={"prompt": PROMPT, "user_id": "u-1", "user_embedding": user_vector(2), "beam_width": 8},
+    )
+    assert wins.json()["items"] == inline.json()["items"]  # an inline vector wins over the stored one
+    missing = client.post(f"{open_url}/v1/retrieve", json={"prompt": PROMPT, "user_id": "nobody", "beam_width": 8})
+    assert missing.status_code == 404
+    assert "nobody" in missing.json()["message"] and missing.json()["details"][0]["field"] == "user_id"
+
+
+# -- bad input: 4xx naming the field, never a 5xx -------------------------------------------------
+
+BAD = [
+    ("retrieve", b'{"prompt": "x", "beam_width": ', 400, None),
+    ("retrieve", b"[1, 2]", 422, None),
+    ("retrieve", {"prompt": "user listened", "beam_widht": 4}, 422, "beam_widht"),
+    ("retrieve", {"prompt": "user listened", "beam_width": "wide"}, 422, "beam_width"),
+    ("retrieve", {"prompt": "user listened", "beam_width": True}, 422, "beam_width"),
+    ("retrieve", {"prompt": "user listened", "beam_width": 0}, 422, "beam_width"),
+    ("retrieve", {"prompt": "user listened", "beam_width": 100000}, 422, "beam_width"),
+    ("retrieve", {"prompt_token_ids": [1] * 9000}, 422, "prompt_token_ids"),
+    ("retrieve", {"prompt_token_ids": [10**9]}, 422, "prompt_token_ids"),
+    ("retrieve", {"prompt": PROMPT, "user_embedding": [0.5] * (TINY.user_dim + 1)}, 422, "user_embedding"),
+    ("retrieve", {"prompt": PROMPT, "user_embedding": [float("nan")] * TINY.user_dim}, 422, "user_embedding"),
+    ("retrieve", {"prompt": PROMPT, "user_embedding": [1e39] * TINY.user_dim}, 422, "user_embedding"),
+    ("retrieve", {"prompt": "user listened", "user_id": ["a"]}, 422, "user_id"),
+    ("retrieve", {}, 422, "prompt"),
+    ("score", {"prompt": "user listened", "candidates": [{"item_id": "no-such-item"}]}, 422, "candidates[0].item_id"),
+    ("score", {"prompt": "user listened", "candidates": []}, 422, "candidates"),
+    ("score", {"prompt": "user listened", "candidates": [{"text": "x"}] * 5000}, 422, "candidates"),
+    ("score", {"prompt": "user listened", "candidates": [{"item_id": 7}]}, 422, "candidates[0].item_id"),
+    ("score", {"prompt": "user listened", "candidates": [{"text": "x"}], "labels": ["yes"]}, 422, "labels"),
+    ("recommend", {"prompt": "user listened", "beam_width": 4, "num_results": 9}, 422, "num_results"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "field"), BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_is_a_4xx_naming_the_field(open_url, client, route, body, status, field):
+    url = f"{open_url}/v1/{route}"
+    if isinstance(body, bytes):
+        response = client.post(url, content=body, headers={"content-type": "application/json"})
+    else:  # json.dumps writes NaN / 1e39 literally, as a careless client would
+        response = client.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["code"] == "invalid_request" and error["message"]
+    if field is not None:
+        assert field in response.text
+
+
+def test_the_service_is_healthy_after_the_bad_input(open_url, client):
+    assert client.get(f"{open_url}/healthz").status_code == 200
+    ok = client.post(f"{open_url}/v1/retrieve", json={"prompt": "user listened", "beam_width": 4})
+    assert ok.status_code == 200 and len(ok.json()["items"]) == 4
+
+
+# -- auth, deadlines and live reconfiguration, rollout: one auth-on app ---------------------------
+
+AUTH = {"Authorization": f"Bearer {os.environ[API_TOKEN_ENV]}"}
+
+
+@pytest.fixture(scope="module")
+def guarded_url(serve_url, tiny_dir):
+    deploy("guarded", model_dir=str(tiny_dir), auth_token_env=API_TOKEN_ENV, request_timeout_s=20)
+    yield f"{serve_url}/guarded"
+    delete("guarded")
+
+
+def test_bearer_token_when_configured(guarded_url, client):
+    url, body = f"{guarded_url}/v1/retrieve", {"prompt": "user listened", "beam_width": 4}
+    missing = client.post(url, json=body)
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert client.post(url, json=body, headers={"Authorization": "Bearer not-the-token"}).status_code == 401
+    assert client.post(url, json=body, headers=AUTH).status_code == 200
+    assert client.get(f"{guarded_url}/v1/model").status_code == 401
+    assert client.get(f"{guarded_url}/v1/model", headers=AUTH).status_code == 200
+    assert client.get(f"{guarded_url}/healthz").status_code == 200  # probes need no token
+
+
+def replica_actor_names(app: str, deployment: str) -> list[str]:
+    import ray
+
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and f"{app}#{deployment}#" in a["name"]
+    )
+
+
+def test_deadline_is_504_and_changes_live_without_a_restart(guarded_url, tiny_dir, client):
+    url = f"{guarded_url}/v1/retrieve"
+    body = {"prompt_token_ids": list(range(3, 200)), "beam_width": 32}
+    assert client.post(url, json=body, headers=AUTH).status_code == 200
+    before = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
+    args = {"model_dir": str(tiny_dir), "auth_token_env": API_TOKEN_ENV, "request_timeout_s": 20}
+    deploy("guarded", deployments=[{"name": "Ingress", "user_config": {"request_timeout_s": 0.001}}], **args)
+    started = time.monotonic()
+    late = client.post(url, json=body, headers=AUTH)
+    assert late.status_code == 504 and late.json()["code"] == "timeout"
+    assert time.monotonic() - started < 5
+    after = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
+    assert after == before  # reconfigured in place: only user_config changed
+    deploy("guarded", **args)
+    assert client.post(url, json=body, headers=AUTH).status_code == 200
+
+
+def test_rollout_to_a_new_model_fails_no_request(guarded_url, tiny_dir, tmp_path):
+    from dataclasses import replace
+
+    new_dir = write_model_dir(tmp_path / "v2", replace(TINY, seed=2))
+    old_version, new_version = model_version(tiny_dir), model_version(new_dir)
+    url = f"{guarded_url}/v1/retrieve"
+    seen, failures, stop = [], [], threading.Event()
+
+    def load():
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                r = c.post(url, json={"prompt": "user listened", "beam_width": 8}, headers=AUTH)
+                (seen if r.status_code == 200 else failures).append(r.headers.get("x-model-version", r.text))
+
+    workers = [threading.Thread(target=load) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(1)
+        deploy("guarded", model_dir=str(new_dir), auth_token_env=API_TOKEN_ENV, request_timeout_s=20)
+        time.sleep(2)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert failures == []
+    assert seen[0] == old_version and seen[-1] == new_version
+
+
+# -- overload ------------------------------------------------------------------------------------
+
+
+def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
+    deploy(
+        "tight",
+        model_dir=str(tiny_dir),
+        limits={"max_queue": 1, "max_running": 1},
+        max_ongoing_requests=2,
+        max_queued_requests=1,
+        retry_after_s=3,
+    )
+    try:
+        body = {"prompt_token_ids": list(range(3, 400)), "beam_width": 64}
+        with ThreadPoolExecutor(24) as pool, httpx.Client(timeout=60) as c:
+            responses = list(pool.map(lambda _: c.post(f"{serve_url}/tight/v1/retrieve", json=body), range(24)))
+        assert {r.status_code for r in responses} <= {200, 503}, [r.text for r in responses if r.status_code >= 500]
+        shed = [r for r in responses if r.status_code == 503]
+        assert shed and any(r.status_code == 200 for r in responses)
+        assert all(r.headers["retry-after"] == "3" for r in shed)
+    finally:
+        delete("tight")
+
+
+# -- a killed engine replica (last: it uses the shared open app) ----------------------------------
+
+
+def test_killed_engine_replica_is_replaced_and_requests_end(open_url):
+    import ray
+
+    url = f"{open_url}/v1/retrieve"
+    body = {"prompt_token_ids": list(range(3, 300)), "beam_width": 64}
+    deadline_s = 20  # the open app's request_timeout_s
+    with httpx.Client(timeout=60) as c:
+        assert c.post(url, json=body).status_code == 200
+        (name,) = replica_actor_names("open", "EngineServer")
+        with ThreadPoolExecutor(8) as pool:
+            started = time.monotonic()
+            futures = [pool.submit(c.post, url, json=body) for _ in range(8)]
+            time.sleep(0.2)
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            responses = [f.result() for f in futures]
+        assert time.monotonic() - started < deadline_s + 5  # nobody waited past the deadline (+ grace)
+        assert all(r.status_code in (200, 503, 504) for r in responses), [r.text for r in responses]
+        assert any(r.status_code == 503 for r in responses)  # the ones the dead replica held
+        resume_by = time.monotonic() + 90
+        while c.post(url, json=body).status_code != 200:
+            assert time.monotonic() < resume_by, "service did not resume after the replica was killed"
+            time.sleep(1)
+    assert replica_actor_names("open", "EngineServer") not in ([], [name])

@@ -50,3 +50,21 @@ def test_bench_cache(ray_cluster, redis_url, tmp_path):
     rates = report["get_keys_per_s"]
     assert all(v > 0 for v in rates.values())
     assert 0 < report["hit_rate_at_10pct_capacity"]["lru"] <= 1
+
+
+def test_bench_serve(tiny_dir, tmp_path):
+    """Through the real CLI in a process of its own (it starts its own local Ray and Serve, then stops them)."""
+    import os
+    import subprocess
+    import sys
+
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    args = ["--model", str(tiny_dir), "--prompt-len", "16", "--beam-width", "4", "--rates", "10", "--duration", "0.5"]
+    command = [sys.executable, "-m", "genrec.cli", "bench", "serve", *args, "--burst", "4"]
+    env = os.environ | {"RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([*command, "--json", str(out), "--plot", str(plot)], env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ratios"]["saturation_serve_over_in_process"] > 0
+    assert report["serve"]["rates"][0]["completed"] > 0 and report["serve"]["rates"][0]["errors"] == 0
+    assert plot.stat().st_size > 0

@@ -353,3 +353,19 @@ def test_a_zero_or_negative_request_timeout_is_refused_not_defaulted(engine, rng
         with pytest.raises(InvalidRequestError, match="timeout_s"):
             scheduler.submit(prepared, bad)
     assert scheduler.idle
+
+
+def test_each_async_entry_takes_only_its_own_kind_and_submit_takes_any(engine, async_engine):
+    score = ScoreRequest(prompt="user liked", candidates=[Candidate(text="news")])
+    recommend = RecommendRequest(prompt="user liked", beam_width=3)
+    for method, wrong in [(async_engine.retrieve, score), (async_engine.retrieve, recommend)]:
+        with pytest.raises(InvalidRequestError, match=f"expected RetrieveRequest, got {type(wrong).__name__}"):
+            asyncio.run(method(wrong))
+    with pytest.raises(InvalidRequestError, match="expected ScoreRequest, got RecommendRequest"):
+        asyncio.run(async_engine.score(recommend))
+    with pytest.raises(InvalidRequestError, match="expected RecommendRequest, got ScoreRequest"):
+        asyncio.run(async_engine.recommend(score))
+    assert async_engine.scheduler.idle  # nothing was queued
+    assert len(async_engine.submit(score).result(timeout=30).scores) == 1  # submit serves every kind
+    with pytest.raises(InvalidRequestError, match="got dict"):
+        async_engine.submit({"prompt": "user liked"})

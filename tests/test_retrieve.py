@@ -1,11 +1,14 @@
 """Constrained wide beam search against transformers (teacher forcing and its own beam search)."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from genrec.api import RetrieveRequest
-from genrec.errors import InvalidRequestError
+from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.errors import InvalidRequestError, ModelDirectoryError
 from tests.conftest import random_prompt
 from tests.reference import hf_constrained_beams, teacher_forced_logprobs
 
@@ -118,12 +121,61 @@ def test_unknown_exclusions_are_ignored_and_counted(engine, rng):
         ({"prompt": "a", "beam_width": 4, "num_results": 5}, "num_results"),
         ({"prompt_token_ids": [-1]}, "prompt_token_ids"),
         ({"prompt": "a", "surprise": 1}, "surprise"),
+        # strict types: nothing is coerced (issue 13, item 9)
+        ({"prompt_token_ids": [True, False]}, "prompt_token_ids.0"),
+        ({"prompt_token_ids": ["1", "2"]}, "prompt_token_ids.0"),
+        ({"prompt_token_ids": [2.0]}, "prompt_token_ids.0"),
+        ({"prompt": "a", "beam_width": True}, "beam_width"),
+        ({"prompt": "a", "beam_width": 4.0}, "beam_width"),
+        ({"prompt": "a", "beam_width": "4"}, "beam_width"),
+        ({"prompt": "a", "num_results": "3"}, "num_results"),
+        ({"prompt": "a", "user_embedding": [True, 1.0]}, "user_embedding.0"),
+        ({"prompt": "a", "user_embedding": ["0.5"]}, "user_embedding.0"),
+        ({"prompt": "a", "exclude_item_ids": [7]}, "exclude_item_ids.0"),
+        ({"prompt": "a", "request_id": 7}, "request_id"),
+        ({"prompt": b"bytes"}, "prompt"),
+        ({"prompt_token_ids": np.array([1.0, 2.0])}, "prompt_token_ids.0"),
+        # text must be valid Unicode: a lone surrogate (a JSON escape away) is refused by field (item 5)
+        ({"prompt": "\ud800abc"}, "lone surrogate"),
+        ({"prompt": "a", "exclude_item_ids": ["item\udfff"]}, "exclude_item_ids.0"),
+        ({"prompt": "a", "request_id": "\udc80"}, "request_id"),
     ],
 )
 def test_invalid_requests_fail_validation(fields, fragment):
     with pytest.raises(ValidationError) as info:
         RetrieveRequest(**fields)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ('{"prompt_token_ids": [true, false]}', "prompt_token_ids.0"),
+        ('{"prompt_token_ids": ["1", "2"]}', "prompt_token_ids.0"),
+        ('{"prompt_token_ids": [1.0]}', "prompt_token_ids.0"),
+        ('{"prompt": "a", "beam_width": true}', "beam_width"),
+        ('{"prompt": "a", "beam_width": 4.0}', "beam_width"),
+        ('{"prompt": "a", "user_embedding": [false]}', "user_embedding.0"),
+        ('{"prompt": "a", "user_embedding": ["1"]}', "user_embedding.0"),
+        ('{"prompt": "\\ud800abc"}', "prompt"),
+    ],
+)
+def test_json_bodies_are_validated_as_strictly(body, fragment):
+    with pytest.raises(ValidationError) as info:
+        RetrieveRequest.model_validate_json(body)
+    assert fragment in str(info.value)
+    with pytest.raises(ValidationError):  # the same body decoded first (what FastAPI does)
+        RetrieveRequest.model_validate(json.loads(body))
+
+
+def test_what_json_and_ray_data_send_is_still_accepted():
+    from_json = RetrieveRequest.model_validate_json('{"prompt": "a", "user_embedding": [1, 0.5], "beam_width": 3}')
+    assert from_json.user_embedding == [1.0, 0.5] and from_json.beam_width == 3
+    from_arrays = RetrieveRequest(
+        prompt_token_ids=np.array([5, 6], dtype=np.int64), user_embedding=np.ones(2, np.float32), beam_width=np.int64(2)
+    )
+    assert from_arrays.prompt_token_ids == [5, 6] and from_arrays.user_embedding == [1.0, 1.0]
+    assert type(from_arrays.beam_width) is int and from_arrays.num_results == 2
 
 
 def test_prompt_too_long_and_unknown_tokens(engine):
@@ -178,3 +230,41 @@ def test_bfloat16_engine_runs_every_path_and_agrees_with_float32(tiny_dir, engin
     assert np.isfinite(scored[0].scores[0].logprob)
     (rec,) = half.recommend([RecommendRequest(prompt_token_ids=prompt, beam_width=4)])
     assert len(rec.items) == 4
+
+
+def test_empty_batches_return_empty_lists(engine):
+    assert engine.retrieve([]) == [] and engine.score([]) == [] and engine.recommend([]) == []
+
+
+def test_each_entry_takes_only_its_own_kind_of_request(engine):
+    retrieve = RetrieveRequest(prompt="user liked")
+    score = ScoreRequest(prompt="user liked", candidates=[Candidate(text="news")])
+    recommend = RecommendRequest(prompt="user liked")
+    for method, wrong in [
+        (engine.retrieve, score),
+        (engine.retrieve, recommend),  # a RecommendRequest is a RetrieveRequest, but not what retrieve serves
+        (engine.score, retrieve),
+        (engine.recommend, retrieve),
+        (engine.recommend, score),
+    ]:
+        with pytest.raises(InvalidRequestError, match=f"expected .*Request, got {type(wrong).__name__}") as info:
+            method([wrong])
+        assert info.value.field == "request"
+    with pytest.raises(InvalidRequestError, match="expected ScoreRequest, got RetrieveRequest"):
+        engine.score([score, retrieve])  # one wrong kind fails the batch before any compute
+    with pytest.raises(InvalidRequestError, match="expected a list of requests, got RetrieveRequest"):
+        engine.retrieve(retrieve)
+    with pytest.raises(InvalidRequestError, match="got dict"):
+        engine.prepare({"prompt": "user liked"})
+
+
+def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_at_load(tiny_dir, tmp_path):
+    from genrec.engine import Engine
+    from genrec.model.tokenizer import load_tokenizer
+
+    model_dir = shutil.copytree(tiny_dir, tmp_path / "model")
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.add_tokens(["<beyond_0>", "<beyond_1>"])  # IDs past config.json's vocab_size
+    tokenizer.save_pretrained(str(model_dir))
+    with pytest.raises(ModelDirectoryError, match=r"token IDs up to \d+ \('<beyond_1>'\).*vocab_size"):
+        Engine.from_pretrained(model_dir)

@@ -98,12 +98,25 @@ def test_custom_labels(engine, hf_model, rng):
         ([{}], "exactly one"),
         ([{"item_id": "item-000001", "text": "x"}], "exactly one"),
         ([{"token_ids": []}], "empty"),
+        ([{"token_ids": [True]}], "candidates.0.token_ids.0"),
+        ([{"token_ids": [3.0]}], "candidates.0.token_ids.0"),
+        ([{"token_ids": ["3"]}], "candidates.0.token_ids.0"),
+        ([{"item_id": 17}], "candidates.0.item_id"),
+        ([{"text": "news \ud800"}], "lone surrogate"),
     ],
 )
 def test_invalid_candidates_fail_validation(candidates, fragment):
     with pytest.raises(ValidationError) as info:
         ScoreRequest(prompt="hello", candidates=candidates)
     assert fragment in str(info.value)
+
+
+def test_labels_take_a_json_list_of_two_strings_and_nothing_else():
+    body = '{"prompt": "hello", "candidates": [{"token_ids": [1]}], "labels": ["no", "yes"]}'
+    assert ScoreRequest.model_validate_json(body).labels == ("no", "yes")
+    for labels in (["yes", 1], ["yes", "no", "maybe"], ["yes", "\udfff"]):
+        with pytest.raises(ValidationError, match="labels"):
+            ScoreRequest(prompt="hello", candidates=[{"token_ids": [1]}], labels=labels)
 
 
 def test_engine_rejects_unknown_items_bad_labels_and_too_many(engine):

@@ -85,3 +85,68 @@ def test_user_embedding_errors(engine, rng):
 def test_projector_is_a_trainable_linear_layer(engine):
     assert isinstance(engine.projector, torch.nn.Linear)
     assert engine.projector.weight.shape == (engine.model.config.hidden_size, engine.projector.user_dim)
+
+
+def test_a_user_embedding_whose_projection_overflows_the_model_dtype_is_refused(engine, rng):
+    tokens = prompt_with_placeholders(engine, rng)
+    dim = engine.projector.user_dim
+    for vector in ([3e38] * dim, [1e300] + [0.0] * (dim - 1), [3e38, -3e38] * (dim // 2)):
+        request = RetrieveRequest(prompt_token_ids=tokens, user_embedding=vector)  # finite in float64: valid
+        with pytest.raises(InvalidRequestError, match="user_embedding.*overflow torch.float32"):
+            engine.retrieve([request])
+    largest = [1e37 / engine.projector.largest_partial_sum([1.0] * dim)] * dim  # projects within float32
+    (result,) = engine.retrieve([RetrieveRequest(prompt_token_ids=tokens, user_embedding=largest, beam_width=4)])
+    assert len(result.items) == 4 and all(np.isfinite(i.logprob) for i in result.items)
+
+
+def test_no_result_ever_carries_a_non_finite_score(engine, rng):
+    """Numbers gone wrong inside the model (here a projector with a NaN bias) fail the request, never its scores."""
+    import asyncio
+
+    from genrec.api import RecommendRequest
+    from genrec.engine import AsyncEngine, Engine
+    from genrec.model.soft_token import SoftTokenProjector
+
+    broken = SoftTokenProjector(engine.projector.user_dim, engine.model.config.hidden_size)
+    with torch.no_grad():
+        broken.weight.copy_(engine.projector.weight)
+        broken.bias.copy_(engine.projector.bias)
+        broken.bias[0] = float("nan")
+    nan_engine = Engine(engine.model, engine.tokenizer, engine.catalog, broken)
+    tokens, vector = prompt_with_placeholders(engine, rng), [0.5] * engine.projector.user_dim
+    requests = [
+        RetrieveRequest(prompt_token_ids=tokens, user_embedding=vector, beam_width=4),
+        ScoreRequest(prompt_token_ids=tokens, user_embedding=vector, candidates=[Candidate(text="news")]),
+        RecommendRequest(prompt_token_ids=tokens, user_embedding=vector, beam_width=4),
+    ]
+    for request, method in zip(requests, (nan_engine.retrieve, nan_engine.score, nan_engine.recommend), strict=True):
+        with pytest.raises(InvalidRequestError, match="not finite"):
+            method([request])
+
+    healthy = RetrieveRequest(prompt_token_ids=random_prompt(engine, 12, rng), beam_width=4)
+    ae = AsyncEngine(nan_engine)
+
+    async def together():
+        calls = [ae.retrieve(requests[0]), ae.score(requests[1]), ae.recommend(requests[2]), ae.retrieve(healthy)]
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
+
+    try:
+        *failed, fine = asyncio.run(together())
+    finally:
+        ae.shutdown()
+    assert all(isinstance(f, InvalidRequestError) and "not finite" in str(f) for f in failed)
+    assert [i.item_id for i in fine.items] == [i.item_id for i in engine.retrieve([healthy])[0].items]
+
+
+def test_a_projector_with_non_finite_values_is_refused_at_load(engine, tmp_path):
+    from safetensors.torch import save_file
+
+    from genrec.errors import ModelDirectoryError
+    from genrec.model.soft_token import SoftTokenProjector
+
+    weight = engine.projector.weight.detach().clone()
+    weight[1, 2] = float("inf")
+    path = tmp_path / "soft_token.safetensors"
+    save_file({"weight": weight, "bias": engine.projector.bias.detach().clone()}, str(path))
+    with pytest.raises(ModelDirectoryError, match="non-finite"):
+        SoftTokenProjector.load(path, engine.model.config.hidden_size)

@@ -1,13 +1,50 @@
-"""Request and response models shared by the engine, Ray Serve, Ray Data jobs and the CLI."""
+"""Request and response models shared by the engine, Ray Serve, Ray Data jobs and the CLI.
+
+Request fields are strictly typed, the same from Python objects and from JSON: no bool where a number is
+expected, no string or float (not even 2.0) where an integer is, no bytes for text. JSON integers are
+accepted for floats, JSON lists for tuples, NumPy arrays and scalars (Ray Data batches) by their values.
+Text must be valid Unicode (a lone surrogate, reachable through JSON escapes, is refused).
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import numpy as np
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 MAX_BEAM_WIDTH = 1024
+
+
+def _plain(value):
+    """NumPy arrays and scalars as Python values; their element types are then checked strictly."""
+    return value.tolist() if isinstance(value, np.ndarray | np.generic) else value
+
+
+def _unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"is not valid Unicode text (a lone surrogate at position {err.start})") from None
+    return value
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+Int = Annotated[StrictInt, BeforeValidator(_plain)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], BeforeValidator(_plain)]
+Vector = Annotated[list[StrictFloat], BeforeValidator(_plain)]
 
 
 class _Strict(BaseModel):
@@ -21,10 +58,10 @@ class PromptInput(_Strict):
     `weight @ user_embedding + bias` (one vector for all placeholders of the prompt).
     """
 
-    prompt: str | None = None
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    user_embedding: list[float] | None = None
-    request_id: str | None = None
+    prompt: Text | None = None
+    prompt_token_ids: TokenIds | None = None
+    user_embedding: Vector | None = None
+    request_id: Text | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -48,9 +85,9 @@ class PromptInput(_Strict):
 
 
 class RetrieveRequest(PromptInput):
-    beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH)
-    num_results: int | None = Field(None, ge=1, description="default: beam_width")
-    exclude_item_ids: list[str] = Field(default_factory=list)
+    beam_width: Int = Field(30, ge=1, le=MAX_BEAM_WIDTH)
+    num_results: Int | None = Field(None, ge=1, description="default: beam_width")
+    exclude_item_ids: list[Text] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _results_within_beam(self):
@@ -77,9 +114,9 @@ class RetrieveResult(BaseModel):
 class Candidate(_Strict):
     """One candidate to score: a catalog item (scored by its semantic-ID tokens), token IDs, or text."""
 
-    item_id: str | None = None
-    token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    text: str | None = None
+    item_id: Text | None = None
+    token_ids: TokenIds | None = None
+    text: Text | None = None
 
     @model_validator(mode="after")
     def _one_form(self):
@@ -97,7 +134,7 @@ class Candidate(_Strict):
 
 class ScoreRequest(PromptInput):
     candidates: list[Candidate] = Field(min_length=1)
-    labels: tuple[str, str] = Field(("yes", "no"), description="(positive, negative) label tokens")
+    labels: tuple[Text, Text] = Field(("yes", "no"), description="(positive, negative) label tokens")
 
 
 class CandidateScore(BaseModel):
@@ -113,10 +150,16 @@ class ScoreResult(BaseModel):
 
 
 class RecommendRequest(RetrieveRequest):
-    """Retrieve by beam search, then score the retrieved items (plus any given candidates) on the same prefill."""
+    """Retrieve by beam search, then score the retrieved items (plus any given candidates) on the same prefill.
+
+    Excluded means excluded: a given candidate whose item_id is in `exclude_item_ids` is dropped (it is neither
+    scored nor returned). One row per item: an item both retrieved and given is scored once and returned once,
+    with source "retrieved+given"; a given item_id repeated is kept once. Text and token candidates have no
+    item identity and are each kept.
+    """
 
     candidates: list[Candidate] = Field(default_factory=list)
-    labels: tuple[str, str] = ("yes", "no")
+    labels: tuple[Text, Text] = ("yes", "no")
 
 
 class RecommendedItem(BaseModel):
@@ -125,7 +168,7 @@ class RecommendedItem(BaseModel):
     retrieval_logprob: float | None = Field(None, description="beam-search logprob; None for given candidates")
     score_logprob: float
     prob: float
-    source: str = Field(description="'retrieved' or 'given'")
+    source: str = Field(description="'retrieved', 'given', or 'retrieved+given' (retrieved and also given)")
 
 
 class RecommendResult(BaseModel):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from genrec.api import RecommendRequest, RecommendResult, RetrieveRequest, RetrieveResult, ScoreRequest, ScoreResult
 from genrec.engine.engine import Engine
+from genrec.engine.prepared import check_kind
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
 from genrec.errors import EngineStopped
 
@@ -45,17 +46,20 @@ class AsyncEngine:
     # -- public API ------------------------------------------------------------------------------
 
     async def retrieve(self, request: RetrieveRequest, timeout_s: float | None = None) -> RetrieveResult:
+        check_kind(request, "retrieve")
         return await asyncio.wrap_future(self.submit(request, timeout_s))
 
     async def score(self, request: ScoreRequest, timeout_s: float | None = None) -> ScoreResult:
+        check_kind(request, "score")
         return await asyncio.wrap_future(self.submit(request, timeout_s))
 
     async def recommend(self, request: RecommendRequest, timeout_s: float | None = None) -> RecommendResult:
+        check_kind(request, "recommend")
         return await asyncio.wrap_future(self.submit(request, timeout_s))
 
     def submit(self, request, timeout_s: float | None = None) -> Future:
-        """Thread-safe, non-blocking: validate, queue, return a future. Raises Overloaded when full and
-        EngineStopped once the engine is shut down (or its loop is gone)."""
+        """Thread-safe, non-blocking: validate, queue, return a future of the request's kind of result. Raises
+        Overloaded when full and EngineStopped once the engine is shut down (or its loop is gone)."""
         with self._lock:
             if not self.healthy:
                 raise EngineStopped("the engine is shut down" if self._closed else "the engine loop is not running")

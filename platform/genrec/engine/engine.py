@@ -6,6 +6,7 @@ The synchronous methods run a batch of requests to completion. The pieces they a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +26,16 @@ from genrec.api import (
 )
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine.beam import BeamCohort
+from genrec.engine.checks import check_int
 from genrec.engine.decode import decode_step
-from genrec.engine.prepared import Prepared, prepare
+from genrec.engine.prepared import Prepared, check_kind, prepare
 from genrec.engine.scoring import LabelScores, ScoreJob, score_jobs
 from genrec.engine.soft_token import inject_user_embedding
+from genrec.errors import InvalidRequestError
 from genrec.model import ContextKV, Qwen3, load_qwen3
 from genrec.model.directory import ModelDirectory
 from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import USER_TOKEN, load_tokenizer, semantic_token_ranges
+from genrec.model.tokenizer import USER_TOKEN, check_token_ids, load_tokenizer, semantic_token_ranges
 
 
 @dataclass
@@ -68,9 +71,9 @@ class Engine:
         self.projector = projector.to(self.device, model.dtype) if projector is not None else None
         vocab = tokenizer.get_vocab()
         self.placeholder_id = vocab.get(USER_TOKEN)
-        self.max_candidates = max_candidates
-        self.score_max_tokens = score_max_tokens
-        self.prefill_pack_tokens = prefill_pack_tokens
+        self.max_candidates = check_int("max_candidates", max_candidates)
+        self.score_max_tokens = check_int("score_max_tokens", score_max_tokens)
+        self.prefill_pack_tokens = check_int("prefill_pack_tokens", prefill_pack_tokens)
         # Room for the generated code after the prompt.
         self.max_prompt_tokens = model.config.prompt_room(catalog.levels)
 
@@ -84,6 +87,7 @@ class Engine:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         tokenizer = load_tokenizer(directory.path)
+        check_token_ids(tokenizer, directory.config.vocab_size, directory.path)
         catalog = Catalog.load(directory.catalog_path, semantic_token_ranges(tokenizer))
         model = load_qwen3(directory.path, device=device, dtype=dtype)
         projector = None
@@ -95,14 +99,16 @@ class Engine:
 
     @torch.inference_mode()
     def retrieve(self, requests: list[RetrieveRequest]) -> list[RetrieveResult]:
-        prepared = [self.prepare(r) for r in requests]  # every request validated before any compute
+        prepared = self._prepare_all(requests, "retrieve")
+        if not prepared:
+            return []
         prefilled = self.prefill_many(prepared)
         return self._run_beams(prepared, prefilled)
 
     @torch.inference_mode()
     def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
         """Each request's candidates in one pass over its single prefill."""
-        prepared = [self.prepare(r) for r in requests]
+        prepared = self._prepare_all(requests, "score")
         prefilled = self.prefill_many(prepared)
         scores = self.score_many([self.score_job(p, f) for p, f in zip(prepared, prefilled, strict=True)])
         return [self.score_result(p, f, s) for p, f, s in zip(prepared, prefilled, scores, strict=True)]
@@ -110,7 +116,9 @@ class Engine:
     @torch.inference_mode()
     def recommend(self, requests: list[RecommendRequest]) -> list[RecommendResult]:
         """Beam search, then score the retrieved items plus the given candidates against the same ContextKV."""
-        prepared = [self.prepare(r) for r in requests]
+        prepared = self._prepare_all(requests, "recommend")
+        if not prepared:
+            return []
         prefilled = self.prefill_many(prepared)
         retrieved = self._run_beams(prepared, prefilled)
         jobs = [self.score_job(p, f, r) for p, f, r in zip(prepared, prefilled, retrieved, strict=True)]
@@ -122,6 +130,14 @@ class Engine:
         while not cohort.done:
             decode_step(self.model, [cohort])
         return self.retrieve_results(prepared, prefilled, cohort)
+
+    def _prepare_all(self, requests, kind: str) -> list[Prepared]:
+        """Every request checked (its kind, then its content) before any compute."""
+        if not isinstance(requests, list | tuple):
+            raise InvalidRequestError("requests", f"expected a list of requests, got {type(requests).__name__}")
+        for request in requests:
+            check_kind(request, kind)
+        return [self.prepare(r) for r in requests]
 
     # -- pieces ----------------------------------------------------------------------------------
 
@@ -171,14 +187,18 @@ class Engine:
         return score_jobs(self.model, jobs, self.score_max_tokens)
 
     def score_job(self, prepared: Prepared, prefilled: Prefilled, retrieved: RetrieveResult | None = None):
-        found = [i.semantic_id for i in retrieved.items] if retrieved is not None else []
-        return ScoreJob(prefilled.ctx, found + prepared.candidates, prepared.labels)
+        """Rows to score: the retrieved items (recommend), then the given candidates not among them."""
+        if retrieved is None:
+            return ScoreJob(prefilled.ctx, prepared.candidates, prepared.labels)
+        given = [prepared.candidates[k] for k in _not_retrieved(prepared, retrieved)]
+        return ScoreJob(prefilled.ctx, [i.semantic_id for i in retrieved.items] + given, prepared.labels)
 
     # -- results ---------------------------------------------------------------------------------
 
     def retrieve_results(self, prepared, prefilled, cohort: BeamCohort, host=None) -> list[RetrieveResult]:
         out = []
         for p, f, beams in zip(prepared, prefilled, cohort.results(host), strict=True):
+            _check_finite([s for _, s in beams])
             items = [
                 ScoredItem(item_id=self.catalog.item_ids[i], semantic_id=self.catalog.codes[i].tolist(), logprob=s)
                 for i, s in beams[: p.request.num_results]
@@ -194,7 +214,7 @@ class Engine:
         return out
 
     def score_result(self, prepared: Prepared, prefilled: Prefilled, scores: LabelScores) -> ScoreResult:
-        logprobs, probs = scores.logprob.tolist(), scores.prob.tolist()
+        logprobs, probs = _check_finite(scores.logprob.tolist()), _check_finite(scores.prob.tolist())
         items = [
             CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
             for c, lp, pr in zip(prepared.request.candidates, logprobs, probs, strict=True)
@@ -202,7 +222,8 @@ class Engine:
         return ScoreResult(request_id=prepared.request.request_id, scores=items, prompt_tokens=prefilled.prompt_tokens)
 
     def recommend_result(self, prepared: Prepared, retrieved: RetrieveResult, scores: LabelScores) -> RecommendResult:
-        logprobs, probs = scores.logprob.tolist(), scores.prob.tolist()
+        logprobs, probs = _check_finite(scores.logprob.tolist()), _check_finite(scores.prob.tolist())
+        given_ids = {c.item_id for c in prepared.given if c.item_id is not None}
         items = [
             RecommendedItem(
                 item_id=i.item_id,
@@ -210,12 +231,13 @@ class Engine:
                 retrieval_logprob=i.logprob,
                 score_logprob=lp,
                 prob=pr,
-                source="retrieved",
+                source="retrieved+given" if i.item_id in given_ids else "retrieved",
             )
             for i, lp, pr in zip(retrieved.items, logprobs, probs, strict=False)
         ]
         offset = len(retrieved.items)
-        for cand, lp, pr in zip(prepared.request.candidates, logprobs[offset:], probs[offset:], strict=True):
+        given = [prepared.given[k] for k in _not_retrieved(prepared, retrieved)]
+        for cand, lp, pr in zip(given, logprobs[offset:], probs[offset:], strict=True):
             code = self.catalog.codes[self.catalog.index_of(cand.item_id)].tolist() if cand.item_id else None
             items.append(
                 RecommendedItem(item_id=cand.item_id, semantic_id=code, score_logprob=lp, prob=pr, source="given")
@@ -227,6 +249,21 @@ class Engine:
             prompt_tokens=retrieved.prompt_tokens,
             unknown_exclusions=retrieved.unknown_exclusions,
         )
+
+
+def _not_retrieved(prepared: Prepared, retrieved: RetrieveResult) -> list[int]:
+    """Indices of the given candidates that beam search did not already find (those are ranked once)."""
+    found = {i.item_id for i in retrieved.items}
+    return [k for k, c in enumerate(prepared.given) if c.item_id is None or c.item_id not in found]
+
+
+def _check_finite(values: list[float]) -> list[float]:
+    """No result carries a NaN or infinite score: the request fails instead (host values: no device sync)."""
+    if not all(map(math.isfinite, values)):
+        raise InvalidRequestError(
+            "request", "the model's scores for this request are not finite (e.g. a user_embedding too large)"
+        )
+    return values
 
 
 def _packs(lengths: list[int], budget: int) -> list[list[int]]:

@@ -247,18 +247,20 @@ class Scheduler:
         return rows
 
     def _beams_done(self, jobs: list[Job]) -> None:
-        engine = self.engine
         recommends = []
         finals = fetch_finals([job.cohort for job in jobs]) if jobs else []  # one host sync for all
         for job, host in zip(jobs, finals, strict=True):
-            (result,) = engine.retrieve_results([job.prepared], [job.prefilled], job.cohort, host)
             self.decoding.remove(job)
-            if job.kind == "retrieve":
-                self._finish(job, result)
-            else:
-                job.retrieved = result
-                recommends.append(job)
+            self._guarded([job], lambda one, host=host: self._beams_result(one[0], host, recommends))
         self._guarded(recommends, self._rank)
+
+    def _beams_result(self, job: Job, host, recommends: list[Job]) -> None:
+        (result,) = self.engine.retrieve_results([job.prepared], [job.prefilled], job.cohort, host)
+        if job.kind == "retrieve":
+            self._finish(job, result)
+        else:
+            job.retrieved = result
+            recommends.append(job)
 
     def _rank(self, jobs: list[Job]) -> None:
         engine = self.engine

@@ -29,6 +29,12 @@ def check_user_embedding(
         )
     if not has_placeholder:
         raise InvalidRequestError("user_embedding", "was given but the prompt has no <|user|> placeholder token")
+    dtype = projector.weight.dtype
+    limit = torch.finfo(dtype).max / 2  # margin for rounding in the device's sums
+    if max(map(abs, user_embedding)) > limit or projector.largest_partial_sum(user_embedding) > limit:
+        raise InvalidRequestError(
+            "user_embedding", f"values are too large for this model: projecting them would overflow {dtype}"
+        )
 
 
 def inject_user_embedding(

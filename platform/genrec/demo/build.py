@@ -1,0 +1,28 @@
+"""MovieLens -> SVD factors -> semantic IDs (genrec's build-ids) -> a trained model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from genrec.catalog.build_ids import catalog_from_embeddings
+from genrec.demo.batches import Vocab
+from genrec.demo.config import DemoConfig
+from genrec.demo.data import MovieLens
+from genrec.demo.factors import Factors
+from genrec.demo.model_dir import write_demo_model
+from genrec.demo.train import train
+from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer, semantic_token_ranges
+
+
+def build_model(data: MovieLens, factors: Factors, out: Path, cfg: DemoConfig, progress: bool = True) -> dict:
+    """Train on every user's training items; returns the training figures (also in genrec/demo.json)."""
+    tokenizer = build_tokenizer(cfg.levels, cfg.codebook, seed=cfg.seed)
+    catalog = catalog_from_embeddings(
+        data.item_ids, factors.items, semantic_token_ranges(tokenizer), seed=cfg.seed, source="SVD item factors"
+    )
+    yes, no = tokenizer.convert_tokens_to_ids(list(LABEL_TOKENS))
+    vocab = Vocab(catalog.codes, tokenizer.convert_tokens_to_ids(USER_TOKEN), yes, no)
+    histories = [data.train(u) for u in range(len(data.user_ids))]
+    trained = train(histories, factors.users, vocab, tokenizer, cfg, progress)
+    write_demo_model(out, trained, tokenizer, catalog, data.titles, cfg)
+    return trained.stats

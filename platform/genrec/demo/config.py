@@ -1,0 +1,34 @@
+"""The demo model's recipe: code shape, history length, model size, training budget. Saved with the model."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    # Semantic IDs: `levels` tokens per item, `codebook` tokens per level, from an SVD of this rank.
+    levels: int = 3
+    codebook: int = 32
+    rank: int = 32
+    history: int = 50  # items in a prompt (training windows and requests alike)
+    # The Qwen3: small enough that 5 CPU minutes are many epochs (quality here is bound by epochs).
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate: int = 384
+    max_positions: int = 1024
+    # Training: a budget of CPU seconds on one thread; the learning rate anneals against it.
+    budget_cpu_s: float = 240.0
+    max_steps: int | None = None  # stop earlier (tests)
+    batch: int = 32
+    negatives: int = 8  # sampled per training window for the yes/no labels
+    negative_power: float = 0.0  # negatives drawn by (interactions + 1) ** power: 0 uniform, 1 by popularity
+    lr: float = 3e-3
+    seed: int = 0
+    users: int | None = None  # train and evaluate on the first N users only (tests); None: all 943
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,32 @@
+"""Leave-last-out ranking metrics (one held-out item per user) and the most-popular baseline."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def hit_ranks(rankings: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """0-based rank of each row's target in its ranking [users, K] (item indices, -1 pads); K where absent."""
+    hits = rankings == targets[:, None]
+    return np.where(hits.any(axis=1), hits.argmax(axis=1), rankings.shape[1])
+
+
+def recall_at(ranks: np.ndarray, k: int) -> float:
+    """Share of users whose held-out item is in the top k (with one relevant item, recall = hit rate)."""
+    return float(np.mean(ranks < k))
+
+
+def ndcg_at(ranks: np.ndarray, k: int) -> float:
+    """Mean of 1 / log2(rank + 2) over users whose item is in the top k (the ideal DCG of one item is 1)."""
+    gains = np.where(ranks < k, 1.0 / np.log2(np.minimum(ranks, k) + 2.0), 0.0)
+    return float(np.mean(gains))
+
+
+def popularity_rankings(popularity: np.ndarray, seen: list[np.ndarray], k: int) -> np.ndarray:
+    """Per user, the k most popular items they have not seen (ties: lower item index first)."""
+    order = np.argsort(-popularity, kind="stable")
+    out = np.full((len(seen), k), -1, dtype=np.int64)
+    for u, items in enumerate(seen):
+        unseen = order[~np.isin(order, items)][:k]
+        out[u, : len(unseen)] = unseen
+    return out

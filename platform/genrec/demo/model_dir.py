@@ -1,0 +1,47 @@
+"""Write the trained demo model as a standard model directory, plus what the demo needs beside the catalog.
+
+config.json, model.safetensors, tokenizer files   transformers' own writers (loadable by transformers, vLLM)
+genrec/catalog.parquet                            item_id -> semantic ID
+genrec/soft_token.safetensors                     the trained soft-token projector
+genrec/items.parquet                              item_id, title (what the demo prints)
+genrec/demo.json                                  the recipe (DemoConfig) and the training figures
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from genrec.catalog import Catalog
+from genrec.demo.config import DemoConfig
+from genrec.demo.train import Trained
+from genrec.model.directory import GENREC_SUBDIR
+
+RECIPE = "demo.json"
+ITEMS = "items.parquet"
+
+
+def write_demo_model(out: Path, trained: Trained, tokenizer, catalog: Catalog, titles: list[str], cfg: DemoConfig):
+    out.mkdir(parents=True, exist_ok=True)
+    trained.model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    ours = out / GENREC_SUBDIR
+    catalog.save(ours / "catalog.parquet")
+    trained.projector.save(ours / "soft_token.safetensors")
+    items = pa.table({"item_id": pa.array(catalog.item_ids.tolist(), pa.string()), "title": titles})
+    pq.write_table(items, ours / ITEMS)
+    # Written last: its presence marks a complete directory.
+    (ours / RECIPE).write_text(json.dumps({"config": cfg.to_dict(), "training": trained.stats}, indent=2))
+
+
+def read_recipe(model_dir: Path) -> dict | None:
+    path = model_dir / GENREC_SUBDIR / RECIPE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_titles(model_dir: Path) -> dict[str, str]:
+    table = pq.read_table(model_dir / GENREC_SUBDIR / ITEMS)
+    return dict(zip(table.column("item_id").to_pylist(), table.column("title").to_pylist(), strict=True))

@@ -1,0 +1,1 @@
+"""The demo's end-to-end run."""

@@ -1,0 +1,18 @@
+"""The demo's closing table: quality against the popularity baseline, then latencies and where things are."""
+
+from __future__ import annotations
+
+
+def quality_table(table: dict[str, dict[str, float]], k: int = 10) -> str:
+    base = table["popularity"]
+    lines = [f"{'method':<12} {'Recall@' + str(k):>10} {'NDCG@' + str(k):>9} {'x popularity':>13}"]
+    for method, row in table.items():
+        recall, ndcg = row[f"recall@{k}"], row[f"ndcg@{k}"]
+        ratio = recall / base[f"recall@{k}"] if base[f"recall@{k}"] else float("nan")
+        lines.append(f"{method:<12} {recall:>10.4f} {ndcg:>9.4f} {ratio:>12.2f}x")
+    return "\n".join(lines)
+
+
+def key_values(title: str, rows: dict[str, object]) -> str:
+    width = max(map(len, rows), default=0)
+    return "\n".join([title, *(f"  {name:<{width}}  {value}" for name, value in rows.items())])

@@ -1,0 +1,104 @@
+"""Demo training rows: layout, attention mask, and agreement with what the engine computes when serving."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from genrec.api import Candidate, ScoreRequest
+from genrec.demo.batches import IGNORE, NegativeSampler, Vocab, epoch_windows, make_batch
+from genrec.demo.config import DemoConfig
+from genrec.demo.prompts import prompt_text, prompt_token_ids
+from genrec.demo.train import Budget, forward_logits, hf_config
+from genrec.engine import Engine
+from genrec.model.soft_token import SoftTokenProjector
+from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer, semantic_token_ranges
+
+CODES = np.array([[10, 20], [11, 21], [12, 22], [13, 23]])
+
+
+def test_row_layout_by_hand():
+    vocab = Vocab(CODES, user=5, yes=6, no=7)
+    batch = make_batch([(0, 3)], [np.array([0, 1, 2, 3])], vocab, length=2, negatives=np.array([[0, 2]]))
+    # <|user|> + the last 2 history items + <|user|>, the target (item 3), negatives (items 0 and 2)
+    assert batch.input_ids[0].tolist() == [5, 11, 21, 12, 22, 5, 13, 23, 10, 20, 12, 22]
+    x = IGNORE
+    assert batch.labels[0].tolist() == [11, 21, 12, 22, x, 13, 23, x, x, x, x, x]
+    assert batch.candidates[0].tolist() == [3, 0, 2] and batch.candidate_last[0].tolist() == [7, 9, 11]
+    assert batch.positions[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7, 6, 7]
+    mask = batch.mask[0, 0]
+    assert mask[7].nonzero().flatten().tolist() == list(range(8))  # the target: causal over the prompt
+    assert mask[9].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 8, 9]  # a negative: prompt + itself
+    assert mask[11].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 10, 11]
+
+
+def test_epoch_windows_cover_each_history_once_ending_at_the_latest_item():
+    histories = [np.arange(7), np.arange(3)]
+    rows = epoch_windows(histories, length=3, rng=np.random.default_rng(0))
+    assert sorted(rows) == [(0, 3), (0, 6), (1, 2)]  # (0, 3) sees items 0..2, (0, 6) items 3..5
+
+
+@pytest.mark.parametrize("power", [0.0, 1.0])
+def test_negatives_follow_q_and_are_never_the_target(power):
+    counts = np.array([0, 9, 4, 1, 30, 5])
+    sampler = NegativeSampler(counts, power)
+    neg = sampler.sample(np.full(20_000, 4), count=3, rng=np.random.default_rng(0))
+    assert 4 not in neg
+    expected = np.delete((counts + 1.0) ** power, 4)
+    seen = np.bincount(neg.ravel(), minlength=6)
+    assert np.delete(seen, 4) / neg.size == pytest.approx(expected / expected.sum(), abs=0.01)
+
+
+def test_learning_rate_warms_up_then_anneals_to_zero_at_the_budget():
+    budget = Budget(cpu_s=1e9, max_steps=100)
+    scales = []
+    for step in (0, 3, 50, 100):
+        budget.steps = step
+        scales.append(budget.lr_scale())
+    assert scales == pytest.approx([0.0, 1.0, 0.5, 0.0], abs=0.06)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A random model written the demo's way, with the engine that serves it."""
+    torch.manual_seed(0)
+    cfg = DemoConfig(levels=2, codebook=4, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
+    tokenizer = build_tokenizer(cfg.levels, cfg.codebook)
+    model = transformers.Qwen3ForCausalLM(hf_config(cfg, tokenizer)).eval()
+    projector = SoftTokenProjector(3, cfg.hidden)
+    out = tmp_path_factory.mktemp("demo") / "model"
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (lo_a, _), (lo_b, _) = semantic_token_ranges(tokenizer)
+    codes = np.array([[lo_a + i // 4, lo_b + i % 4] for i in range(16)])
+    from genrec.catalog import Catalog
+
+    Catalog.validated(np.array([f"m{i}" for i in range(16)], dtype=object), codes, None).save(
+        out / "genrec" / "catalog.parquet"
+    )
+    projector.save(out / "genrec" / "soft_token.safetensors")
+    yes, no = tokenizer.convert_tokens_to_ids(list(LABEL_TOKENS))
+    vocab = Vocab(codes, tokenizer.convert_tokens_to_ids(USER_TOKEN), yes, no)
+    return model, projector, vocab, Engine.from_pretrained(out)
+
+
+def test_training_scores_equal_the_engine_scores(served):
+    """What training teaches at a negative's last token is what Engine.score reads for that candidate."""
+    model, projector, vocab, engine = served
+    histories = [np.array([3, 7, 1, 9, 12]), np.array([5, 2])]
+    users = torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, -0.5]])
+    rows = [(0, 4), (1, 1)]
+    candidates = np.array([[0, 6, 15], [11, 4, 8]])
+    batch = make_batch(rows, histories, vocab, length=3, negatives=candidates)
+    with torch.no_grad():
+        logits = forward_logits(model, projector, batch, users, vocab.user).log_softmax(-1)
+    for b, (u, end) in enumerate(rows):
+        prompt = prompt_token_ids(vocab.codes, histories[u][:end], vocab.user, 3)
+        request = ScoreRequest(
+            prompt=prompt_text(engine.tokenizer, prompt),
+            user_embedding=users[u].tolist(),
+            candidates=[Candidate(item_id=f"m{i}") for i in [histories[u][end], *candidates[b]]],
+        )
+        (result,) = engine.score([request])
+        trained = logits[b, batch.candidate_last[b], vocab.yes]  # the target's last token, then each negative's
+        assert [s.logprob for s in result.scores] == pytest.approx(trained.tolist(), abs=1e-4)

@@ -294,6 +294,34 @@ def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
         delete("tight")
 
 
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def test_engine_metrics_reach_prometheus(open_url, client):
+    import ray
+
+    client.post(f"{open_url}/v1/retrieve", json={"prompt": "user listened", "beam_width": 4})
+    port = ray.nodes()[0]["MetricsExportPort"]
+    wanted = (
+        "ray_genrec_requests",
+        "ray_genrec_request_latency_s",
+        "ray_genrec_queue_depth",
+        "ray_genrec_rows_per_step",
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        text = client.get(f"http://127.0.0.1:{port}/metrics").text
+        lines = [line for line in text.splitlines() if 'application="open"' in line]
+        if all(any(line.startswith(name) for line in lines) for name in wanted):
+            break
+        assert time.monotonic() < deadline, f"missing engine metrics; have {sorted({ln.split('{')[0] for ln in lines})}"
+        time.sleep(2)
+    ok = [
+        ln for ln in lines if ln.startswith("ray_genrec_requests") and 'kind="retrieve"' in ln and 'status="ok"' in ln
+    ]
+    assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 1
+
+
 # -- a killed engine replica (last: it uses the shared open app) ----------------------------------
 
 

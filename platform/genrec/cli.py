@@ -83,7 +83,8 @@ def build_ids(
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("out/demo"), help="where the trained model, the plot and the outputs go"),
+    out: Path = typer.Option(Path("out/demo"), help="where the plot, the metrics and the batch output go"),
+    model_dir: Path = typer.Option(Path("out/demo-model"), help="the trained model (deployments/local.yaml's)"),
     retrain: bool = typer.Option(False, "--retrain", help="train again even if a model of this recipe exists"),
     seed: int = typer.Option(0, help="training seed (reported with the figures)"),
     budget_s: float = typer.Option(240.0, min=1.0, help="training budget in CPU-seconds of one thread"),
@@ -94,7 +95,7 @@ def demo(
     from genrec.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(seed=seed, budget_cpu_s=budget_s, users=users, max_steps=steps)
-    run_demo(out, cfg, retrain=retrain, say=typer.echo)
+    run_demo(out, model_dir, cfg, retrain=retrain, say=typer.echo)
 
 
 @bench_app.command("retrieve")

@@ -1,5 +1,8 @@
-"""Rank every user's held-out item with the engine (retrieve; recommend = retrieve then rank by score)
-and with the most-popular baseline, on unseen items only."""
+"""Rank every user's held-out item with the engine and with the most-popular baseline, on unseen items only.
+
+One recommend per user gives both engine orders: its beams by beam-search logprob (what retrieve returns)
+and by score (what recommend returns).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +11,14 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from genrec.api import RecommendRequest, RetrieveRequest
+from genrec.api import RecommendRequest, RecommendResult
 from genrec.demo.data import MovieLens
 from genrec.demo.metrics import hit_ranks, ndcg_at, popularity_rankings, recall_at
 from genrec.demo.prompts import prompt_text, prompt_token_ids
 from genrec.engine import Engine
 from genrec.model.tokenizer import USER_TOKEN
 
-KINDS = {"retrieve": RetrieveRequest, "recommend": RecommendRequest}
+METHODS = ("retrieve", "recommend", "popularity")
 
 
 @dataclass
@@ -31,12 +34,12 @@ class Evaluation:
         return np.array([recall_at(self.ranks[method], k) for k in range(1, self.depth + 1)])
 
 
-def user_request(kind: str, engine: Engine, data: MovieLens, user_vectors, u: int, history: int, beam: int):
-    """The request for user u's next item: their history before the test item, all of it excluded."""
+def user_request(engine: Engine, data: MovieLens, user_vectors, u: int, history: int, beam: int):
+    """User u's recommend request for their next item: the history before the test item, all of it excluded."""
     seen = data.seen_before_test(u)
     codes = engine.catalog.codes
     prompt = prompt_text(engine.tokenizer, prompt_token_ids(codes, seen, engine.placeholder_id, history))
-    return KINDS[kind](
+    return RecommendRequest(
         prompt=prompt,
         user_embedding=user_vectors[u].tolist(),
         beam_width=beam,
@@ -46,17 +49,23 @@ def user_request(kind: str, engine: Engine, data: MovieLens, user_vectors, u: in
     )
 
 
-def engine_rankings(kind, engine, data, user_vectors, history, beam, chunk=64, progress=True) -> np.ndarray:
-    """[users, beam] item indices in the engine's order (-1 where fewer came back)."""
+def two_orders(result: RecommendResult) -> tuple[list[str], list[str]]:
+    """(retrieve, recommend) orders of one recommend result: the beams by their beam-search logprob, as
+    Engine.retrieve returns them, and by score (the order recommend returns)."""
+    retrieved = sorted(result.items, key=lambda item: -item.retrieval_logprob)
+    return [i.item_id for i in retrieved], [i.item_id for i in result.items]
+
+
+def engine_rankings(engine, data, user_vectors, history, beam, chunk=64, progress=True) -> dict[str, np.ndarray]:
+    """{"retrieve", "recommend"}: [users, beam] item indices (-1 where fewer came back), from one beam search."""
     index = {item: i for i, item in enumerate(data.item_ids)}
-    out = np.full((len(data.user_ids), beam), -1, dtype=np.int64)
-    run = engine.retrieve if kind == "retrieve" else engine.recommend
-    for start in tqdm(range(0, len(data.user_ids), chunk), desc=kind, disable=not progress):
+    out = {kind: np.full((len(data.user_ids), beam), -1, dtype=np.int64) for kind in METHODS[:2]}
+    for start in tqdm(range(0, len(data.user_ids), chunk), desc="recommend", disable=not progress):
         users = range(start, min(start + chunk, len(data.user_ids)))
-        results = run([user_request(kind, engine, data, user_vectors, u, history, beam) for u in users])
+        results = engine.recommend([user_request(engine, data, user_vectors, u, history, beam) for u in users])
         for u, result in zip(users, results, strict=True):
-            ranked = [index[item.item_id] for item in result.items]
-            out[u, : len(ranked)] = ranked
+            for kind, items in zip(METHODS[:2], two_orders(result), strict=True):
+                out[kind][u, : len(items)] = [index[i] for i in items]
     return out
 
 
@@ -65,8 +74,6 @@ def evaluate(engine, data: MovieLens, user_vectors, history: int, beam: int = 50
         raise ValueError(f"the model's tokenizer has no {USER_TOKEN} token")
     targets = np.array([data.test(u) for u in range(len(data.user_ids))])
     seen = [data.seen_before_test(u) for u in range(len(data.user_ids))]
-    rankings = {
-        kind: engine_rankings(kind, engine, data, user_vectors, history, beam, progress=progress) for kind in KINDS
-    }
+    rankings = engine_rankings(engine, data, user_vectors, history, beam, progress=progress)
     rankings["popularity"] = popularity_rankings(data.popularity, seen, beam)
     return Evaluation({m: hit_ranks(r, targets) for m, r in rankings.items()}, beam)

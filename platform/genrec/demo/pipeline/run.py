@@ -1,9 +1,8 @@
 """`genrec demo`: MovieLens-100k -> a trained model directory (reused when its recipe matches) -> evaluation.
 
-Outputs under `out` (default out/demo, git-ignored: MovieLens may not be redistributed):
-    model/               the trained model directory (Engine.from_pretrained, transformers, vLLM load it)
-    recall_at_k.png      recall@K curves, model against most-popular
-    metrics.json         the figures the summary prints
+Outputs (git-ignored: MovieLens may not be redistributed, nor anything derived from it):
+    model_dir (default out/demo-model, where deployments/local.yaml looks): the trained model directory
+    out (default out/demo): recall_at_k.png (recall@K, model against most-popular), metrics.json
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ def ensure_model(model_dir: Path, data: MovieLens, factors, cfg: DemoConfig, ret
 
 def run_demo(
     out: Path = Path("out/demo"),
+    model_dir: Path = Path("out/demo-model"),
     cfg: DemoConfig = DemoConfig(),
     retrain: bool = False,
     beam: int = 50,
@@ -52,7 +52,6 @@ def run_demo(
     if cfg.users is not None:
         data = data.head(cfg.users)
     factors = svd_factors(data, cfg.rank)
-    model_dir = out / "model"
     recipe, reused = ensure_model(model_dir, data, factors, cfg, retrain, say, progress)
     engine = Engine.from_pretrained(model_dir)
     threads = torch.get_num_threads()
@@ -79,6 +78,7 @@ def run_demo(
         "plot": str(plot),
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(report, indent=2))
     say(quality_table(table))
     say(key_values("outputs", {"model": model_dir, "recall@K plot": plot, "metrics": out / "metrics.json"}))

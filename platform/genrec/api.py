@@ -61,7 +61,7 @@ class PromptInput(_Strict):
     prompt: Text | None = None
     prompt_token_ids: TokenIds | None = None
     user_embedding: Vector | None = None
-    request_id: Text | None = None
+    request_id: Annotated[Text, Field(max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from genrec.api import Candidate
+from genrec.engine.prompts import check_text_fits
 from genrec.errors import InvalidRequestError
 
 
@@ -22,6 +23,7 @@ def candidate_token_lists(engine, candidates: list[Candidate], prompt_tokens: in
                 raise InvalidRequestError(f"{field}.item_id", f"unknown item {cand.item_id!r}")
             tokens = engine.catalog.codes[index].tolist()
         elif cand.text is not None:
+            check_text_fits(f"{field}.text", cand.text, room)
             tokens = engine.tokenizer(cand.text, add_special_tokens=False)["input_ids"]
             if not tokens:
                 raise InvalidRequestError(f"{field}.text", "tokenizes to no tokens")

@@ -15,5 +15,6 @@ def test_bench_batch(ray_cluster, tiny_dir, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["ratios"]["ray_over_loop"] > 0 and report["ratios"]["ray_over_loop_steady"] > 0
+    assert len(report["plain_loops"]) == 2  # one before and one after the job
     (job,) = report["ray_data"]
     assert job["actors"] == 1 and '"processed": 12' in job["summary"] and '"errors": 0' in job["summary"]

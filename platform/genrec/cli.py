@@ -238,7 +238,7 @@ def bench_batch(
     prompt_len: int = typer.Option(256, min=1),
     beam_width: int = typer.Option(16, min=1),
     actors: str = typer.Option("1,2", help="actor counts to run the job with (the first is compared to the loop)"),
-    threads: int = typer.Option(None, help="torch threads in the loop, shared out among the actors (default: all)"),
+    threads: int = typer.Option(1, min=1, help="torch threads of each engine: the loop's and every actor's"),
     json_out: Path = typer.Option(None, "--json"),
 ):
     """Users/s of the Ray Data batch job against a plain loop over the in-process Engine; scaling with actors."""

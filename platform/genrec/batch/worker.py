@@ -7,8 +7,6 @@ depend on the shard alone, never on scheduling) and committed; a shard already c
 
 from __future__ import annotations
 
-import time
-
 import pyarrow as pa
 
 from genrec.batch.output import OutputDir
@@ -26,7 +24,6 @@ REPORT = pa.schema(
         ("rows", pa.int64()),
         ("errors", pa.int64()),
         ("skipped", pa.bool_()),
-        ("seconds", pa.float64()),
     ]
 )
 
@@ -48,20 +45,11 @@ class ShardWorker:
         return pa.Table.from_pylist([self.run(Shard(**row)) for row in batch.to_pylist()], schema=REPORT)
 
     def run(self, shard: Shard) -> dict:
-        start = time.perf_counter()
         done = self.out.counts(shard)  # a retried task, or a late duplicate of a shard
         skipped = done is not None
         if not skipped:
             done = self.out.commit(shard, *self.compute(shard))
-        seconds = time.perf_counter() - start
-        return {
-            "shard": shard.index,
-            "users": shard.rows,
-            "rows": done.rows,
-            "errors": done.errors,
-            "skipped": skipped,
-            "seconds": seconds,
-        }
+        return {"shard": shard.index, "users": shard.rows, "rows": done.rows, "errors": done.errors, "skipped": skipped}
 
     def compute(self, shard: Shard) -> tuple[pa.Table, pa.Table]:
         table = self.reader.read(shard)

@@ -76,6 +76,12 @@ def open_url(serve_url, tiny_dir, cache_args):
 
 
 @pytest.fixture(scope="module")
+def open_replicas(open_url):
+    """The open app's replicas before anything is thrown at it: bad input must never replace one."""
+    return replica_actor_names("open", "Ingress") + replica_actor_names("open", "EngineServer")
+
+
+@pytest.fixture(scope="module")
 def client():
     with httpx.Client(timeout=60) as c:
         yield c
@@ -161,6 +167,11 @@ BAD = [
     ("retrieve", {"prompt": PROMPT, "user_embedding": [float("nan")] * TINY.user_dim}, 422, "user_embedding"),
     ("retrieve", {"prompt": PROMPT, "user_embedding": [1e39] * TINY.user_dim}, 422, "user_embedding"),
     ("retrieve", {"prompt": "user listened", "user_id": ["a"]}, 422, "user_id"),
+    ("retrieve", {"prompt": "user listened", "user_id": 10**30}, 422, "user_id"),
+    ("retrieve", b'{"prompt": "user listened", "user_id": "\\ud800"}', 422, "user_id"),
+    ("retrieve", {"prompt": "user listened", "user_id": "u" * 300}, 422, "user_id"),
+    ("retrieve", {"prompt": "word " * 2_000_000}, 422, "prompt"),
+    ("score", {"prompt": "user listened", "candidates": [{"text": "news " * 2_000_000}]}, 422, "candidates[0].text"),
     ("retrieve", {}, 422, "prompt"),
     ("score", {"prompt": "user listened", "candidates": [{"item_id": "no-such-item"}]}, 422, "candidates[0].item_id"),
     ("score", {"prompt": "user listened", "candidates": []}, 422, "candidates"),
@@ -171,22 +182,33 @@ BAD = [
 ]
 
 
+def test_a_body_over_the_limit_is_413_before_it_is_read(open_url, client):
+    from genrec.serving.ingress import MAX_BODY_BYTES
+
+    response = client.post(
+        f"{open_url}/v1/retrieve", content=b" " * (MAX_BODY_BYTES + 1), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413 and response.json()["code"] == "too_large"
+
+
 @pytest.mark.parametrize(("route", "body", "status", "field"), BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_input_is_a_4xx_naming_the_field(open_url, client, route, body, status, field):
+def test_bad_input_is_a_4xx_naming_the_field(open_url, client, open_replicas, route, body, status, field):
     url = f"{open_url}/v1/{route}"
     if isinstance(body, bytes):
         response = client.post(url, content=body, headers={"content-type": "application/json"})
     else:  # json.dumps writes NaN / 1e39 literally, as a careless client would
         response = client.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
-    assert response.status_code == status, response.text
+    assert response.status_code == status, response.text[:2000]
     error = response.json()
     assert error["code"] == "invalid_request" and error["message"]
     if field is not None:
         assert field in response.text
 
 
-def test_the_service_is_healthy_after_the_bad_input(open_url, client):
+def test_the_service_is_healthy_after_the_bad_input(open_url, client, open_replicas):
     assert client.get(f"{open_url}/healthz").status_code == 200
+    assert client.head(f"{open_url}/healthz").status_code == 200  # load balancers probe with HEAD too
+    assert replica_actor_names("open", "Ingress") + replica_actor_names("open", "EngineServer") == open_replicas
     ok = client.post(f"{open_url}/v1/retrieve", json={"prompt": "user listened", "beam_width": 4})
     assert ok.status_code == 200 and len(ok.json()["items"]) == 4
 
@@ -274,12 +296,14 @@ def test_rollout_to_a_new_model_fails_no_request(guarded_url, tiny_dir, tmp_path
 
 
 def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
+    """Four requests reach the replica (one runs, one waits in the engine, two find its queue full), two more
+    wait in Serve's handle queue, the rest are refused there: both refusals are 503 + the configured Retry-After."""
     deploy(
         "tight",
         model_dir=str(tiny_dir),
         limits={"max_queue": 1, "max_running": 1},
-        max_ongoing_requests=2,
-        max_queued_requests=1,
+        max_ongoing_requests=4,
+        max_queued_requests=2,
         retry_after_s=3,
     )
     try:
@@ -289,7 +313,9 @@ def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
         assert {r.status_code for r in responses} <= {200, 503}, [r.text for r in responses if r.status_code >= 500]
         shed = [r for r in responses if r.status_code == 503]
         assert shed and any(r.status_code == 200 for r in responses)
-        assert all(r.headers["retry-after"] == "3" for r in shed)
+        assert all(r.headers["retry-after"] == "3" and r.json()["code"] == "overloaded" for r in shed)
+        messages = {r.json()["message"].split(" (")[0] for r in shed}
+        assert messages == {"engine queue is full", "the engines' queues are full"}
     finally:
         delete("tight")
 
@@ -329,7 +355,7 @@ def test_killed_engine_replica_is_replaced_and_requests_end(open_url):
     import ray
 
     url = f"{open_url}/v1/retrieve"
-    body = {"prompt_token_ids": list(range(3, 300)), "beam_width": 64}
+    body = {"prompt_token_ids": [3 + i % 200 for i in range(4000)], "beam_width": 256}  # ~1 s each: in flight
     deadline_s = 20  # the open app's request_timeout_s
     with httpx.Client(timeout=60) as c:
         assert c.post(url, json=body).status_code == 200
@@ -337,12 +363,13 @@ def test_killed_engine_replica_is_replaced_and_requests_end(open_url):
         with ThreadPoolExecutor(8) as pool:
             started = time.monotonic()
             futures = [pool.submit(c.post, url, json=body) for _ in range(8)]
-            time.sleep(0.2)
+            time.sleep(0.5)
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
             responses = [f.result() for f in futures]
         assert time.monotonic() - started < deadline_s + 5  # nobody waited past the deadline (+ grace)
         assert all(r.status_code in (200, 503, 504) for r in responses), [r.text for r in responses]
-        assert any(r.status_code == 503 for r in responses)  # the ones the dead replica held
+        held = [r for r in responses if r.status_code == 503]  # the ones the dead replica held
+        assert held and all(r.json()["code"] == "unavailable" for r in held), [r.status_code for r in responses]
         resume_by = time.monotonic() + 90
         while c.post(url, json=body).status_code != 200:
             assert time.monotonic() < resume_by, "service did not resume after the replica was killed"

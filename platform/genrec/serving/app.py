@@ -16,7 +16,7 @@ def build_app(args: AppArgs) -> Application:
     )
     ingress = Ingress.options(
         num_replicas=args.ingress_replicas,
-        max_queued_requests=args.max_queued_requests,
+        max_queued_requests=args.ingress_max_queued_requests,
         backpressure_config=backpressure(args),
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
         user_config={"request_timeout_s": args.request_timeout_s},

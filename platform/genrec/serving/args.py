@@ -66,6 +66,7 @@ class AppArgs(IngressSettings, IngressLimits):
     max_queued_requests: int = Field(512, ge=1, description="per engine deployment handle; beyond: 503")
     ingress_num_cpus: float = Field(0.25, ge=0)
     ingress_replicas: int = Field(1, ge=1)
+    ingress_max_queued_requests: int = Field(2048, ge=1, description="per ingress deployment; beyond: 503")
 
     @field_validator("model_dir")
     @classmethod

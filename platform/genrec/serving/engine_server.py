@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -9,6 +10,7 @@ from ray import serve
 
 from genrec.api import MAX_BEAM_WIDTH
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.engine.prepared import check_kind
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.model.directory import model_version
 from genrec.serving.args import EngineLimits
@@ -48,13 +50,13 @@ class EngineServer:
         self.engine.reconfigure(**limits.model_dump(exclude_none=True))
 
     async def retrieve(self, request, timeout_s: float):
-        return await self._run("retrieve", self.engine.retrieve, request, timeout_s)
+        return await self._run("retrieve", request, timeout_s)
 
     async def score(self, request, timeout_s: float):
-        return await self._run("score", self.engine.score, request, timeout_s)
+        return await self._run("score", request, timeout_s)
 
     async def recommend(self, request, timeout_s: float):
-        return await self._run("recommend", self.engine.recommend, request, timeout_s)
+        return await self._run("recommend", request, timeout_s)
 
     def model_info(self) -> ModelInfo:
         return self.info
@@ -69,12 +71,18 @@ class EngineServer:
             self._stopped.set()
             engine.shutdown(timeout_s=5.0, drain=True)
 
-    async def _run(self, kind: str, method, request, timeout_s: float):
+    async def _run(self, kind: str, request, timeout_s: float):
         started, status = time.perf_counter(), "error"
         try:
-            result = await method(request, timeout_s=timeout_s)
+            check_kind(request, kind)
+            # Validation and tokenizing run in a worker thread: this event loop also answers health checks.
+            future = await asyncio.to_thread(self.engine.submit, request, timeout_s)
+            result = await asyncio.wrap_future(future)  # cancelling this cancels the request in the engine
             status = "ok"
             return result, self.info.version
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
         except InvalidRequestError:
             status = "invalid"
             raise

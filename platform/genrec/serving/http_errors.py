@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genrec.errors import EngineStopped, GenrecError, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving.schemas import ErrorBody, ErrorDetail
@@ -33,7 +34,7 @@ class UnknownUser(GenrecError):
 
 
 class EngineUnavailable(GenrecError):
-    """The engine replica died or is being replaced: retry shortly."""
+    """The engine replica, or the embedding cache, died or is being replaced: retry shortly."""
 
 
 def error_response(error: BaseException, retry_after_s: float = 1.0) -> JSONResponse:
@@ -54,8 +55,7 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
     if isinstance(error, UnknownUser):
         detail = ErrorDetail(field="user_id", message=str(error))
         return 404, {"code": "unknown_user", "message": str(error), "details": [detail]}, {}
-    if isinstance(error, Overloaded):
-        retry = {"Retry-After": str(max(1, math.ceil(error.retry_after_s or retry_after_s)))}
+    if isinstance(error, Overloaded):  # the deployment's configured Retry-After, wherever the queue was full
         return 503, {"code": "overloaded", "message": str(error)}, retry
     if isinstance(error, EngineStopped | EngineUnavailable):
         return 503, {"code": "unavailable", "message": str(error)}, retry
@@ -74,6 +74,20 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
     message = "; ".join(f"{d.field}: {d.message}" if d.field else d.message for d in details)
     body = ErrorBody(code="invalid_request", message=message or "invalid request", details=details)
     return JSONResponse(body.model_dump(), status_code=400 if malformed else 422)
+
+
+async def http_error_handler(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Errors Starlette/FastAPI raise themselves (an unparsable body, a wrong method...): the same JSON shape."""
+    codes = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+    body = ErrorBody(code=codes.get(error.status_code, "invalid_request"), message=str(error.detail))
+    return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
+
+
+def _detail(error: dict) -> ErrorDetail:
+    if error.get("type") == "json_invalid":  # its loc is a character position, not a field
+        position = error.get("loc", ("", "?"))[-1]
+        return ErrorDetail(message=f"malformed JSON at character {position}: {error.get('msg', '')}")
+    return ErrorDetail(field=_field_path(error.get("loc", ())), message=error.get("msg", "invalid"))
 
 
 def _field_path(loc) -> str | None:

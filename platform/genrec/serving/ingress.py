@@ -9,22 +9,26 @@ request's deadline and turns every failure into the status the client can act on
 import asyncio
 import hmac
 import os
+import time
 
 from fastapi import Depends, FastAPI, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genrec.api import RecommendResult, RetrieveResult, ScoreResult
-from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
+from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
 from genrec.serving.args import IngressLimits, IngressSettings
 from genrec.serving.http_errors import (
     EngineUnavailable,
     Unauthorized,
     UnknownUser,
     error_response,
+    http_error_handler,
     validation_error_handler,
 )
 from genrec.serving.schemas import ErrorBody, ModelInfo, RecommendBody, RetrieveBody, ScoreBody
@@ -32,6 +36,7 @@ from genrec.serving.schemas import ErrorBody, ModelInfo, RecommendBody, Retrieve
 # Past the engine's own deadline, how long the ingress still waits for its answer before it gives up.
 DEADLINE_GRACE_S = 2.0
 MODEL_VERSION_HEADER = "X-Model-Version"
+MAX_BODY_BYTES = 32 << 20  # far above any valid request (the longest prompt as token IDs is < 1 MiB)
 
 api = FastAPI(
     title="genrec",
@@ -39,7 +44,18 @@ api = FastAPI(
     responses={code: {"model": ErrorBody} for code in (400, 401, 404, 422, 503, 504)},
 )
 api.add_exception_handler(RequestValidationError, validation_error_handler)
+api.add_exception_handler(StarletteHTTPException, http_error_handler)
 bearer = HTTPBearer(auto_error=False, description="set when the deployment has auth_token_env")
+
+
+@api.middleware("http")
+async def refuse_huge_bodies(request, call_next):
+    """413 before reading a body its Content-Length says is too large."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        message = f"request body of {length} bytes exceeds {MAX_BODY_BYTES} bytes"
+        return JSONResponse(ErrorBody(code="too_large", message=message).model_dump(), status_code=413)
+    return await call_next(request)
 
 
 def _cause(err: RayTaskError) -> BaseException:
@@ -75,6 +91,7 @@ class Ingress:
         self.engine = engine
         self.retry_after_s = settings.retry_after_s
         self.token = _read_token(settings.auth_token_env)
+        self.cache_args = settings.cache
         self.cache = _connect_cache(settings.cache)
         self.request_timeout_s = None  # set by reconfigure, which Serve calls before the first request
 
@@ -98,27 +115,30 @@ class Ingress:
     async def model(self, auth=Depends(bearer)):
         try:
             self._authorize(auth)
-            return await self._engine_call(self.engine.model_info.remote(), timeout_s=self.request_timeout_s)
+            deadline = time.monotonic() + self.request_timeout_s
+            return await self._engine_call(self.engine.model_info.remote(), deadline)
         except Exception as err:  # noqa: BLE001 - every failure becomes its status (see http_errors)
             return error_response(err, self.retry_after_s)
 
-    @api.get("/healthz")
+    @api.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz(self):
         """Ready when an engine replica answers (no auth: load balancers probe it)."""
         try:
-            info = await self._engine_call(self.engine.model_info.remote(), timeout_s=5.0)
+            info = await self._engine_call(self.engine.model_info.remote(), time.monotonic() + 5.0)
             return {"status": "ok", "model_version": info.version}
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
 
     async def _serve(self, kind: str, body, response: Response, auth):
+        """One deadline for the whole request: the embedding lookup, then the engine with the time left."""
         try:
             self._authorize(auth)
-            request = body.to_request(await self._user_embedding(body))
-            timeout_s = self.request_timeout_s
-            result, version = await self._engine_call(
-                getattr(self.engine, kind).remote(request, timeout_s), timeout_s + DEADLINE_GRACE_S
-            )
+            deadline = time.monotonic() + self.request_timeout_s
+            request = body.to_request(await self._user_embedding(body, deadline))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s (the embedding lookup)")
+            result, version = await self._engine_call(getattr(self.engine, kind).remote(request, remaining), deadline)
             response.headers[MODEL_VERSION_HEADER] = version
             return result
         except Exception as err:  # noqa: BLE001
@@ -131,25 +151,37 @@ class Ingress:
         if not hmac.compare_digest(given, self.token):  # constant time: the token does not leak by timing
             raise Unauthorized("a valid 'Authorization: Bearer <token>' header is required")
 
-    async def _user_embedding(self, body) -> list[float] | None:
+    async def _user_embedding(self, body, deadline: float) -> list[float] | None:
         if body.user_embedding is not None or body.user_id is None:
             return None  # an inline vector wins; no user_id, nothing to look up
-        if self.cache is None:
+        if self.cache_args is None:
             raise InvalidRequestError("user_id", "this deployment has no embedding cache; send user_embedding")
-        vectors, found = await self.cache.get_async([body.user_id])
+        try:
+            if self.cache is None:  # the last lookup found the cache gone: connect again (off the loop)
+                self.cache = await asyncio.to_thread(_connect_cache, self.cache_args)
+            lookup = self.cache.get_async([body.user_id])
+            vectors, found = await asyncio.wait_for(lookup, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise RequestTimeout(f"the embedding lookup took longer than {self.request_timeout_s:g} s") from None
+        except CacheError as err:
+            raise InvalidRequestError("user_id", str(err)) from None
+        except (RayActorError, StoreError) as err:
+            self.cache = None
+            raise EngineUnavailable(f"the embedding cache is unavailable ({type(err).__name__}); retry") from None
         if not found[0]:
             raise UnknownUser(body.user_id)
         return vectors[0].tolist()
 
-    async def _engine_call(self, response, timeout_s: float):
+    async def _engine_call(self, response, deadline: float):
+        """The engine's answer; past the deadline (+ grace for the engine's own 504), give up and cancel."""
         try:
-            return await asyncio.wait_for(response, timeout_s)
+            return await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S)
+        except RayTaskError as err:  # first: a RayTaskError wrapping the engine's RequestTimeout is a TimeoutError
+            raise _cause(err) from None
         except TimeoutError:
             response.cancel()  # the engine drops the request at its next step
-            raise RequestTimeout(f"no answer within {timeout_s:.1f} s") from None
+            raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s") from None
         except BackPressureError as err:
             raise Overloaded(f"the engines' queues are full ({err})", self.retry_after_s) from None
         except (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError) as err:
             raise EngineUnavailable(f"the engine replica is unavailable ({type(err).__name__}); retry") from None
-        except RayTaskError as err:
-            raise _cause(err) from None

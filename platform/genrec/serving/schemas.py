@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, Field, StrictInt, StrictStr
+from pydantic import BaseModel, Field, StrictInt
 
-from genrec.api import RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.api import RecommendRequest, RetrieveRequest, ScoreRequest, Text
 
-UserId = Annotated[StrictStr | StrictInt, Field(description="looked up in the embedding cache")]
+# The cache keys integers as int64 (its two lowest values are reserved) and strings by their UTF-8 bytes.
+UserId = Annotated[
+    Annotated[Text, Field(min_length=1, max_length=256)] | Annotated[StrictInt, Field(ge=-(2**63) + 2, lt=2**63)],
+    Field(description="looked up in the embedding cache"),
+]
 
 
 class _ByUser(BaseModel):

@@ -48,6 +48,8 @@ def run(kind, rates, duration, preset, model, levels, prompt_len, beam_width, ca
             "added_latency_ms_one_at_a_time": 1000 * (serve["one_at_a_time_s"] - in_process["one_at_a_time_s"]),
         },
         "goals": {"saturation_serve_over_in_process": ">= 0.8", "added_latency_ms_one_at_a_time": "<= 10"},
+        "note": "in-process: the engine shares this process (and its GIL) with the load generator; through "
+        "Serve it runs in a replica process of its own with as many torch threads",
         "machine": machine(),
     }
     if plot:
@@ -103,7 +105,7 @@ def _connections(burst: int) -> httpx.Limits:
 
 @contextlib.contextmanager
 def _local_serve(model_dir):
-    """The app on a local Ray (started here unless this process is connected), HTTP on 127.0.0.1."""
+    """The app on a new local Ray of its own, HTTP on 127.0.0.1; all of it stopped afterwards."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -111,9 +113,9 @@ def _local_serve(model_dir):
     from genrec.serving.app import build_app
     from genrec.serving.args import AppArgs
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(include_dashboard=False, log_to_driver=False)
+    if ray.is_initialized():
+        raise GenrecError("bench serve starts a Ray and a Serve of its own: run it in a fresh process")
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never someone else's cluster
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = AppArgs(
@@ -131,8 +133,7 @@ def _local_serve(model_dir):
         yield f"http://127.0.0.1:{port}/{APP}"
     finally:
         serve.shutdown()
-        if started_ray:
-            ray.shutdown()
+        ray.shutdown()
 
 
 def _plot(report: dict, path) -> None:

@@ -21,7 +21,7 @@ from genrec.model.directory import model_version
 from tests.conftest import random_prompt
 
 REPO = Path(__file__).resolve().parents[1]
-USERS, BATCH, BEAM, RESULTS = 120, 2, 8, 4
+USERS, BATCH, BEAM, RESULTS = 64, 2, 8, 4
 BAD = {5: "prompt_token_ids", 11: "user_id"}  # row -> the field its error names
 SCHEMA = pa.schema([("user_id", pa.string()), ("prompt", pa.string()), ("prompt_token_ids", pa.list_(pa.int64()))])
 
@@ -132,7 +132,7 @@ def test_driver_killed_midway_then_rerun_equals_an_uninterrupted_run(ray_cluster
     at_kill = committed(out)
     assert at_kill < shards, "the run finished before the kill: nothing was left to resume"
 
-    # The rerun (default --max-error-fraction 0.01 < 2 bad rows of 120) finishes the run and exits 1.
+    # The rerun (default --max-error-fraction 0.01 < 2 bad rows of 64) finishes the run and exits 1.
     rerun = subprocess.run(job, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in rerun.stdout.splitlines() if line.startswith("batch summary: ")]
     assert rerun.returncode == 1, rerun.stderr[-3000:]

@@ -9,7 +9,7 @@ Exit status: 0, or 1 when the fraction of bad rows passes --max-error-fraction, 
 
 import argparse
 
-from genrec.batch import BatchSpec, Execution, ensure_ray, run_batch
+from genrec.batch import BatchSpec, Execution, run_batch
 from genrec.batch.job_args import add_cache_flags, cache_spec, run_job
 
 
@@ -52,7 +52,6 @@ def main() -> int:
         max_error_fraction=args.max_error_fraction,
         progress=not args.no_progress,
     )
-    ensure_ray()
     summary = run_batch(spec, execution)
     print(summary.line(), flush=True)
     return 1 if summary.failed(execution.max_error_fraction) else 0

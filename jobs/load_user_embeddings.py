@@ -9,7 +9,7 @@ Use the same --cache-* settings as the Serve config and jobs/batch_recommend.py,
 import argparse
 import json
 
-from genrec.batch import ensure_ray, load_user_embeddings
+from genrec.batch import load_user_embeddings
 from genrec.batch.job_args import add_cache_flags, cache_spec, run_job
 
 
@@ -21,7 +21,6 @@ def main() -> int:
     add_cache_flags(parser, required=True)
     args = parser.parse_args()
 
-    ensure_ray()
     print(json.dumps(load_user_embeddings(args.embeddings, cache_spec(args), args.dim, args.batch_rows)), flush=True)
     return 0
 

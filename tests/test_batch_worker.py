@@ -2,6 +2,9 @@
 names its field, a cut output file counts as not done, and a rerun with other settings is refused."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -114,3 +117,20 @@ def test_an_unusable_users_file_is_one_clear_error(tmp_path, columns, fragment):
         UsersInput(str(tmp_path / "users.parquet"))
     with pytest.raises(GenrecError, match="no such file"):
         UsersInput(str(tmp_path / "missing.parquet"))
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--beam-width", "0"], "error: --beam-width: Input should be greater than or equal to 1"),
+        (["--beam-width", "4", "--num-results", "9"], "error: num_results (9) exceeds beam_width (4)"),
+        (["--users", "/no/such/users.parquet"], "no such file or directory (expected the users Parquet)"),
+    ],
+)
+def test_the_job_refuses_bad_arguments_in_one_line_before_starting_ray(tiny_dir, tmp_path, flags, fragment):
+    users = tmp_path / "users.parquet"
+    pq.write_table(pa.table({"user_id": ["a"], "prompt": ["hello"]}), users)
+    job = [sys.executable, str(Path(__file__).resolve().parents[1] / "jobs" / "batch_recommend.py")]
+    job += ["--model", str(tiny_dir), "--users", str(users), "--out", str(tmp_path / "out"), *flags]
+    done = subprocess.run(job, capture_output=True, text=True, timeout=120, env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and fragment in done.stderr, done.stderr

@@ -1,6 +1,7 @@
 """Batch recommendation on Ray Data (the jobs in `jobs/` are thin wrappers around these functions)."""
 
-from genrec.batch.pipeline import Summary, ensure_ray, run_batch
+from genrec.batch.connect import ensure_ray
+from genrec.batch.pipeline import Summary, run_batch
 from genrec.batch.spec import BatchSpec, Execution
 from genrec.batch.user_embeddings import CacheSpec, load_user_embeddings
 

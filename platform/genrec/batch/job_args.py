@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from pydantic import ValidationError
+
 from genrec.batch.user_embeddings import CacheSpec
 from genrec.errors import GenrecError
 
@@ -38,6 +40,17 @@ def run_job(main: Callable[[], int]) -> None:
     try:
         status = main()
     except (GenrecError, ValueError, FileNotFoundError) as err:  # ValueError: pydantic's and load_parquet's
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         status = 2
     sys.exit(status)
+
+
+def _one_line(err: Exception) -> str:
+    if not isinstance(err, ValidationError):
+        return str(err)
+    parts = []
+    for problem in err.errors():
+        message = problem["msg"].removeprefix("Value error, ")
+        flag = "--" + str(problem["loc"][0]).replace("_", "-") if problem["loc"] else None
+        parts.append(f"{flag}: {message}" if flag else message)
+    return "; ".join(parts)

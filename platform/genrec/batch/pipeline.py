@@ -13,10 +13,10 @@ rerun recomputes exactly the missing ones, and every shard's results depend on i
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 
+from genrec.batch.connect import ensure_ray
 from genrec.batch.output import OutputDir, ShardCounts
 from genrec.batch.shards import Shard, UsersInput
 from genrec.batch.spec import BatchSpec, Execution
@@ -47,16 +47,6 @@ class Summary:
         return self.error_fraction > max_error_fraction
 
 
-def ensure_ray(**init_options):
-    """Connect to the cluster (`ray job submit` sets RAY_ADDRESS) or start a local one; a connected Ray stays."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs; a cluster's own setting wins
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(**init_options)
-    return ray
-
-
 def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
     start = time.perf_counter()
     _check_device(spec, execution)
@@ -72,6 +62,7 @@ def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
     pending = [s for s in shards if s.index not in counts]
     processed, first_shard_s = 0, None
     if pending:
+        ensure_ray()  # only now: bad input fails fast, and a finished run needs no cluster
         cache = spec.cache.connect(_user_dim(directory)) if spec.cache else None
         for report in _run_shards(pending, spec, execution, version, run_id, cache):
             first_shard_s = first_shard_s or round(time.perf_counter() - start, 3)

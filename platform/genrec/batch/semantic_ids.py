@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from genrec.batch.pipeline import ensure_ray
+from genrec.batch.connect import ensure_ray
 from genrec.errors import GenrecError
 
 

@@ -58,9 +58,11 @@ class _ThroughCache:
 
 def load_user_embeddings(path: str, spec: CacheSpec, dim: int | None = None, batch_rows: int = 65536) -> dict:
     """Bulk-load a `user_id, embedding` Parquet into the cache (created if it does not exist yet)."""
+    from genrec.batch.connect import ensure_ray
     from genrec.cache import load_parquet
 
     dim = dim or _embedding_dim(path)
+    ensure_ray()
     cache = spec.connect(dim)
     loaded = load_parquet(path, _ThroughCache(cache, dim), batch_rows=batch_rows)
     resident = sum(s["resident"] for s in cache.stats())

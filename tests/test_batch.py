@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from genrec.api import RecommendRequest, RetrieveRequest
-from genrec.batch import BatchSpec, CacheSpec, Execution, load_user_embeddings, run_batch
+from genrec.batch import BatchSpec, CacheSettings, Execution, load_user_embeddings, run_batch
 from genrec.model.directory import model_version
 from tests.conftest import random_prompt
 
@@ -169,7 +169,7 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
                    tmp_path / "users.parquet")  # fmt: skip
     pq.write_table(pa.table({"user_id": list(range(n - 1)), "embedding": vectors[: n - 1]}), tmp_path / "emb.parquet")
 
-    cache = CacheSpec(name="batch-test-cache", store_path=str(tmp_path / "emb.sqlite"))
+    cache = CacheSettings(name="batch-test-cache", store_path=str(tmp_path / "emb.sqlite"))
     loaded = load_user_embeddings(str(tmp_path / "emb.parquet"), cache)
     assert loaded["loaded"] == loaded["resident"] == n - 1
     assert SQLiteStore(tmp_path / "emb.sqlite", dim).count() == n - 1  # durable before the job uses it

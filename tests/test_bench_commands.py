@@ -62,7 +62,8 @@ def test_bench_serve(tiny_dir, tmp_path):
     args = ["--model", str(tiny_dir), "--prompt-len", "16", "--beam-width", "4", "--rates", "10", "--duration", "0.5"]
     command = [sys.executable, "-m", "genrec.cli", "bench", "serve", *args, "--burst", "4"]
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
-    done = subprocess.run([*command, "--json", str(out), "--plot", str(plot)], env=env, capture_output=True, timeout=300)
+    command += ["--json", str(out), "--plot", str(plot)]
+    done = subprocess.run(command, env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     report = json.loads(out.read_text())
     assert report["ratios"]["saturation_serve_over_in_process"] > 0

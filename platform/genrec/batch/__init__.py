@@ -3,6 +3,7 @@
 from genrec.batch.connect import ensure_ray
 from genrec.batch.pipeline import Summary, run_batch
 from genrec.batch.spec import BatchSpec, Execution
-from genrec.batch.user_embeddings import CacheSpec, load_user_embeddings
+from genrec.batch.user_embeddings import load_user_embeddings
+from genrec.cache.settings import CacheSettings
 
-__all__ = ["BatchSpec", "CacheSpec", "Execution", "Summary", "ensure_ray", "load_user_embeddings", "run_batch"]
+__all__ = ["BatchSpec", "CacheSettings", "Execution", "Summary", "ensure_ray", "load_user_embeddings", "run_batch"]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from genrec.batch.user_embeddings import CacheSpec
+from genrec.cache.settings import CacheSettings
 from genrec.errors import GenrecError
 
 
@@ -22,10 +22,10 @@ def add_cache_flags(parser: argparse.ArgumentParser, required: bool = False) -> 
     group.add_argument("--cache-redis-url", default="redis://127.0.0.1:6379/0")
 
 
-def cache_spec(args: argparse.Namespace) -> CacheSpec | None:
+def cache_spec(args: argparse.Namespace) -> CacheSettings | None:
     if not args.cache:
         return None
-    return CacheSpec(
+    return CacheSettings(
         name=args.cache,
         shards=args.cache_shards,
         capacity=args.cache_capacity,

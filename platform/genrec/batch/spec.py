@@ -8,7 +8,7 @@ import json
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from genrec.api import MAX_BEAM_WIDTH
-from genrec.batch.user_embeddings import CacheSpec
+from genrec.cache.settings import CacheSettings
 
 FORMAT = 1  # bump when the output layout or columns change
 
@@ -27,7 +27,7 @@ class BatchSpec(BaseModel):
     batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
     device: str = "cpu"
     dtype: str | None = Field(None, description="default: bfloat16 on CUDA, float32 on the CPU")
-    cache: CacheSpec | None = Field(None, description="user embeddings by user_id when the input has none")
+    cache: CacheSettings | None = Field(None, description="user embeddings by user_id when the input has none")
 
     @model_validator(mode="after")
     def _results_within_beam(self):

@@ -2,32 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
+from genrec.cache.settings import CacheSettings
 from genrec.errors import GenrecError
-
-
-class CacheSpec(BaseModel):
-    """Which cache to use: created on first use with these settings, found by name afterwards."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1)
-    shards: int = Field(1, ge=1)
-    capacity: int = Field(1_000_000, gt=0)
-    policy: str = "lru"
-    store: Literal["sqlite", "redis", "none"] = "sqlite"
-    store_path: str = "/tmp/genrec-embeddings.sqlite"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-
-    def connect(self, dim: int):
-        from genrec.cache.actor import CacheConfig, EmbeddingCache
-
-        settings = self.model_dump(exclude={"name", "shards"})
-        return EmbeddingCache.connect(self.name, CacheConfig(dim=dim, **settings), shards=self.shards)
 
 
 def lookup(cache, user_ids: list) -> list[list[float] | None]:
@@ -56,7 +34,7 @@ class _ThroughCache:
         pass
 
 
-def load_user_embeddings(path: str, spec: CacheSpec, dim: int | None = None, batch_rows: int = 65536) -> dict:
+def load_user_embeddings(path: str, spec: CacheSettings, dim: int | None = None, batch_rows: int = 65536) -> dict:
     """Bulk-load a `user_id, embedding` Parquet into the cache (created if it does not exist yet)."""
     from genrec.batch.connect import ensure_ray
     from genrec.cache import load_parquet

@@ -7,22 +7,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from genrec.cache.settings import CacheSettings
+
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in a config file fails the deploy instead of vanishing
 
 
-class CacheArgs(_Args):
+class CacheArgs(CacheSettings):
     """The shared embedding cache the ingress resolves `user_id`s through (see genrec.cache.actor)."""
 
-    name: str
-    dim: int = Field(gt=0)
-    shards: int = Field(1, ge=1)
-    capacity: int = Field(1_000_000, gt=0)
-    policy: str = "lru"
-    store: Literal["sqlite", "redis", "none"] = "sqlite"
-    store_path: str = "/tmp/genrec-embeddings.sqlite"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    dim: int = Field(gt=0, description="the user vectors' width: the model's soft-token input size")
 
 
 class EngineLimits(_Args):

@@ -74,13 +74,7 @@ def _read_token(env_name: str | None) -> bytes | None:
 
 
 def _connect_cache(cache_args):
-    if cache_args is None:
-        return None
-    from genrec.cache.actor import CacheConfig, EmbeddingCache
-
-    settings = cache_args.model_dump()
-    name, shards = settings.pop("name"), settings.pop("shards")
-    return EmbeddingCache.connect(name, CacheConfig(**settings), shards=shards)
+    return cache_args.connect(cache_args.dim) if cache_args is not None else None
 
 
 # The class is serialised when it is decorated: everything it calls must already be defined above.

@@ -13,7 +13,7 @@ def lookup(cache, user_ids: list) -> list[list[float] | None]:
     present = [i for i, u in enumerate(user_ids) if u is not None]
     out: list[list[float] | None] = [None] * len(user_ids)
     if present:
-        vectors, found = cache.get(np.asarray([user_ids[i] for i in present]))
+        vectors, found = cache.get([user_ids[i] for i in present])  # a list: mixed int/str IDs are refused
         for i, vector, hit in zip(present, vectors, found, strict=True):
             if hit:
                 out[i] = vector.tolist()

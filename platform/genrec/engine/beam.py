@@ -1,8 +1,9 @@
 """Constrained wide beam search over the catalog trie, for a cohort of requests that step together.
 
-KV layout (see shared/DESIGN.md): each request's prompt K/V lives once in its ContextKV; BeamKV holds,
-per decode pass, the K/V of the token each beam row fed in (never reordered); BeamPath holds the parent
-row of every selected row per level, and a beam's suffix is rebuilt by following it. Every operation
+KV layout (see shared/DESIGN.md): each request's prompt K/V lives once in its ContextKV; BeamKV is a slot
+pool allocated once per cohort (pass p's rows write slots base[p] + row, never reordered); BeamPath is an
+ancestor table [rows, passes so far] of slot indices, advanced by one gather per level, so a beam's
+suffix K/V is one gather from the slots (no walk, no stack). Every operation
 below is a tensor operation over all rows of all requests: no Python loop over beams, no host sync
 until `results()`.
 """
@@ -14,7 +15,8 @@ import torch
 
 from genrec.attention import ContextGroup
 from genrec.catalog.trie import CodeTrie
-from genrec.model.qwen3 import ContextKV
+from genrec.model.kv_pool import ContextKV, kv_storage
+from genrec.staging import fetch, to_device
 
 NEG_INF = float("-inf")
 
@@ -27,19 +29,26 @@ class BeamCohort:
         contexts: list[ContextKV],
         exclusions: list[np.ndarray],
         device,
+        slots=None,
     ):
+        """`slots`: an Extent of the KV pool to hold the BeamKV (at least `slots_needed` tokens); else own memory."""
         self.trie, self.widths, self.contexts, self.device = trie, widths, contexts, device
         n = len(widths)
+        self.base = _pass_bases(trie, widths)
+        if slots is not None:
+            self.slots_k, self.slots_v = slots.k(), slots.v()
+        else:
+            layers, _, kv_heads, head_dim = contexts[0].pool.k.shape
+            shape = (layers, self.base[-1], kv_heads, head_dim)
+            self.slots_k, self.slots_v = kv_storage(shape, device, contexts[0].pool.k.dtype)
         self.level = 0
-        self.prompt_lens = torch.tensor([c.length for c in contexts], device=device)
+        self.prompt_lens = to_device([c.length for c in contexts], device)
         # Rows before the first selection: one per request (its prefill's last position).
         self.scores = torch.zeros(n, device=device)
         self.nodes = torch.zeros(n, dtype=torch.int64, device=device)
         self.rows_per_req = [1] * n
-        self.parents: list[torch.Tensor] = []  # BeamPath: per level, parent row of each selected row
+        self.ancestors = torch.zeros(n, 0, dtype=torch.int64, device=device)  # BeamPath: [rows, passes] slots
         self.tokens: list[torch.Tensor] = []  # per level, the token each selected row chose
-        self.beam_k: list[torch.Tensor] = []  # BeamKV: per pass, [layers, rows, kv_heads, head_dim]
-        self.beam_v: list[torch.Tensor] = []
         self._excluded = _excluded_node_keys(trie, exclusions, device)
 
     @property
@@ -65,21 +74,27 @@ class BeamCohort:
             for off, n, ctx in zip(self._offsets(), self.rows_per_req, self.contexts, strict=True)
         ]
         past_k = past_v = None
-        if step > 1:
-            rows = torch.arange(self.rows, device=self.device)
-            ks, vs = [], []
-            for j in range(step - 1, 0, -1):  # walk the BeamPath back to pass 1
-                rows = self.parents[j][rows]
-                ks.append(self.beam_k[j - 1][:, rows])
-                vs.append(self.beam_v[j - 1][:, rows])
-            past_k = torch.stack(ks[::-1], dim=2)
-            past_v = torch.stack(vs[::-1], dim=2)
+        if step > 1:  # one gather of every row's ancestors' K/V: [layers, rows, step - 1, kv_heads, hd]
+            past_k, past_v = self.slots_k[:, self.ancestors], self.slots_v[:, self.ancestors]
         return tokens, positions, groups, past_k, past_v
 
     def record_kv(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """new_k/new_v [layers, R, 1, kv_heads, hd] from the pass just run."""
-        self.beam_k.append(new_k[:, :, 0])
-        self.beam_v.append(new_v[:, :, 0])
+        """new_k/new_v [layers, R, 1, kv_heads, hd] from the pass just run: into this pass's slots."""
+        at = self.base[self.level - 1]
+        self.slots_k[:, at : at + self.rows] = new_k[:, :, 0]
+        self.slots_v[:, at : at + self.rows] = new_v[:, :, 0]
+
+    def advance(self, parent: torch.Tensor, tokens: torch.Tensor, nodes, scores, rows_per_req: list[int]) -> None:
+        """Take the next level's rows: parent [new rows] (rows of this level), their tokens, nodes and scores."""
+        if self.level:  # a row's ancestors: its parent's, then the parent's own slot of the pass just run
+            own = (parent + self.base[self.level - 1])[:, None]
+            self.ancestors = torch.cat((self.ancestors[parent], own), dim=1)
+        else:
+            self.ancestors = self.ancestors.new_zeros(len(parent), 0)
+        self.rows_per_req = rows_per_req
+        self.tokens.append(tokens)
+        self.nodes, self.scores = nodes, scores
+        self.level += 1
 
     def results(self, host: tuple[list[float], list[int]] | None = None) -> list[list[tuple[int, float]]]:
         """Per request, (item index, logprob) best first. `host`: this cohort's part of `fetch_finals`."""
@@ -132,13 +147,23 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
     old_row, new_row, request = 0, 0, 0
     for c in cohorts:
         n_req, old_rows = len(c.widths), c.rows
-        c.rows_per_req = new_rows[request : request + n_req]
-        rows = slice(new_row, new_row + c.rows)
-        c.parents.append(parent[rows] - old_row if old_row else parent[rows])
-        c.tokens.append(new_tokens[rows])
-        c.nodes, c.scores = new_nodes[rows], new_scores[rows]
-        c.level += 1
-        old_row, new_row, request = old_row + old_rows, new_row + c.rows, request + n_req
+        mine = new_rows[request : request + n_req]
+        rows = slice(new_row, new_row + sum(mine))
+        local = parent[rows] - old_row if old_row else parent[rows]
+        c.advance(local, new_tokens[rows], new_nodes[rows], new_scores[rows], mine)
+        old_row, new_row, request = old_row + old_rows, rows.stop, request + n_req
+
+
+def _pass_bases(trie: CodeTrie, widths: list[int]) -> list[int]:
+    """First BeamKV slot of each decode pass (pass p feeds level p's rows), then the slots needed in all."""
+    bases = [0]
+    for level in range(1, trie.levels):
+        bases.append(bases[-1] + sum(min(w, trie.nodes_at(level)) for w in widths))
+    return bases
+
+
+def slots_needed(trie: CodeTrie, widths: list[int]) -> int:
+    return _pass_bases(trie, widths)[-1]
 
 
 def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
@@ -150,15 +175,15 @@ def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
     key = (rows_per_req, str(device))
     found = _LAYOUTS.get(key)
     if found is None:
-        counts = torch.tensor(rows_per_req)
-        offsets = counts.cumsum(0) - counts
-        slots = torch.arange(max(rows_per_req))
-        row_req = torch.repeat_interleave(torch.arange(len(rows_per_req)), counts)
+        counts = np.asarray(rows_per_req)
+        offsets = counts.cumsum() - counts
+        slots = np.arange(max(rows_per_req))
+        row_req = np.repeat(np.arange(len(rows_per_req)), counts)
         found = {
-            "pad_rows": (offsets[:, None] + torch.minimum(slots[None, :], counts[:, None] - 1)).to(device),
-            "pad_valid": (slots[None, :] < counts[:, None]).to(device),
-            "row_req": row_req.to(device),
-            "row_rank": (torch.arange(len(row_req)) - offsets[row_req]).to(device),
+            "pad_rows": to_device(offsets[:, None] + np.minimum(slots[None, :], counts[:, None] - 1), device),
+            "pad_valid": to_device(slots[None, :] < counts[:, None], device, torch.bool),
+            "row_req": to_device(row_req, device),
+            "row_rank": to_device(np.arange(len(row_req)) - offsets[row_req], device),
         }
         if len(_LAYOUTS) >= 4096:
             _LAYOUTS.clear()
@@ -170,7 +195,8 @@ _LAYOUTS: dict = {}
 
 
 def _excluded(cohorts: list[BeamCohort], level: int, row_req: torch.Tensor, child: torch.Tensor) -> torch.Tensor:
-    """Rows' candidate children that lead only to excluded items."""
+    """Rows' candidate children that lead only to excluded items: a binary search of the sorted keys
+    (`isin` would sort and call `unique`, which waits for the device)."""
     nodes = cohorts[0].trie.nodes_at(level + 1)
     keys, request = [], 0
     for c in cohorts:
@@ -179,12 +205,15 @@ def _excluded(cohorts: list[BeamCohort], level: int, row_req: torch.Tensor, chil
         request += len(c.widths)
     if not keys:
         return torch.zeros_like(child, dtype=torch.bool)
-    return torch.isin(row_req[:, None] * nodes + child, keys[0] if len(keys) == 1 else torch.cat(keys))
+    keys = keys[0] if len(keys) == 1 else torch.cat(keys)  # sorted: by request, then node
+    query = row_req[:, None] * nodes + child
+    return keys[torch.searchsorted(keys, query).clamp_(max=len(keys) - 1)] == query
 
 
 def fetch_finals(cohorts: list[BeamCohort]) -> list[tuple[list[float], list[int]]]:
-    """Final scores and items of finished cohorts in ONE device-to-host transfer (float64 holds both exactly)."""
-    packed = torch.cat([torch.stack([c.scores.double(), c.nodes.double()]) for c in cohorts], dim=1).cpu()
+    """Final scores and items of finished cohorts in ONE device-to-host transfer (float64 holds both exactly):
+    the named fetch point at the end of their requests."""
+    packed = fetch(torch.cat([torch.stack([c.scores.double(), c.nodes.double()]) for c in cohorts], dim=1))
     out, start = [], 0
     for c in cohorts:
         part = packed[:, start : start + c.rows]
@@ -209,5 +238,6 @@ def _excluded_node_keys(trie: CodeTrie, exclusions: list[np.ndarray], device) ->
             nodes, counts = np.unique(trie.node_of_item[depth - 1][items], return_counts=True)
             dead = nodes[counts == trie.leaves[depth - 1][nodes]]
             parts.append(r * nodes_here + dead)
-        keys.append(torch.as_tensor(np.concatenate(parts), device=device) if parts else None)
+        found = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        keys.append(to_device(found, device) if len(found) else None)
     return keys

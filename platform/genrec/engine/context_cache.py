@@ -1,7 +1,8 @@
 """An optional LRU of recent prefills keyed by the exact prompt (token IDs + user embedding).
 
 A retrieve followed by a score for the same user prompt then prefills once. ContextKV is read-only after
-prefill, so sharing it between requests is safe. Entries live outside the KV budget; size it in entries.
+prefill, so sharing it between requests is safe. Entries hold their ContextKV's extent of the KV pool
+(retained, released on eviction); admission evicts the oldest when a new request does not fit.
 """
 
 from __future__ import annotations
@@ -39,13 +40,26 @@ class ContextCache:
         self.hits += 1
         return found
 
+    def peek(self, key: bytes):
+        """The entry, without counting a hit or refreshing it."""
+        return self._items.get(key) if self.entries > 0 else None
+
     def put(self, key: bytes, prefilled) -> None:
         if self.entries <= 0:
             return
+        if key in self._items:
+            self._items.pop(key).ctx.release()
         self._items[key] = prefilled
-        self._items.move_to_end(key)
+        prefilled.ctx.retain()
         while len(self._items) > self.entries:
-            self._items.popitem(last=False)
+            self.evict_oldest()
+
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used entry (its pool extent comes back once no job holds it)."""
+        if not self._items:
+            return False
+        self._items.popitem(last=False)[1].ctx.release()
+        return True
 
     @property
     def nbytes(self) -> int:

@@ -34,8 +34,10 @@ from genrec.engine.soft_token import inject_user_embedding
 from genrec.errors import InvalidRequestError
 from genrec.model import ContextKV, Qwen3, load_qwen3
 from genrec.model.directory import ModelDirectory
+from genrec.model.kv_pool import KVPool
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import USER_TOKEN, check_token_ids, load_tokenizer, semantic_token_ranges
+from genrec.staging import fetch, host_side, to_device
 
 
 @dataclass
@@ -142,12 +144,13 @@ class Engine:
     # -- pieces ----------------------------------------------------------------------------------
 
     def prepare(self, req) -> Prepared:
-        return prepare(self, req)
+        with host_side():  # request checks on host data, before any device work
+            return prepare(self, req)
 
     @torch.inference_mode()
     def prompt_embeds(self, prepared: Prepared) -> torch.Tensor:
         """Token embeddings of the prompt, with the soft token injected where the request carries one."""
-        embeds = self.model.embed(prepared.token_ids.to(self.device, non_blocking=True))
+        embeds = self.model.embed(to_device(prepared.token_ids.numpy(), self.device))
         req = prepared.request
         return inject_user_embedding(
             embeds, prepared.token_ids, self.placeholder_id, req.user_embedding, self.projector
@@ -155,6 +158,9 @@ class Engine:
 
     def allocate_context(self, prepared: Prepared) -> ContextKV:
         return ContextKV.allocate(self.model.config, len(prepared.token_ids), self.device, self.model.dtype)
+
+    def new_pool(self, tokens: int) -> KVPool:
+        return KVPool(self.model.config, tokens, self.device, self.model.dtype)
 
     @torch.inference_mode()
     def prefill(self, prepared: Prepared) -> Prefilled:
@@ -164,20 +170,23 @@ class Engine:
 
     @torch.inference_mode()
     def prefill_many(self, prepared: list[Prepared]) -> list[Prefilled]:
-        """Prefill many prompts, packed into passes of at most `prefill_pack_tokens` tokens."""
+        """Prefill many prompts, packed into passes of at most `prefill_pack_tokens` tokens, into one pool."""
         out: list[Prefilled] = []
-        for group in _packs([len(p.token_ids) for p in prepared], self.prefill_pack_tokens):
-            segments = [(self.prompt_embeds(prepared[i]), self.allocate_context(prepared[i])) for i in group]
+        lengths = [len(p.token_ids) for p in prepared]
+        pool = self.new_pool(sum(lengths))
+        for group in _packs(lengths, self.prefill_pack_tokens):
+            segments = [(self.prompt_embeds(prepared[i]), pool.context(lengths[i])) for i in group]
             logits = self.model.prefill_packed(segments)
             out += [Prefilled(ctx, row) for (_, ctx), row in zip(segments, logits, strict=True)]
         return out
 
     @torch.inference_mode()
-    def start_beams(self, prepared: list[Prepared], prefilled: list[Prefilled]) -> BeamCohort:
-        """A cohort of beam requests, with the first level already chosen from their prefill logits."""
+    def start_beams(self, prepared: list[Prepared], prefilled: list[Prefilled], slots=None) -> BeamCohort:
+        """A cohort of beam requests, with the first level already chosen from their prefill logits.
+        `slots`: a KV-pool extent for the cohort's BeamKV (the scheduler's); else the cohort allocates it."""
         exclusions = [np.asarray(p.exclusions, dtype=np.int64) for p in prepared]
         widths = [p.request.beam_width for p in prepared]
-        cohort = BeamCohort(self.trie, widths, [f.ctx for f in prefilled], exclusions, self.device)
+        cohort = BeamCohort(self.trie, widths, [f.ctx for f in prefilled], exclusions, self.device, slots)
         cohort.select(torch.log_softmax(torch.stack([f.last_logits for f in prefilled]), dim=-1))
         return cohort
 
@@ -214,7 +223,7 @@ class Engine:
         return out
 
     def score_result(self, prepared: Prepared, prefilled: Prefilled, scores: LabelScores) -> ScoreResult:
-        logprobs, probs = _check_finite(scores.logprob.tolist()), _check_finite(scores.prob.tolist())
+        logprobs, probs = _fetch_scores(scores)
         items = [
             CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
             for c, lp, pr in zip(prepared.request.candidates, logprobs, probs, strict=True)
@@ -222,7 +231,7 @@ class Engine:
         return ScoreResult(request_id=prepared.request.request_id, scores=items, prompt_tokens=prefilled.prompt_tokens)
 
     def recommend_result(self, prepared: Prepared, retrieved: RetrieveResult, scores: LabelScores) -> RecommendResult:
-        logprobs, probs = _check_finite(scores.logprob.tolist()), _check_finite(scores.prob.tolist())
+        logprobs, probs = _fetch_scores(scores)
         given_ids = {c.item_id for c in prepared.given if c.item_id is not None}
         items = [
             RecommendedItem(
@@ -255,6 +264,12 @@ def _not_retrieved(prepared: Prepared, retrieved: RetrieveResult) -> list[int]:
     """Indices of the given candidates that beam search did not already find (those are ranked once)."""
     found = {i.item_id for i in retrieved.items}
     return [k for k, c in enumerate(prepared.given) if c.item_id is None or c.item_id not in found]
+
+
+def _fetch_scores(scores: LabelScores) -> tuple[list[float], list[float]]:
+    """A request's label scores on the host (the end of the request: one named fetch), checked finite."""
+    both = fetch(torch.stack((scores.logprob.double(), scores.prob.double())))
+    return _check_finite(both[0].tolist()), _check_finite(both[1].tolist())
 
 
 def _check_finite(values: list[float]) -> list[float]:

@@ -1,31 +1,51 @@
-"""Accounting of KV memory (ContextKV + BeamKV + scoring rows) against a fixed budget.
+"""The KV budget is the pool: admission takes real extents of the engine's preallocated KVPool.
 
-Tensors come from the framework allocator (on CUDA its caching allocator is the pool); this budget
-decides admission, so the device never holds more KV than configured and a request that does not fit
-waits instead of failing with out-of-memory.
+A job holds its ContextKV (unless a cached one is shared) and a second extent for the rest of what it may
+hold at its peak: its BeamKV slots plus headroom for its rows (`request_kv_tokens`). Both come back when it
+ends. A job that does not fit waits; the context cache gives up its least recently used prompts first.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from genrec.engine.prepared import Prepared
 from genrec.model.config import Qwen3Config
+from genrec.model.kv_pool import ContextKV, Extent, KVPool
+
+
+@dataclass
+class Holding:
+    """What one admitted job holds in the pool."""
+
+    ctx: ContextKV  # its own, or a retained cached one
+    rest: Extent  # BeamKV slots and row headroom
+    tokens: int  # pool tokens this job took (a shared cached context is not counted)
 
 
 class KVBudget:
-    def __init__(self, capacity_bytes: int):
-        self.capacity = capacity_bytes
-        self.reserved = 0
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.capacity = pool.tokens * pool.bytes_per_token
+        self.reserved = 0  # bytes held by admitted jobs
 
-    def fits(self, nbytes: int) -> bool:
-        return self.reserved + nbytes <= self.capacity
+    def admit(self, tokens: int, prompt_tokens: int, cached: ContextKV | None = None) -> Holding | None:
+        """Extents for a job of `tokens` pool tokens at its peak (its prompt first), or None if they do not fit."""
+        ctx = cached.retain() if cached is not None else self.pool.context(prompt_tokens)
+        if ctx is None:
+            return None
+        rest = self.pool.reserve(tokens - prompt_tokens)
+        if rest is None:
+            ctx.release()
+            return None
+        taken = tokens if cached is None else tokens - prompt_tokens
+        self.reserved += taken * self.pool.bytes_per_token
+        return Holding(ctx, rest, taken)
 
-    def reserve(self, nbytes: int) -> None:
-        if not self.fits(nbytes):
-            raise RuntimeError("KV budget exceeded")  # callers check fits() first
-        self.reserved += nbytes
-
-    def release(self, nbytes: int) -> None:
-        self.reserved -= nbytes
+    def release(self, holding: Holding) -> None:
+        holding.ctx.release()
+        holding.rest.release()
+        self.reserved -= holding.tokens * self.pool.bytes_per_token
         assert self.reserved >= 0, "KV budget released more than it reserved"
 
 

@@ -22,7 +22,7 @@ from genrec.engine.checks import check_int, check_seconds
 from genrec.engine.context_cache import ContextCache, context_key
 from genrec.engine.decode import decode_step
 from genrec.engine.engine import Engine, Prefilled
-from genrec.engine.kv_budget import KVBudget, kv_bytes_per_token, request_kv_tokens
+from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token, request_kv_tokens
 from genrec.engine.metrics import EngineMetrics
 from genrec.engine.prepared import Prepared
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
@@ -37,9 +37,9 @@ class SchedulerConfig:
     # where compute rather than launches bounds a step, more requests per step pay (64).
     max_running: int | None = None
     prefill_tokens_per_step: int = 4096  # chunked-prefill budget of one iteration
-    kv_budget_bytes: int | None = None  # default: 4 GiB on CPU, half the free memory on CUDA
+    kv_budget_bytes: int | None = None  # the KV pool, preallocated: 4 GiB on CPU, half the free memory on CUDA
     request_timeout_s: float = 60.0
-    context_cache_entries: int = 0  # LRU of recent prefills by exact prompt; 0 = off
+    context_cache_entries: int = 0  # LRU of recent prefills by exact prompt (held in the pool); 0 = off
 
     def __post_init__(self):
         """Zero would stall the engine (every request times out) or refuse everything: refused here instead."""
@@ -69,7 +69,7 @@ class Job:
     partial: object = None  # ContextKV while prefilling in chunks
     cohort: BeamCohort | None = None
     retrieved: RetrieveResult | None = None  # recommend: the beams, waiting to be ranked
-    reserved: bool = False
+    holding: Holding | None = None  # its extents of the KV pool, from admission to the end
 
     @property
     def kind(self) -> str:
@@ -83,7 +83,8 @@ class Scheduler:
         self.model = engine.model
         self.per_token = kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
         budget = self.config.kv_budget_bytes
-        self.budget = KVBudget(budget if budget is not None else _default_budget(engine.device))
+        budget = budget if budget is not None else _default_budget(engine.device)
+        self.budget = KVBudget(engine.new_pool(budget // self.per_token))
         self.cache = ContextCache(self.config.context_cache_entries)
         self.metrics = EngineMetrics()
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
@@ -162,12 +163,11 @@ class Scheduler:
         ready = []
         while self.waiting and len(self.prefilling) + len(self.decoding) + len(ready) < self.config.max_running:
             job = self.waiting[0]
-            if not self.budget.fits(job.kv_bytes):
+            job.ctx_key = context_key(job.prepared) if self.cache.entries else None
+            job.holding = self._hold(job)
+            if job.holding is None:
                 break  # in arrival order: the head waits for memory, nobody overtakes it
             self.waiting.popleft()
-            self.budget.reserve(job.kv_bytes)
-            job.reserved = True
-            job.ctx_key = context_key(job.prepared) if self.cache.entries else None
             cached = self.cache.get(job.ctx_key) if job.ctx_key else None
             if cached is not None:
                 job.prefilled = cached
@@ -176,6 +176,17 @@ class Scheduler:
             else:
                 self.prefilling.append(job)
         return ready
+
+    def _hold(self, job: Job) -> Holding | None:
+        """The job's extents of the pool (sharing a cached prompt's); the context cache gives up its oldest
+        prompts while they do not fit (perhaps the job's own: then it prefills after all)."""
+        tokens = job.kv_bytes // self.per_token
+        prompt = len(job.prepared.token_ids)
+        while True:
+            cached = self.cache.peek(job.ctx_key) if job.ctx_key else None
+            holding = self.budget.admit(tokens, prompt, cached.ctx if cached is not None else None)
+            if holding is not None or not self.cache.evict_oldest():
+                return holding
 
     def _prefill(self) -> tuple[int, list[Job]]:
         """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass."""
@@ -201,7 +212,7 @@ class Scheduler:
     def _begin_prefill(self, jobs: list[Job]) -> None:
         (job,) = jobs
         job.embeds = self.engine.prompt_embeds(job.prepared)
-        job.partial = self.engine.allocate_context(job.prepared)
+        job.partial = job.holding.ctx
 
     def _run_chunks(self, chunks, jobs: list[Job]) -> list[Job]:
         chunks = [c for c in chunks if c[0] in jobs]
@@ -226,7 +237,7 @@ class Scheduler:
 
     def _start_beams(self, jobs: list[Job]) -> None:
         (job,) = jobs
-        job.cohort = self.engine.start_beams([job.prepared], [job.prefilled])
+        job.cohort = self.engine.start_beams([job.prepared], [job.prefilled], slots=job.holding.rest)
         self.decoding.append(job)
         if job.cohort.done:  # a one-level code: nothing to decode
             self._beams_done([job])
@@ -301,9 +312,9 @@ class Scheduler:
         self.metrics.time_to_first_step[job.kind].observe(time.monotonic() - job.submitted)
 
     def _finish(self, job: Job, result=None, error: BaseException | None = None, status: str = "ok") -> None:
-        if job.reserved:
-            self.budget.release(job.kv_bytes)
-            job.reserved = False
+        if job.holding is not None:
+            self.budget.release(job.holding)
+            job.holding = None
         job.cohort = job.embeds = job.partial = job.prefilled = job.retrieved = None
         try:
             if error is not None:

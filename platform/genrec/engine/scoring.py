@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from genrec.attention import ContextGroup
 from genrec.model.qwen3 import ContextKV, Qwen3
+from genrec.staging import to_device
 
 
 @dataclass
@@ -74,17 +76,17 @@ def _score_chunk(model: Qwen3, chunk: _Chunk) -> list[LabelScores]:
     device = model.device
     rows = [cand for _, cands, _ in chunk.segments for cand in cands]
     ids, lengths = _pad(rows)
-    counts = torch.tensor([len(cands) for _, cands, _ in chunk.segments])
+    counts = [len(cands) for _, cands, _ in chunk.segments]
     groups, offset = [], 0
-    for (ctx, _, _), n in zip(chunk.segments, counts.tolist(), strict=True):
+    for (ctx, _, _), n in zip(chunk.segments, counts, strict=True):
         groups.append(ContextGroup(offset, offset + n, ctx))
         offset += n
-    starts = torch.tensor([ctx.length for ctx, _, _ in chunk.segments]).repeat_interleave(counts)
-    positions = starts[:, None] + torch.arange(ids.shape[1])[None, :]
-    labels = torch.tensor([labels for _, _, labels in chunk.segments]).repeat_interleave(counts, dim=0)
-    ids, positions, labels = ids.to(device), positions.to(device), labels.to(device)
+    starts = np.repeat([ctx.length for ctx, _, _ in chunk.segments], counts)
+    positions = starts[:, None] + np.arange(ids.shape[1])[None, :]
+    labels = np.repeat([labels for _, _, labels in chunk.segments], counts, axis=0)
+    ids, positions, labels = to_device(ids, device), to_device(positions, device), to_device(labels, device)
     hidden, _, _ = model.forward_rows(model.embed(ids), positions, groups, causal=True)
-    last = hidden[torch.arange(len(rows), device=device), (lengths - 1).to(device)]
+    last = hidden[torch.arange(len(rows), device=device), to_device(lengths - 1, device)]
     logprob, prob = _label_scores(model, last, labels[:, 0], labels[:, 1])
     out, offset = [], 0
     for _, cands, _ in chunk.segments:
@@ -93,13 +95,13 @@ def _score_chunk(model: Qwen3, chunk: _Chunk) -> list[LabelScores]:
     return out
 
 
-def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [rows, longest] token matrix and the lengths, by one scatter (no loop per candidate)."""
-    lengths = torch.tensor([len(r) for r in rows])
-    flat = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.int64)
-    row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-    col = torch.arange(len(flat)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.int64)
+def _pad(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded [rows, longest] token matrix and the lengths (host), by one scatter (no loop per candidate)."""
+    lengths = np.array([len(r) for r in rows])
+    flat = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    row = np.repeat(np.arange(len(rows)), lengths)
+    col = np.arange(len(flat)) - np.repeat(lengths.cumsum() - lengths, lengths)
+    ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
     ids[row, col] = flat
     return ids, lengths
 

@@ -6,6 +6,7 @@ import torch
 
 from genrec.errors import InvalidRequestError
 from genrec.model.soft_token import SoftTokenProjector
+from genrec.staging import host_side, to_device
 
 
 def check_user_embedding(
@@ -45,10 +46,11 @@ def inject_user_embedding(
     projector: SoftTokenProjector | None,
 ) -> torch.Tensor:
     """embeds [T, hidden] of token_ids [T]; placeholder rows replaced by one projected vector for all."""
-    check_user_embedding(token_ids, placeholder_id, user_embedding, projector)
+    with host_side():  # host tensors only
+        check_user_embedding(token_ids, placeholder_id, user_embedding, projector)
     if user_embedding is None:
         return embeds
-    vector = torch.tensor(user_embedding, dtype=projector.weight.dtype, device=projector.weight.device)
+    vector = to_device(user_embedding, projector.weight.device, torch.float32).to(projector.weight.dtype)
     projected = projector(vector).to(embeds.dtype)
-    mask = (token_ids == placeholder_id).to(embeds.device)
+    mask = to_device(token_ids.numpy() == placeholder_id, embeds.device, torch.bool)
     return torch.where(mask[:, None], projected[None, :], embeds)

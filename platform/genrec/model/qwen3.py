@@ -2,42 +2,23 @@
 
 Two entry points, both built on the same decoder layers:
 
-* `prefill` runs a prompt (or one chunk of it) and writes its K/V into a `ContextKV`.
+* `prefill` runs a prompt (or one chunk of it) and writes its K/V into a `ContextKV` (an extent of a
+  token-major `KVPool`); packed prompts attend in one varlen call per layer.
 * `forward_rows` runs R short rows (beams during decode, candidates during scoring). Each row attends
   to its request's ContextKV (shared, never copied) plus its own causal suffix; see `genrec.attention`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genrec.attention import ContextGroup, shared_context_attention
+from genrec.attention import ContextGroup, ContextRows, Spans, shared_context_attention, varlen_attention
 from genrec.model.config import Qwen3Config
-
-
-@dataclass
-class ContextKV:
-    """One request's prompt K/V for every layer: k, v are [layers, kv_heads, capacity, head_dim]."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    length: int = 0
-
-    @classmethod
-    def allocate(cls, config: Qwen3Config, capacity: int, device, dtype) -> ContextKV:
-        shape = (config.num_hidden_layers, config.num_key_value_heads, capacity, config.head_dim)
-        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i, :, : self.length], self.v[i, :, : self.length]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+from genrec.model.kv_pool import ContextKV
+from genrec.staging import to_device
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -200,16 +181,14 @@ class Qwen3(nn.Module):
         `logits_at` (chunk-relative indices; default: the last position).
         """
         hidden = self._prefill_hidden([(embeds, ctx)])
-        if logits_at is None:
-            logits_at = torch.tensor([embeds.shape[0] - 1], device=embeds.device)
-        return self.logits(hidden[logits_at])
+        return self.logits(hidden[-1:] if logits_at is None else hidden[logits_at])
 
     @torch.inference_mode()
     def prefill_packed(self, segments: list[tuple[torch.Tensor, ContextKV]]) -> torch.Tensor:
         """Several prompts (or prompt chunks) in one pass: projections and MLPs run over all their tokens
         at once, attention per segment. Returns the logits at each segment's last position [n, vocab]."""
         hidden = self._prefill_hidden(segments)
-        ends = torch.tensor([len(e) for e, _ in segments], device=hidden.device).cumsum(0) - 1
+        ends = to_device(np.cumsum([len(e) for e, _ in segments]) - 1, hidden.device)
         return self.logits(hidden[ends])
 
     def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]]) -> torch.Tensor:
@@ -222,36 +201,23 @@ class Qwen3(nn.Module):
         positions = torch.cat([torch.arange(start, stop, device=device) for _, start, stop in spans])
         x = segments[0][0] if len(segments) == 1 else torch.cat([e for e, _ in segments])
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        masks = [self._chunk_mask(start, stop, device) for _, start, stop in spans]
+        attend = _prefill_spans(segments, spans)
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv_heads(layer.input_layernorm(x), cos, sin)
-            outs = []
-            for (first, start, stop), (_, ctx), mask in zip(spans, segments, masks, strict=True):
-                n = stop - start
-                ctx.k[i, :, start:stop] = k[first : first + n].transpose(0, 1)
-                ctx.v[i, :, start:stop] = v[first : first + n].transpose(0, 1)
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        q[first : first + n].transpose(0, 1)[None],
-                        ctx.k[i, :, :stop][None],
-                        ctx.v[i, :, :stop][None],
-                        attn_mask=mask,
-                        is_causal=mask is None,
-                        scale=layer.self_attn.scale,
-                        enable_gqa=True,
-                    )[0].transpose(0, 1)
+            for (first, start, stop), (_, ctx) in zip(spans, segments, strict=True):
+                n, at = stop - start, ctx.offset + start
+                ctx.pool.k[i, at : at + n] = k[first : first + n]
+                ctx.pool.v[i, at : at + n] = v[first : first + n]
+            attn = None
+            for pool, causal_spans in attend:  # one varlen call per pool (normally one)
+                out, _ = varlen_attention(
+                    q, pool.k[i], pool.v[i], causal_spans, layer.self_attn.scale, causal=True, need_lse=False
                 )
-            x = layer.finish(x, outs[0] if len(outs) == 1 else torch.cat(outs))
+                attn = out if attn is None else attn + out
+            x = layer.finish(x, attn)
         for (_, _, stop), (_, ctx) in zip(spans, segments, strict=True):
             ctx.length = stop
         return x
-
-    @staticmethod
-    def _chunk_mask(start: int, stop: int, device) -> torch.Tensor | None:
-        """A later chunk sees every earlier prompt position and is causal within itself."""
-        if start == 0:
-            return None
-        return torch.arange(stop, device=device)[None, :] <= torch.arange(start, stop, device=device)[:, None]
 
     @torch.inference_mode()
     def forward_rows(
@@ -279,6 +245,7 @@ class Qwen3(nn.Module):
             u = torch.arange(P + S, device=embeds.device)
             mask = (u[None, :] <= (torch.arange(S, device=embeds.device)[:, None] + P))[None]
         new_k, new_v = [], []
+        rows = ContextRows(groups, R, S)  # every request's rows over its context: one call per layer
         x = embeds
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv_heads(layer.input_layernorm(x), cos, sin)
@@ -287,7 +254,22 @@ class Qwen3(nn.Module):
             if P:
                 k = torch.cat((past_k[i], k), dim=1)
                 v = torch.cat((past_v[i], v), dim=1)
-            layer_groups = [g.at_layer(i) for g in groups]
-            attn = shared_context_attention(q, layer_groups, k, v, mask, layer.self_attn.scale)
+            attn = shared_context_attention(q, rows.at_layer(i), k, v, mask, layer.self_attn.scale)
             x = layer.finish(x, attn)
         return x, torch.stack(new_k), torch.stack(new_v)
+
+
+def _prefill_spans(segments, spans) -> list[tuple]:
+    """Per pool, the causal varlen spans of the packed chunks: chunk j's queries see its prompt up to its end;
+    chunks of another pool see nothing there (they add zero to the sum over pools)."""
+    cu_q = [0]
+    for first, start, stop in spans:
+        cu_q.append(first + stop - start)
+    pools = list({id(ctx.pool): ctx.pool for _, ctx in segments}.values())
+    out = []
+    for pool in pools:
+        mine = [ctx.pool is pool for _, ctx in segments]
+        starts = [ctx.offset if m else 0 for (_, ctx), m in zip(segments, mine, strict=True)]
+        lengths = [stop if m else 0 for (_, _, stop), m in zip(spans, mine, strict=True)]
+        out.append((pool, Spans(cu_q, starts, lengths)))
+    return out

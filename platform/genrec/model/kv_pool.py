@@ -1,0 +1,175 @@
+"""Preallocated, token-major KV memory: one pool per engine, prompts held as (offset, length) extents.
+
+k, v are [layers, tokens, kv_heads, head_dim]: a prompt's K/V for layer i is the slice
+`k[i, offset : offset + length]`, so one varlen attention call can read every request's context from
+the same tensor (contexts may sit anywhere in it, gaps allowed). One first-fit allocator with
+coalescing hands out extents; admission asks it for real space, so the device never holds more KV
+than the pool and a request that does not fit waits.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from genrec.model.config import Qwen3Config
+
+
+class ExtentAllocator:
+    """First-fit over a sorted free list of (start, length); freed neighbours coalesce at once, so a
+    pool with nothing allocated is always one extent of its whole size."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.free: list[tuple[int, int]] = [(0, tokens)] if tokens else []
+        self.used = 0
+
+    def allocate(self, n: int) -> int | None:
+        """Offset of a new extent of n tokens (n >= 0), or None when no free extent is that long."""
+        if n == 0:
+            return 0
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                if length == n:
+                    del self.free[i]
+                else:
+                    self.free[i] = (start + n, length - n)
+                self.used += n
+                return start
+        return None
+
+    def release(self, start: int, n: int) -> None:
+        if n == 0:
+            return
+        self.used -= n
+        i = bisect.bisect_left(self.free, (start, 0))
+        if i < len(self.free) and self.free[i][0] < start + n or i and sum(self.free[i - 1]) > start:
+            raise RuntimeError(f"extent ({start}, {n}) released twice or overlaps a free one")
+        if i < len(self.free) and self.free[i][0] == start + n:  # merge with the next free extent
+            n += self.free.pop(i)[1]
+        if i and sum(self.free[i - 1]) == start:  # and with the previous one
+            start, n = self.free[i - 1][0], self.free[i - 1][1] + n
+            i -= 1
+            self.free.pop(i)
+        self.free.insert(i, (start, n))
+
+    @property
+    def largest(self) -> int:
+        return max((length for _, length in self.free), default=0)
+
+
+def kv_storage(shape, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised K and V storage, written in place later: ordinary tensors even when allocated under
+    inference mode (an inference tensor could not be updated in place outside it)."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
+
+
+class KVPool:
+    def __init__(self, config: Qwen3Config, tokens: int, device, dtype):
+        shape = (config.num_hidden_layers, tokens, config.num_key_value_heads, config.head_dim)
+        self.k, self.v = kv_storage(shape, device, dtype)
+        self.tokens = tokens
+        self.bytes_per_token = 2 * shape[0] * shape[2] * shape[3] * self.k.element_size()
+        self._extents = ExtentAllocator(tokens)
+
+    def reserve(self, n: int) -> Extent | None:
+        start = self._extents.allocate(n)
+        if start is None:
+            return None
+        return Extent(self, start, n)
+
+    def context(self, n: int) -> ContextKV | None:
+        """A ContextKV with room for n prompt tokens, or None when the pool has no free extent that long."""
+        extent = self.reserve(n)
+        return None if extent is None else ContextKV(extent)
+
+    @property
+    def used(self) -> int:
+        """Tokens in live extents."""
+        return self._extents.used
+
+    @property
+    def largest_free(self) -> int:
+        return self._extents.largest
+
+
+@dataclass(eq=False)
+class Extent:
+    """Tokens [start, start + length) of a pool, held until `release()`."""
+
+    pool: KVPool
+    start: int
+    length: int
+    live: bool = True
+
+    def release(self) -> None:
+        if self.live:
+            self.live = False
+            self.pool._extents.release(self.start, self.length)
+
+    def k(self) -> torch.Tensor:
+        """[layers, length, kv_heads, head_dim] view."""
+        return self.pool.k[:, self.start : self.start + self.length]
+
+    def v(self) -> torch.Tensor:
+        return self.pool.v[:, self.start : self.start + self.length]
+
+
+class ContextKV:
+    """One request's prompt K/V for every layer: an extent of a KVPool, `length` tokens of it written.
+
+    Shared by every row of the request (and by the context cache): holders `retain()` and `release()`,
+    and the extent goes back to the pool when the last one releases it.
+    """
+
+    def __init__(self, extent: Extent):
+        self.extent = extent
+        self.length = 0
+        self._holders = 1
+
+    @classmethod
+    def allocate(cls, config: Qwen3Config, capacity: int, device, dtype) -> ContextKV:
+        """A context in a pool of its own, exactly `capacity` tokens."""
+        return KVPool(config, capacity, device, dtype).context(capacity)
+
+    @property
+    def pool(self) -> KVPool:
+        return self.extent.pool
+
+    @property
+    def offset(self) -> int:
+        return self.extent.start
+
+    @property
+    def capacity(self) -> int:
+        return self.extent.length
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The whole extent's K: [layers, capacity, kv_heads, head_dim] (token-major view of the pool)."""
+        return self.extent.k()
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.extent.v()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's written K/V as [kv_heads, length, head_dim] views of the pool."""
+        span = slice(self.offset, self.offset + self.length)
+        return self.pool.k[i, span].transpose(0, 1), self.pool.v[i, span].transpose(0, 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.pool.bytes_per_token
+
+    def retain(self) -> ContextKV:
+        self._holders += 1
+        return self
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self.extent.release()

@@ -102,3 +102,16 @@ def test_varlen_reference_is_softmax_per_sequence_with_its_lse(causal):
         assert (lse[:, lo:hi] - want_lse).abs().max().item() <= 1e-5
     no_lse, none = varlen_reference(q, pool.k[1], pool.v[1], spans, 0.4, causal=causal, need_lse=False)
     assert none is None and (no_lse - out).abs().max().item() <= 1e-5
+
+
+def test_the_gpu_check_runs_its_engine_part_on_cpu_where_the_switch_changes_nothing():
+    """The prepared GPU script's pieces import and run here (on the CPU the fast switch falls back)."""
+    from genrec.bench import gpu_check
+
+    assert gpu_check.versions()["schema_has_seqused_k"]
+    got = gpu_check.engine_checks("cpu")
+    assert got == {
+        "retrieve_items_equal": [True, True],
+        "retrieve_max_logprob_diff": 0.0,
+        "score_max_logprob_diff": 0.0,
+    }

@@ -1,0 +1,267 @@
+"""The prepared check for a GPU session (issue 12): one command, about 10 minutes on an H200, JSON out.
+
+    python -m genrec.bench.gpu_check --out gpu_check.json [--quick]
+
+1. versions, and the schema of the FlashAttention-2 varlen aten op (seqused_k present?);
+2. the CUDA varlen path (GENREC_CUDA_FAST) against the plain-torch reference: decode-like spans (gaps in the
+   pool, a sequence without keys, GQA) and causal prefill-like spans, bf16 and fp16, plus the float32
+   reference on CUDA against the CPU; then a tiny engine's retrieve/score with the switch off and on;
+3. launches per decode pass (torch.profiler kernel count) with the switch off and on, Qwen3-1.7B dims, bf16;
+4. `genrec bench retrieve` (2000/30/5 and 1000/256/3) and `bench load` saturation, switch off and on.
+Every part records its error instead of stopping the rest; the JSON is rewritten after each part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from genrec import attention
+from genrec.attention import Spans, varlen_reference
+
+
+def versions() -> dict:
+    op = torch.ops.aten._flash_attention_forward.default
+    schema = str(op._schema)
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "schema": schema}
+    info["schema_has_seqused_k"] = "seqused_k" in schema
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def _case(device, dtype, causal: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    KV, G, D, T = 8, 2, 128, 4096  # Qwen3-1.7B: 16 query heads, 8 KV heads, head_dim 128
+    k = torch.randn(T, KV, D, generator=g).to(device, dtype)
+    v = torch.randn(T, KV, D, generator=g).to(device, dtype)
+    if causal:  # prefill chunks: queries = the last tokens of each prompt span
+        cu_q, starts, lengths = [0, 300, 300 + 37, 300 + 37 + 5], [100, 1000, 3000], [300, 500, 5]
+    else:  # decode rows: many rows per request, gaps between contexts, one request without context
+        cu_q, starts, lengths = (
+            [0, 30, 30 + 256, 30 + 256 + 3, 30 + 256 + 3 + 7],
+            [0, 2100, 3500, 0],
+            [2000, 1000, 1, 0],
+        )
+    q = torch.randn(cu_q[-1], KV * G, D, generator=g).to(device, dtype)
+    return q, k, v, Spans(cu_q, starts, lengths)
+
+
+def varlen_checks(device) -> dict:
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal in (False, True):
+            q, k, v, spans = _case(device, dtype, causal, 7)
+            want, want_lse = varlen_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), spans, 0.088, causal)
+            attention.CUDA_FAST = True
+            try:
+                got, lse = attention.varlen_attention(q, k, v, spans, 0.088, causal)
+                torch.cuda.synchronize()
+            finally:
+                attention.CUDA_FAST = False
+            eager, _ = attention.varlen_attention(q, k, v, spans, 0.088, causal)
+            key = f"{str(dtype).split('.')[-1]}_{'causal' if causal else 'decode'}"
+            finite = torch.isfinite(want_lse)
+            out[key] = {
+                "max_abs_out_vs_cpu_f32": (got.float().cpu() - want).abs().max().item(),
+                "max_abs_out_eager_vs_cpu_f32": (eager.float().cpu() - want).abs().max().item(),
+                "max_abs_lse_vs_cpu_f32": (lse.cpu()[finite] - want_lse[finite]).abs().max().item(),
+                "no_key_rows_lse_is_-inf": bool((lse.cpu()[~finite] == float("-inf")).all()),
+            }
+            out[key]["ok"] = out[key]["max_abs_out_vs_cpu_f32"] < 2e-2 and out[key]["max_abs_lse_vs_cpu_f32"] < 1e-2
+    q, k, v, spans = _case(device, torch.float32, False, 8)
+    got, lse = varlen_reference(q, k, v, spans, 0.088)
+    want, want_lse = varlen_reference(q.cpu(), k.cpu(), v.cpu(), spans, 0.088)
+    out["float32_cuda_reference_vs_cpu"] = (got.cpu() - want).abs().max().item()
+    return out
+
+
+def engine_checks(device) -> dict:
+    """A tiny engine, bf16: retrieve and score with the CUDA fast path off, then on."""
+    from genrec.api import Candidate, RetrieveRequest, ScoreRequest
+    from genrec.bench.common import random_prompt
+    from genrec.engine import Engine
+    from genrec.model.tiny import preset, write_model_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny"))
+        engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(3)
+        retrieve = [
+            RetrieveRequest(prompt_token_ids=random_prompt(engine, n, g), beam_width=w)
+            for n, w in ((200, 30), (57, 256))
+        ]
+        cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:64]]
+        score = [ScoreRequest(prompt_token_ids=random_prompt(engine, 90, g), candidates=cands)]
+        results = {}
+        for fast in (False, True):
+            attention.CUDA_FAST = fast
+            try:
+                results[fast] = (engine.retrieve(retrieve), engine.score(score))
+            finally:
+                attention.CUDA_FAST = False
+        (r0, s0), (r1, s1) = results[False], results[True]
+        items_equal = [
+            [i.item_id for i in a.items] == [i.item_id for i in b.items] for a, b in zip(r0, r1, strict=True)
+        ]
+        lp = max(
+            abs(a.logprob - b.logprob)
+            for x, y in zip(r0, r1, strict=True)
+            for a, b in zip(x.items, y.items, strict=False)
+        )
+        sc = max(abs(a.logprob - b.logprob) for a, b in zip(s0[0].scores, s1[0].scores, strict=True))
+        return {"retrieve_items_equal": items_equal, "retrieve_max_logprob_diff": lp, "score_max_logprob_diff": sc}
+
+
+def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beam: int) -> dict:
+    """Kernels launched by one decode pass (torch.profiler), with the switch off and on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from genrec.api import RetrieveRequest
+    from genrec.bench.common import random_prompt
+    from genrec.engine import Engine
+    from genrec.engine.decode import decode_step
+
+    engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    prepared = [engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, g), beam_width=beam))]
+    out = {}
+    for fast in (False, True):
+        attention.CUDA_FAST = fast
+        try:
+            cohort = engine.start_beams(prepared, engine.prefill_many(prepared))
+            decode_step(engine.model, [cohort])  # warm-up pass
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                start = time.perf_counter()
+                decode_step(engine.model, [cohort])
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            launches = [
+                e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+            ]
+            out["fast" if fast else "eager"] = {
+                "kernels": len(kernels),
+                "launch_calls": len(launches),
+                "seconds": seconds,
+            }
+        finally:
+            attention.CUDA_FAST = False
+    return out
+
+
+def bench(args: list[str], fast: bool, timeout: int) -> dict:
+    env = dict(os.environ, GENREC_CUDA_FAST="1" if fast else "0")
+    cmd = [sys.executable, "-m", "genrec.cli", "bench", *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        return {"error": done.stderr[-3000:], "cmd": " ".join(cmd)}
+    result = json.loads(done.stdout)
+    return {k: result[k] for k in ("seconds", "ratios", "saturation", "rates") if k in result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    parser.add_argument("--quick", action="store_true", help="checks and launch counts only, no benches")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="parts that would start later are skipped")
+    args = parser.parse_args()
+    device = "cuda"
+    report: dict = {}
+    deadline = time.perf_counter() + args.budget_s
+
+    def part(name, fn):
+        start = time.perf_counter()
+        if start > deadline:
+            report[name] = {"skipped": "out of time (--budget-s)"}
+            args.out.write_text(json.dumps(report, indent=2, default=str))
+            return
+        try:
+            report[name] = fn()
+        except Exception:  # noqa: BLE001 - a failing part is reported, the others still run
+            report[name] = {"error": traceback.format_exc()[-3000:]}
+        report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+        print(name, json.dumps(report[name], default=str)[:2000], flush=True)
+
+    attention.CUDA_FAST = False  # the checks switch it per call; the benches get it through the environment
+    part("versions", versions)
+    part("varlen", lambda: varlen_checks(device))
+    part("engine", lambda: engine_checks(device))
+    big = ["--preset", "qwen3-1.7b", "--device", device]
+    retrieve = {
+        "2000/30/5": [
+            "retrieve",
+            *big,
+            "--prompt-len",
+            "2000",
+            "--beam-width",
+            "30",
+            "--levels",
+            "5",
+            "--no-hf-baseline",
+            "--repeats",
+            "5",
+        ],
+        "1000/256/3": [
+            "retrieve",
+            *big,
+            "--prompt-len",
+            "1000",
+            "--beam-width",
+            "256",
+            "--levels",
+            "3",
+            "--no-hf-baseline",
+            "--repeats",
+            "5",
+        ],
+    }
+    if not args.quick:
+        for name, cli in retrieve.items():
+            for fast in (False, True):
+                part(f"retrieve {name} {'fast' if fast else 'eager'}", lambda cli=cli, fast=fast: bench(cli, fast, 240))
+
+    def launches():
+        from genrec.bench.common import model_dir_for
+
+        return launches_per_decode_pass(device, model_dir_for("qwen3-1.7b", None, 5), 2000, 30)
+
+    part("launches_per_decode_pass 2000/30", launches)
+    if not args.quick:
+        load = [
+            "load",
+            *big,
+            "--prompt-len",
+            "2000",
+            "--beam-width",
+            "30",
+            "--levels",
+            "5",
+            "--rates",
+            "60",
+            "--duration",
+            "5",
+        ]
+        for fast in (False, True):
+            part(f"load 2000/30/5 {'fast' if fast else 'eager'}", lambda fast=fast: bench(load, fast, 240))
+
+
+if __name__ == "__main__":
+    main()

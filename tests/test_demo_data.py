@@ -53,3 +53,10 @@ def test_svd_factors_are_unit_rows_from_training_items_only(movielens):
     norms = np.linalg.norm(factors.items, axis=1)
     assert np.allclose(norms[trained], 1.0, atol=1e-4)
     assert np.allclose(np.delete(norms, trained), 0.0)  # never trained on: no vector
+
+
+def test_svd_factors_keep_their_rank_on_a_slice_smaller_than_it(movielens):
+    """5 users give at most 5 factors: vectors stay `rank` long (the cache and the projector expect it)."""
+    factors = svd_factors(movielens.head(5), rank=8)
+    assert factors.users.shape == (5, 8) and factors.items.shape == (1682, 8)
+    assert (factors.users[:, 5:] == 0).all()

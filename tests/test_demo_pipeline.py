@@ -1,55 +1,33 @@
-"""The demo end to end on a slice of MovieLens (few users, a few training steps)."""
+"""The demo's model step on a slice of MovieLens (few users, a few training steps), without Ray."""
 
-import json
-
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from genrec.api import RetrieveRequest
-from genrec.demo import DemoConfig, run_demo
-from genrec.demo.data import load_movielens
-from genrec.demo.evaluate import two_orders, user_request
-from genrec.demo.factors import svd_factors
+from genrec.api import RecommendRequest, RetrieveRequest
+from genrec.demo import DemoConfig
+from genrec.demo.evaluate import measure, rankings_from_rows, retrieve_order
 from genrec.demo.model_dir import read_titles
+from genrec.demo.pipeline.inputs import Prompts
+from genrec.demo.pipeline.run import prepare
 from genrec.engine import Engine
 
-SLICE = DemoConfig(
-    users=24,
-    max_steps=3,
-    batch=8,
-    history=10,
-    hidden=32,
-    heads=2,
-    kv_heads=1,
-    head_dim=16,
-    intermediate=64,
-    codebook=16,
-    rank=8,
-    negatives=2,
-    seed=3,
-)
+SLICE = DemoConfig(users=24, max_steps=3, batch=8, history=10, codebook=16, rank=8, negatives=2, near=20, seed=3)
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
+def prepared(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("demo") / "model"
     lines = []
-    report = run_demo(out, out / "model", SLICE, beam=12, progress=False, say=lines.append)
-    return out, report, lines
+    return model_dir, prepare(model_dir, SLICE, retrain=False, say=lines.append, progress=False), lines
 
 
-def test_demo_trains_writes_a_loadable_model_and_measures_it(demo_run):
-    out, report, lines = demo_run
-    assert report["seed"] == 3 and report["users"] == 24 and not report["model_reused"]
-    assert report["training"]["steps"] == 3
-    assert set(report["quality@10"]) == {"retrieve", "recommend", "popularity"}
-    for row in report["quality@10"].values():
-        assert 0 <= row["ndcg@10"] <= row["recall@10"] <= 1
-    assert (out / "recall_at_k.png").stat().st_size > 10_000
-    assert json.loads((out / "metrics.json").read_text())["quality@10"] == report["quality@10"]
-    assert any(line.startswith("method") for line in lines)
-    model_dir = out / "model"
+def test_prepare_trains_a_model_that_loads_as_genrec_and_as_transformers(prepared):
+    model_dir, first, lines = prepared
+    assert not first.reused and "training the demo model" in lines[0]
+    assert first.recipe["training"]["steps"] == 3 and first.recipe["training"]["seed"] == 3
     engine = Engine.from_pretrained(model_dir)  # the user-facing path
     assert len(engine.catalog) == 1682 and engine.projector.user_dim == 8
     assert read_titles(model_dir)["1"] == "Toy Story (1995)"
@@ -57,27 +35,46 @@ def test_demo_trains_writes_a_loadable_model_and_measures_it(demo_run):
     assert hf.config.model_type == "qwen3"
 
 
-def test_a_rerun_reuses_the_model_unless_asked_to_retrain(demo_run):
-    out, first, _ = demo_run
-    weights = (out / "model" / "model.safetensors").stat().st_mtime_ns
-    again = run_demo(out, out / "model", SLICE, beam=12, progress=False, say=lambda _: None)
-    assert again["model_reused"] and again["quality@10"] == first["quality@10"]
-    assert (out / "model" / "model.safetensors").stat().st_mtime_ns == weights
-    retrained = run_demo(out, out / "model", SLICE, retrain=True, beam=12, progress=False, say=lambda _: None)
-    assert not retrained["model_reused"]
-    assert retrained["quality@10"] == first["quality@10"]  # same seed, same steps: the same model
+def test_prepare_reuses_the_model_unless_asked_to_retrain(prepared):
+    model_dir, first, _ = prepared
+    weights = model_dir / "model.safetensors"
+    stamp, data = weights.stat().st_mtime_ns, weights.read_bytes()
+    again = prepare(model_dir, SLICE, retrain=False, say=lambda _: None, progress=False)
+    assert again.reused and weights.stat().st_mtime_ns == stamp
+    retrained = prepare(model_dir, SLICE, retrain=True, say=lambda _: None, progress=False)
+    assert not retrained.reused and weights.read_bytes() == data  # same seed, same steps: the same weights
+    other = prepare(model_dir, SLICE.__class__(**{**SLICE.to_dict(), "seed": 4}), False, lambda _: None, False)
+    assert not other.reused and weights.read_bytes() != data  # another recipe is never reused
 
 
-def test_retrieve_order_from_a_recommend_equals_engine_retrieve(demo_run):
-    """The evaluation reads both orders off one recommend; retrieve's must be what Engine.retrieve returns."""
-    out, _, _ = demo_run
-    engine = Engine.from_pretrained(out / "model")
-    data = load_movielens().head(SLICE.users)
-    users = svd_factors(data, SLICE.rank).users
-    requests = [user_request(engine, data, users, u, SLICE.history, beam=12) for u in range(6)]
+def test_metrics_from_recommend_rows_equal_engine_retrieve_and_recommend(prepared):
+    """Rows like the batch job's: retrieve's order read off them is what Engine.retrieve returns."""
+    model_dir, first, _ = prepared
+    engine = Engine.from_pretrained(model_dir)
+    data, users = first.data, first.factors.users
+    prompts = Prompts.of(model_dir, data, SLICE.history)
+    requests = []
+    for u in range(8):
+        seen = data.seen_before_test(u)
+        fields = {"prompt": prompts.text(seen), "user_embedding": users[u].tolist(), "beam_width": 12}
+        requests.append(RecommendRequest(**fields, exclude_item_ids=[data.item_ids[i] for i in seen]))
+    recommended = engine.recommend(requests)
     retrieved = engine.retrieve([RetrieveRequest(**r.model_dump(exclude={"candidates", "labels"})) for r in requests])
-    for request, result, beams in zip(requests, engine.recommend(requests), retrieved, strict=True):
-        retrieve_order, recommend_order = two_orders(result)
-        assert retrieve_order == [item.item_id for item in beams.items]
-        assert sorted(recommend_order) == sorted(retrieve_order)
-        assert not set(recommend_order) & set(request.exclude_item_ids)
+    rows = [
+        {"user_id": data.user_ids[u], "rank": k + 1, "item_id": i.item_id, "retrieval_logprob": i.retrieval_logprob}
+        for u, result in enumerate(recommended)
+        for k, i in enumerate(result.items)
+    ]
+    rankings = rankings_from_rows(pa.Table.from_pylist(rows[::-1]), data, depth=12)  # any row order
+    index = {item: i for i, item in enumerate(data.item_ids)}
+    for u in range(8):
+        items = [i.item_id for i in recommended[u].items]
+        assert rankings["recommend"][u].tolist() == [index[i] for i in items]
+        logprobs = [i.retrieval_logprob for i in recommended[u].items]
+        assert retrieve_order(items, logprobs) == [i.item_id for i in retrieved[u].items]
+        assert rankings["retrieve"][u].tolist() == [index[i.item_id] for i in retrieved[u].items]
+    assert (rankings["retrieve"][8:] == -1).all()  # users without rows: nothing ranked, every one a miss
+    evaluation = measure(rankings, data, depth=12)
+    assert set(evaluation.ranks) == {"retrieve", "recommend", "popularity"}
+    assert (evaluation.ranks["recommend"][8:] == 12).all()
+    assert np.all(evaluation.recall_curve("retrieve")[-1] >= evaluation.recall_curve("retrieve")[0])

@@ -42,11 +42,27 @@ def test_epoch_windows_cover_each_history_once_ending_at_the_latest_item():
 def test_negatives_follow_q_and_are_never_the_target(power):
     counts = np.array([0, 9, 4, 1, 30, 5])
     sampler = NegativeSampler(counts, power)
-    neg = sampler.sample(np.full(20_000, 4), count=3, rng=np.random.default_rng(0))
+    neg = sampler.sample(np.zeros(20_000, dtype=int), np.full(20_000, 4), count=3, rng=np.random.default_rng(0))
     assert 4 not in neg
     expected = np.delete((counts + 1.0) ** power, 4)
     seen = np.bincount(neg.ravel(), minlength=6)
     assert np.delete(seen, 4) / neg.size == pytest.approx(expected / expected.sum(), abs=0.01)
+
+
+def test_near_negatives_mix_in_per_user_and_log_q_is_the_mixture():
+    counts = np.array([10, 0, 0, 0, 0, 10])
+    near = np.array([[1, 2], [3, 4]])  # user 0's near items, user 1's
+    sampler = NegativeSampler(counts, power=1.0, near=near, near_weight=0.5)
+    users = np.repeat([0, 1], 10_000)
+    neg = sampler.sample(users, np.full(20_000, 5), count=2, rng=np.random.default_rng(1))
+    assert set(np.unique(neg)) == {0, 1, 2, 3, 4}  # never the target
+    q_pop = (counts + 1.0) / (counts + 1.0).sum()
+    for user, mine in ((0, [1, 2]), (1, [3, 4])):  # half the draws from the user's own near items
+        share = np.isin(neg[users == user], mine).mean()
+        assert share == pytest.approx((0.5 + 0.5 * q_pop[mine].sum()) / (1 - 0.5 * q_pop[5]), abs=0.02)
+    log_q = sampler.log_q(torch.tensor([0, 1]), torch.tensor([[1, 3], [1, 3]]))
+    expected = np.log([[0.5 * q_pop[1] + 0.25, 0.5 * q_pop[3]], [0.5 * q_pop[1], 0.5 * q_pop[3] + 0.25]])
+    assert log_q.numpy() == pytest.approx(expected, rel=1e-5)
 
 
 def test_learning_rate_warms_up_then_anneals_to_zero_at_the_budget():

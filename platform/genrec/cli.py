@@ -89,13 +89,20 @@ def demo(
     seed: int = typer.Option(0, help="training seed (reported with the figures)"),
     budget_s: float = typer.Option(240.0, min=1.0, help="training budget in CPU-seconds of one thread"),
     users: int = typer.Option(None, min=1, help="only the first N users (a quick look; figures are noisier)"),
-    steps: int = typer.Option(None, min=1, help="stop training after this many steps"),
+    steps: int = typer.Option(None, min=1, help="train exactly this many steps (reproducible) instead of the budget"),
+    port: int = typer.Option(None, min=0, help="HTTP port (default: the Serve config's, or a free one if taken)"),
 ):
-    """MovieLens-100k end to end: train (or reuse) a model on semantic IDs, then measure it against most-popular."""
+    """MovieLens-100k on the whole platform: train (or reuse) a model, load user embeddings into the cache,
+    serve it on a local Ray and query it over HTTP, run the batch job over all users, measure it against
+    most-popular."""
     from genrec.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(seed=seed, budget_cpu_s=budget_s, users=users, max_steps=steps)
-    run_demo(out, model_dir, cfg, retrain=retrain, say=typer.echo)
+    try:
+        run_demo(out, model_dir, cfg, retrain=retrain, port=port, say=typer.echo)
+    except KeyboardInterrupt:
+        typer.echo("interrupted: the demo's Serve app, jobs and Ray are stopped", err=True)
+        raise typer.Exit(130) from None
 
 
 @bench_app.command("retrieve")

@@ -93,17 +93,48 @@ def _row(history: np.ndarray, target: int, negatives: np.ndarray, vocab: Vocab, 
 
 
 class NegativeSampler:
-    """Items drawn with probability proportional to (interactions + 1) ** power (0: uniform), never the target."""
+    """Noise for the yes/no labels: per user, a mixture of their `near` items (uniformly; weight `near_weight`)
+    and all items by (interactions + 1) ** power (0: uniform). Never the row's target.
 
-    def __init__(self, counts: np.ndarray, power: float):
+    Near items (e.g. the user's top items by SVD affinity) are what retrieval returns too: the labels learn to
+    order the kind of candidates recommend actually ranks. `log_q` gives the NCE offset of any candidate.
+    """
+
+    def __init__(self, counts: np.ndarray, power: float, near: np.ndarray | None = None, near_weight: float = 0.0):
         weights = (counts.astype(np.float64) + 1.0) ** power
         self.q = weights / weights.sum()
-        self.log_q = torch.from_numpy(np.log(self.q)).float()
+        self.near = near if near is not None else np.zeros((0, 0), dtype=np.int64)
+        self.near_weight = near_weight if self.near.size else 0.0
+        self.is_near = np.zeros((len(self.near), len(counts)), dtype=bool)
+        np.put_along_axis(self.is_near, self.near, True, axis=1)
 
-    def sample(self, targets: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
-        out = rng.choice(len(self.q), size=(len(targets), count), p=self.q)
+    def sample(self, users: np.ndarray, targets: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+        out = self._draw(users[:, None].repeat(count, axis=1), rng)
         clash = out == targets[:, None]
-        while clash.any():  # redraw the clashes: exactly q conditioned on "not the target"
-            out[clash] = rng.choice(len(self.q), size=int(clash.sum()), p=self.q)
+        while clash.any():  # redraw the clashes: q conditioned on "not the target"
+            out[clash] = self._draw(users[:, None].repeat(count, axis=1)[clash], rng)
             clash = out == targets[:, None]
         return out
+
+    def log_q(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """[B, C] log q_user(item) for candidates `items` [B, C] of rows of `users` [B]."""
+        q = (1 - self.near_weight) * self.q[items.numpy()]
+        if self.near_weight:
+            q = q + self.near_weight * self.is_near[users.numpy()[:, None], items.numpy()] / self.near.shape[1]
+        return torch.from_numpy(np.log(q)).float()
+
+    def _draw(self, users: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        out = rng.choice(len(self.q), size=users.shape, p=self.q)
+        if self.near_weight:
+            pick = rng.random(users.shape) < self.near_weight
+            column = rng.integers(0, self.near.shape[1], size=users.shape)
+            out = np.where(pick, self.near[users, column], out)
+        return out
+
+
+def near_items(user_vectors: np.ndarray, item_vectors: np.ndarray, exclude: list[np.ndarray], k: int) -> np.ndarray:
+    """[users, k]: each user's k items of highest affinity (dot product) among the items not in `exclude[u]`."""
+    affinity = user_vectors @ item_vectors.T
+    for u, items in enumerate(exclude):
+        affinity[u, items] = -np.inf
+    return np.argsort(-affinity, axis=1, kind="stable")[:, :k]

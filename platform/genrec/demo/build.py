@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from genrec.catalog.build_ids import catalog_from_embeddings
-from genrec.demo.batches import Vocab
+from genrec.demo.batches import Vocab, near_items
 from genrec.demo.config import DemoConfig
 from genrec.demo.data import MovieLens
 from genrec.demo.factors import Factors
@@ -23,6 +23,7 @@ def build_model(data: MovieLens, factors: Factors, out: Path, cfg: DemoConfig, p
     yes, no = tokenizer.convert_tokens_to_ids(list(LABEL_TOKENS))
     vocab = Vocab(catalog.codes, tokenizer.convert_tokens_to_ids(USER_TOKEN), yes, no)
     histories = [data.train(u) for u in range(len(data.user_ids))]
-    trained = train(histories, factors.users, vocab, tokenizer, cfg, progress)
+    near = near_items(factors.users, factors.items, histories, cfg.near)
+    trained = train(histories, factors.users, vocab, tokenizer, cfg, near, progress)
     write_demo_model(out, trained, tokenizer, catalog, data.titles, cfg)
     return trained.stats

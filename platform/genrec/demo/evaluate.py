@@ -1,7 +1,7 @@
-"""Rank every user's held-out item with the engine and with the most-popular baseline, on unseen items only.
+"""Rank every user's held-out item with the model and with the most-popular baseline, on unseen items only.
 
-One recommend per user gives both engine orders: its beams by beam-search logprob (what retrieve returns)
-and by score (what recommend returns).
+The model's rankings come from recommend results (the batch job's output rows): each user's items by score
+are recommend's order; the same items by beam-search log-probability are retrieve's order.
 """
 
 from __future__ import annotations
@@ -9,14 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm.auto import tqdm
+import pyarrow as pa
 
-from genrec.api import RecommendRequest, RecommendResult
 from genrec.demo.data import MovieLens
 from genrec.demo.metrics import hit_ranks, ndcg_at, popularity_rankings, recall_at
-from genrec.demo.prompts import prompt_text, prompt_token_ids
-from genrec.engine import Engine
-from genrec.model.tokenizer import USER_TOKEN
 
 METHODS = ("retrieve", "recommend", "popularity")
 
@@ -34,46 +30,38 @@ class Evaluation:
         return np.array([recall_at(self.ranks[method], k) for k in range(1, self.depth + 1)])
 
 
-def user_request(engine: Engine, data: MovieLens, user_vectors, u: int, history: int, beam: int):
-    """User u's recommend request for their next item: the history before the test item, all of it excluded."""
-    seen = data.seen_before_test(u)
-    codes = engine.catalog.codes
-    prompt = prompt_text(engine.tokenizer, prompt_token_ids(codes, seen, engine.placeholder_id, history))
-    return RecommendRequest(
-        prompt=prompt,
-        user_embedding=user_vectors[u].tolist(),
-        beam_width=beam,
-        num_results=beam,
-        exclude_item_ids=[data.item_ids[i] for i in seen],
-        request_id=data.user_ids[u],
+def retrieve_order(items: list[str], retrieval_logprobs: list[float]) -> list[str]:
+    """Items (in recommend's order) re-sorted by beam-search log-probability: what Engine.retrieve returns."""
+    missing = -float("inf")  # a given candidate has no beam log-probability: last
+    order = sorted(
+        range(len(items)), key=lambda i: -(retrieval_logprobs[i] if retrieval_logprobs[i] is not None else missing)
     )
+    return [items[i] for i in order]
 
 
-def two_orders(result: RecommendResult) -> tuple[list[str], list[str]]:
-    """(retrieve, recommend) orders of one recommend result: the beams by their beam-search logprob, as
-    Engine.retrieve returns them, and by score (the order recommend returns)."""
-    retrieved = sorted(result.items, key=lambda item: -item.retrieval_logprob)
-    return [i.item_id for i in retrieved], [i.item_id for i in result.items]
-
-
-def engine_rankings(engine, data, user_vectors, history, beam, chunk=64, progress=True) -> dict[str, np.ndarray]:
-    """{"retrieve", "recommend"}: [users, beam] item indices (-1 where fewer came back), from one beam search."""
-    index = {item: i for i, item in enumerate(data.item_ids)}
-    out = {kind: np.full((len(data.user_ids), beam), -1, dtype=np.int64) for kind in METHODS[:2]}
-    for start in tqdm(range(0, len(data.user_ids), chunk), desc="recommend", disable=not progress):
-        users = range(start, min(start + chunk, len(data.user_ids)))
-        results = engine.recommend([user_request(engine, data, user_vectors, u, history, beam) for u in users])
-        for u, result in zip(users, results, strict=True):
-            for kind, items in zip(METHODS[:2], two_orders(result), strict=True):
-                out[kind][u, : len(items)] = [index[i] for i in items]
+def rankings_from_rows(rows: pa.Table, data: MovieLens, depth: int) -> dict[str, np.ndarray]:
+    """Recommend output rows (user_id, rank, item_id, retrieval_logprob) -> {"retrieve", "recommend"}:
+    [users, depth] item indices, -1 where a user has fewer (or no) rows."""
+    rows = rows.sort_by([("user_id", "ascending"), ("rank", "ascending")])
+    users, items, logprobs = (rows.column(c).to_pylist() for c in ("user_id", "item_id", "retrieval_logprob"))
+    user_index = {u: i for i, u in enumerate(data.user_ids)}
+    item_index = {item: i for i, item in enumerate(data.item_ids)}
+    out = {kind: np.full((len(data.user_ids), depth), -1, dtype=np.int64) for kind in METHODS[:2]}
+    bounds = [0, *(i for i in range(1, len(users)) if users[i] != users[i - 1]), len(users)]
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=False):
+        if start == stop:
+            continue
+        u = user_index[str(users[start])]
+        by_score = items[start:stop][:depth]
+        orders = {"recommend": by_score, "retrieve": retrieve_order(by_score, logprobs[start:stop][:depth])}
+        for kind, order in orders.items():
+            out[kind][u, : len(order)] = [item_index[i] for i in order]
     return out
 
 
-def evaluate(engine, data: MovieLens, user_vectors, history: int, beam: int = 50, progress=True) -> Evaluation:
-    if engine.placeholder_id is None:
-        raise ValueError(f"the model's tokenizer has no {USER_TOKEN} token")
+def measure(rankings: dict[str, np.ndarray], data: MovieLens, depth: int) -> Evaluation:
+    """The engine's rankings plus most-popular, each scored on every user's held-out (test) item."""
     targets = np.array([data.test(u) for u in range(len(data.user_ids))])
     seen = [data.seen_before_test(u) for u in range(len(data.user_ids))]
-    rankings = engine_rankings(engine, data, user_vectors, history, beam, progress=progress)
-    rankings["popularity"] = popularity_rankings(data.popularity, seen, beam)
-    return Evaluation({m: hit_ranks(r, targets) for m, r in rankings.items()}, beam)
+    rankings = {**rankings, "popularity": popularity_rankings(data.popularity, seen, depth)}
+    return Evaluation({m: hit_ranks(r, targets) for m, r in rankings.items()}, depth)

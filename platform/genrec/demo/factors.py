@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from genrec.demo.data import MovieLens
 
@@ -26,7 +27,9 @@ def svd_factors(data: MovieLens, rank: int) -> Factors:
         matrix[u, torch.from_numpy(data.train(u))] = 1.0
     u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
     scale = s[:rank].sqrt()
-    return Factors(items=_unit_rows(vh[:rank].T * scale), users=_unit_rows(u[:, :rank] * scale))
+    items, users = vh[:rank].T * scale, u[:, :rank] * scale
+    pad = rank - len(scale)  # fewer users than `rank` (a slice): zero columns keep every vector `rank` long
+    return Factors(_unit_rows(F.pad(items, (0, pad))), _unit_rows(F.pad(users, (0, pad))))
 
 
 def _unit_rows(x: torch.Tensor) -> np.ndarray:

@@ -8,8 +8,8 @@ def quality_table(table: dict[str, dict[str, float]], k: int = 10) -> str:
     lines = [f"{'method':<12} {'Recall@' + str(k):>10} {'NDCG@' + str(k):>9} {'x popularity':>13}"]
     for method, row in table.items():
         recall, ndcg = row[f"recall@{k}"], row[f"ndcg@{k}"]
-        ratio = recall / base[f"recall@{k}"] if base[f"recall@{k}"] else float("nan")
-        lines.append(f"{method:<12} {recall:>10.4f} {ndcg:>9.4f} {ratio:>12.2f}x")
+        ratio = f"{recall / base[f'recall@{k}']:.2f}x" if base[f"recall@{k}"] else "n/a"
+        lines.append(f"{method:<12} {recall:>10.4f} {ndcg:>9.4f} {ratio:>13}")
     return "\n".join(lines)
 
 

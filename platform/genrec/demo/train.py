@@ -50,7 +50,8 @@ def hf_config(cfg: DemoConfig, tokenizer) -> transformers.Qwen3Config:
 
 
 class Budget:
-    """Progress in [0, 1]: CPU seconds of this process against the budget, or steps against max_steps."""
+    """Progress in [0, 1]: steps against max_steps when given (the run is then reproducible bit for bit),
+    else CPU seconds of this process against the budget (the step count then depends on the machine)."""
 
     def __init__(self, cpu_s: float, max_steps: int | None):
         self.cpu_s, self.max_steps, self.steps = cpu_s, max_steps, 0
@@ -62,8 +63,7 @@ class Budget:
 
     @property
     def progress(self) -> float:
-        by_steps = self.steps / self.max_steps if self.max_steps else 0.0
-        return min(1.0, max(self.used_cpu_s / self.cpu_s, by_steps))
+        return min(1.0, self.steps / self.max_steps if self.max_steps else self.used_cpu_s / self.cpu_s)
 
     def lr_scale(self) -> float:
         """Linear warm-up, then cosine annealing to zero at the end of the budget."""
@@ -87,9 +87,11 @@ def train(
     vocab: Vocab,
     tokenizer,
     cfg: DemoConfig,
+    near: np.ndarray | None = None,
     progress: bool = True,
 ) -> Trained:
-    """histories: each user's training items (time order); user_vectors [users, dim] for the soft token."""
+    """histories: each user's training items (time order); user_vectors [users, dim] for the soft token;
+    near [users, k]: items each user's negatives are partly drawn from (see NegativeSampler)."""
     with one_thread():
         torch.manual_seed(cfg.seed)
         rng = np.random.default_rng(cfg.seed)
@@ -99,19 +101,20 @@ def train(
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
         users = torch.as_tensor(user_vectors, dtype=torch.float32)
         counts = np.bincount(np.concatenate(histories), minlength=len(vocab.codes))
-        sampler = NegativeSampler(counts, cfg.negative_power)
-        log_mq = sampler.log_q + math.log(cfg.negatives)
+        sampler = NegativeSampler(counts, cfg.negative_power, near, cfg.near_weight)
         budget, epochs, losses = Budget(cfg.budget_cpu_s, cfg.max_steps), 0.0, {}
         bar = tqdm(total=100, desc="training", unit="%", disable=not progress, bar_format="{l_bar}{bar}| {postfix}")
         while budget.progress < 1.0:
             rows = epoch_windows(histories, cfg.history, rng)
             for start in range(0, len(rows), cfg.batch):
                 chunk = rows[start : start + cfg.batch]
+                users_of = np.array([u for u, _ in chunk])
                 targets = np.array([histories[u][end] for u, end in chunk])
-                negatives = sampler.sample(targets, cfg.negatives, rng)
+                negatives = sampler.sample(users_of, targets, cfg.negatives, rng)
                 batch = make_batch(chunk, histories, vocab, cfg.history, negatives)
                 for group in optimizer.param_groups:
                     group["lr"] = cfg.lr * budget.lr_scale()
+                log_mq = sampler.log_q(batch.users, batch.candidates) + math.log(cfg.negatives)
                 loss, losses = _loss(model, projector, batch, users, vocab, log_mq)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -144,6 +147,7 @@ def forward_logits(model, projector, batch: Batch, users: torch.Tensor, user_tok
 
 
 def _loss(model, projector, batch: Batch, users: torch.Tensor, vocab: Vocab, log_mq: torch.Tensor):
+    """log_mq [B, candidates]: log(negatives * q(candidate)) of each row's candidates under the noise q."""
     """Cross-entropy on the code tokens, plus the labels' loss at each candidate's last token.
 
     Labels: `yes`/`no` must hold the probability mass there (scoring reads the full-vocabulary log-softmax of
@@ -158,7 +162,7 @@ def _loss(model, projector, batch: Batch, users: torch.Tensor, vocab: Vocab, log
     mass = (at.logsumexp(dim=-1) - torch.logaddexp(yes, no)).mean()
     is_target = torch.zeros_like(yes)
     is_target[:, 0] = 1.0
-    margin = yes - no - log_mq[batch.candidates]
-    nce = F.binary_cross_entropy_with_logits(margin, is_target, reduction="sum") / len(margin)
+    margin = yes - no - log_mq
+    nce = F.binary_cross_entropy_with_logits(margin, is_target)
     losses = {"codes": f"{codes.item():.3f}", "mass": f"{mass.item():.3f}", "nce": f"{nce.item():.3f}"}
     return codes + mass + nce, losses

@@ -1,41 +1,73 @@
-"""`genrec demo`: MovieLens-100k -> a trained model directory (reused when its recipe matches) -> evaluation.
+"""`genrec demo` (`make demo`): the whole platform on one machine, on MovieLens-100k, with a trained model.
 
-Outputs (git-ignored: MovieLens may not be redistributed, nor anything derived from it):
-    model_dir (default out/demo-model, where deployments/local.yaml looks): the trained model directory
-    out (default out/demo): recall_at_k.png (recall@K, model against most-popular), metrics.json
+1. MovieLens from the recbole wheel -> SVD factors -> semantic IDs -> a trained model directory (reused while
+   its recipe matches; `--retrain` trains it again).
+2. A local Ray. jobs/load_user_embeddings.py loads every user's vector into the EmbeddingCache actor.
+3. The Serve app of deployments/local.yaml, pointed at the trained model and the cache; a few real HTTP
+   requests (retrieve, score, recommend by user_id) shown as movie titles.
+4. jobs/batch_recommend.py recommends for every user (retrieve, then rank) to Parquet.
+5. From that output: Recall@10 / NDCG@10 of retrieve and recommend on each user's held-out last item, against
+   most-popular; a recall@K plot. Serve and Ray are stopped on the way out, Ctrl-C included.
+
+Outputs (git-ignored: MovieLens may not be redistributed, nor anything derived from it): the model in
+`model_dir` (default out/demo-model, where deployments/local.yaml looks), the rest under `out` (out/demo).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import pyarrow.parquet as pq
 
+from genrec.cache.settings import CacheSettings
 from genrec.demo.build import build_model
 from genrec.demo.config import DemoConfig
 from genrec.demo.data import MovieLens, load_movielens
-from genrec.demo.evaluate import evaluate
-from genrec.demo.factors import svd_factors
-from genrec.demo.model_dir import RECIPE, read_recipe
+from genrec.demo.evaluate import measure, rankings_from_rows
+from genrec.demo.factors import Factors, svd_factors
+from genrec.demo.model_dir import RECIPE, read_recipe, read_titles
+from genrec.demo.pipeline.client import Latencies, show_user
+from genrec.demo.pipeline.cluster import app_config, local_ray, port_or_free, start_serve_app
+from genrec.demo.pipeline.inputs import Prompts, write_inputs
+from genrec.demo.pipeline.jobs import REPO_ROOT, run_job
 from genrec.demo.plot import plot_recall
 from genrec.demo.summary import key_values, quality_table
-from genrec.engine import Engine
 from genrec.model.directory import GENREC_SUBDIR
 
+SERVE_CONFIG = REPO_ROOT / "deployments" / "local.yaml"
+CACHE_NAME = "demo-users"
+BATCH_SIZE = 64  # users per engine call and per output file of the batch job
 
-def ensure_model(model_dir: Path, data: MovieLens, factors, cfg: DemoConfig, retrain: bool, say, progress=True):
-    """Reuse the model in `model_dir` if it was trained with this recipe (and not `retrain`); else train it."""
+
+@dataclass
+class Prepared:
+    data: MovieLens
+    factors: Factors
+    recipe: dict
+    reused: bool
+
+
+def prepare(model_dir: Path, cfg: DemoConfig, retrain: bool, say, progress: bool = True) -> Prepared:
+    """The data and a trained model: the one in `model_dir` if its recipe matches (and not `retrain`)."""
+    data = load_movielens()
+    if cfg.users is not None:
+        data = data.head(cfg.users)
+    factors = svd_factors(data, cfg.rank)
     recipe = read_recipe(model_dir)
-    if recipe is not None and recipe["config"] == cfg.to_dict() and not retrain:
-        say(f"reusing the trained model in {model_dir} (--retrain to train it again)")
-        return recipe, True
-    why = "--retrain" if recipe is not None and recipe["config"] == cfg.to_dict() else "no model with this recipe yet"
-    say(f"training the demo model ({why}): {cfg.budget_cpu_s:.0f} CPU-seconds, seed {cfg.seed}")
+    same = recipe is not None and recipe["config"] == cfg.to_dict()
+    if same and not retrain:
+        say(f"reusing the trained model in {model_dir} (--retrain trains it again)")
+        return Prepared(data, factors, recipe, True)
+    why = "--retrain" if same else "no model of this recipe yet"
+    say(f"training the demo model ({why}): {cfg.budget_cpu_s:.0f} CPU-seconds of one thread, seed {cfg.seed}")
     (model_dir / GENREC_SUBDIR / RECIPE).unlink(missing_ok=True)  # an interrupted run must not look complete
     build_model(data, factors, model_dir, cfg, progress)
-    return read_recipe(model_dir), False
+    return Prepared(data, factors, read_recipe(model_dir), False)
 
 
 def run_demo(
@@ -43,43 +75,111 @@ def run_demo(
     model_dir: Path = Path("out/demo-model"),
     cfg: DemoConfig = DemoConfig(),
     retrain: bool = False,
+    serve_config: Path = SERVE_CONFIG,
+    port: int | None = None,
     beam: int = 50,
+    show_users: int = 2,
     progress: bool = True,
     say=print,
 ) -> dict:
     started = time.perf_counter()
-    data = load_movielens()
-    if cfg.users is not None:
-        data = data.head(cfg.users)
-    factors = svd_factors(data, cfg.rank)
-    recipe, reused = ensure_model(model_dir, data, factors, cfg, retrain, say, progress)
-    engine = Engine.from_pretrained(model_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: comparable CPU time on a shared machine
-    try:
-        evaluation = evaluate(engine, data, factors.users, cfg.history, beam, progress)
-    finally:
-        torch.set_num_threads(threads)
+    out, model_dir = out.resolve(), model_dir.resolve()
+    prepared = prepare(model_dir, cfg, retrain, say, progress)
+    data = prepared.data
+    prompts = Prompts.of(model_dir, data, cfg.history)
+    inputs = write_inputs(out, data, prompts, prepared.factors.users)
+    titles = read_titles(model_dir)
+    cache = CacheSettings(name=CACHE_NAME, store="sqlite", store_path=str(out / "embeddings.sqlite"))
+    batch_out = out / "batch"
+    Path(cache.store_path).unlink(missing_ok=True)  # ours, from an earlier run: start clean
+    shutil.rmtree(batch_out, ignore_errors=True)
+    port = port_or_free(port if port is not None else app_config(serve_config)["http_options"].get("port", 8000))
+    latencies = Latencies()
+    say("starting a local Ray ...")
+    with local_ray(num_cpus=max(4, os.cpu_count() or 1)) as address:
+        loaded = run_job(
+            "load_user_embeddings.py", ["--embeddings", str(inputs.embeddings), *_cache_flags(cache)], address, say
+        )
+        say(f"starting the Serve app of {_shown(serve_config)} on port {port} ...")
+        base_url = start_serve_app(
+            serve_config, {"model_dir": str(model_dir), "cache": {**cache.model_dump(), "dim": cfg.rank}}, port
+        )
+        for u in range(min(show_users, len(data.user_ids))):
+            show_user(base_url, data, prompts, titles, u, latencies, say)
+        say("")
+        batch = run_job(
+            "batch_recommend.py", _batch_flags(model_dir, inputs.users, batch_out, beam, cache), address, say
+        )
+    say("Serve and Ray are stopped")
+    evaluation = measure(rankings_from_rows(pq.read_table(batch_out / "recommendations"), data, beam), data, beam)
     table = evaluation.table(10)
-    plot = plot_recall(
-        evaluation, out / "recall_at_k.png", f"MovieLens-100k, {len(data.user_ids)} users, seed {cfg.seed}"
-    )
+    title = f"MovieLens-100k, {len(data.user_ids)} users, held-out last item, seed {cfg.seed}"
+    plot = plot_recall(evaluation, out / "recall_at_k.png", title)
     report = {
         "seed": cfg.seed,
         "users": len(data.user_ids),
         "model_dir": str(model_dir),
-        "model_reused": reused,
-        "training": recipe["training"],
+        "model_reused": prepared.reused,
+        "training": prepared.recipe["training"],
         "quality@10": table,
-        "recall@10 / popularity": {
-            m: round(table[m]["recall@10"] / max(table["popularity"]["recall@10"], 1e-12), 3)
-            for m in ("retrieve", "recommend")
+        "recall@10 / popularity": {m: _ratio(table, m) for m in ("retrieve", "recommend")},
+        "latency": latencies.summary(),
+        "embeddings_loaded": loaded.summary,
+        "batch": batch.summary | {"seconds": batch.seconds},
+        "outputs": {
+            "model": str(model_dir),
+            "recommendations": str(batch_out / "recommendations"),
+            "recall@K plot": str(plot),
+            "metrics": str(out / "metrics.json"),
         },
-        "plot": str(plot),
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(report, indent=2))
-    say(quality_table(table))
-    say(key_values("outputs", {"model": model_dir, "recall@K plot": plot, "metrics": out / "metrics.json"}))
+    say(_summary(report))
     return report
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def _cache_flags(cache: CacheSettings) -> list[str]:
+    return ["--cache", cache.name, "--cache-store", cache.store, "--cache-store-path", cache.store_path]
+
+
+def _batch_flags(model_dir: Path, users: Path, out: Path, beam: int, cache: CacheSettings) -> list[str]:
+    return [
+        *("--model", str(model_dir), "--users", str(users), "--out", str(out)),
+        *("--beam-width", str(beam), "--num-results", str(beam), "--rank"),
+        *("--batch-size", str(BATCH_SIZE), "--threads", "1", "--no-progress"),
+        *_cache_flags(cache),
+    ]
+
+
+def _ratio(table: dict, method: str) -> float | None:
+    base = table["popularity"]["recall@10"]
+    return round(table[method]["recall@10"] / base, 3) if base else None
+
+
+def _summary(report: dict) -> str:
+    training = report["training"]
+    batch = report["batch"]
+    return "\n\n".join(
+        [
+            f"quality on {report['users']} users (each one's held-out last movie, unseen items only):",
+            quality_table(report["quality@10"]),
+            key_values(
+                "model",
+                {
+                    "training": f"seed {training['seed']}, {training['steps']} steps, {training['epochs']} epochs, "
+                    f"{training['cpu_s']} CPU-s" + (" (reused)" if report["model_reused"] else ""),
+                },
+            ),
+            key_values(
+                "latency (HTTP, through the ingress and the cache)",
+                report["latency"] | {"batch job": f"{batch.get('users_per_s', float('nan'))} users/s"},
+            ),
+            key_values("outputs", report["outputs"]),
+            f"demo wall time: {report['wall_s']:.0f} s",
+        ]
+    )

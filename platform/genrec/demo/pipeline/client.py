@@ -1,0 +1,74 @@
+"""A few real HTTP requests to the Serve app (retrieve, score, recommend by user_id), shown as movie titles."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from genrec.demo.data import MovieLens
+from genrec.demo.pipeline.inputs import Prompts
+from genrec.errors import GenrecError
+
+SHOW = 5  # titles per list
+
+
+@dataclass
+class Latencies:
+    ms: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, route: str, seconds: float) -> None:
+        self.ms.setdefault(route, []).append(seconds * 1000)
+
+    def summary(self) -> dict[str, str]:
+        return {
+            f"POST /v1/{route}": f"median {np.median(v):.0f} ms, max {max(v):.0f} ms ({len(v)} requests)"
+            for route, v in self.ms.items()
+        }
+
+
+def post(base_url: str, route: str, body: dict, latencies: Latencies, timeout_s: float = 120.0) -> dict:
+    request = urllib.request.Request(
+        f"{base_url}/v1/{route}", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        raise GenrecError(f"POST /v1/{route} answered {err.code}: {err.read().decode(errors='replace')}") from None
+    latencies.add(route, time.perf_counter() - started)
+    return answer
+
+
+def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str], u: int, latencies, say):
+    """The user's last watched titles, then what retrieve, recommend and score answer for them (by user_id)."""
+    seen = data.seen_before_test(u)
+    user = {
+        "user_id": data.user_ids[u],  # the ingress looks the soft-token vector up in the EmbeddingCache actor
+        "prompt": prompts.text(seen),
+        "exclude_item_ids": [data.item_ids[i] for i in seen],
+    }
+    say(f"\nuser {data.user_ids[u]}: last watched " + "; ".join(titles[data.item_ids[i]] for i in seen[-SHOW:][::-1]))
+    retrieved = post(base_url, "retrieve", {**user, "beam_width": 50, "num_results": SHOW}, latencies)
+    say("  retrieve  (beam search):   " + _titles(retrieved["items"], titles, "logprob"))
+    recommended = post(base_url, "recommend", {**user, "beam_width": 50, "num_results": 50}, latencies)
+    say("  recommend (ranked by score): " + _titles(recommended["items"][:SHOW], titles, "prob"))
+    held_out = data.item_ids[data.test(u)]
+    popular = [data.item_ids[i] for i in np.argsort(-data.popularity, kind="stable") if i not in set(seen)][:3]
+    candidates = [held_out, *[p for p in popular if p != held_out]][:4]
+    score = {k: user[k] for k in ("user_id", "prompt")} | {"candidates": [{"item_id": c} for c in candidates]}
+    scored = post(base_url, "score", score, latencies)["scores"]
+    marks = ["held-out next movie" if c == held_out else "popular, unseen" for c in candidates]
+    say(
+        "  score     P(yes):           "
+        + "; ".join(f"{titles[s['item_id']]} [{mark}] {s['prob']:.2f}" for s, mark in zip(scored, marks, strict=True))
+    )
+
+
+def _titles(items: list[dict], titles: dict[str, str], value: str) -> str:
+    return "; ".join(f"{titles[i['item_id']]} ({i[value]:.2f})" for i in items)

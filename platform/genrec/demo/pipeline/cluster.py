@@ -1,0 +1,90 @@
+"""A local Ray for the demo, and Serve on it with the app of a Serve config file (deployments/local.yaml).
+
+Everything started here is stopped on the way out, on an error or Ctrl-C alike: shutting the local Ray
+instance down takes Serve and the detached embedding-cache actors with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from genrec.errors import GenrecError
+
+
+@contextmanager
+def local_ray(num_cpus: int):
+    """A new local Ray instance (never another one's): yields its address for the job processes."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # local runs; see notes on Ray's token auth
+    import ray
+
+    if ray.is_initialized():
+        raise GenrecError("Ray is already initialised in this process; the demo starts its own local Ray")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace="genrec-demo")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()  # the whole local instance: Serve, the cache actors, every worker
+
+
+def app_config(config_path: Path) -> dict:
+    """The first application of a Serve config file, with the file's HTTP options and proxy location."""
+    try:
+        config = yaml.safe_load(config_path.read_text())
+        app = config["applications"][0]
+    except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError) as err:
+        raise GenrecError(f"{config_path}: not a Serve config with an application ({err})") from None
+    return {**app, "http_options": config.get("http_options") or {}, "proxy_location": config.get("proxy_location")}
+
+
+def port_or_free(port: int) -> int:
+    """`port` if nothing listens on it, else (or for 0) a free one: the demo never fights another server."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            if port == 0:
+                return s.getsockname()[1]
+            return port
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+
+def start_serve_app(config_path: Path, overrides: dict, port: int, timeout_s: float = 300.0) -> str:
+    """Serve the config's application with `overrides` on its args; returns the base URL once it answers."""
+    from ray import serve
+
+    from genrec.serving.app import build_app
+    from genrec.serving.args import AppArgs
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the demo says what it starts
+    app = app_config(config_path)
+    args = AppArgs.model_validate({**app.get("args", {}), **overrides})
+    http = {**app["http_options"], "host": "127.0.0.1", "port": port}
+    serve.start(http_options=http, **({"proxy_location": app["proxy_location"]} if app["proxy_location"] else {}))
+    serve.run(build_app(args), name=app["name"], route_prefix=app.get("route_prefix", "/"), blocking=False)
+    base = f"http://127.0.0.1:{port}{app.get('route_prefix', '/').rstrip('/')}"
+    _wait_healthy(f"{base}/healthz", timeout_s)
+    return base
+
+
+def _wait_healthy(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                if json.loads(response.read()).get("status") == "ok":
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise GenrecError(f"the Serve app did not become healthy within {timeout_s:.0f} s ({url})")
+        time.sleep(0.5)

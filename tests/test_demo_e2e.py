@@ -1,0 +1,104 @@
+"""`genrec demo` end to end on a slice of MovieLens, as a user runs it: training, the embedding-loading job,
+the Serve app over HTTP, the batch job, the metrics; and Ctrl-C, which must leave nothing running."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+USERS = 24
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def demo(tmp: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "genrec.cli", "demo", "--users", str(USERS), "--steps", "3", "--port", "0"]
+    command += ["--out", str(tmp / "out"), "--model-dir", str(tmp / "model"), *extra]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    return subprocess.Popen(  # its own process group, as a terminal's foreground job
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = set(), [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in children.get(p, [])]
+        found.update(frontier)
+    return found
+
+
+def assert_all_gone(pids: set[int], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (alive := {p for p in pids if _running(p)}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in alive if _running(p)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("demo-e2e")
+
+
+def test_demo_runs_the_platform_end_to_end(workdir):
+    process = demo(workdir)
+    lines, started = [], set()
+    for line in process.stdout:
+        lines.append(line.rstrip())
+        if "starting the Serve app" in line:
+            started = descendants(process.pid)  # Ray's processes, the cache actor, the job runner's
+    assert process.wait(timeout=600) == 0, "\n".join(lines[-40:])
+    output = "\n".join(lines)
+    assert "training the demo model" in output and "user 1: last watched" in output
+    for route in ("retrieve", "recommend", "score"):
+        assert f"POST /v1/{route}" in output
+    report = json.loads((workdir / "out" / "metrics.json").read_text())
+    assert report["users"] == USERS and report["embeddings_loaded"]["loaded"] == USERS
+    assert report["batch"]["processed"] == USERS and report["batch"]["errors"] == 0
+    recommendations = pq.read_table(workdir / "out" / "batch" / "recommendations")
+    assert set(recommendations.column("user_id").to_pylist()) == set(report_users(workdir))
+    assert recommendations.num_rows == USERS * 50
+    assert (workdir / "out" / "recall_at_k.png").stat().st_size > 10_000
+    assert started and "Serve and Ray are stopped" in output
+    assert_all_gone(started)
+
+
+def report_users(workdir: Path) -> list[str]:
+    return pq.read_table(workdir / "out" / "users.parquet", columns=["user_id"]).column(0).to_pylist()
+
+
+def test_ctrl_c_stops_serve_the_jobs_and_ray(workdir):
+    process = demo(workdir)  # reuses the model the first test trained
+    lines = []
+    for line in process.stdout:
+        lines.append(line.rstrip())
+        if "starting the Serve app" in line:
+            break
+    started = descendants(process.pid)
+    assert started, "\n".join(lines)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    rest, _ = process.communicate(timeout=180)
+    output = "\n".join(lines) + rest
+    assert "reusing the trained model" in output
+    assert process.returncode == 130, output[-3000:]
+    assert "interrupted" in rest
+    assert_all_gone(started | {process.pid})

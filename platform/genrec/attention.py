@@ -59,7 +59,7 @@ class ContextGroup:
 
 def shared_context_attention(
     q: torch.Tensor,
-    groups: list[LayerContext] | LayerRows,
+    groups: list[LayerContext] | LayerRows | StaticRows,
     suffix_k: torch.Tensor,
     suffix_v: torch.Tensor,
     suffix_mask: torch.Tensor | None,
@@ -87,7 +87,7 @@ def shared_context_attention(
     p_suf = torch.exp(s_suf - lse_suf[..., None])
     out_suf = torch.einsum("rkgsu,rukd->rkgsd", p_suf.to(suffix_v.dtype), suffix_v).float()
 
-    if isinstance(groups, LayerRows):
+    if hasattr(groups, "attend"):  # pooled rows: one varlen call
         out, lse = groups.attend(q.reshape(R * S, H, D), scale)  # [R*S, H, D], [H, R*S]
         out_ctx = out.view(R, S, KV, G, D).permute(0, 2, 3, 1, 4).float()
         lse_ctx = lse.view(KV, G, R, S).permute(2, 0, 1, 3)
@@ -342,3 +342,57 @@ def _fused_kernel(q: torch.Tensor):
     if q.device.type == "cuda":
         return _cuda_flash if q.dtype in (torch.float16, torch.bfloat16) else _cuda_efficient
     return None
+
+
+# -- the same call with static shapes, for the decode pass a CUDA graph replays --------------------------------
+
+
+@torch.library.custom_op("genrec::varlen_attention", mutates_args=())
+def varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    used_k: torch.Tensor,
+    row_empty: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`varlen_attention` as one operator over index tensors of fixed size (sequence b: queries
+    cu_q[b]:cu_q[b+1], keys cu_k[b] for used_k[b]; row_empty [M]: rows of sequences without keys), so a
+    decode pass has the same op shapes whatever its request mix. This implementation (CPU, or CUDA with
+    the switch off) reads the index tensors on the host and runs the reference."""
+    spans = Spans(cu_q.tolist(), cu_k[:-1].tolist(), used_k.tolist())
+    out, lse = varlen_reference(q, k, v, spans, scale)
+    return out.clone(), lse.clone()
+
+
+@varlen_op.register_kernel("cuda")
+def _varlen_op_cuda(q, k, v, cu_q, cu_k, used_k, row_empty, max_q, max_k, scale):
+    if not (CUDA_FAST and q.dtype in (torch.float16, torch.bfloat16)):
+        spans = Spans(cu_q.tolist(), cu_k[:-1].tolist(), used_k.tolist())  # syncs: the eager path only
+        out, lse = varlen_reference(q, k, v, spans, scale)
+        return out.clone(), lse.clone()
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale, seqused_k=used_k
+    )[:2]
+    return out.masked_fill(row_empty[:, None, None], 0), lse.masked_fill(row_empty[None], float("-inf"))
+
+
+@dataclass(frozen=True)
+class StaticRows:
+    """One layer's context part from fixed-size index buffers (see `genrec.engine.decode_graph`)."""
+
+    k: torch.Tensor  # [T, KV, D] a pool layer
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    used_k: torch.Tensor
+    row_empty: torch.Tensor
+    max_k: int
+
+    def attend(self, q: torch.Tensor, scale: float):
+        args = (self.cu_q, self.cu_k, self.used_k, self.row_empty)
+        return varlen_op(q, self.k, self.v, *args, q.shape[0], self.max_k, scale)

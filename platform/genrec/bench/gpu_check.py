@@ -6,7 +6,8 @@
 2. the CUDA varlen path (GENREC_CUDA_FAST) against the plain-torch reference: decode-like spans (gaps in the
    pool, a sequence without keys, GQA) and causal prefill-like spans, bf16 and fp16, plus the float32
    reference on CUDA against the CPU; then a tiny engine's retrieve/score with the switch off and on;
-3. launches per decode pass (torch.profiler kernel count) with the switch off and on, Qwen3-1.7B dims, bf16;
+3. launches per decode pass (torch.profiler) eager, eager with FA2 varlen, and replayed as a CUDA graph, and the
+   graph's results against eager, Qwen3-1.7B dims, bf16, 4 requests x beam 30 at prompt 2000;
 4. `genrec bench retrieve` (2000/30/5 and 1000/256/3) and `bench load` saturation, switch off and on.
 Every part records its error instead of stopping the rest; the JSON is rewritten after each part.
 """
@@ -128,41 +129,80 @@ def engine_checks(device) -> dict:
         return {"retrieve_items_equal": items_equal, "retrieve_max_logprob_diff": lp, "score_max_logprob_diff": sc}
 
 
-def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beam: int) -> dict:
-    """Kernels launched by one decode pass (torch.profiler), with the switch off and on."""
+def pooled_cohorts(engine, prompts: list[list[int]], widths: list[int], pool):
+    """One cohort per request as the scheduler makes them: contexts and BeamKV slots in `pool`."""
+    from genrec.api import RetrieveRequest
+    from genrec.engine.beam import slots_needed
+    from genrec.engine.engine import Prefilled
+
+    cohorts = []
+    for prompt, width in zip(prompts, widths, strict=True):
+        prepared = engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=width))
+        ctx = pool.context(len(prompt))
+        logits = engine.model.prefill_packed([(engine.prompt_embeds(prepared), ctx)])
+        slots = pool.reserve(slots_needed(engine.trie, [width]))
+        cohorts.append(engine.start_beams([prepared], [Prefilled(ctx, logits[0])], slots=slots))
+    return cohorts
+
+
+def _passes(engine, prompt_len, beams, mode):
+    """Fresh cohorts of `beams` widths in a pool, and the runner of `mode` (None: the eager pass)."""
+    from genrec.bench.common import random_prompt
+    from genrec.engine.decode_graph import DecodeRunner
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [random_prompt(engine, prompt_len, g) for _ in beams]
+    pool = engine.new_pool(len(beams) * (prompt_len + 4096))
+    cohorts = pooled_cohorts(engine, prompts, beams, pool)
+    runner = None
+    if mode != "eager":
+        runner = DecodeRunner(engine.model, pool, engine.catalog.levels, graphs=mode == "graphs")
+    return cohorts, runner
+
+
+def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: list[int]) -> dict:
+    """Kernels and launch calls of one decode pass (torch.profiler): eager with the switch off; eager with
+    FA2 varlen; the static pass replayed as a CUDA graph. Also graph replay against eager (logprobs, items)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from genrec.api import RetrieveRequest
-    from genrec.bench.common import random_prompt
     from genrec.engine import Engine
+    from genrec.engine.beam import fetch_finals
     from genrec.engine.decode import decode_step
 
     engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(5)
-    prepared = [engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, g), beam_width=beam))]
-    out = {}
-    for fast in (False, True):
-        attention.CUDA_FAST = fast
+    out, finals = {}, {}
+    for mode in ("eager", "varlen", "graphs"):
+        attention.CUDA_FAST = mode != "eager"
         try:
-            cohort = engine.start_beams(prepared, engine.prefill_many(prepared))
-            decode_step(engine.model, [cohort])  # warm-up pass
+            cohorts, runner = _passes(engine, prompt_len, beams, mode)
+            decode_step(engine.model, cohorts, runner)  # warm-up (and capture) on the first pass
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
-                decode_step(engine.model, [cohort])
+                decode_step(engine.model, cohorts, runner)
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
+            while not all(c.done for c in cohorts):
+                decode_step(engine.model, [c for c in cohorts if not c.done], runner)
+            finals[mode] = fetch_finals(cohorts)
+            names = [e.name for e in prof.events()]
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            launches = [
-                e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
-            ]
-            out["fast" if fast else "eager"] = {
+            launch = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names)
+            out[mode] = {
                 "kernels": len(kernels),
-                "launch_calls": len(launches),
+                "launch_calls": launch,
+                "graph_launches": names.count("cudaGraphLaunch"),
                 "seconds": seconds,
             }
         finally:
             attention.CUDA_FAST = False
+    for mode in ("varlen", "graphs"):
+        same = [a[1] == b[1] for a, b in zip(finals["eager"], finals[mode], strict=True)]
+        diff = max(
+            max(abs(x - y) for x, y in zip(a[0], b[0], strict=True))
+            for a, b in zip(finals["eager"], finals[mode], strict=True)
+        )
+        out[f"{mode}_items_equal_eager"], out[f"{mode}_max_score_diff"] = same, diff
     return out
 
 
@@ -241,9 +281,9 @@ def main() -> None:
     def launches():
         from genrec.bench.common import model_dir_for
 
-        return launches_per_decode_pass(device, model_dir_for("qwen3-1.7b", None, 5), 2000, 30)
+        return launches_per_decode_pass(device, model_dir_for("qwen3-1.7b", None, 5), 2000, [30, 30, 30, 30])
 
-    part("launches_per_decode_pass 2000/30", launches)
+    part("launches_per_decode_pass 4 x 2000/30", launches)
     if not args.quick:
         load = [
             "load",

@@ -35,6 +35,8 @@ class BeamCohort:
         self.trie, self.widths, self.contexts, self.device = trie, widths, contexts, device
         n = len(widths)
         self.base = _pass_bases(trie, widths)
+        self.slot_pool = slots.pool if slots is not None else None  # slots in a pool: a static decode can gather
+        self.slot_offset = slots.start if slots is not None else 0
         if slots is not None:
             self.slots_k, self.slots_v = slots.k(), slots.v()
         else:
@@ -63,8 +65,9 @@ class BeamCohort:
         """Expand every row by its allowed next tokens and keep each request's best rows."""
         select_together([self], logprobs)
 
-    def decode_inputs(self):
-        """Inputs of the next decode pass: (tokens [R, 1], positions [R, 1], groups, past_k, past_v)."""
+    def decode_inputs(self, gather: bool = True):
+        """Inputs of the next decode pass: (tokens [R, 1], positions [R, 1], groups, past_k, past_v); past_k
+        and past_v are None without `gather` (a static pass gathers from the pool itself)."""
         step = self.level  # pass `step` feeds the level-(step-1) tokens
         tokens = self.tokens[-1][:, None]
         row_req = _layout(tuple(self.rows_per_req), self.device)["row_req"]
@@ -74,7 +77,7 @@ class BeamCohort:
             for off, n, ctx in zip(self._offsets(), self.rows_per_req, self.contexts, strict=True)
         ]
         past_k = past_v = None
-        if step > 1:  # one gather of every row's ancestors' K/V: [layers, rows, step - 1, kv_heads, hd]
+        if step > 1 and gather:  # one gather of every row's ancestors' K/V: [layers, rows, step - 1, kv_heads, hd]
             past_k, past_v = self.slots_k[:, self.ancestors], self.slots_v[:, self.ancestors]
         return tokens, positions, groups, past_k, past_v
 

@@ -12,19 +12,18 @@ import torch
 
 from genrec.attention import ContextGroup
 from genrec.engine.beam import BeamCohort, select_together
+from genrec.engine.decode_graph import DecodeRunner
 from genrec.model.qwen3 import Qwen3
 
 
-def decode_step(model: Qwen3, cohorts: list[BeamCohort]) -> None:
+def decode_step(model: Qwen3, cohorts: list[BeamCohort], runner: DecodeRunner | None = None) -> None:
+    """One pass for every row of the cohorts, then each cohort's selection. With a `runner` whose pool holds
+    the cohorts' KV, the pass has static shapes (a CUDA graph on the GPU); else it is built to fit."""
     cohorts = sorted(cohorts, key=lambda c: c.level)  # same-level cohorts adjacent: one selection each
-    inputs = [c.decode_inputs() for c in cohorts]
-    if len(cohorts) == 1:
-        tokens, positions, groups, past_k, past_v = inputs[0]
-        mask = None
+    if runner is not None and runner.accepts(cohorts):
+        logprobs, new_k, new_v = runner.run(cohorts)
     else:
-        tokens, positions, groups, past_k, past_v, mask = _merge(inputs, model)
-    hidden, new_k, new_v = model.forward_rows(model.embed(tokens), positions, groups, past_k, past_v, mask=mask)
-    logprobs = torch.log_softmax(model.logits(hidden[:, -1]), dim=-1)
+        logprobs, new_k, new_v = _eager_pass(model, cohorts)
     start = 0
     for _, same_level in groupby(cohorts, key=lambda c: c.level):
         group = list(same_level)
@@ -34,6 +33,17 @@ def decode_step(model: Qwen3, cohorts: list[BeamCohort]) -> None:
             stop += cohort.rows
         select_together(group, logprobs[start:stop])
         start = stop
+
+
+def _eager_pass(model: Qwen3, cohorts: list[BeamCohort]):
+    inputs = [c.decode_inputs() for c in cohorts]
+    if len(cohorts) == 1:
+        tokens, positions, groups, past_k, past_v = inputs[0]
+        mask = None
+    else:
+        tokens, positions, groups, past_k, past_v, mask = _merge(inputs, model)
+    hidden, new_k, new_v = model.forward_rows(model.embed(tokens), positions, groups, past_k, past_v, mask=mask)
+    return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
 
 
 def _merge(inputs, model: Qwen3):

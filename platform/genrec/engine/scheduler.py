@@ -16,11 +16,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from genrec import attention
 from genrec.api import RetrieveResult
 from genrec.engine.beam import BeamCohort, fetch_finals
 from genrec.engine.checks import check_int, check_seconds
 from genrec.engine.context_cache import ContextCache, context_key
 from genrec.engine.decode import decode_step
+from genrec.engine.decode_graph import DecodeRunner
 from genrec.engine.engine import Engine, Prefilled
 from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token, request_kv_tokens
 from genrec.engine.metrics import EngineMetrics
@@ -86,6 +88,9 @@ class Scheduler:
         budget = budget if budget is not None else _default_budget(engine.device)
         self.budget = KVBudget(engine.new_pool(budget // self.per_token))
         self.cache = ContextCache(self.config.context_cache_entries)
+        # Static-shape decode passes replayed as CUDA graphs: only on CUDA with the (unverified) fast switch.
+        fast = attention.CUDA_FAST and engine.device.type == "cuda"
+        self.runner = DecodeRunner(self.model, self.budget.pool, engine.catalog.levels, graphs=True) if fast else None
         self.metrics = EngineMetrics()
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
         self.waiting: deque[Job] = deque()
@@ -253,7 +258,7 @@ class Scheduler:
         if not running:
             return 0
         rows = sum(j.cohort.rows for j in running)
-        self._guarded(running, lambda jobs: decode_step(self.model, [j.cohort for j in jobs]))
+        self._guarded(running, lambda jobs: decode_step(self.model, [j.cohort for j in jobs], self.runner))
         self._beams_done([j for j in running if j in self.decoding and j.cohort.done])
         return rows
 

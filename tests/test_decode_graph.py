@@ -1,0 +1,86 @@
+"""The static-shape decode pass (what a CUDA graph replays), run eagerly on the CPU."""
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from genrec.bench import gpu_check
+from genrec.engine.beam import fetch_finals
+from genrec.engine.decode import decode_step
+from genrec.engine.decode_graph import DecodeBuffers, DecodeRunner, decode_forward
+from tests.conftest import random_prompt
+
+
+def pooled_cohorts(engine, rng, shape):
+    """Cohorts as the scheduler makes them: contexts and BeamKV slots in one pool. shape: (prompt, width) each."""
+    pool = engine.new_pool(4096)
+    prompts = [random_prompt(engine, n, rng) for n, _ in shape]
+    return pool, gpu_check.pooled_cohorts(engine, prompts, [w for _, w in shape], pool)
+
+
+def test_static_passes_equal_the_eager_passes(engine, rng):
+    shape = [(23, 5), (40, 9), (11, 30)]
+    state = rng.get_state()
+    pool, static = pooled_cohorts(engine, rng, shape)
+    rng.set_state(state)
+    _, eager = pooled_cohorts(engine, rng, shape)
+    runner = DecodeRunner(engine.model, pool, engine.catalog.levels)
+    decode_step(engine.model, static[:1], runner)  # one runs ahead: a pass mixes levels and suffix lengths
+    decode_step(engine.model, eager[:1])
+    while not all(c.done for c in static):
+        decode_step(engine.model, [c for c in static if not c.done], runner)
+        decode_step(engine.model, [c for c in eager if not c.done])
+    for (s_scores, s_items), (e_scores, e_items) in zip(fetch_finals(static), fetch_finals(eager), strict=True):
+        assert s_items == e_items and np.allclose(s_scores, e_scores, atol=1e-5)
+
+
+class OpShapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def recorded_pass(engine, pool, cohorts, bucket):
+    buf = DecodeBuffers(bucket, max(engine.catalog.levels - 2, 0), pool.k.device)
+    rows = buf.fill(cohorts)
+    with OpShapes() as rec:
+        logprobs, _, _ = decode_forward(engine.model, pool, buf)
+    return rec.ops, logprobs, rows, buf
+
+
+def test_two_request_mixes_in_one_bucket_run_the_same_op_shapes(engine, rng):
+    _, one = pooled_cohorts(engine, rng, [(50, 13)])
+    pool, three = pooled_cohorts(engine, rng, [(9, 3), (31, 4), (12, 2)])
+    decode_step(engine.model, three[:1], DecodeRunner(engine.model, pool, engine.catalog.levels))  # mixed levels
+    first, _, rows_a, _ = recorded_pass(engine, one[0].slot_pool, one, 32)
+    second, _, rows_b, _ = recorded_pass(engine, pool, three, 32)
+    assert rows_a != rows_b and first == second  # a different mix, the same ops on the same shapes: replayable
+
+
+def test_padding_a_bucket_never_changes_real_rows(engine, rng):
+    pool, cohorts = pooled_cohorts(engine, rng, [(20, 6), (33, 7)])
+    decode_step(engine.model, cohorts, DecodeRunner(engine.model, pool, engine.catalog.levels))
+    _, tight, rows, _ = recorded_pass(engine, pool, cohorts, 16)
+    buf = DecodeBuffers(64, max(engine.catalog.levels - 2, 0), pool.k.device)
+    assert buf.fill(cohorts) == rows
+    buf.tokens[rows:] = torch.randint(0, engine.model.config.vocab_size, (64 - rows,))  # junk in the padding
+    buf.positions[rows:] = 7
+    wide, _, _ = decode_forward(engine.model, pool, buf)
+    assert (wide[:rows] - tight[:rows]).abs().max().item() <= 1e-5
+    assert torch.isfinite(wide).all()
+
+
+def test_a_static_pass_runs_without_a_sync(engine, rng):
+    from tests.sync_guard import no_sync
+
+    pool, cohorts = pooled_cohorts(engine, rng, [(20, 6), (33, 7)])
+    runner = DecodeRunner(engine.model, pool, engine.catalog.levels)
+    with no_sync():
+        while not all(c.done for c in cohorts):
+            decode_step(engine.model, cohorts, runner)
+    assert all(len(items) == c.rows for (_, items), c in zip(fetch_finals(cohorts), cohorts, strict=True))

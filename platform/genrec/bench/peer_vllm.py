@@ -2,8 +2,9 @@
 
 vLLM lives in its own venv (`make peers`) and runs in a subprocess (`vllm_worker.py`, JSON lines in and out).
 Its times are measured inside the worker, around the vLLM call alone; genrec's around the Engine call.
-On a CPU vLLM gets the tuning it needs to be fair: both cores bound to its OpenMP threads, a KV cache sized for
-the job, block size 32, eager mode, float32; before each timed call its prefix cache is cleared (a new prompt).
+On a CPU vLLM gets the tuning it needs to be fair: its OpenMP threads bound to as many cores as genrec has
+threads (all of them by default), a KV cache sized for the job, block size 32, eager mode, float32. Before each
+timed call its prefix cache is cleared: every round starts from a new prompt, as genrec's does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from genrec.bench.common import synchronize
 from genrec.engine.candidates import candidate_token_lists, label_token_ids
@@ -73,7 +76,8 @@ class VllmPeer:
         env = dict(os.environ)
         if cpu:
             engine.update(enforce_eager=True, block_size=BLOCK_SIZE)
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+            cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]  # as many as genrec's threads
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_kv_cache_gib(config, max_model_len, rows)))
         else:
             engine["gpu_memory_utilization"] = 0.5  # genrec's engine holds the rest of the device

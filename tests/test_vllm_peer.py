@@ -92,7 +92,7 @@ def bench(tmp_path, *args) -> dict:
 def test_bench_retrieve_with_vllm_peer(head64_dir, tmp_path):
     args = ["retrieve", "--model", head64_dir, "--prompt-len", "70", "--beam-width", "4", "--no-hf-baseline"]
     peer = bench(tmp_path, *map(str, args))
-    assert peer["vllm"] == "0.32.0" and peer["options"]["max_logprobs"] >= 8
+    assert peer["vllm"] and peer["options"]["max_logprobs"] >= 8  # 2 x beam width: vLLM asks that many
     assert peer["ratios"]["vllm_over_genrec"] > 0 and peer["beams"] == 4
     assert 0 <= peer["beams_not_in_catalog"] <= 4
 

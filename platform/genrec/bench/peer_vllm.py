@@ -136,7 +136,7 @@ def compare_retrieve(engine, model_dir: Path, requests, device: str, repeats: in
     job = {"task": "beam_search", "prompts": prompts, "beam_width": width, "max_tokens": levels}
     longest = max(map(len, prompts)) + levels
     with _peer(engine, model_dir, device, longest, width * len(requests), logprobs=2 * width) as peer:
-        seconds, answer = _round_robin(
+        seconds, rounds, answer = _round_robin(
             lambda: engine.retrieve(requests), {"vllm_beam_search": job}, peer, device, repeats
         )
     ours = engine.retrieve(requests)
@@ -150,6 +150,7 @@ def compare_retrieve(engine, model_dir: Path, requests, device: str, repeats: in
         **peer.ready,
         "options": peer.options,
         "seconds": seconds,
+        "rounds": rounds,
         "ratios": {"vllm_over_genrec": seconds["vllm_beam_search"] / seconds["genrec"]},
         "beams": len(beams),
         "beams_not_in_catalog": sum(b not in valid for b in beams),
@@ -170,7 +171,7 @@ def compare_score(engine, model_dir: Path, request, device: str, repeats: int) -
     jobs = {f"vllm_{mode}": {**base, "mode": mode} for mode in ("prompt_logprobs", "label_logprobs")}
     longest = len(prompt) + max(map(len, candidates)) + 2  # the label, then one generated token
     with _peer(engine, model_dir, device, longest, len(candidates)) as peer:
-        seconds, answers = _round_robin(lambda: engine.score([request]), jobs, peer, device, repeats)
+        seconds, rounds, answers = _round_robin(lambda: engine.score([request]), jobs, peer, device, repeats)
     [ours] = engine.score([request])
     mine = [s.logprob for s in ours.scores]
     fastest = min(jobs, key=seconds.get)
@@ -178,6 +179,7 @@ def compare_score(engine, model_dir: Path, request, device: str, repeats: int) -
         **peer.ready,
         "options": peer.options,
         "seconds": seconds,
+        "rounds": rounds,
         "ratios": {"vllm_over_genrec": seconds[fastest] / seconds["genrec"], "vllm_mode": fastest},
         "max_abs_logprob_diff": {
             name: max(abs(a - b) for a, b in zip(mine, answer["logprobs"], strict=True))
@@ -193,7 +195,7 @@ def _peer(engine, model_dir, device, max_model_len, rows, logprobs=20) -> VllmPe
 
 
 def _round_robin(genrec_fn, jobs: dict, peer: VllmPeer, device: str, repeats: int, pause_s: float = 0.2):
-    """Median seconds of genrec and of each peer job, one of each per round after one warm-up round.
+    """Median and per-round seconds of genrec and of each peer job, one of each per round after a warm-up round.
 
     The short pause between calls lets the other side's spinning OpenMP threads go to sleep first.
     """
@@ -213,7 +215,7 @@ def _round_robin(genrec_fn, jobs: dict, peer: VllmPeer, device: str, repeats: in
         time.sleep(pause_s)
         if round_:
             times["genrec"].append(elapsed)
-    return {name: statistics.median(ts) for name, ts in times.items()}, answers
+    return {name: statistics.median(ts) for name, ts in times.items()}, times, answers
 
 
 def _kv_cache_gib(config, max_model_len: int, rows: int) -> int:

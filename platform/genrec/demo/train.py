@@ -115,7 +115,7 @@ def train(
                 for group in optimizer.param_groups:
                     group["lr"] = cfg.lr * budget.lr_scale()
                 log_mq = sampler.log_q(batch.users, batch.candidates) + math.log(cfg.negatives)
-                loss, losses = _loss(model, projector, batch, users, vocab, log_mq)
+                loss, losses = _loss(model, projector, batch, users, vocab, log_mq, cfg.label_weight)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -146,14 +146,13 @@ def forward_logits(model, projector, batch: Batch, users: torch.Tensor, user_tok
     return model(inputs_embeds=embeds, attention_mask=batch.mask, position_ids=batch.positions).logits
 
 
-def _loss(model, projector, batch: Batch, users: torch.Tensor, vocab: Vocab, log_mq: torch.Tensor):
-    """log_mq [B, candidates]: log(negatives * q(candidate)) of each row's candidates under the noise q."""
-    """Cross-entropy on the code tokens, plus the labels' loss at each candidate's last token.
+def _loss(model, projector, batch: Batch, users: torch.Tensor, vocab: Vocab, log_mq: torch.Tensor, weight: float):
+    """Cross-entropy on the code tokens, plus `weight` x the labels' loss at each candidate's last token.
 
+    log_mq [B, candidates]: log(negatives * q(candidate)) under the noise q the negatives were drawn from.
     Labels: `yes`/`no` must hold the probability mass there (scoring reads the full-vocabulary log-softmax of
-    `yes`), and their margin is a noise-contrastive classifier of target vs negatives drawn from q: with
-    the margin offset by log(m * q(item)), it learns log p(item | user) whatever q is, so ranking by the
-    score ranks like the model's belief (popularity-drawn negatives are harder without biasing it).
+    `yes`), and their margin is a noise-contrastive classifier of target against negatives: offset by
+    log(m q), it learns log p(item | user) whatever q is, so the score ranks like the user's true preference.
     """
     logits = forward_logits(model, projector, batch, users, vocab.user)
     codes = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE)
@@ -162,7 +161,6 @@ def _loss(model, projector, batch: Batch, users: torch.Tensor, vocab: Vocab, log
     mass = (at.logsumexp(dim=-1) - torch.logaddexp(yes, no)).mean()
     is_target = torch.zeros_like(yes)
     is_target[:, 0] = 1.0
-    margin = yes - no - log_mq
-    nce = F.binary_cross_entropy_with_logits(margin, is_target)
+    nce = F.binary_cross_entropy_with_logits(yes - no - log_mq, is_target)
     losses = {"codes": f"{codes.item():.3f}", "mass": f"{mass.item():.3f}", "nce": f"{nce.item():.3f}"}
-    return codes + mass + nce, losses
+    return codes + weight * (mass + nce), losses

@@ -28,7 +28,8 @@ def local_ray(num_cpus: int):
 
     if ray.is_initialized():
         raise GenrecError("Ray is already initialised in this process; the demo starts its own local Ray")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace="genrec-demo")
+    # address="local": a new instance even when RAY_ADDRESS names a cluster (the demo tears its Ray down).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace="genrec-demo")
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

@@ -34,7 +34,7 @@ from genrec.demo.model_dir import RECIPE, read_recipe, read_titles
 from genrec.demo.pipeline.client import Latencies, show_user
 from genrec.demo.pipeline.cluster import app_config, local_ray, port_or_free, start_serve_app
 from genrec.demo.pipeline.inputs import Prompts, write_inputs
-from genrec.demo.pipeline.jobs import REPO_ROOT, run_job
+from genrec.demo.pipeline.jobs import REPO_ROOT, JobResult, run_job
 from genrec.demo.plot import plot_recall
 from genrec.demo.summary import key_values, quality_table
 from genrec.model.directory import GENREC_SUBDIR
@@ -42,6 +42,7 @@ from genrec.model.directory import GENREC_SUBDIR
 SERVE_CONFIG = REPO_ROOT / "deployments" / "local.yaml"
 CACHE_NAME = "demo-users"
 BATCH_SIZE = 64  # users per engine call and per output file of the batch job
+SHOW_USERS = 2  # users whose HTTP answers are shown
 
 
 @dataclass
@@ -78,7 +79,6 @@ def run_demo(
     serve_config: Path = SERVE_CONFIG,
     port: int | None = None,
     beam: int = 50,
-    show_users: int = 2,
     progress: bool = True,
     say=print,
 ) -> dict:
@@ -86,49 +86,26 @@ def run_demo(
     out, model_dir = out.resolve(), model_dir.resolve()
     prepared = prepare(model_dir, cfg, retrain, say, progress)
     data = prepared.data
-    prompts = Prompts.of(model_dir, data, cfg.history)
-    inputs = write_inputs(out, data, prompts, prepared.factors.users)
-    titles = read_titles(model_dir)
-    cache = CacheSettings(name=CACHE_NAME, store="sqlite", store_path=str(out / "embeddings.sqlite"))
-    batch_out = out / "batch"
-    Path(cache.store_path).unlink(missing_ok=True)  # ours, from an earlier run: start clean
-    shutil.rmtree(batch_out, ignore_errors=True)
-    port = port_or_free(port if port is not None else app_config(serve_config)["http_options"].get("port", 8000))
-    latencies = Latencies()
-    say("starting a local Ray ...")
-    with local_ray(num_cpus=max(4, os.cpu_count() or 1)) as address:
-        loaded = run_job(
-            "load_user_embeddings.py", ["--embeddings", str(inputs.embeddings), *_cache_flags(cache)], address, say
-        )
-        say(f"starting the Serve app of {_shown(serve_config)} on port {port} ...")
-        base_url = start_serve_app(
-            serve_config, {"model_dir": str(model_dir), "cache": {**cache.model_dump(), "dim": cfg.rank}}, port
-        )
-        for u in range(min(show_users, len(data.user_ids))):
-            show_user(base_url, data, prompts, titles, u, latencies, say)
-        say("")
-        batch = run_job(
-            "batch_recommend.py", _batch_flags(model_dir, inputs.users, batch_out, beam, cache), address, say
-        )
-    say("Serve and Ray are stopped")
-    evaluation = measure(rankings_from_rows(pq.read_table(batch_out / "recommendations"), data, beam), data, beam)
+    if port is None:
+        port = app_config(serve_config)["http_options"].get("port", 8000)
+    run = run_platform(out, model_dir, prepared, cfg, serve_config, port_or_free(port), beam, say)
+    evaluation = measure(rankings_from_rows(pq.read_table(run.recommendations), data, beam), data, beam)
     table = evaluation.table(10)
     title = f"MovieLens-100k, {len(data.user_ids)} users, held-out last item, seed {cfg.seed}"
     plot = plot_recall(evaluation, out / "recall_at_k.png", title)
     report = {
         "seed": cfg.seed,
         "users": len(data.user_ids),
-        "model_dir": str(model_dir),
         "model_reused": prepared.reused,
         "training": prepared.recipe["training"],
         "quality@10": table,
         "recall@10 / popularity": {m: _ratio(table, m) for m in ("retrieve", "recommend")},
-        "latency": latencies.summary(),
-        "embeddings_loaded": loaded.summary,
-        "batch": batch.summary | {"seconds": batch.seconds},
+        "latency": run.latencies.summary(),
+        "embeddings_loaded": run.loaded.summary,
+        "batch": run.batch.summary | {"seconds": run.batch.seconds},
         "outputs": {
             "model": str(model_dir),
-            "recommendations": str(batch_out / "recommendations"),
+            "recommendations": str(run.recommendations),
             "recall@K plot": str(plot),
             "metrics": str(out / "metrics.json"),
         },
@@ -137,6 +114,41 @@ def run_demo(
     (out / "metrics.json").write_text(json.dumps(report, indent=2))
     say(_summary(report))
     return report
+
+
+@dataclass
+class PlatformRun:
+    loaded: JobResult
+    batch: JobResult
+    latencies: Latencies
+    recommendations: Path
+
+
+def run_platform(out, model_dir, prepared: Prepared, cfg, serve_config: Path, port: int, beam: int, say):
+    """Steps 2-4 on a local Ray that is gone when this returns (or raises, Ctrl-C included)."""
+    data = prepared.data
+    prompts = Prompts.of(model_dir, data, cfg.history)
+    inputs = write_inputs(out, data, prompts, prepared.factors.users)
+    titles = read_titles(model_dir)
+    cache = CacheSettings(name=CACHE_NAME, store="sqlite", store_path=str(out / "embeddings.sqlite"))
+    batch_out = out / "batch"
+    Path(cache.store_path).unlink(missing_ok=True)  # ours, from an earlier run: start clean
+    shutil.rmtree(batch_out, ignore_errors=True)
+    latencies = Latencies()
+    say("starting a local Ray ...")
+    with local_ray(num_cpus=max(4, os.cpu_count() or 1)) as address:
+        load_flags = ["--embeddings", str(inputs.embeddings), *_cache_flags(cache)]
+        loaded = run_job("load_user_embeddings.py", load_flags, address, say)
+        say(f"starting the Serve app of {_shown(serve_config)} on port {port} ...")
+        app_args = {"model_dir": str(model_dir), "cache": {**cache.model_dump(), "dim": cfg.rank}}
+        base_url = start_serve_app(serve_config, app_args, port)
+        for u in range(min(SHOW_USERS, len(data.user_ids))):
+            show_user(base_url, data, prompts, titles, u, latencies, say)
+        say("")
+        batch_flags = _batch_flags(model_dir, inputs.users, batch_out, beam, cache)
+        batch = run_job("batch_recommend.py", batch_flags, address, say)
+    say("Serve and Ray are stopped")
+    return PlatformRun(loaded, batch, latencies, batch_out / "recommendations")
 
 
 def _shown(path: Path) -> str:

@@ -68,7 +68,7 @@ def test_demo_runs_the_platform_end_to_end(workdir):
             started = descendants(process.pid)  # Ray's processes, the cache actor, the job runner's
     assert process.wait(timeout=600) == 0, "\n".join(lines[-40:])
     output = "\n".join(lines)
-    assert "training the demo model" in output and "user 1: last watched" in output
+    assert "training the demo model" in output and "user 1, last watched" in output
     for route in ("retrieve", "recommend", "score"):
         assert f"POST /v1/{route}" in output
     report = json.loads((workdir / "out" / "metrics.json").read_text())

@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from genrec.api import Candidate, ScoreRequest
+from genrec.catalog import Catalog
 from genrec.demo.batches import IGNORE, NegativeSampler, Vocab, epoch_windows, make_batch
 from genrec.demo.config import DemoConfig
 from genrec.demo.prompts import prompt_text, prompt_token_ids
@@ -87,11 +88,8 @@ def served(tmp_path_factory):
     tokenizer.save_pretrained(str(out))
     (lo_a, _), (lo_b, _) = semantic_token_ranges(tokenizer)
     codes = np.array([[lo_a + i // 4, lo_b + i % 4] for i in range(16)])
-    from genrec.catalog import Catalog
-
-    Catalog.validated(np.array([f"m{i}" for i in range(16)], dtype=object), codes, None).save(
-        out / "genrec" / "catalog.parquet"
-    )
+    catalog = Catalog.validated(np.array([f"m{i}" for i in range(16)], dtype=object), codes, None)
+    catalog.save(out / "genrec" / "catalog.parquet")
     projector.save(out / "genrec" / "soft_token.safetensors")
     yes, no = tokenizer.convert_tokens_to_ids(list(LABEL_TOKENS))
     vocab = Vocab(codes, tokenizer.convert_tokens_to_ids(USER_TOKEN), yes, no)

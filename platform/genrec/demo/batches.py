@@ -96,14 +96,14 @@ class NegativeSampler:
     """Noise for the yes/no labels: per user, a mixture of their `near` items (uniformly; weight `near_weight`)
     and all items by (interactions + 1) ** power (0: uniform). Never the row's target.
 
-    Near items (e.g. the user's top items by SVD affinity) are what retrieval returns too: the labels learn to
-    order the kind of candidates recommend actually ranks. `log_q` gives the NCE offset of any candidate.
+    Near items (the user's top unseen items by SVD affinity) resemble what retrieval returns: harder negatives
+    than popular ones. `log_q` gives the exact noise probability of any candidate (the NCE offset).
     """
 
     def __init__(self, counts: np.ndarray, power: float, near: np.ndarray | None = None, near_weight: float = 0.0):
         weights = (counts.astype(np.float64) + 1.0) ** power
         self.q = weights / weights.sum()
-        self.near = near if near is not None else np.zeros((0, 0), dtype=np.int64)
+        self.near = near if near is not None else np.zeros((0, 0), dtype=np.int64)  # [users, k] distinct items
         self.near_weight = near_weight if self.near.size else 0.0
         self.is_near = np.zeros((len(self.near), len(counts)), dtype=bool)
         np.put_along_axis(self.is_near, self.near, True, axis=1)

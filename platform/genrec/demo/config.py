@@ -26,9 +26,8 @@ class DemoConfig:
     batch: int = 32
     negatives: int = 8  # sampled per training window for the yes/no labels
     negative_power: float = 1.0  # negatives drawn by (interactions + 1) ** power: 0 uniform, 1 by popularity
-    near: int = 100  # ... and from each user's `near` unseen items of highest SVD affinity
+    near: int = 100  # ... and from each user's `near` unseen items of highest SVD affinity (harder ones)
     near_weight: float = 0.5  # share of negatives drawn from those
-    label_weight: float = 1.0  # of the yes/no losses against the code tokens' loss
     lr: float = 3e-3
     seed: int = 0
     users: int | None = None  # train and evaluate on the first N users only (tests); None: all 943

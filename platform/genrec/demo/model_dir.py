@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from transformers.utils import logging as hf_logging
 
 from genrec.catalog import Catalog
 from genrec.demo.config import DemoConfig
@@ -24,13 +25,24 @@ RECIPE = "demo.json"
 ITEMS = "items.parquet"
 
 
-def write_demo_model(out: Path, trained: Trained, tokenizer, catalog: Catalog, titles: list[str], cfg: DemoConfig):
+def write_model(out: Path, model, projector, tokenizer, catalog: Catalog) -> None:
+    """A model directory genrec serves: transformers' own files, then the catalog and the projector."""
     out.mkdir(parents=True, exist_ok=True)
-    trained.model.save_pretrained(str(out))
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per save is noise inside the training bar
+    try:
+        model.save_pretrained(str(out))
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(str(out))
+    catalog.save(out / GENREC_SUBDIR / "catalog.parquet")
+    projector.save(out / GENREC_SUBDIR / "soft_token.safetensors")
+
+
+def write_demo_model(out: Path, trained: Trained, tokenizer, catalog: Catalog, titles: list[str], cfg: DemoConfig):
+    write_model(out, trained.model, trained.projector, tokenizer, catalog)
     ours = out / GENREC_SUBDIR
-    catalog.save(ours / "catalog.parquet")
-    trained.projector.save(ours / "soft_token.safetensors")
     items = pa.table({"item_id": pa.array(catalog.item_ids.tolist(), pa.string()), "title": titles})
     pq.write_table(items, ours / ITEMS)
     # Written last: its presence marks a complete directory.

@@ -115,7 +115,7 @@ def train(
                 for group in optimizer.param_groups:
                     group["lr"] = cfg.lr * budget.lr_scale()
                 log_mq = sampler.log_q(batch.users, batch.candidates) + math.log(cfg.negatives)
-                loss, losses = _loss(model, projector, batch, users, vocab, log_mq, cfg.label_weight)
+                loss, losses = _loss(model, projector, batch, users, vocab, log_mq)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -146,8 +146,8 @@ def forward_logits(model, projector, batch: Batch, users: torch.Tensor, user_tok
     return model(inputs_embeds=embeds, attention_mask=batch.mask, position_ids=batch.positions).logits
 
 
-def _loss(model, projector, batch: Batch, users: torch.Tensor, vocab: Vocab, log_mq: torch.Tensor, weight: float):
-    """Cross-entropy on the code tokens, plus `weight` x the labels' loss at each candidate's last token.
+def _loss(model, projector, batch: Batch, users: torch.Tensor, vocab: Vocab, log_mq: torch.Tensor):
+    """Cross-entropy on the code tokens, plus the labels' loss at each candidate's last token.
 
     log_mq [B, candidates]: log(negatives * q(candidate)) under the noise q the negatives were drawn from.
     Labels: `yes`/`no` must hold the probability mass there (scoring reads the full-vocabulary log-softmax of
@@ -160,7 +160,7 @@ def _loss(model, projector, batch: Batch, users: torch.Tensor, vocab: Vocab, log
     yes, no = at[..., vocab.yes], at[..., vocab.no]
     mass = (at.logsumexp(dim=-1) - torch.logaddexp(yes, no)).mean()
     is_target = torch.zeros_like(yes)
-    is_target[:, 0] = 1.0
+    is_target[:, 0] = 1.0  # the target is each row's first candidate
     nce = F.binary_cross_entropy_with_logits(yes - no - log_mq, is_target)
     losses = {"codes": f"{codes.item():.3f}", "mass": f"{mass.item():.3f}", "nce": f"{nce.item():.3f}"}
-    return codes + weight * (mass + nce), losses
+    return codes + mass + nce, losses

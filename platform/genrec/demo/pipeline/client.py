@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -53,22 +54,21 @@ def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str
         "prompt": prompts.text(seen),
         "exclude_item_ids": [data.item_ids[i] for i in seen],
     }
-    say(f"\nuser {data.user_ids[u]}: last watched " + "; ".join(titles[data.item_ids[i]] for i in seen[-SHOW:][::-1]))
+    latest = "; ".join(titles[data.item_ids[i]] for i in seen[-SHOW:][::-1])
+    say(f"\nuser {data.user_ids[u]}, last watched (latest first): {latest}")
     retrieved = post(base_url, "retrieve", {**user, "beam_width": 50, "num_results": SHOW}, latencies)
-    say("  retrieve  (beam search):   " + _titles(retrieved["items"], titles, "logprob"))
+    say("  retrieve  (beam log-prob):   " + _titles(retrieved["items"], titles, "logprob"))
     recommended = post(base_url, "recommend", {**user, "beam_width": 50, "num_results": 50}, latencies)
-    say("  recommend (ranked by score): " + _titles(recommended["items"][:SHOW], titles, "prob"))
+    say("  recommend (ranked, P(yes)):  " + _titles(recommended["items"][:SHOW], titles, "score_logprob", math.exp))
     held_out = data.item_ids[data.test(u)]
     popular = [data.item_ids[i] for i in np.argsort(-data.popularity, kind="stable") if i not in set(seen)][:3]
     candidates = [held_out, *[p for p in popular if p != held_out]][:4]
     score = {k: user[k] for k in ("user_id", "prompt")} | {"candidates": [{"item_id": c} for c in candidates]}
     scored = post(base_url, "score", score, latencies)["scores"]
-    marks = ["held-out next movie" if c == held_out else "popular, unseen" for c in candidates]
-    say(
-        "  score     P(yes):           "
-        + "; ".join(f"{titles[s['item_id']]} [{mark}] {s['prob']:.2f}" for s, mark in zip(scored, marks, strict=True))
-    )
+    marks = {c: "held-out next movie" if c == held_out else "popular, unseen" for c in candidates}
+    shown = [f"{titles[s['item_id']]} [{marks[s['item_id']]}] ({math.exp(s['logprob']):.2f})" for s in scored]
+    say("  score     (P(yes)):          " + "; ".join(shown))
 
 
-def _titles(items: list[dict], titles: dict[str, str], value: str) -> str:
-    return "; ".join(f"{titles[i['item_id']]} ({i[value]:.2f})" for i in items)
+def _titles(items: list[dict], titles: dict[str, str], value: str, shown=float) -> str:
+    return "; ".join(f"{titles[i['item_id']]} ({shown(i[value]):.2f})" for i in items)

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from genrec.demo.evaluate import retrieve_order
 from genrec.demo.metrics import hit_ranks, ndcg_at, popularity_rankings, recall_at
 
 
@@ -23,3 +24,8 @@ def test_popularity_ranks_unseen_items_most_popular_first():
     popularity = np.array([5, 9, 9, 1, 0])
     out = popularity_rankings(popularity, [np.array([2]), np.array([1, 2, 0, 3])], k=2)
     assert out.tolist() == [[1, 0], [4, -1]]  # ties keep the lower index first; -1 pads a short list
+
+
+def test_retrieve_order_sorts_retrieved_items_by_beam_logprob_and_drops_given_ones():
+    items = ["a", "b", "c", "d"]  # recommend's order (by score)
+    assert retrieve_order(items, [-2.0, None, -1.0, -2.0]) == ["c", "a", "d"]  # ties keep the score order

@@ -87,7 +87,7 @@ def demo(
     model_dir: Path = typer.Option(Path("out/demo-model"), help="the trained model (deployments/local.yaml's)"),
     retrain: bool = typer.Option(False, "--retrain", help="train again even if a model of this recipe exists"),
     seed: int = typer.Option(0, help="training seed (reported with the figures)"),
-    budget_s: float = typer.Option(240.0, min=1.0, help="training budget in CPU-seconds of one thread"),
+    budget_s: float = typer.Option(300.0, min=1.0, help="training budget in CPU-seconds of one thread"),
     users: int = typer.Option(None, min=1, help="only the first N users (a quick look; figures are noisier)"),
     steps: int = typer.Option(None, min=1, help="train exactly this many steps (reproducible) instead of the budget"),
     port: int = typer.Option(None, min=0, help="HTTP port (default: the Serve config's, or a free one if taken)"),

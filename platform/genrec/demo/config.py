@@ -21,7 +21,7 @@ class DemoConfig:
     intermediate: int = 192
     max_positions: int = 1024
     # Training: a budget of CPU seconds on one thread; the learning rate anneals against it.
-    budget_cpu_s: float = 240.0
+    budget_cpu_s: float = 300.0
     max_steps: int | None = None  # exactly this many steps instead (reproducible bit for bit)
     batch: int = 32
     negatives: int = 8  # sampled per training window for the yes/no labels

@@ -30,13 +30,11 @@ class Evaluation:
         return np.array([recall_at(self.ranks[method], k) for k in range(1, self.depth + 1)])
 
 
-def retrieve_order(items: list[str], retrieval_logprobs: list[float]) -> list[str]:
-    """Items (in recommend's order) re-sorted by beam-search log-probability: what Engine.retrieve returns."""
-    missing = -float("inf")  # a given candidate has no beam log-probability: last
-    order = sorted(
-        range(len(items)), key=lambda i: -(retrieval_logprobs[i] if retrieval_logprobs[i] is not None else missing)
-    )
-    return [items[i] for i in order]
+def retrieve_order(items: list[str], retrieval_logprobs: list[float | None]) -> list[str]:
+    """The retrieved items (a given candidate has no beam log-probability) by beam-search log-probability,
+    best first: what Engine.retrieve returns."""
+    retrieved = [i for i, logprob in enumerate(retrieval_logprobs) if logprob is not None]
+    return [items[i] for i in sorted(retrieved, key=lambda i: -retrieval_logprobs[i])]
 
 
 def rankings_from_rows(rows: pa.Table, data: MovieLens, depth: int) -> dict[str, np.ndarray]:

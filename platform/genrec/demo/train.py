@@ -122,8 +122,9 @@ def train(
                 optimizer.step()
                 budget.steps += 1
                 epochs += len(chunk) / len(rows)
+                shown = {"step": budget.steps, "epoch": f"{epochs:.1f}", "cpu_s": f"{budget.used_cpu_s:.0f}"}
+                bar.set_postfix(shown | losses, refresh=False)  # drawn with the bar's next percent
                 bar.update(round(100 * budget.progress) - bar.n)
-                bar.set_postfix(step=budget.steps, epoch=f"{epochs:.1f}", cpu_s=f"{budget.used_cpu_s:.0f}", **losses)
                 if budget.progress >= 1.0:
                     break
         bar.close()

@@ -59,16 +59,21 @@ def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str
     retrieved = post(base_url, "retrieve", {**user, "beam_width": 50, "num_results": SHOW}, latencies)
     say("  retrieve  (beam log-prob):   " + _titles(retrieved["items"], titles, "logprob"))
     recommended = post(base_url, "recommend", {**user, "beam_width": 50, "num_results": 50}, latencies)
-    say("  recommend (ranked, P(yes)):  " + _titles(recommended["items"][:SHOW], titles, "score_logprob", math.exp))
+    say("  recommend (ranked, P(yes)):  " + _titles(recommended["items"][:SHOW], titles, "score_logprob", _percent))
     held_out = data.item_ids[data.test(u)]
     popular = [data.item_ids[i] for i in np.argsort(-data.popularity, kind="stable") if i not in set(seen)][:3]
     candidates = [held_out, *[p for p in popular if p != held_out]][:4]
     score = {k: user[k] for k in ("user_id", "prompt")} | {"candidates": [{"item_id": c} for c in candidates]}
     scored = post(base_url, "score", score, latencies)["scores"]
     marks = {c: "held-out next movie" if c == held_out else "popular, unseen" for c in candidates}
-    shown = [f"{titles[s['item_id']]} [{marks[s['item_id']]}] ({math.exp(s['logprob']):.2f})" for s in scored]
+    shown = [f"{titles[s['item_id']]} [{marks[s['item_id']]}] ({_percent(s['logprob'])})" for s in scored]
     say("  score     (P(yes)):          " + "; ".join(shown))
 
 
-def _titles(items: list[dict], titles: dict[str, str], value: str, shown=float) -> str:
-    return "; ".join(f"{titles[i['item_id']]} ({shown(i[value]):.2f})" for i in items)
+def _titles(items: list[dict], titles: dict[str, str], value: str, shown=lambda v: f"{v:.2f}") -> str:
+    return "; ".join(f"{titles[i['item_id']]} ({shown(i[value])})" for i in items)
+
+
+def _percent(logprob: float) -> str:
+    """P(yes) as a percentage: trained as a noise-contrastive classifier, it is about P(next item), small."""
+    return f"{100 * math.exp(logprob):.2g}%"

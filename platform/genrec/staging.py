@@ -28,29 +28,28 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_, to
 
 
 @contextmanager
-def fetching():
-    """Marks a deliberate device-to-host read (see `fetch`)."""
-    before = getattr(_state, "fetching", False)
-    _state.fetching = True
+def _flagged(name: str):
+    """Sets a thread-local flag for the duration of the block (nested blocks restore the outer value)."""
+    before = getattr(_state, name, False)
+    setattr(_state, name, True)
     try:
         yield
     finally:
-        _state.fetching = before
+        setattr(_state, name, before)
+
+
+def fetching():
+    """Marks a deliberate device-to-host read (see `fetch`)."""
+    return _flagged("fetching")
 
 
 def inside_fetch() -> bool:
     return getattr(_state, "fetching", False)
 
 
-@contextmanager
 def host_side():
     """Marks host-only work (request checks on host tensors): nothing in it waits for the device."""
-    before = getattr(_state, "host", False)
-    _state.host = True
-    try:
-        yield
-    finally:
-        _state.host = before
+    return _flagged("host")
 
 
 def on_host() -> bool:

@@ -3,6 +3,8 @@
     python jobs/batch_recommend.py --model DIR --users USERS.parquet --out OUT_DIR [--rank] [--actors N]
     ray job submit --working-dir . -- python jobs/batch_recommend.py --model ... (absolute paths)
 
+--rank recommends (retrieve, then rank); --rank-by joint [--score-weight W] ranks by the generator's and the
+label's log-probabilities together (RecommendRequest.rank_by).
 Rerun with the same arguments after a failure: committed shards are skipped, the rest are computed.
 Exit status: 0, or 1 when the fraction of bad rows passes --max-error-fraction, or 2 for bad arguments.
 """
@@ -21,6 +23,14 @@ def main() -> int:
     parser.add_argument("--beam-width", type=int, default=30)
     parser.add_argument("--num-results", type=int, default=None, help="items per user (default: beam width)")
     parser.add_argument("--rank", action="store_true", help="recommend: score the retrieved items (and candidates)")
+    parser.add_argument(
+        "--rank-by",
+        choices=("score", "joint"),
+        default="score",
+        help="with --rank: by the label score, or by "
+        "log P(item) + weight * log P(label | item) (the demo model's; see RecommendRequest.rank_by)",
+    )
+    parser.add_argument("--score-weight", type=float, default=1.0, help="with --rank-by joint: the label's weight")
     parser.add_argument("--batch-size", type=int, default=64, help="users per engine call and per output file")
     parser.add_argument("--actors", type=int, default=1, help="engine actors (one model copy each)")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor (0: CPU engine)")
@@ -39,6 +49,8 @@ def main() -> int:
         beam_width=args.beam_width,
         num_results=args.num_results,
         rank=args.rank,
+        rank_by=args.rank_by,
+        score_weight=args.score_weight,
         batch_size=args.batch_size,
         device="cuda" if args.num_gpus > 0 else "cpu",
         dtype=args.dtype,

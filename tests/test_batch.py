@@ -153,7 +153,8 @@ def test_driver_killed_midway_then_rerun_equals_an_uninterrupted_run(ray_cluster
 
 
 def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir, tmp_path):
-    """--rank with given candidates; embeddings bulk-loaded into the cache (durable store) and looked up by user."""
+    """--rank --rank-by joint with given candidates; embeddings bulk-loaded into the cache (durable store) and
+    looked up by user."""
     import ray
 
     from genrec.cache import SQLiteStore
@@ -174,7 +175,16 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
     assert loaded["loaded"] == loaded["resident"] == n - 1
     assert SQLiteStore(tmp_path / "emb.sqlite", dim).count() == n - 1  # durable before the job uses it
     try:
-        spec = spec_for(tiny_dir, tmp_path / "users.parquet", tmp_path / "out", rank=True, batch_size=3, cache=cache)
+        spec = spec_for(
+            tiny_dir,
+            tmp_path / "users.parquet",
+            tmp_path / "out",
+            rank=True,
+            rank_by="joint",
+            score_weight=0.5,
+            batch_size=3,
+            cache=cache,
+        )
         summary = run_batch(spec, Execution(progress=False))
     finally:
         for actor in cache.connect(dim).actors:
@@ -194,6 +204,8 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
                 candidates=[{"item_id": c} for c in candidates[u]],
                 beam_width=BEAM,
                 num_results=RESULTS,
+                rank_by="joint",
+                score_weight=0.5,
             )
             for u in users
         ]
@@ -201,5 +213,6 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
             expected += [(u, rank, item) for rank, item in enumerate(result.items, 1)]
     assert [(r["user_id"], r["rank"], r["item_id"]) for r in table] == [(u, k, i.item_id) for u, k, i in expected]
     assert np.allclose([r["score"] for r in table], [i.score_logprob for _, _, i in expected], atol=1e-5)
+    assert np.allclose([r["code_logprob"] for r in table], [i.code_logprob for _, _, i in expected], atol=1e-5)
     given = [r for r in table if r["retrieval_logprob"] is None]
     assert len(given) == 2 * (n - 1) and {r["item_id"] for r in given} == {"item-000001", "item-000002"}

@@ -125,6 +125,9 @@ def test_an_unusable_users_file_is_one_clear_error(tmp_path, columns, fragment):
         (["--beam-width", "0"], "error: --beam-width: Input should be greater than or equal to 1"),
         (["--beam-width", "4", "--num-results", "9"], "error: num_results (9) exceeds beam_width (4)"),
         (["--users", "/no/such/users.parquet"], "no such file or directory (expected the users Parquet)"),
+        (["--rank-by", "joint"], "error: rank_by applies to recommend: set rank"),
+        (["--rank", "--score-weight", "2"], "error: score_weight applies to rank_by joint"),
+        (["--rank", "--rank-by", "joint", "--score-weight", "-1"], "error: --score-weight: Input should be greater"),
     ],
 )
 def test_the_job_refuses_bad_arguments_in_one_line_before_starting_ray(tiny_dir, tmp_path, flags, fragment):

@@ -44,14 +44,17 @@ def requests(engine, rng):
         RecommendRequest(
             prompt_token_ids=random_prompt(engine, 18, rng), beam_width=5, candidates=cands, exclude_item_ids=items[1:3]
         ),
+        RecommendRequest(
+            prompt_token_ids=random_prompt(engine, 19, rng), beam_width=4, candidates=cands, rank_by="joint"
+        ),
     ]
 
 
 def test_engine_batches_run_without_a_sync(engine, rng):
-    retrieve, personal, score, recommend = requests(engine, rng)
+    retrieve, personal, score, *recommend = requests(engine, rng)
     with no_sync():
-        got = engine.retrieve([retrieve, personal]), engine.score([score]), engine.recommend([recommend])
-    assert got[0][0].items and got[0][1].items and got[1][0].scores and got[2][0].items
+        got = engine.retrieve([retrieve, personal]), engine.score([score]), engine.recommend(recommend)
+    assert got[0][0].items and got[0][1].items and got[1][0].scores and got[2][0].items and got[2][1].items
     assert got[0] == engine.retrieve([retrieve, personal])  # the same results outside the guard
 
 
@@ -63,5 +66,5 @@ def test_scheduler_steps_run_without_a_sync(engine, rng):
         while not scheduler.idle:
             scheduler.step()
     results = [f.result() for f in futures]  # every request finished, none failed
-    assert results[0].items and results[2].scores and results[3].items
+    assert results[0].items and results[2].scores and results[3].items and results[4].items
     assert [i.item_id for i in futures[0].result().items] == [i.item_id for i in futures[-1].result().items]

@@ -1,6 +1,8 @@
 """recommend = retrieve, then score the retrieved items (plus given candidates), on one prefill."""
 
 import pytest
+import torch
+from pydantic import ValidationError
 
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
 from tests.conftest import random_prompt
@@ -89,3 +91,81 @@ def test_given_candidates_follow_the_same_rules_in_the_async_engine(engine, rng)
     (want,) = engine.recommend([request])
     assert [(i.item_id, i.source) for i in got.items] == [(i.item_id, i.source) for i in want.items]
     assert plain.items[1].item_id not in {i.item_id for i in got.items} and len(got.items) == 5
+
+
+@torch.no_grad()
+def hf_sequence_logprob(hf_model, prompt: list[int], tokens: list[int]) -> float:
+    """log P(tokens | prompt) from one transformers forward: full-vocabulary log-softmax at each step."""
+    logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).sum().item()
+
+
+def joint_request(engine, rng, **options):
+    tokens = random_prompt(engine, 26, rng)
+    (plain,) = engine.retrieve([RetrieveRequest(prompt_token_ids=tokens, beam_width=6)])
+    outside = [i for i in engine.catalog.item_ids if i not in {r.item_id for r in plain.items}][:2]
+    given = [Candidate(item_id=outside[0]), Candidate(text="news daily"), Candidate(item_id=outside[1])]
+    return tokens, RecommendRequest(prompt_token_ids=tokens, beam_width=6, candidates=given, **options)
+
+
+def test_joint_ranking_adds_each_items_code_logprob_to_its_score(engine, hf_model, rng):
+    tokens, request = joint_request(engine, rng, rank_by="joint")
+    (rec,) = engine.recommend([request])
+    (by_score,) = engine.recommend([request.model_copy(update={"rank_by": "score"})])
+    given = [i for i in rec.items if i.source == "given"]
+    assert len(rec.items) == 9 and len(given) == 3
+    for item in rec.items:
+        if item.source == "retrieved":
+            assert item.code_logprob == item.retrieval_logprob
+        else:  # computed in the scoring pass: equal to transformers over prompt + the candidate's tokens
+            cand = item.semantic_id or engine.tokenizer("news daily", add_special_tokens=False)["input_ids"]
+            assert item.code_logprob == pytest.approx(hf_sequence_logprob(hf_model, tokens, cand), abs=1e-4)
+    joint = [i.code_logprob + i.score_logprob for i in rec.items]
+    assert joint == sorted(joint, reverse=True)
+    (weighted,) = engine.recommend([request.model_copy(update={"score_weight": 0.25})])
+    keys = [i.code_logprob + 0.25 * i.score_logprob for i in weighted.items]
+    assert keys == sorted(keys, reverse=True) and sorted(keys) != sorted(joint)
+    # the same rows and scores as rank_by="score"; only the order and the given rows' code_logprob differ
+    assert all(i.code_logprob is None for i in by_score.items if i.source == "given")
+    key = {(i.item_id, i.source): i.score_logprob for i in by_score.items}
+    assert {(i.item_id, i.source): i.score_logprob for i in rec.items} == pytest.approx(key, abs=1e-6)
+
+
+def test_a_given_items_code_logprob_equals_its_beam_logprob(engine, rng):
+    tokens = random_prompt(engine, 31, rng)
+    (wide,) = engine.retrieve([RetrieveRequest(prompt_token_ids=tokens, beam_width=12)])
+    found = wide.items[4:10]  # found by the wide beam; a beam of 2 keeps at most two of them
+    request = RecommendRequest(
+        prompt_token_ids=tokens, beam_width=2, candidates=[Candidate(item_id=i.item_id) for i in found], rank_by="joint"
+    )
+    (rec,) = engine.recommend([request])
+    got = {i.item_id: i.code_logprob for i in rec.items}
+    assert all(got[i.item_id] == pytest.approx(i.logprob, abs=1e-5) for i in found)
+
+
+def test_joint_ranking_is_the_same_in_chunked_passes_and_the_async_engine(tiny_dir, engine, rng):
+    import asyncio
+
+    from genrec.engine import AsyncEngine, Engine
+
+    _, request = joint_request(engine, rng, rank_by="joint")
+    (want,) = engine.recommend([request])
+    small = Engine.from_pretrained(tiny_dir, score_max_tokens=4)  # a pass or more per candidate
+    (chunked,) = small.recommend([request])
+    ae = AsyncEngine(engine)
+    try:
+        served = asyncio.run(asyncio.wait_for(ae.recommend(request), 60))
+    finally:
+        ae.shutdown()
+    for got in (chunked, served):
+        assert [(i.item_id, i.source) for i in got.items] == [(i.item_id, i.source) for i in want.items]
+        assert [i.code_logprob for i in got.items] == pytest.approx([i.code_logprob for i in want.items], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("rank_by", "retrieval"), ("score_weight", -1.0), ("score_weight", float("nan")), ("score_weight", "1")],
+)
+def test_ranking_options_are_checked(field, value):
+    with pytest.raises(ValidationError, match=field):
+        RecommendRequest(prompt="x", **{field: value})

@@ -9,7 +9,7 @@ Text must be valid Unicode (a lone surrogate, reachable through JSON escapes, is
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import (
@@ -160,12 +160,26 @@ class RecommendRequest(RetrieveRequest):
 
     candidates: list[Candidate] = Field(default_factory=list)
     labels: tuple[Text, Text] = ("yes", "no")
+    rank_by: Literal["score", "joint"] = Field(
+        "score",
+        description="'score': by score_logprob, log P(positive label | prompt, item). 'joint': by "
+        "code_logprob + score_weight * score_logprob, the generator's and the label's evidence together (at "
+        "weight 1, log P(item, positive label | prompt)); for a label head trained beside the generator",
+    )
+    score_weight: Annotated[StrictFloat, BeforeValidator(_plain), Field(ge=0, allow_inf_nan=False)] = Field(
+        1.0, description="rank_by='joint': the weight of score_logprob (0 keeps the generator's order)"
+    )
 
 
 class RecommendedItem(BaseModel):
     item_id: str | None = None
     semantic_id: list[int] | None = None
     retrieval_logprob: float | None = Field(None, description="beam-search logprob; None for given candidates")
+    code_logprob: float | None = Field(
+        None,
+        description="log P(item's tokens | prompt): the beam logprob of a retrieved item; for a given "
+        "candidate computed in the scoring pass under rank_by='joint', else None",
+    )
     score_logprob: float
     prob: float
     source: str = Field(description="'retrieved', 'given', or 'retrieved+given' (retrieved and also given)")
@@ -173,6 +187,6 @@ class RecommendedItem(BaseModel):
 
 class RecommendResult(BaseModel):
     request_id: str | None = None
-    items: list[RecommendedItem] = Field(description="ranked by score_logprob, best first")
+    items: list[RecommendedItem] = Field(description="ranked by the request's rank_by, best first")
     prompt_tokens: int
     unknown_exclusions: int = 0

@@ -16,7 +16,8 @@ def output_schema(user_id: pa.DataType) -> pa.Schema:
             ("item_id", pa.string()),
             ("semantic_id", pa.list_(pa.int64())),
             ("retrieval_logprob", pa.float64()),  # null for a given candidate (recommend)
-            ("score", pa.float64()),  # recommend: the label logprob it is ranked by; retrieve: null
+            ("code_logprob", pa.float64()),  # log P(item | prompt); null for a given one unless rank_by is joint
+            ("score", pa.float64()),  # recommend: the label logprob; retrieve: null
             ("model_version", pa.string()),
             ("run_id", pa.string()),
         ]
@@ -38,7 +39,8 @@ def error_schema(user_id: pa.DataType) -> pa.Schema:
 def recommendations_table(
     user_ids: pa.Array, positions: list[int], results: list, rank: bool, model_version: str, run_id: str
 ) -> pa.Table:
-    """`results`: RetrieveResults (items ranked by beam logprob) or, with `rank`, RecommendResults (by score)."""
+    """`results`: RetrieveResults (items ranked by beam logprob) or, with `rank`, RecommendResults (ranked by
+    their request's rank_by: score, or code_logprob + score)."""
     counts = np.asarray([len(r.items) for r in results], dtype=np.int64)
     items = [item for r in results for item in r.items]
     first_of_user = np.repeat(np.cumsum(counts) - counts, counts)
@@ -48,6 +50,7 @@ def recommendations_table(
         "item_id": [item.item_id for item in items],
         "semantic_id": [item.semantic_id for item in items],
         "retrieval_logprob": [item.retrieval_logprob if rank else item.logprob for item in items],
+        "code_logprob": [item.code_logprob if rank else item.logprob for item in items],
         "score": [item.score_logprob if rank else None for item in items],
         "model_version": [model_version] * len(items),
         "run_id": [run_id] * len(items),

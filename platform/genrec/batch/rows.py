@@ -28,10 +28,19 @@ class Parsed:
 
 
 def parse_rows(
-    table: pa.Table, rank: bool, beam_width: int, num_results: int | None, embeddings: list | None = None
+    table: pa.Table,
+    rank: bool,
+    beam_width: int,
+    num_results: int | None,
+    embeddings: list | None = None,
+    ranking: dict | None = None,
 ) -> Parsed:
-    """Validate every row with the API models. `embeddings` (from the cache) fill rows that carry none."""
+    """Validate every row with the API models. `embeddings` (from the cache) fill rows that carry none;
+    `ranking`: recommend's rank_by and score_weight."""
     kind = RecommendRequest if rank else RetrieveRequest
+    settings = {"beam_width": beam_width, "num_results": num_results}
+    if rank:
+        settings |= ranking or {}
     wanted = [*REQUEST_COLUMNS, "candidates"] if rank else list(REQUEST_COLUMNS)
     columns = {name: table.column(name).to_pylist() for name in wanted if name in table.column_names}
     user_ids = table.column("user_id").to_pylist()
@@ -49,7 +58,7 @@ def parse_rows(
         if "candidates" in fields:
             fields["candidates"] = [{"item_id": c} if isinstance(c, str) else c for c in fields["candidates"]]
         try:
-            request = kind(**fields, beam_width=beam_width, num_results=num_results)
+            request = kind(**fields, **settings)
         except ValidationError as err:
             parsed.errors.append(_validation_error(row, err, kind))
             continue

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from genrec.api import MAX_BEAM_WIDTH
 from genrec.cache.settings import CacheSettings
 
-FORMAT = 1  # bump when the output layout or columns change
+FORMAT = 2  # bump when the output layout or columns change
 
 
 class BatchSpec(BaseModel):
@@ -24,6 +25,8 @@ class BatchSpec(BaseModel):
     beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH)
     num_results: int | None = Field(None, ge=1, description="items per user (default: beam_width)")
     rank: bool = Field(False, description="recommend (retrieve, then score on the same prefill) instead of retrieve")
+    rank_by: Literal["score", "joint"] = Field("score", description="with rank: RecommendRequest.rank_by")
+    score_weight: float = Field(1.0, ge=0, allow_inf_nan=False, description="RecommendRequest.score_weight")
     batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
     device: str = "cpu"
     dtype: str | None = Field(None, description="default: bfloat16 on CUDA, float32 on the CPU")
@@ -33,6 +36,10 @@ class BatchSpec(BaseModel):
     def _results_within_beam(self):
         if self.num_results is not None and self.num_results > self.beam_width:
             raise ValueError(f"num_results ({self.num_results}) exceeds beam_width ({self.beam_width})")
+        if self.rank_by != "score" and not self.rank:
+            raise ValueError("rank_by applies to recommend: set rank")
+        if self.score_weight != 1.0 and self.rank_by != "joint":
+            raise ValueError("score_weight applies to rank_by joint")
         return self
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
@@ -44,6 +51,8 @@ class BatchSpec(BaseModel):
             "beam_width": self.beam_width,
             "num_results": self.num_results or self.beam_width,
             "rank": self.rank,
+            "rank_by": self.rank_by,
+            "score_weight": self.score_weight,
             "batch_size": self.batch_size,
             "device": self.device.split(":")[0],
             "dtype": self.dtype,

@@ -58,7 +58,8 @@ class ShardWorker:
         if self.cache is not None and "user_embedding" not in table.column_names:
             embeddings = lookup(self.cache, user_ids.to_pylist())
         spec = self.spec
-        parsed = parse_rows(table, spec.rank, spec.beam_width, spec.num_results, embeddings)
+        ranking = {"rank_by": spec.rank_by, "score_weight": spec.score_weight}
+        parsed = parse_rows(table, spec.rank, spec.beam_width, spec.num_results, embeddings, ranking)
         self._check_against_model(parsed)
         run = self.engine.recommend if spec.rank else self.engine.retrieve
         results = run(parsed.requests) if parsed.requests else []

@@ -200,7 +200,12 @@ class Engine:
         if retrieved is None:
             return ScoreJob(prefilled.ctx, prepared.candidates, prepared.labels)
         given = [prepared.candidates[k] for k in _not_retrieved(prepared, retrieved)]
-        return ScoreJob(prefilled.ctx, [i.semantic_id for i in retrieved.items] + given, prepared.labels)
+        tokens = [i.semantic_id for i in retrieved.items] + given
+        if prepared.request.rank_by != "joint" or not given:
+            return ScoreJob(prefilled.ctx, tokens, prepared.labels)
+        # Joint ranking needs the given candidates' code logprob (the retrieved ones have theirs from the beam).
+        prompt_logprobs = torch.log_softmax(prefilled.last_logits.float(), dim=-1)
+        return ScoreJob(prefilled.ctx, tokens, prepared.labels, len(retrieved.items), prompt_logprobs)
 
     # -- results ---------------------------------------------------------------------------------
 
@@ -223,7 +228,7 @@ class Engine:
         return out
 
     def score_result(self, prepared: Prepared, prefilled: Prefilled, scores: LabelScores) -> ScoreResult:
-        logprobs, probs = _fetch_scores(scores)
+        logprobs, probs, _ = _fetch_scores(scores)
         items = [
             CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
             for c, lp, pr in zip(prepared.request.candidates, logprobs, probs, strict=True)
@@ -231,27 +236,35 @@ class Engine:
         return ScoreResult(request_id=prepared.request.request_id, scores=items, prompt_tokens=prefilled.prompt_tokens)
 
     def recommend_result(self, prepared: Prepared, retrieved: RetrieveResult, scores: LabelScores) -> RecommendResult:
-        logprobs, probs = _fetch_scores(scores)
+        offset = len(retrieved.items)
+        logprobs, probs, sequence = _fetch_scores(scores)
         given_ids = {c.item_id for c in prepared.given if c.item_id is not None}
         items = [
             RecommendedItem(
                 item_id=i.item_id,
                 semantic_id=i.semantic_id,
                 retrieval_logprob=i.logprob,
+                code_logprob=i.logprob,
                 score_logprob=lp,
                 prob=pr,
                 source="retrieved+given" if i.item_id in given_ids else "retrieved",
             )
             for i, lp, pr in zip(retrieved.items, logprobs, probs, strict=False)
         ]
-        offset = len(retrieved.items)
         given = [prepared.given[k] for k in _not_retrieved(prepared, retrieved)]
-        for cand, lp, pr in zip(given, logprobs[offset:], probs[offset:], strict=True):
+        for cand, lp, pr, code_lp in zip(given, logprobs[offset:], probs[offset:], sequence[offset:], strict=True):
             code = self.catalog.codes[self.catalog.index_of(cand.item_id)].tolist() if cand.item_id else None
             items.append(
-                RecommendedItem(item_id=cand.item_id, semantic_id=code, score_logprob=lp, prob=pr, source="given")
+                RecommendedItem(
+                    item_id=cand.item_id,
+                    semantic_id=code,
+                    code_logprob=code_lp,
+                    score_logprob=lp,
+                    prob=pr,
+                    source="given",
+                )
             )
-        items.sort(key=lambda item: item.score_logprob, reverse=True)
+        items.sort(key=_rank_key(prepared.request), reverse=True)
         return RecommendResult(
             request_id=prepared.request.request_id,
             items=items,
@@ -260,16 +273,26 @@ class Engine:
         )
 
 
+def _rank_key(request: RecommendRequest):
+    if request.rank_by == "joint":
+        weight = request.score_weight
+        return lambda item: item.code_logprob + weight * item.score_logprob
+    return lambda item: item.score_logprob
+
+
 def _not_retrieved(prepared: Prepared, retrieved: RetrieveResult) -> list[int]:
     """Indices of the given candidates that beam search did not already find (those are ranked once)."""
     found = {i.item_id for i in retrieved.items}
     return [k for k, c in enumerate(prepared.given) if c.item_id is None or c.item_id not in found]
 
 
-def _fetch_scores(scores: LabelScores) -> tuple[list[float], list[float]]:
-    """A request's label scores on the host (the end of the request: one named fetch), checked finite."""
-    both = fetch(torch.stack((scores.logprob.double(), scores.prob.double())))
-    return _check_finite(both[0].tolist()), _check_finite(both[1].tolist())
+def _fetch_scores(scores: LabelScores) -> tuple[list[float], list[float], list[float | None]]:
+    """A request's label scores and sequence logprobs (None where not asked for) on the host, checked finite:
+    the end of the request, one named fetch."""
+    host = fetch(torch.stack((scores.logprob.double(), scores.prob.double(), scores.sequence.double())))
+    sequence = [None if math.isnan(x) else x for x in host[2].tolist()]
+    _check_finite([x for x in sequence if x is not None])
+    return _check_finite(host[0].tolist()), _check_finite(host[1].tolist()), sequence
 
 
 def _check_finite(values: list[float]) -> list[float]:

@@ -2,6 +2,8 @@
 
 Each candidate's tokens see the prompt (through the shared context) and themselves (causal), nothing else,
 at positions that continue the prompt: its score is exactly what it would be if it alone followed the prompt.
+Rows a job asks for (recommend's given candidates under rank_by="joint") also get log P(their tokens | prompt),
+from the same pass: what beam search would have scored them with.
 """
 
 from __future__ import annotations
@@ -19,17 +21,32 @@ from genrec.staging import to_device
 
 @dataclass
 class ScoreJob:
-    """One request's candidates (token lists) against its context, with (positive, negative) label IDs."""
+    """One request's candidates (token lists) against its context, with (positive, negative) label IDs.
+
+    `sequence_from`: candidates from this index on also get their sequence log-probability, whose first token
+    is read from `prompt_logprobs` [vocab] (the log-softmax after the prompt: the context holds no logits).
+    """
 
     ctx: ContextKV
     candidates: list[list[int]]
     labels: tuple[int, int]
+    sequence_from: int | None = None
+    prompt_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.sequence_from is not None and self.prompt_logprobs is None:
+            raise ValueError("sequence_from needs prompt_logprobs")
 
 
 @dataclass
 class LabelScores:
     logprob: torch.Tensor  # [N] full-vocabulary log-softmax of the positive label
     prob: torch.Tensor  # [N] softmax over the two labels: P(positive)
+    sequence: torch.Tensor  # [N] log P(candidate tokens | prompt) for the rows asked for, NaN for the others
+
+    @classmethod
+    def cat(cls, parts: list[LabelScores]) -> LabelScores:
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprob", "prob", "sequence")))
 
 
 def score_jobs(model: Qwen3, jobs: list[ScoreJob], max_tokens: int = 16384) -> list[LabelScores]:
@@ -37,18 +54,32 @@ def score_jobs(model: Qwen3, jobs: list[ScoreJob], max_tokens: int = 16384) -> l
 
     A job without candidates (a recommend that excluded everything) gets empty scores and no rows in any pass.
     """
-    empty = LabelScores(torch.empty(0, device=model.device), torch.empty(0, device=model.device))
+    empty = LabelScores(*(torch.empty(0, device=model.device) for _ in range(3)))
     parts: list[list[LabelScores]] = [[empty] for _ in jobs]  # every job has a part, even with no rows
     for chunk in _chunks(jobs, max_tokens):
         for job_index, scores in zip(chunk.job_index, _score_chunk(model, chunk), strict=True):
             parts[job_index].append(scores)
-    return [LabelScores(torch.cat([p.logprob for p in ps]), torch.cat([p.prob for p in ps])) for ps in parts]
+    return [LabelScores.cat(ps) for ps in parts]
+
+
+@dataclass
+class _Segment:
+    """Candidates `start` to `start + len(candidates)` of `job`."""
+
+    job: ScoreJob
+    start: int
+    candidates: list[list[int]]
+
+    def wants_sequence(self) -> np.ndarray:
+        """[rows] whether each row wants its sequence log-probability."""
+        first = self.job.sequence_from
+        return self.start + np.arange(len(self.candidates)) >= (first if first is not None else np.inf)
 
 
 @dataclass
 class _Chunk:
     job_index: list[int]  # which job each segment belongs to
-    segments: list[tuple[ContextKV, list[list[int]], tuple[int, int]]]
+    segments: list[_Segment]
 
 
 def _chunks(jobs: list[ScoreJob], max_tokens: int):
@@ -61,38 +92,73 @@ def _chunks(jobs: list[ScoreJob], max_tokens: int):
             if rows and (rows + 1) * widest > max_tokens:
                 if i > start:
                     chunk.job_index.append(index)
-                    chunk.segments.append((job.ctx, job.candidates[start:i], job.labels))
+                    chunk.segments.append(_Segment(job, start, job.candidates[start:i]))
                 yield chunk
                 chunk, rows, widest, start = _Chunk([], []), 0, len(cand), i
             rows, longest = rows + 1, widest
         if start < len(job.candidates):  # a job of no rows adds no segment: zero rows never reach attention
             chunk.job_index.append(index)
-            chunk.segments.append((job.ctx, job.candidates[start:], job.labels))
+            chunk.segments.append(_Segment(job, start, job.candidates[start:]))
     if chunk.segments:
         yield chunk
 
 
 def _score_chunk(model: Qwen3, chunk: _Chunk) -> list[LabelScores]:
     device = model.device
-    rows = [cand for _, cands, _ in chunk.segments for cand in cands]
+    rows = [cand for seg in chunk.segments for cand in seg.candidates]
     ids, lengths = _pad(rows)
-    counts = [len(cands) for _, cands, _ in chunk.segments]
+    counts = [len(seg.candidates) for seg in chunk.segments]
     groups, offset = [], 0
-    for (ctx, _, _), n in zip(chunk.segments, counts, strict=True):
-        groups.append(ContextGroup(offset, offset + n, ctx))
+    for seg, n in zip(chunk.segments, counts, strict=True):
+        groups.append(ContextGroup(offset, offset + n, seg.job.ctx))
         offset += n
-    starts = np.repeat([ctx.length for ctx, _, _ in chunk.segments], counts)
+    starts = np.repeat([seg.job.ctx.length for seg in chunk.segments], counts)
     positions = starts[:, None] + np.arange(ids.shape[1])[None, :]
-    labels = np.repeat([labels for _, _, labels in chunk.segments], counts, axis=0)
-    ids, positions, labels = to_device(ids, device), to_device(positions, device), to_device(labels, device)
-    hidden, _, _ = model.forward_rows(model.embed(ids), positions, groups, causal=True)
+    labels = np.repeat([seg.job.labels for seg in chunk.segments], counts, axis=0)
+    ids_d, positions, labels = to_device(ids, device), to_device(positions, device), to_device(labels, device)
+    hidden, _, _ = model.forward_rows(model.embed(ids_d), positions, groups, causal=True)
     last = hidden[torch.arange(len(rows), device=device), to_device(lengths - 1, device)]
     logprob, prob = _label_scores(model, last, labels[:, 0], labels[:, 1])
+    sequence = _sequence_logprobs(model, chunk.segments, hidden, ids, lengths)
     out, offset = [], 0
-    for _, cands, _ in chunk.segments:
-        out.append(LabelScores(logprob[offset : offset + len(cands)], prob[offset : offset + len(cands)]))
-        offset += len(cands)
+    for n in counts:
+        part = slice(offset, offset + n)
+        out.append(LabelScores(logprob[part], prob[part], sequence[part]))
+        offset += n
     return out
+
+
+def _sequence_logprobs(model: Qwen3, segments: list[_Segment], hidden, ids: np.ndarray, lengths: np.ndarray):
+    """[rows] log P(tokens | prompt) for the rows whose segment asks, NaN elsewhere. Token 0 is read from the
+    job's prompt log-probs, token t > 0 from the row's own hidden state at t - 1."""
+    device = hidden.device
+    out = torch.full((len(ids),), float("nan"), device=device)
+    wanted = np.flatnonzero(np.concatenate([seg.wants_sequence() for seg in segments]))
+    if not len(wanted):
+        return out
+    asking = [k for k, seg in enumerate(segments) if seg.job.sequence_from is not None]
+    prompts = torch.stack([segments[k].job.prompt_logprobs for k in asking])  # [asking segments, vocab]
+    slot = np.zeros(len(segments), dtype=np.int64)
+    slot[asking] = np.arange(len(asking))
+    prompt_of = slot[np.repeat(np.arange(len(segments)), [len(seg.candidates) for seg in segments])[wanted]]
+    rows, tokens = to_device(wanted, device), to_device(ids[wanted], device)
+    first = prompts[to_device(prompt_of, device), tokens[:, 0]]
+    later = torch.zeros_like(first)
+    if ids.shape[1] > 1:
+        picked = _token_logprobs(model, hidden[rows, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        picked = picked.view(len(wanted), -1)
+        inside = to_device(np.arange(1, ids.shape[1])[None, :] < lengths[wanted][:, None], device, torch.bool)
+        later = torch.where(inside, picked, 0.0).sum(dim=1)
+    return out.index_put((rows,), first + later)
+
+
+def _token_logprobs(model: Qwen3, hidden: torch.Tensor, tokens: torch.Tensor, rows: int = 512) -> torch.Tensor:
+    """[N] log-softmax of each of `tokens` [N] under the logits of `hidden` [N, H], `rows` logit rows at a time."""
+    parts = [
+        torch.log_softmax(model.logits(h).float(), dim=-1).gather(1, t[:, None])[:, 0]
+        for h, t in zip(hidden.split(rows), tokens.split(rows), strict=True)
+    ]
+    return torch.cat(parts)
 
 
 def _pad(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -168,4 +168,6 @@ def test_joint_ranking_is_the_same_in_chunked_passes_and_the_async_engine(tiny_d
 )
 def test_ranking_options_are_checked(field, value):
     with pytest.raises(ValidationError, match=field):
-        RecommendRequest(prompt="x", **{field: value})
+        RecommendRequest(prompt="x", **{"rank_by": "joint", field: value})
+    with pytest.raises(ValidationError, match="'score_weight' applies to rank_by 'joint' only"):
+        RecommendRequest(prompt="x", score_weight=0.5)

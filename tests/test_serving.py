@@ -105,6 +105,18 @@ def test_retrieve_score_recommend_equal_the_engine(open_url, client, engine, tin
             RecommendRequest(prompt=PROMPT, user_embedding=vector, beam_width=8, candidates=candidates[2:]),
             engine.recommend,
         ),
+        (
+            "recommend",
+            RecommendRequest(
+                prompt=PROMPT,
+                user_embedding=vector,
+                beam_width=8,
+                candidates=candidates[:2],
+                rank_by="joint",
+                score_weight=0.5,
+            ),
+            engine.recommend,
+        ),
     ]
     for route, request, direct in cases:
         response = client.post(f"{open_url}/v1/{route}", json=request.model_dump(exclude_none=True))
@@ -116,8 +128,8 @@ def test_retrieve_score_recommend_equal_the_engine(open_url, client, engine, tin
             assert [s["logprob"] for s in got["scores"]] == pytest.approx([s.logprob for s in want.scores], abs=1e-4)
         else:
             assert [i["item_id"] for i in got["items"]] == [i.item_id for i in want.items]
-            key = "logprob" if route == "retrieve" else "score_logprob"
-            assert [i[key] for i in got["items"]] == pytest.approx([getattr(i, key) for i in want.items], abs=1e-4)
+            for key in ("logprob",) if route == "retrieve" else ("score_logprob", "code_logprob"):
+                assert [i[key] for i in got["items"]] == pytest.approx([getattr(i, key) for i in want.items], abs=1e-4)
 
 
 def test_model_info_health_and_docs(open_url, client, tiny_dir):
@@ -179,6 +191,8 @@ BAD = [
     ("score", {"prompt": "user listened", "candidates": [{"item_id": 7}]}, 422, "candidates[0].item_id"),
     ("score", {"prompt": "user listened", "candidates": [{"text": "x"}], "labels": ["yes"]}, 422, "labels"),
     ("recommend", {"prompt": "user listened", "beam_width": 4, "num_results": 9}, 422, "num_results"),
+    ("recommend", {"prompt": "user listened", "rank_by": "retrieval"}, 422, "rank_by"),
+    ("recommend", {"prompt": "user listened", "rank_by": "joint", "score_weight": -1}, 422, "score_weight"),
 ]
 
 

@@ -170,6 +170,12 @@ class RecommendRequest(RetrieveRequest):
         1.0, description="rank_by='joint': the weight of score_logprob (0 keeps the generator's order)"
     )
 
+    @model_validator(mode="after")
+    def _weight_with_joint(self):
+        if self.score_weight != 1.0 and self.rank_by != "joint":
+            raise ValueError("'score_weight' applies to rank_by 'joint' only")
+        return self
+
 
 class RecommendedItem(BaseModel):
     item_id: str | None = None

@@ -33,10 +33,16 @@ def test_row_layout_by_hand():
     assert mask[11].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 10, 11]
 
 
-def test_epoch_windows_cover_each_history_once_ending_at_the_latest_item():
-    histories = [np.arange(7), np.arange(3)]
-    rows = epoch_windows(histories, length=3, rng=np.random.default_rng(0))
-    assert sorted(rows) == [(0, 3), (0, 6), (1, 2)]  # (0, 3) sees items 0..2, (0, 6) items 3..5
+def test_epoch_windows_end_at_the_latest_item_and_move_the_earlier_ones_by_epoch():
+    histories = [np.arange(40), np.arange(3)]
+    rng = np.random.default_rng(0)
+    epochs = [epoch_windows(histories, length=5, rng=rng) for _ in range(30)]
+    for rows in epochs:
+        ends = sorted(end for u, end in rows if u == 0)
+        assert (1, 2) in rows and (0, 39) in rows  # every user's latest item, every epoch
+        assert all(b - a == 5 for a, b in zip(ends[:-2], ends[1:-1], strict=True))  # then `length` apart
+        assert 34 - 5 < ends[-2] <= 34 and ends[0] <= 5  # at a random offset, down to the history's start
+    assert len({tuple(sorted(rows)) for rows in epochs}) == 5  # the offsets differ between epochs
 
 
 @pytest.mark.parametrize("power", [0.0, 1.0])

@@ -5,6 +5,8 @@ import math
 import numpy as np
 import pytest
 
+from genrec.api import RecommendedItem
+from genrec.demo.calibrate import best_weight, measure_weights
 from genrec.demo.evaluate import retrieve_order
 from genrec.demo.metrics import hit_ranks, ndcg_at, popularity_rankings, recall_at
 
@@ -29,3 +31,21 @@ def test_popularity_ranks_unseen_items_most_popular_first():
 def test_retrieve_order_sorts_retrieved_items_by_beam_logprob_and_drops_given_ones():
     items = ["a", "b", "c", "d"]  # recommend's order (by score)
     assert retrieve_order(items, [-2.0, None, -1.0, -2.0]) == ["c", "a", "d"]  # ties keep the score order
+
+
+def test_score_weights_measured_on_a_hand_computed_example():
+    """User a: the target is last by code logprob and first by score; user b: the other way round."""
+
+    def item(item_id, code, score):
+        return RecommendedItem(item_id=item_id, code_logprob=code, score_logprob=score, prob=0.5, source="retrieved")
+
+    a = [item(f"a{k}", -k, -5.0) for k in range(1, 12)] + [item("a", -12.2, 0.0)]
+    b = [item(f"b{k}", -k, 0.0) for k in range(1, 12)] + [item("b", -0.6, -10.0)]
+    measured = measure_weights([a, b], ["a", "b"], weights=(0.0, 0.25, 0.5, 1.0, 2.0))
+    # key = code + w * score: a's rank is #{k < 12.2 - 5w}, b's is #{k < 0.6 + 10w} (a hit below 10)
+    ranks = {0.0: (11, 0), 0.25: (10, 3), 0.5: (9, 5), 1.0: (7, 10), 2.0: (2, 11)}
+    for weight, (rank_a, rank_b) in ranks.items():
+        gains = [1 / np.log2(r + 2) if r < 10 else 0.0 for r in (rank_a, rank_b)]
+        assert measured[weight] == pytest.approx(((rank_a < 10) / 2 + (rank_b < 10) / 2, sum(gains) / 2))
+    assert best_weight(measured) == 0.5
+    assert best_weight({0.0: (0.5, 0.3), 0.25: (0.5, 0.3), 1.0: (0.5, 0.2)}) == 0.0  # ties: the smaller weight

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from genrec.api import RecommendRequest, RetrieveRequest
 from genrec.demo import DemoConfig
+from genrec.demo.calibrate import WEIGHTS
 from genrec.demo.evaluate import measure, rankings_from_rows, retrieve_order
 from genrec.demo.model_dir import read_titles
 from genrec.demo.pipeline.inputs import Prompts
@@ -59,7 +60,9 @@ def test_metrics_from_recommend_rows_equal_engine_retrieve_and_recommend(prepare
         fields = {"prompt": prompts.text(seen), "user_embedding": users[u].tolist(), "beam_width": 12}
         requests.append(RecommendRequest(**fields, exclude_item_ids=[data.item_ids[i] for i in seen]))
     recommended = engine.recommend(requests)
-    retrieved = engine.retrieve([RetrieveRequest(**r.model_dump(exclude={"candidates", "labels"})) for r in requests])
+    retrieved = engine.retrieve(
+        [RetrieveRequest(**r.model_dump(include=set(RetrieveRequest.model_fields))) for r in requests]
+    )
     rows = [
         {"user_id": data.user_ids[u], "rank": k + 1, "item_id": i.item_id, "retrieval_logprob": i.retrieval_logprob}
         for u, result in enumerate(recommended)
@@ -78,3 +81,33 @@ def test_metrics_from_recommend_rows_equal_engine_retrieve_and_recommend(prepare
     assert set(evaluation.ranks) == {"retrieve", "recommend", "popularity"}
     assert (evaluation.ranks["recommend"][8:] == 12).all()
     assert np.all(evaluation.recall_curve("retrieve")[-1] >= evaluation.recall_curve("retrieve")[0])
+
+
+def test_recommends_ranking_is_the_best_weight_on_validation_items_and_is_kept(tmp_path):
+    model_dir, lines = tmp_path / "model", []
+    first = prepare(model_dir, SLICE, retrain=False, say=lines.append, progress=False)
+    ranking = first.recipe["ranking"]
+    assert any("choosing recommend's ranking" in line for line in lines)
+    assert ranking["rank_by"] == "joint" and ranking["beam"] == 50
+    recalls = ranking["validation recall@10"]
+    assert set(recalls) == {str(w) for w in WEIGHTS} and recalls[str(ranking["score_weight"])] == max(recalls.values())
+    # by hand for the chosen weight: each user's validation item among their top 10 by code + w * score
+    engine, data = Engine.from_pretrained(model_dir), first.data
+    prompts = Prompts.of(model_dir, data, SLICE.history)
+    hits = 0
+    for u in range(len(data.user_ids)):
+        seen = data.train(u)
+        request = RecommendRequest(
+            prompt=prompts.text(seen),
+            user_embedding=first.factors.users[u].tolist(),
+            beam_width=50,
+            exclude_item_ids=[data.item_ids[i] for i in seen],
+            rank_by="joint",
+            score_weight=ranking["score_weight"],
+        )
+        (result,) = engine.recommend([request])
+        hits += data.item_ids[data.valid(u)] in [i.item_id for i in result.items[:10]]
+    assert recalls[str(ranking["score_weight"])] == pytest.approx(hits / len(data.user_ids), abs=1e-4)
+    lines.clear()
+    again = prepare(model_dir, SLICE, retrain=False, say=lines.append, progress=False)
+    assert again.recipe["ranking"] == ranking and not any("choosing" in line for line in lines)  # kept

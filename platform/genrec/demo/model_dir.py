@@ -4,7 +4,7 @@ config.json, model.safetensors, tokenizer files   transformers' own writers (loa
 genrec/catalog.parquet                            item_id -> semantic ID
 genrec/soft_token.safetensors                     the trained soft-token projector
 genrec/items.parquet                              item_id, title (what the demo prints)
-genrec/demo.json                                  the recipe (DemoConfig) and the training figures
+genrec/demo.json                                  the recipe (DemoConfig), the training figures and the ranking
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ def write_demo_model(out: Path, trained: Trained, tokenizer, catalog: Catalog, t
     pq.write_table(items, ours / ITEMS)
     # Written last: its presence marks a complete directory.
     (ours / RECIPE).write_text(json.dumps({"config": cfg.to_dict(), "training": trained.stats}, indent=2))
+
+
+def write_recipe(model_dir: Path, recipe: dict) -> None:
+    """Replaces demo.json whole (a rename), so a reader never sees half of it."""
+    path = model_dir / GENREC_SUBDIR / RECIPE
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(recipe, indent=2))
+    partial.replace(path)
 
 
 def read_recipe(model_dir: Path) -> dict | None:

@@ -46,8 +46,9 @@ def post(base_url: str, route: str, body: dict, latencies: Latencies, timeout_s:
     return answer
 
 
-def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str], u: int, latencies, say):
-    """The user's last watched titles, then what retrieve, recommend and score answer for them (by user_id)."""
+def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str], u: int, latencies, say, ranking):
+    """The user's last watched titles, then what retrieve, recommend (ranked as `ranking` says: rank_by and
+    score_weight) and score answer for them (by user_id)."""
     seen = data.seen_before_test(u)
     user = {
         "user_id": data.user_ids[u],  # the ingress looks the soft-token vector up in the EmbeddingCache actor
@@ -58,7 +59,7 @@ def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str
     say(f"\nuser {data.user_ids[u]}, last watched (latest first): {latest}")
     retrieved = post(base_url, "retrieve", {**user, "beam_width": 50, "num_results": SHOW}, latencies)
     say("  retrieve  (beam log-prob):   " + _titles(retrieved["items"], titles, "logprob"))
-    recommended = post(base_url, "recommend", {**user, "beam_width": 50, "num_results": 50}, latencies)
+    recommended = post(base_url, "recommend", {**user, **ranking, "beam_width": 50, "num_results": 50}, latencies)
     say("  recommend (ranked, P(yes)):  " + _titles(recommended["items"][:SHOW], titles, "score_logprob", _percent))
     held_out = data.item_ids[data.test(u)]
     popular = [data.item_ids[i] for i in np.argsort(-data.popularity, kind="stable") if i not in set(seen)][:3]

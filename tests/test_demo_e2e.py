@@ -77,6 +77,11 @@ def test_demo_runs_the_platform_end_to_end(workdir):
     recommendations = pq.read_table(workdir / "out" / "batch" / "recommendations")
     assert set(recommendations.column("user_id").to_pylist()) == set(report_users(workdir))
     assert recommendations.num_rows == USERS * 50
+    weight = report["ranking"]["score_weight"]  # chosen on validation items; the batch job ranked by it
+    for user in set(report_users(workdir)):
+        rows = [r for r in recommendations.to_pylist() if r["user_id"] == user]
+        keys = [r["code_logprob"] + weight * r["score"] for r in sorted(rows, key=lambda r: r["rank"])]
+        assert keys == sorted(keys, reverse=True)
     assert (workdir / "out" / "recall_at_k.png").stat().st_size > 10_000
     assert started and "Serve and Ray are stopped" in output
     assert_all_gone(started)

@@ -60,7 +60,7 @@ def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str
     retrieved = post(base_url, "retrieve", {**user, "beam_width": 50, "num_results": SHOW}, latencies)
     say("  retrieve  (beam log-prob):   " + _titles(retrieved["items"], titles, "logprob"))
     recommended = post(base_url, "recommend", {**user, **ranking, "beam_width": 50, "num_results": 50}, latencies)
-    say("  recommend (ranked, P(yes)):  " + _titles(recommended["items"][:SHOW], titles, "score_logprob", _percent))
+    say("  recommend (reranked, P(yes)):" + _titles(recommended["items"][:SHOW], titles, "score_logprob", _percent))
     held_out = data.item_ids[data.test(u)]
     popular = [data.item_ids[i] for i in np.argsort(-data.popularity, kind="stable") if i not in set(seen)][:3]
     candidates = [held_out, *[p for p in popular if p != held_out]][:4]

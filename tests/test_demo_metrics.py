@@ -8,7 +8,7 @@ import pytest
 from genrec.api import RecommendedItem
 from genrec.demo.calibrate import best_weight, measure_weights
 from genrec.demo.evaluate import retrieve_order
-from genrec.demo.metrics import hit_ranks, ndcg_at, popularity_rankings, recall_at
+from genrec.demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
 
 
 def test_ranks_recall_and_ndcg_by_hand():
@@ -20,6 +20,8 @@ def test_ranks_recall_and_ndcg_by_hand():
     assert recall_at(ranks, 3) == pytest.approx(2 / 3)
     assert ndcg_at(ranks, 1) == pytest.approx(1 / 3)
     assert ndcg_at(ranks, 2) == pytest.approx((1 / math.log2(3) + 0 + 1) / 3)  # 0.5436
+    assert mrr(ranks, 3) == pytest.approx((1 / 2 + 0 + 1) / 3)
+    assert mrr(ranks, 1) == pytest.approx(1 / 3)  # only rank 0 is within a depth of 1
 
 
 def test_popularity_ranks_unseen_items_most_popular_first():

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from genrec.demo.data import MovieLens
-from genrec.demo.metrics import hit_ranks, ndcg_at, popularity_rankings, recall_at
+from genrec.demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
 
 METHODS = ("retrieve", "recommend", "popularity")
 
@@ -23,7 +23,11 @@ class Evaluation:
     depth: int
 
     def table(self, k: int = 10) -> dict[str, dict[str, float]]:
-        return {m: {f"recall@{k}": recall_at(r, k), f"ndcg@{k}": ndcg_at(r, k)} for m, r in self.ranks.items()}
+        """Recall@k and NDCG@k, and the MRR over the whole depth, per method."""
+        return {
+            m: {f"recall@{k}": recall_at(r, k), f"ndcg@{k}": ndcg_at(r, k), f"mrr@{self.depth}": mrr(r, self.depth)}
+            for m, r in self.ranks.items()
+        }
 
     def recall_curve(self, method: str) -> np.ndarray:
         """Recall@K for K = 1..depth."""

@@ -22,6 +22,11 @@ def ndcg_at(ranks: np.ndarray, k: int) -> float:
     return float(np.mean(gains))
 
 
+def mrr(ranks: np.ndarray, depth: int) -> float:
+    """Mean reciprocal rank within the ranking's depth (a miss counts 0): how high the item sits, all K at once."""
+    return float(np.mean(np.where(ranks < depth, 1.0 / (ranks + 1.0), 0.0)))
+
+
 def popularity_rankings(popularity: np.ndarray, seen: list[np.ndarray], k: int) -> np.ndarray:
     """Per user, the k most popular items they have not seen (ties: lower item index first)."""
     order = np.argsort(-popularity, kind="stable")

@@ -5,6 +5,7 @@ import torch
 from pydantic import ValidationError
 
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.errors import InvalidRequestError
 from tests.conftest import random_prompt
 
 
@@ -164,10 +165,27 @@ def test_joint_ranking_is_the_same_in_chunked_passes_and_the_async_engine(tiny_d
 
 @pytest.mark.parametrize(
     "field, value",
-    [("rank_by", "retrieval"), ("score_weight", -1.0), ("score_weight", float("nan")), ("score_weight", "1")],
+    [
+        ("rank_by", "retrieval"),
+        ("score_weight", -1.0),
+        ("score_weight", float("nan")),
+        ("score_weight", 1e308),
+        ("score_weight", "1"),
+    ],
 )
 def test_ranking_options_are_checked(field, value):
     with pytest.raises(ValidationError, match=field):
         RecommendRequest(prompt="x", **{"rank_by": "joint", field: value})
     with pytest.raises(ValidationError, match="'score_weight' applies to rank_by 'joint' only"):
         RecommendRequest(prompt="x", score_weight=0.5)
+
+
+def test_a_non_finite_code_logprob_fails_the_request_clearly(engine, rng, monkeypatch):
+    import genrec.engine.scoring as scoring
+
+    _, request = joint_request(engine, rng, rank_by="joint")
+    monkeypatch.setattr(scoring, "_token_logprobs", lambda model, hidden, tokens, rows=512: hidden[:, 0] * torch.nan)
+    with pytest.raises(InvalidRequestError, match="not finite"):
+        engine.recommend([request])
+    (by_score,) = engine.recommend([request.model_copy(update={"rank_by": "score"})])  # asks for none: unaffected
+    assert len(by_score.items) == 9

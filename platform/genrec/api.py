@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 MAX_BEAM_WIDTH = 1024
+MAX_SCORE_WEIGHT = 1000.0  # far beyond it the joint order is the label's anyway, and the keys would overflow
 
 
 def _plain(value):
@@ -166,9 +167,9 @@ class RecommendRequest(RetrieveRequest):
         "code_logprob + score_weight * score_logprob, the generator's and the label's evidence together (at "
         "weight 1, log P(item, positive label | prompt)); for a label head trained beside the generator",
     )
-    score_weight: Annotated[StrictFloat, BeforeValidator(_plain), Field(ge=0, allow_inf_nan=False)] = Field(
-        1.0, description="rank_by='joint': the weight of score_logprob (0 keeps the generator's order)"
-    )
+    score_weight: Annotated[
+        StrictFloat, BeforeValidator(_plain), Field(ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False)
+    ] = Field(1.0, description="rank_by='joint': the weight of score_logprob (0 keeps the generator's order)")
 
     @model_validator(mode="after")
     def _weight_with_joint(self):

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from genrec.api import MAX_BEAM_WIDTH
+from genrec.api import MAX_BEAM_WIDTH, MAX_SCORE_WEIGHT
 from genrec.cache.settings import CacheSettings
 
 FORMAT = 2  # bump when the output layout or columns change
@@ -26,7 +26,9 @@ class BatchSpec(BaseModel):
     num_results: int | None = Field(None, ge=1, description="items per user (default: beam_width)")
     rank: bool = Field(False, description="recommend (retrieve, then score on the same prefill) instead of retrieve")
     rank_by: Literal["score", "joint"] = Field("score", description="with rank: RecommendRequest.rank_by")
-    score_weight: float = Field(1.0, ge=0, allow_inf_nan=False, description="RecommendRequest.score_weight")
+    score_weight: float = Field(
+        1.0, ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False, description="RecommendRequest.score_weight"
+    )
     batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
     device: str = "cpu"
     dtype: str | None = Field(None, description="default: bfloat16 on CUDA, float32 on the CPU")

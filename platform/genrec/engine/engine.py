@@ -238,6 +238,9 @@ class Engine:
     def recommend_result(self, prepared: Prepared, retrieved: RetrieveResult, scores: LabelScores) -> RecommendResult:
         offset = len(retrieved.items)
         logprobs, probs, sequence = _fetch_scores(scores)
+        # The given rows carry a sequence logprob exactly when the job asked for one (see score_job).
+        joint = prepared.request.rank_by == "joint"
+        given_code = _check_finite(sequence[offset:]) if joint else [None] * (len(sequence) - offset)
         given_ids = {c.item_id for c in prepared.given if c.item_id is not None}
         items = [
             RecommendedItem(
@@ -252,7 +255,7 @@ class Engine:
             for i, lp, pr in zip(retrieved.items, logprobs, probs, strict=False)
         ]
         given = [prepared.given[k] for k in _not_retrieved(prepared, retrieved)]
-        for cand, lp, pr, code_lp in zip(given, logprobs[offset:], probs[offset:], sequence[offset:], strict=True):
+        for cand, lp, pr, code_lp in zip(given, logprobs[offset:], probs[offset:], given_code, strict=True):
             code = self.catalog.codes[self.catalog.index_of(cand.item_id)].tolist() if cand.item_id else None
             items.append(
                 RecommendedItem(
@@ -286,13 +289,11 @@ def _not_retrieved(prepared: Prepared, retrieved: RetrieveResult) -> list[int]:
     return [k for k, c in enumerate(prepared.given) if c.item_id is None or c.item_id not in found]
 
 
-def _fetch_scores(scores: LabelScores) -> tuple[list[float], list[float], list[float | None]]:
-    """A request's label scores and sequence logprobs (None where not asked for) on the host, checked finite:
-    the end of the request, one named fetch."""
+def _fetch_scores(scores: LabelScores) -> tuple[list[float], list[float], list[float]]:
+    """A request's label scores (checked finite) and sequence logprobs (NaN where not asked for: the caller
+    checks the rows it asked for) on the host: the end of the request, one named fetch."""
     host = fetch(torch.stack((scores.logprob.double(), scores.prob.double(), scores.sequence.double())))
-    sequence = [None if math.isnan(x) else x for x in host[2].tolist()]
-    _check_finite([x for x in sequence if x is not None])
-    return _check_finite(host[0].tolist()), _check_finite(host[1].tolist()), sequence
+    return _check_finite(host[0].tolist()), _check_finite(host[1].tolist()), host[2].tolist()
 
 
 def _check_finite(values: list[float]) -> list[float]:

@@ -189,3 +189,14 @@ def test_a_non_finite_code_logprob_fails_the_request_clearly(engine, rng, monkey
         engine.recommend([request])
     (by_score,) = engine.recommend([request.model_copy(update={"rank_by": "score"})])  # asks for none: unaffected
     assert len(by_score.items) == 9
+
+
+@pytest.mark.parametrize("given", [[[7], [11], [5, 9]], [[7], [11]]])  # one-token ones: only the prompt is read
+def test_one_token_candidates_get_their_code_logprob_too(engine, hf_model, rng, given):
+    tokens = random_prompt(engine, 12, rng)
+    request = RecommendRequest(
+        prompt_token_ids=tokens, beam_width=2, candidates=[Candidate(token_ids=t) for t in given], rank_by="joint"
+    )
+    (rec,) = engine.recommend([request])
+    got = sorted(i.code_logprob for i in rec.items if i.source == "given")
+    assert got == pytest.approx(sorted(hf_sequence_logprob(hf_model, tokens, t) for t in given), abs=1e-4)

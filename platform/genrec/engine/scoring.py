@@ -141,15 +141,15 @@ def _sequence_logprobs(model: Qwen3, segments: list[_Segment], hidden, ids: np.n
     slot = np.zeros(len(segments), dtype=np.int64)
     slot[asking] = np.arange(len(asking))
     prompt_of = slot[np.repeat(np.arange(len(segments)), [len(seg.candidates) for seg in segments])[wanted]]
-    rows, tokens = to_device(wanted, device), to_device(ids[wanted], device)
-    first = prompts[to_device(prompt_of, device), tokens[:, 0]]
-    later = torch.zeros_like(first)
-    if ids.shape[1] > 1:
-        picked = _token_logprobs(model, hidden[rows, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-        picked = picked.view(len(wanted), -1)
-        inside = to_device(np.arange(1, ids.shape[1])[None, :] < lengths[wanted][:, None], device, torch.bool)
-        later = torch.where(inside, picked, 0.0).sum(dim=1)
-    return out.index_put((rows,), first + later)
+    first = prompts[to_device(prompt_of, device), to_device(ids[wanted, 0], device)]
+    # Tokens after the first, real ones only (no padding): (which wanted row, position of the state before it).
+    after = lengths[wanted] - 1
+    owner = np.repeat(np.arange(len(wanted)), after)
+    position = np.arange(after.sum()) - np.repeat(after.cumsum() - after, after)
+    before = hidden[to_device(wanted[owner], device), to_device(position, device)]
+    picked = _token_logprobs(model, before, to_device(ids[wanted[owner], position + 1], device))
+    total = first.index_add(0, to_device(owner, device), picked)
+    return out.index_put((to_device(wanted, device),), total)
 
 
 def _token_logprobs(model: Qwen3, hidden: torch.Tensor, tokens: torch.Tensor, rows: int = 512) -> torch.Tensor:
@@ -158,7 +158,7 @@ def _token_logprobs(model: Qwen3, hidden: torch.Tensor, tokens: torch.Tensor, ro
         torch.log_softmax(model.logits(h).float(), dim=-1).gather(1, t[:, None])[:, 0]
         for h, t in zip(hidden.split(rows), tokens.split(rows), strict=True)
     ]
-    return torch.cat(parts)
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
 def _pad(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

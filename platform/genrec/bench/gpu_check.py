@@ -244,34 +244,15 @@ def main() -> None:
     part("versions", versions)
     part("varlen", lambda: varlen_checks(device))
     part("engine", lambda: engine_checks(device))
-    big = ["--preset", "qwen3-1.7b", "--device", device]
+
+    def shape(command: str, prompt_len: int, beam: int, levels: int) -> list[str]:
+        sizes = ["--prompt-len", str(prompt_len), "--beam-width", str(beam), "--levels", str(levels)]
+        return [command, "--preset", "qwen3-1.7b", "--device", device, *sizes]
+
+    no_hf = ["--no-hf-baseline", "--repeats", "5"]
     retrieve = {
-        "2000/30/5": [
-            "retrieve",
-            *big,
-            "--prompt-len",
-            "2000",
-            "--beam-width",
-            "30",
-            "--levels",
-            "5",
-            "--no-hf-baseline",
-            "--repeats",
-            "5",
-        ],
-        "1000/256/3": [
-            "retrieve",
-            *big,
-            "--prompt-len",
-            "1000",
-            "--beam-width",
-            "256",
-            "--levels",
-            "3",
-            "--no-hf-baseline",
-            "--repeats",
-            "5",
-        ],
+        "2000/30/5": shape("retrieve", 2000, 30, 5) + no_hf,
+        "1000/256/3": shape("retrieve", 1000, 256, 3) + no_hf,
     }
     if not args.quick:
         for name, cli in retrieve.items():
@@ -285,20 +266,7 @@ def main() -> None:
 
     part("launches_per_decode_pass 4 x 2000/30", launches)
     if not args.quick:
-        load = [
-            "load",
-            *big,
-            "--prompt-len",
-            "2000",
-            "--beam-width",
-            "30",
-            "--levels",
-            "5",
-            "--rates",
-            "60",
-            "--duration",
-            "5",
-        ]
+        load = shape("load", 2000, 30, 5) + ["--rates", "60", "--duration", "5"]
         for fast in (False, True):
             part(f"load 2000/30/5 {'fast' if fast else 'eager'}", lambda fast=fast: bench(load, fast, 240))
 

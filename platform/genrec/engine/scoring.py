@@ -136,16 +136,13 @@ def _sequence_logprobs(model: Qwen3, segments: list[_Segment], hidden, ids: np.n
     wanted = np.flatnonzero(np.concatenate([seg.wants_sequence() for seg in segments]))
     if not len(wanted):
         return out
-    asking = [k for k, seg in enumerate(segments) if seg.job.sequence_from is not None]
-    prompts = torch.stack([segments[k].job.prompt_logprobs for k in asking])  # [asking segments, vocab]
-    slot = np.zeros(len(segments), dtype=np.int64)
-    slot[asking] = np.arange(len(asking))
-    prompt_of = slot[np.repeat(np.arange(len(segments)), [len(seg.candidates) for seg in segments])[wanted]]
+    asks = np.array([seg.job.sequence_from is not None for seg in segments])
+    prompts = torch.stack([seg.job.prompt_logprobs for seg, a in zip(segments, asks, strict=True) if a])
+    segment_of_row = np.repeat(np.arange(len(segments)), [len(seg.candidates) for seg in segments])
+    prompt_of = (asks.cumsum() - 1)[segment_of_row[wanted]]  # its segment's row in `prompts`
     first = prompts[to_device(prompt_of, device), to_device(ids[wanted, 0], device)]
     # Tokens after the first, real ones only (no padding): (which wanted row, position of the state before it).
-    after = lengths[wanted] - 1
-    owner = np.repeat(np.arange(len(wanted)), after)
-    position = np.arange(after.sum()) - np.repeat(after.cumsum() - after, after)
+    owner, position = _ragged(lengths[wanted] - 1)
     before = hidden[to_device(wanted[owner], device), to_device(position, device)]
     picked = _token_logprobs(model, before, to_device(ids[wanted[owner], position + 1], device))
     total = first.index_add(0, to_device(owner, device), picked)
@@ -165,11 +162,16 @@ def _pad(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded [rows, longest] token matrix and the lengths (host), by one scatter (no loop per candidate)."""
     lengths = np.array([len(r) for r in rows])
     flat = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
-    row = np.repeat(np.arange(len(rows)), lengths)
-    col = np.arange(len(flat)) - np.repeat(lengths.cumsum() - lengths, lengths)
+    row, col = _ragged(lengths)
     ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
     ids[row, col] = flat
     return ids, lengths
+
+
+def _ragged(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of every element of rows of these lengths, row by row, without a loop per row."""
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    return row, np.arange(len(row)) - np.repeat(lengths.cumsum() - lengths, lengths)
 
 
 def _label_scores(model: Qwen3, last_hidden: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, rows: int = 512):

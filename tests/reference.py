@@ -1,7 +1,10 @@
 """Plain reference computations with transformers, for equality tests."""
 
+from dataclasses import dataclass
+
 import torch
 
+from genrec.attention import context_attention
 from genrec.catalog.reference import allowed_tokens_fn
 
 
@@ -53,3 +56,42 @@ def hf_constrained_beams(hf_model, prompt: list[int], codes, beam_width: int, pa
     if scores is None:
         scores = teacher_forced_logprobs(hf_model, prompt, found)
     return found, scores.tolist()
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """Rows [start, stop) attend to k, v: [kv_heads, T, head_dim] (one layer of one request's context)."""
+
+    start: int
+    stop: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class GroupedContext:
+    """The context part of shared-context attention done plainly: one attention call per group of rows, over
+    that group's own K/V tensors (what the pooled varlen call replaces). Rows outside every group, and groups
+    over an empty context, take nothing from the context."""
+
+    def __init__(self, groups: list[LayerContext], per_row: int = 1):
+        self.groups, self.per_row = groups, per_row
+
+    def attend(self, q: torch.Tensor, scale: float):
+        M, H, D = q.shape
+        out = q.new_zeros(M, H, D)
+        lse = torch.full((H, M), float("-inf"))
+        for g in self.groups:
+            lo, hi = g.start * self.per_row, g.stop * self.per_row
+            if hi == lo or g.k.shape[1] == 0:
+                continue
+            KV = g.k.shape[0]
+            qb = q[lo:hi].view(hi - lo, KV, H // KV, D).permute(1, 0, 2, 3).reshape(KV, -1, D)
+            o, s = context_attention(qb, g.k, g.v, scale)
+            out[lo:hi] = o.view(KV, hi - lo, H // KV, D).permute(1, 0, 2, 3).reshape(hi - lo, H, D)
+            lse[:, lo:hi] = s.view(KV, hi - lo, H // KV).permute(0, 2, 1).reshape(H, hi - lo)
+        return out, lse
+
+
+def layer_groups(groups, layer: int) -> list[LayerContext]:
+    """ContextGroups over pooled ContextKVs as plain per-layer tensors."""
+    return [LayerContext(g.start, g.stop, *g.ctx.layer(layer)) for g in groups]

@@ -8,6 +8,7 @@ import pytest
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
 from genrec.engine import AsyncEngine, SchedulerConfig
 from genrec.engine.kv_budget import request_kv_tokens
+from genrec.engine.job import JobState
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from tests.conftest import random_prompt
@@ -103,7 +104,7 @@ def test_cancellation_frees_kv_at_once(engine, rng):
     scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=8))
     long_one = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 200, rng))))
     scheduler.step()
-    assert scheduler.budget.reserved > 0 and scheduler.prefilling
+    assert scheduler.budget.reserved > 0 and scheduler.in_state(JobState.PREFILLING)
     long_one.cancel()
     scheduler.step()
     assert scheduler.budget.reserved == 0 and scheduler.idle
@@ -165,14 +166,14 @@ def test_a_request_that_does_not_fit_waits_for_memory(engine, rng):
 
 
 def test_a_failing_request_fails_alone_and_the_loop_keeps_serving(engine, async_engine, rng, monkeypatch):
-    original = engine.prompt_embeds
+    original = engine.runner.prompt_embeds
 
-    def sabotaged(prepared):
+    def sabotaged(prepared, *span):
         if prepared.request.request_id == "boom":
             raise RuntimeError("injected failure")
-        return original(prepared)
+        return original(prepared, *span)
 
-    monkeypatch.setattr(engine, "prompt_embeds", sabotaged)
+    monkeypatch.setattr(engine.runner, "prompt_embeds", sabotaged)
     requests = mixed_requests(engine, rng, 9)
     bad = RetrieveRequest(prompt_token_ids=random_prompt(engine, 12, rng), request_id="boom")
 
@@ -183,7 +184,7 @@ def test_a_failing_request_fails_alone_and_the_loop_keeps_serving(engine, async_
     assert isinstance(results[0], RuntimeError) and "injected" in str(results[0])
     for request, result in zip(requests, results[1:], strict=True):
         assert_same(result, run_alone(engine, request))
-    monkeypatch.setattr(engine, "prompt_embeds", original)
+    monkeypatch.setattr(engine.runner, "prompt_embeds", original)
     after = asyncio.run(asyncio.wait_for(call(async_engine, requests[0]), 30))
     assert_same(after, run_alone(engine, requests[0]))
 
@@ -196,8 +197,8 @@ def test_invalid_requests_raise_before_queueing(engine, async_engine):
 
 def test_context_cache_prefills_a_repeated_prompt_once(engine, rng, monkeypatch):
     calls = []
-    original = engine.prompt_embeds
-    monkeypatch.setattr(engine, "prompt_embeds", lambda p: calls.append(1) or original(p))
+    original = engine.runner.prompt_embeds
+    monkeypatch.setattr(engine.runner, "prompt_embeds", lambda p, *span: calls.append(1) or original(p, *span))
     scheduler = Scheduler(engine, SchedulerConfig(context_cache_entries=4))
     prompt = random_prompt(engine, 25, rng)
     retrieve = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=5)))

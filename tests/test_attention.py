@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from genrec import attention
-from genrec.attention import LayerContext, shared_context_attention
+from genrec.attention import shared_context_attention, varlen
+from tests.reference import GroupedContext, LayerContext
 
 
 def reference(q, groups, suf_k, suf_v, mask, scale):
@@ -35,7 +35,7 @@ def reference(q, groups, suf_k, suf_v, mask, scale):
 @pytest.mark.parametrize("S,U,causal", [(1, 3, False), (4, 4, True), (3, 5, True)])
 def test_matches_plain_softmax(monkeypatch, fused, S, U, causal):
     if not fused:
-        monkeypatch.setattr(attention, "_fused_kernel", lambda q: None)
+        monkeypatch.setattr(varlen, "_fused_kernel", lambda q: None)
     g = torch.Generator().manual_seed(S * 10 + U)
     R, H, KV, D = 7, 6, 2, 8
     q = torch.randn(R, S, H, D, generator=g)
@@ -48,22 +48,28 @@ def test_matches_plain_softmax(monkeypatch, fused, S, U, causal):
     if causal:
         u = torch.arange(U)
         mask = (u[None, :] <= torch.arange(S)[:, None] + (U - S))[None]
-    got = shared_context_attention(q, groups, suf_k, suf_v, mask, 0.3)
+    got = shared_context_attention(q, GroupedContext(groups, S), suf_k, suf_v, mask, 0.3)
     want = reference(q, groups, suf_k, suf_v, mask, 0.3)
     assert (got - want).abs().max().item() < 1e-5
 
 
 def zero_row_groups() -> None:
     """A group of no rows (a request with nothing left to score) among others, fused kernel on."""
+    from genrec.attention import ContextGroup, ContextRows
+    from tests.reference import layer_groups
+    from tests.test_varlen import contexts, pool_of
+
     g = torch.Generator().manual_seed(5)
-    R, S, H, KV, D, U = 3, 1, 4, 2, 8, 2
-    q = torch.randn(R, S, H, D, generator=g)
+    pool = pool_of(64, 5)
+    a, b = contexts(pool, [9, 9])
+    R, S, U = 3, 1, 2
+    KV, D = pool.k.shape[2], pool.k.shape[3]
+    q = torch.randn(R, S, KV * 3, D, generator=g)
     suf_k, suf_v = torch.randn(R, U, KV, D, generator=g), torch.randn(R, U, KV, D, generator=g)
-    ctx = [torch.randn(KV, 9, D, generator=g) for _ in range(4)]
-    full = [LayerContext(0, 0, ctx[0], ctx[1]), LayerContext(0, 3, ctx[2], ctx[3])]
-    got = shared_context_attention(q, full, suf_k, suf_v, None, 0.3)
-    assert (got - reference(q, full[1:], suf_k, suf_v, None, 0.3)).abs().max().item() < 1e-5
-    out, lse = attention.context_attention(q.new_empty(KV, 0, D), ctx[0], ctx[1], 0.3)
+    full = [ContextGroup(0, 0, a), ContextGroup(0, 3, b)]
+    got = shared_context_attention(q, ContextRows(full, R).at_layer(0), suf_k, suf_v, None, 0.3)
+    assert (got - reference(q, layer_groups(full[1:], 0), suf_k, suf_v, None, 0.3)).abs().max().item() < 1e-5
+    out, lse = varlen.context_attention(q.new_empty(KV, 0, D), *a.layer(0), 0.3)
     assert out.shape == (KV, 0, D) and lse.shape == (KV, 0)
     print("ok")
 

@@ -6,14 +6,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from genrec.bench import gpu_check
 from genrec.engine.beam import fetch_finals
-from genrec.engine.decode import decode_step
-from genrec.engine.decode_graph import DecodeBuffers, DecodeRunner, decode_forward
+from genrec.engine.static_batch import DecodeBuffers
 from tests.conftest import random_prompt
 
 
 def pooled_cohorts(engine, rng, shape):
     """Cohorts as the scheduler makes them: contexts and BeamKV slots in one pool. shape: (prompt, width) each."""
-    pool = engine.new_pool(4096)
+    pool = engine.runner.new_pool(4096)
     prompts = [random_prompt(engine, n, rng) for n, _ in shape]
     return pool, gpu_check.pooled_cohorts(engine, prompts, [w for _, w in shape], pool)
 
@@ -24,12 +23,12 @@ def test_static_passes_equal_the_eager_passes(engine, rng):
     pool, static = pooled_cohorts(engine, rng, shape)
     rng.set_state(state)
     _, eager = pooled_cohorts(engine, rng, shape)
-    runner = DecodeRunner(engine.model, pool, engine.catalog.levels)
-    decode_step(engine.model, static[:1], runner)  # one runs ahead: a pass mixes levels and suffix lengths
-    decode_step(engine.model, eager[:1])
+    runner = engine.runner
+    runner.decode(static[:1], static=True)  # one runs ahead: a pass mixes levels and suffix lengths
+    runner.decode(eager[:1], static=False)
     while not all(c.done for c in static):
-        decode_step(engine.model, [c for c in static if not c.done], runner)
-        decode_step(engine.model, [c for c in eager if not c.done])
+        runner.decode([c for c in static if not c.done], static=True)
+        runner.decode([c for c in eager if not c.done], static=False)
     for (s_scores, s_items), (e_scores, e_items) in zip(fetch_finals(static), fetch_finals(eager), strict=True):
         assert s_items == e_items and np.allclose(s_scores, e_scores, atol=1e-5)
 
@@ -46,17 +45,17 @@ class OpShapes(TorchDispatchMode):
 
 
 def recorded_pass(engine, pool, cohorts, bucket):
-    buf = DecodeBuffers(bucket, max(engine.catalog.levels - 2, 0), pool.k.device)
+    buf = DecodeBuffers(bucket, max(engine.catalog.levels - 2, 0), pool)
     rows = buf.fill(cohorts)
     with OpShapes() as rec:
-        logprobs, _, _ = decode_forward(engine.model, pool, buf)
+        logprobs, _, _ = engine.runner.static_forward(buf)
     return rec.ops, logprobs, rows, buf
 
 
 def test_two_request_mixes_in_one_bucket_run_the_same_op_shapes(engine, rng):
     _, one = pooled_cohorts(engine, rng, [(50, 13)])
     pool, three = pooled_cohorts(engine, rng, [(9, 3), (31, 4), (12, 2)])
-    decode_step(engine.model, three[:1], DecodeRunner(engine.model, pool, engine.catalog.levels))  # mixed levels
+    engine.runner.decode(three[:1], static=True)  # mixed levels
     first, _, rows_a, _ = recorded_pass(engine, one[0].slot_pool, one, 32)
     second, _, rows_b, _ = recorded_pass(engine, pool, three, 32)
     assert rows_a != rows_b and first == second  # a different mix, the same ops on the same shapes: replayable
@@ -64,13 +63,13 @@ def test_two_request_mixes_in_one_bucket_run_the_same_op_shapes(engine, rng):
 
 def test_padding_a_bucket_never_changes_real_rows(engine, rng):
     pool, cohorts = pooled_cohorts(engine, rng, [(20, 6), (33, 7)])
-    decode_step(engine.model, cohorts, DecodeRunner(engine.model, pool, engine.catalog.levels))
+    engine.runner.decode(cohorts, static=True)
     _, tight, rows, _ = recorded_pass(engine, pool, cohorts, 16)
-    buf = DecodeBuffers(64, max(engine.catalog.levels - 2, 0), pool.k.device)
+    buf = DecodeBuffers(64, max(engine.catalog.levels - 2, 0), pool)
     assert buf.fill(cohorts) == rows
     buf.tokens[rows:] = torch.randint(0, engine.model.config.vocab_size, (64 - rows,))  # junk in the padding
     buf.positions[rows:] = 7
-    wide, _, _ = decode_forward(engine.model, pool, buf)
+    wide, _, _ = engine.runner.static_forward(buf)
     assert (wide[:rows] - tight[:rows]).abs().max().item() <= 1e-5
     assert torch.isfinite(wide).all()
 
@@ -79,8 +78,7 @@ def test_a_static_pass_runs_without_a_sync(engine, rng):
     from tests.sync_guard import no_sync
 
     pool, cohorts = pooled_cohorts(engine, rng, [(20, 6), (33, 7)])
-    runner = DecodeRunner(engine.model, pool, engine.catalog.levels)
     with no_sync():
         while not all(c.done for c in cohorts):
-            decode_step(engine.model, cohorts, runner)
+            engine.runner.decode(cohorts, static=True)
     assert all(len(items) == c.rows for (_, items), c in zip(fetch_finals(cohorts), cohorts, strict=True))

@@ -26,7 +26,7 @@ def test_first_fit_reuses_holes_and_coalesces_to_one_extent():
 
 
 def test_a_context_is_a_view_of_its_pool_and_comes_back_when_its_last_holder_releases(engine):
-    pool = engine.new_pool(64)
+    pool = engine.runner.new_pool(64)
     first, second = pool.context(20), pool.context(30)
     assert (first.offset, second.offset, pool.used) == (0, 20, 50)
     first.length = 5
@@ -38,7 +38,7 @@ def test_a_context_is_a_view_of_its_pool_and_comes_back_when_its_last_holder_rel
     assert pool.used == 50  # one holder left
     second.release()
     first.release()
-    assert pool.used == 0 and pool.largest_free == 64
+    assert pool.used == 0 and pool._extents.largest == 64
     assert pool.context(65) is None
 
 
@@ -68,7 +68,7 @@ def test_admission_takes_real_pool_space_and_everything_comes_back(engine, rng):
     assert pool.used == tokens[0] + tokens[1] and len(scheduler.waiting) == 1  # the third waits for space
     while not scheduler.idle:
         scheduler.step()
-    assert pool.used == 0 and pool.largest_free == pool.tokens and scheduler.budget.reserved == 0
+    assert pool.used == 0 and pool._extents.largest == pool.tokens and scheduler.budget.reserved == 0
     for request, future in zip(requests, futures, strict=True):
         assert [i.item_id for i in future.result().items] == [i.item_id for i in engine.retrieve([request])[0].items]
 

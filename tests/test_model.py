@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from genrec.attention import ContextGroup
+from genrec.attention import ContextGroup, ContextRows
 from genrec.model import ContextKV, load_qwen3
 from genrec.model.tiny import ModelSpec, write_model_dir
 
@@ -49,7 +49,7 @@ def test_rows_over_shared_context_equal_transformers(ours, hf_model, rng):
     _, ctx = full_prefill(ours, prompt)
     rows = torch.randint(0, ours.config.vocab_size, (6, 4), generator=rng)
     positions = torch.arange(25, 29).expand(6, 4)
-    hidden, new_k, _ = ours.forward_rows(ours.embed(rows), positions, [ContextGroup(0, 6, ctx)])
+    hidden, new_k, _ = ours.forward_rows(ours.embed(rows), positions, ContextRows([ContextGroup(0, 6, ctx)], 6, 4))
     logits = ours.logits(hidden)
     assert new_k.shape == (ours.config.num_hidden_layers, 6, 4, ours.config.num_key_value_heads, ours.config.head_dim)
     with torch.no_grad():
@@ -63,8 +63,8 @@ def test_rows_with_past_suffix_equal_transformers(ours, hf_model, rng):
     _, ctx = full_prefill(ours, prompt)
     rows = torch.randint(0, ours.config.vocab_size, (3, 3), generator=rng)
     groups = [ContextGroup(0, 3, ctx)]
-    _, k1, v1 = ours.forward_rows(ours.embed(rows[:, :2]), torch.arange(12, 14).expand(3, 2), groups)
-    hidden, _, _ = ours.forward_rows(ours.embed(rows[:, 2:]), torch.full((3, 1), 14), groups, k1, v1)
+    _, k1, v1 = ours.forward_rows(ours.embed(rows[:, :2]), torch.arange(12, 14).expand(3, 2), ContextRows(groups, 3, 2))
+    hidden, _, _ = ours.forward_rows(ours.embed(rows[:, 2:]), torch.full((3, 1), 14), ContextRows(groups, 3), k1, v1)
     with torch.no_grad():
         ref = hf_model(torch.cat([prompt.expand(3, 12), rows], dim=1)).logits[:, -1]
     assert (ours.logits(hidden[:, -1]) - ref).abs().max().item() <= TOL

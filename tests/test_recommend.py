@@ -36,7 +36,9 @@ def test_recommend_equals_retrieve_then_score(engine, rng):
 def test_recommend_prefills_once(engine, rng, monkeypatch):
     segments = []
     original = engine.model.prefill_packed
-    monkeypatch.setattr(engine.model, "prefill_packed", lambda segs: segments.extend(segs) or original(segs))
+    monkeypatch.setattr(
+        engine.model, "prefill_packed", lambda segs, **kw: segments.extend(segs) or original(segs, **kw)
+    )
     engine.recommend([RecommendRequest(prompt_token_ids=random_prompt(engine, 9, rng), beam_width=4)])
     assert len(segments) == 1
 
@@ -181,10 +183,8 @@ def test_ranking_options_are_checked(field, value):
 
 
 def test_a_non_finite_code_logprob_fails_the_request_clearly(engine, rng, monkeypatch):
-    import genrec.engine.scoring as scoring
-
     _, request = joint_request(engine, rng, rank_by="joint")
-    monkeypatch.setattr(scoring, "_token_logprobs", lambda model, hidden, tokens, rows=512: hidden[:, 0] * torch.nan)
+    monkeypatch.setattr(engine.runner, "_token_logprobs", lambda hidden, tokens, rows=512: hidden[:, 0] * torch.nan)
     with pytest.raises(InvalidRequestError, match="not finite"):
         engine.recommend([request])
     (by_score,) = engine.recommend([request.model_copy(update={"rank_by": "score"})])  # asks for none: unaffected

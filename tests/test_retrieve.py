@@ -188,22 +188,24 @@ def test_prompt_too_long_and_unknown_tokens(engine):
 
 def test_cohorts_at_different_levels_decode_together(engine, rng):
     """One decode pass over cohorts at different levels (padded suffixes, merged selection) == each alone."""
-    from genrec.engine.beam import fetch_finals
-    from genrec.engine.decode import decode_step
+    from genrec.engine.beam import fetch_finals, start_cohort
+    from genrec.engine.results import retrieve_result
 
     requests = [
         RetrieveRequest(prompt_token_ids=random_prompt(engine, n, rng), beam_width=w, exclude_item_ids=ex)
         for n, w, ex in ((9, 5, []), (30, 17, ["item-000007"]), (4, 300, []), (12, 2, []))
     ]
     prepared = [engine.prepare(r) for r in requests]
-    prefilled = engine.prefill_many(prepared)
-    cohorts = [engine.start_beams([p], [f]) for p, f in zip(prepared, prefilled, strict=True)]
-    decode_step(engine.model, cohorts[:1])  # the first one runs ahead by a level
+    prefilled = [engine.runner.prefill_alone(p) for p in prepared]
+    cohorts = [
+        start_cohort(engine.trie, [p], [f.ctx], f.last_logits[None]) for p, f in zip(prepared, prefilled, strict=True)
+    ]
+    engine.runner.decode(cohorts[:1])  # the first one runs ahead by a level
     while not all(c.done for c in cohorts):
-        decode_step(engine.model, [c for c in cohorts if not c.done])
+        engine.runner.decode([c for c in cohorts if not c.done])
     finals = fetch_finals(cohorts)
-    for request, p, f, c, host in zip(requests, prepared, prefilled, cohorts, finals, strict=True):
-        (together,) = engine.retrieve_results([p], [f], c, host)
+    for request, p, c, host in zip(requests, prepared, cohorts, finals, strict=True):
+        together = retrieve_result(engine.catalog, p, c.results(host)[0])
         (alone,) = engine.retrieve([request])
         assert [i.item_id for i in together.items] == [i.item_id for i in alone.items]
         assert np.allclose([i.logprob for i in together.items], [i.logprob for i in alone.items], atol=1e-5)

@@ -5,7 +5,7 @@ import torch
 from pydantic import ValidationError
 
 from genrec.api import Candidate, ScoreRequest
-from genrec.engine.scoring import ScoreJob, score_jobs
+from genrec.engine.scoring import ScoreJob
 from genrec.errors import InvalidRequestError
 from tests.conftest import random_prompt
 
@@ -58,10 +58,10 @@ def test_many_candidates_and_chunked_passes_agree(engine, rng):
     prompt = random_prompt(engine, 50, rng)
     candidates = [Candidate(item_id=i) for i in engine.catalog.item_ids[:200]]
     (one_pass,) = engine.score([ScoreRequest(prompt_token_ids=prompt, candidates=candidates)])
-    ctx = engine.prefill(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=candidates))).ctx
+    ctx = engine.runner.prefill_alone(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=candidates))).ctx
     codes = [c.tolist() for c in engine.catalog.codes[:200]]
     yes, no = label_ids(engine)
-    (chunked,) = score_jobs(engine.model, [ScoreJob(ctx, codes, (yes, no))], max_tokens=7)  # 2 candidates a pass
+    (chunked,) = engine.runner.score([ScoreJob(ctx, codes, (yes, no))], max_tokens=7)  # 2 candidates a pass
     assert torch.allclose(chunked.logprob, torch.tensor([s.logprob for s in one_pass.scores]), atol=1e-5)
 
 

@@ -13,6 +13,7 @@ from genrec.attention import (
 )
 from genrec.model.config import Qwen3Config
 from genrec.model.kv_pool import KVPool
+from tests.reference import GroupedContext, layer_groups
 
 KV, G, D = 2, 3, 8
 
@@ -65,7 +66,7 @@ def test_pooled_rows_equal_per_group_attention(S, causal):
         mask = (torch.arange(U)[None, :] <= torch.arange(S)[:, None] + (U - S))[None]
     rows = ContextRows(groups, R, S)
     for layer in range(2):
-        want = shared_context_attention(q, [x.at_layer(layer) for x in groups], suf_k, suf_v, mask, 0.3)
+        want = shared_context_attention(q, GroupedContext(layer_groups(groups, layer), S), suf_k, suf_v, mask, 0.3)
         got = shared_context_attention(q, rows.at_layer(layer), suf_k, suf_v, mask, 0.3)
         assert (got - want).abs().max().item() <= 1e-5
 

@@ -72,7 +72,7 @@ def test_vllm_next_token_logprobs_equal_ours(head64_dir):
     with VllmPeer(head64_dir, engine.model.config, "cpu", "float32", 400, rows=len(prompts)) as peer:
         theirs = peer.call({"task": "next_token", "prompts": prompts, "top": top})
     for prompt, logprobs, greedy in zip(prompts, theirs["logprobs"], theirs["greedy"], strict=True):
-        prefilled = engine.prefill(engine.prepare(RetrieveRequest(prompt_token_ids=prompt)))
+        prefilled = engine.runner.prefill_alone(engine.prepare(RetrieveRequest(prompt_token_ids=prompt)))
         ours = prefilled.last_logits.float().log_softmax(-1)
         best = ours.topk(top)
         assert greedy == int(best.indices[0])

@@ -99,7 +99,7 @@ class RetrieveRequest(PromptInput):
         return self
 
 
-class ScoredItem(BaseModel):
+class RetrievedItem(BaseModel):
     item_id: str
     semantic_id: list[int]
     logprob: float
@@ -107,7 +107,7 @@ class ScoredItem(BaseModel):
 
 class RetrieveResult(BaseModel):
     request_id: str | None = None
-    items: list[ScoredItem]
+    items: list[RetrievedItem]
     prompt_tokens: int
     unknown_exclusions: int = Field(0, description="exclude_item_ids not in the catalog (ignored)")
 

@@ -81,6 +81,16 @@ def build_ids(
     typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))
 
 
+@app.command("model-version")
+def model_version_command(model: Path = typer.Argument(..., help="model directory")):
+    """Print the model's version and record its weights' digests in MODEL/genrec/digests.json, so replicas do
+    not hash the weights at start (run it before the directory becomes read-only, e.g. in an image build)."""
+    from genrec.model.directory import ModelDirectory, model_version
+
+    ModelDirectory(model)
+    typer.echo(model_version(model))
+
+
 @app.command()
 def demo(
     out: Path = typer.Option(Path("out/demo"), help="where the plot, the metrics and the batch output go"),
@@ -118,13 +128,15 @@ def bench_retrieve(
     hf_baseline: bool = typer.Option(True, help="also time transformers generate(num_beams=...)"),
     user_embedding: bool = typer.Option(False, help="also time the soft-token path against token-only prompts"),
     peer: str = typer.Option(None, help="vllm: also run vLLM on the same model and prompts (`make peers`)"),
+    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FlashAttention-2 varlen and decode graphs (unverified)"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ):
     """Engine.retrieve against one plain prefill (the floor) and transformers beam search."""
     from genrec.bench.retrieve import run
 
     report = run(
-        prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding, peer
+        prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding, peer,
+        cuda_fast,
     )
     _emit(report, json_out)
 
@@ -140,12 +152,13 @@ def bench_score(
     repeats: int = typer.Option(3, min=1),
     fanout_sample: int = typer.Option(50, min=1, help="fan-out forwards actually timed (the rest are the same cost)"),
     peer: str = typer.Option(None, help="vllm: also run vLLM on the same model and prompts (`make peers`)"),
+    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FlashAttention-2 varlen and decode graphs (unverified)"),
     json_out: Path = typer.Option(None, "--json"),
 ):
     """One-pass scoring against one forward per candidate and one plain forward of as many tokens."""
     from genrec.bench.score import run
 
-    report = run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample, peer)
+    report = run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample, peer, cuda_fast)
     _emit(report, json_out)
 
 
@@ -165,6 +178,7 @@ def bench_load(
     max_running: int = typer.Option(
         None, min=1, help="requests the engine runs at once (default: 8 on CUDA, 64 on CPU)"
     ),
+    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FlashAttention-2 varlen and decode graphs (unverified)"),
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG: latency against offered load"),
 ):
@@ -189,6 +203,7 @@ def bench_load(
         burst,
         plot,
         max_running,
+        cuda_fast,
     )
     _emit(report, json_out)
 

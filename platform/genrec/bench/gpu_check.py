@@ -3,8 +3,8 @@
     python -m genrec.bench.gpu_check --out gpu_check.json [--quick]
 
 1. versions, and the schema of the FlashAttention-2 varlen aten op (seqused_k present?);
-2. the CUDA varlen path (GENREC_CUDA_FAST) against the plain-torch reference: decode-like spans (gaps in the
-   pool, a sequence without keys, GQA) and causal prefill-like spans, bf16 and fp16, plus the float32
+2. the CUDA varlen path (the engine option `cuda_fast`) against the plain-torch reference: decode-like spans (gaps
+   in the pool, a sequence without keys, GQA) and causal prefill-like spans, bf16 and fp16, plus the float32
    reference on CUDA against the CPU; then a tiny engine's retrieve/score with the switch off and on;
 3. launches per decode pass (torch.profiler) eager, eager with FA2 varlen, and replayed as a CUDA graph, and the
    graph's results against eager, Qwen3-1.7B dims, bf16, 4 requests x beam 30 at prompt 2000;
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from genrec import attention
-from genrec.attention import Spans, varlen_reference
+from genrec.attention import Spans, varlen_attention, varlen_reference
 
 
 def versions() -> dict:
@@ -69,13 +67,9 @@ def varlen_checks(device) -> dict:
         for causal in (False, True):
             q, k, v, spans = _case(device, dtype, causal, 7)
             want, want_lse = varlen_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), spans, 0.088, causal)
-            attention.CUDA_FAST = True
-            try:
-                got, lse = attention.varlen_attention(q, k, v, spans, 0.088, causal)
-                torch.cuda.synchronize()
-            finally:
-                attention.CUDA_FAST = False
-            eager, _ = attention.varlen_attention(q, k, v, spans, 0.088, causal)
+            got, lse = varlen_attention(q, k, v, spans, 0.088, causal, fast=True)
+            torch.cuda.synchronize()
+            eager, _ = varlen_attention(q, k, v, spans, 0.088, causal)
             key = f"{str(dtype).split('.')[-1]}_{'causal' if causal else 'decode'}"
             finite = torch.isfinite(want_lse)
             out[key] = {
@@ -102,6 +96,7 @@ def engine_checks(device) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny"))
         engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
+        fast_engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16, cuda_fast=True)
         g = torch.Generator().manual_seed(3)
         retrieve = [
             RetrieveRequest(prompt_token_ids=random_prompt(engine, n, g), beam_width=w)
@@ -109,14 +104,7 @@ def engine_checks(device) -> dict:
         ]
         cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:64]]
         score = [ScoreRequest(prompt_token_ids=random_prompt(engine, 90, g), candidates=cands)]
-        results = {}
-        for fast in (False, True):
-            attention.CUDA_FAST = fast
-            try:
-                results[fast] = (engine.retrieve(retrieve), engine.score(score))
-            finally:
-                attention.CUDA_FAST = False
-        (r0, s0), (r1, s1) = results[False], results[True]
+        (r0, s0), (r1, s1) = ((e.retrieve(retrieve), e.score(score)) for e in (engine, fast_engine))
         items_equal = [
             [i.item_id for i in a.items] == [i.item_id for i in b.items] for a, b in zip(r0, r1, strict=True)
         ]
@@ -132,32 +120,26 @@ def engine_checks(device) -> dict:
 def pooled_cohorts(engine, prompts: list[list[int]], widths: list[int], pool):
     """One cohort per request as the scheduler makes them: contexts and BeamKV slots in `pool`."""
     from genrec.api import RetrieveRequest
-    from genrec.engine.beam import slots_needed
-    from genrec.engine.engine import Prefilled
+    from genrec.engine.beam import slots_needed, start_cohort
 
     cohorts = []
     for prompt, width in zip(prompts, widths, strict=True):
         prepared = engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=width))
         ctx = pool.context(len(prompt))
-        logits = engine.model.prefill_packed([(engine.prompt_embeds(prepared), ctx)])
+        logits = engine.runner.prefill([(prepared, ctx, 0, len(prompt))])
         slots = pool.reserve(slots_needed(engine.trie, [width]))
-        cohorts.append(engine.start_beams([prepared], [Prefilled(ctx, logits[0])], slots=slots))
+        cohorts.append(start_cohort(engine.trie, [prepared], [ctx], logits, slots=slots))
     return cohorts
 
 
-def _passes(engine, prompt_len, beams, mode):
-    """Fresh cohorts of `beams` widths in a pool, and the runner of `mode` (None: the eager pass)."""
+def _cohorts(engine, prompt_len, beams):
+    """Fresh cohorts of `beams` widths in a pool of their own."""
     from genrec.bench.common import random_prompt
-    from genrec.engine.decode_graph import DecodeRunner
 
     g = torch.Generator().manual_seed(5)
     prompts = [random_prompt(engine, prompt_len, g) for _ in beams]
-    pool = engine.new_pool(len(beams) * (prompt_len + 4096))
-    cohorts = pooled_cohorts(engine, prompts, beams, pool)
-    runner = None
-    if mode != "eager":
-        runner = DecodeRunner(engine.model, pool, engine.catalog.levels, graphs=mode == "graphs")
-    return cohorts, runner
+    pool = engine.runner.new_pool(len(beams) * (prompt_len + 4096))
+    return pooled_cohorts(engine, prompts, beams, pool)
 
 
 def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: list[int]) -> dict:
@@ -167,35 +149,34 @@ def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: li
 
     from genrec.engine import Engine
     from genrec.engine.beam import fetch_finals
-    from genrec.engine.decode import decode_step
 
-    engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
+    engines = {
+        fast: Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16, cuda_fast=fast)
+        for fast in (False, True)
+    }
     out, finals = {}, {}
     for mode in ("eager", "varlen", "graphs"):
-        attention.CUDA_FAST = mode != "eager"
-        try:
-            cohorts, runner = _passes(engine, prompt_len, beams, mode)
-            decode_step(engine.model, cohorts, runner)  # warm-up (and capture) on the first pass
+        engine = engines[mode != "eager"]
+        cohorts, static = _cohorts(engine, prompt_len, beams), mode == "graphs"
+        engine.runner.decode(cohorts, static)  # warm-up (and capture) on the first pass
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            engine.runner.decode(cohorts, static)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                start = time.perf_counter()
-                decode_step(engine.model, cohorts, runner)
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
-            while not all(c.done for c in cohorts):
-                decode_step(engine.model, [c for c in cohorts if not c.done], runner)
-            finals[mode] = fetch_finals(cohorts)
-            names = [e.name for e in prof.events()]
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            launch = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names)
-            out[mode] = {
-                "kernels": len(kernels),
-                "launch_calls": launch,
-                "graph_launches": names.count("cudaGraphLaunch"),
-                "seconds": seconds,
-            }
-        finally:
-            attention.CUDA_FAST = False
+            seconds = time.perf_counter() - start
+        while not all(c.done for c in cohorts):
+            engine.runner.decode([c for c in cohorts if not c.done], static)
+        finals[mode] = fetch_finals(cohorts)
+        names = [e.name for e in prof.events()]
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        launch = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names)
+        out[mode] = {
+            "kernels": len(kernels),
+            "launch_calls": launch,
+            "graph_launches": names.count("cudaGraphLaunch"),
+            "seconds": seconds,
+        }
     for mode in ("varlen", "graphs"):
         same = [a[1] == b[1] for a, b in zip(finals["eager"], finals[mode], strict=True)]
         diff = max(
@@ -207,9 +188,8 @@ def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: li
 
 
 def bench(args: list[str], fast: bool, timeout: int) -> dict:
-    env = dict(os.environ, GENREC_CUDA_FAST="1" if fast else "0")
-    cmd = [sys.executable, "-m", "genrec.cli", "bench", *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "genrec.cli", "bench", *args, *(["--cuda-fast"] if fast else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         return {"error": done.stderr[-3000:], "cmd": " ".join(cmd)}
     result = json.loads(done.stdout)
@@ -240,7 +220,6 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2, default=str))
         print(name, json.dumps(report[name], default=str)[:2000], flush=True)
 
-    attention.CUDA_FAST = False  # the checks switch it per call; the benches get it through the environment
     part("versions", versions)
     part("varlen", lambda: varlen_checks(device))
     part("engine", lambda: engine_checks(device))

@@ -34,10 +34,11 @@ def run(
     burst,
     plot,
     max_running: int | None = None,
+    cuda_fast: bool = False,
 ):
     rates = [check_rate(rate) for rate in rates]  # before minutes of model loading
     model_dir = model_dir_for(preset, model, levels)
-    engine = Engine.from_pretrained(model_dir, device=device)
+    engine = Engine.from_pretrained(model_dir, device=device, cuda_fast=cuda_fast)
     maker = RequestMaker(engine, kind, prompt_len, beam_width, candidates)
     sequential_s = _sequential_seconds(engine, maker, device)
     config = SchedulerConfig(max_queue=4096, max_running=max_running, request_timeout_s=600)

@@ -14,10 +14,21 @@ from genrec.engine import Engine
 
 
 def run(
-    prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding=False, peer=None
+    prompt_len,
+    beam_width,
+    preset,
+    model,
+    levels,
+    batch,
+    device,
+    repeats,
+    hf_baseline,
+    user_embedding=False,
+    peer=None,
+    cuda_fast=False,
 ):
     model_dir = model_dir_for(preset, model, levels)
-    engine = Engine.from_pretrained(model_dir, device=device)
+    engine = Engine.from_pretrained(model_dir, device=device, cuda_fast=cuda_fast)
     if peer:
         peer_vllm.check(peer, engine.model.config, device, beam_width)
     generator = torch.Generator().manual_seed(0)
@@ -27,7 +38,7 @@ def run(
     ]
     prepared = [engine.prepare(r) for r in requests]
     timed = {
-        "prefill_floor": lambda: [engine.prefill(p) for p in prepared],
+        "prefill_floor": lambda: [engine.runner.prefill_alone(p) for p in prepared],
         "genrec_retrieve": lambda: engine.retrieve(requests),
     }
     if user_embedding:

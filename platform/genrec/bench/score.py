@@ -11,9 +11,11 @@ from genrec.engine import Engine
 from genrec.model import ContextKV
 
 
-def run(prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample, peer=None) -> dict:
+def run(
+    prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample, peer=None, cuda_fast=False
+) -> dict:
     model_dir = model_dir_for(preset, model, None)
-    engine = Engine.from_pretrained(model_dir, device=device, max_candidates=max(candidates, 2048))
+    engine = Engine.from_pretrained(model_dir, device=device, max_candidates=max(candidates, 2048), cuda_fast=cuda_fast)
     if peer:
         peer_vllm.check(peer, engine.model.config, device)
     generator = torch.Generator().manual_seed(0)

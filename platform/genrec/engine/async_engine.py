@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     def __init__(self, engine: Engine, config: SchedulerConfig | None = None, idle_wait_s: float = 0.02):
         self.engine = engine
-        self.scheduler = Scheduler(engine, config)
+        self.scheduler = Scheduler(engine, config if config is not None else engine.scheduler_config)
         self._lock = threading.Lock()  # one submitter at a time: the tokenizer is not thread-safe
         self._closed = False  # set under _lock: after it, nothing new is admitted
         self._held: set[Future] = set()  # the futures of every unfinished request: what a shutdown settles

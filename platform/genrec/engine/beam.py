@@ -10,6 +10,8 @@ until `results()`.
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import numpy as np
 import torch
 
@@ -109,6 +111,30 @@ class BeamCohort:
 
     def _offsets(self) -> list[int]:
         return [sum(self.rows_per_req[:r]) for r in range(len(self.rows_per_req))]
+
+
+def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last_logits: torch.Tensor, slots=None):
+    """A cohort of beam requests (`Prepared`s) over their prefilled contexts, with the first level already chosen
+    from the logits at their prompts' last positions (last_logits [n, vocab]). `slots`: see `BeamCohort`."""
+    exclusions = [np.asarray(p.exclusions, dtype=np.int64) for p in prepared]
+    widths = [p.request.beam_width for p in prepared]
+    cohort = BeamCohort(trie, widths, contexts, exclusions, last_logits.device, slots)
+    cohort.select(torch.log_softmax(last_logits, dim=-1))
+    return cohort
+
+
+def advance_all(cohorts: list[BeamCohort], logprobs: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+    """After one decode pass over the cohorts' rows (in this order, same-level cohorts adjacent): record each
+    cohort's new BeamKV and run one selection per level."""
+    start = 0
+    for _, same_level in groupby(cohorts, key=lambda c: c.level):
+        group = list(same_level)
+        stop = start
+        for cohort in group:
+            cohort.record_kv(new_k[:, stop : stop + cohort.rows], new_v[:, stop : stop + cohort.rows])
+            stop += cohort.rows
+        select_together(group, logprobs[start:stop])
+        start = stop
 
 
 def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:

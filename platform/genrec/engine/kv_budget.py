@@ -56,10 +56,10 @@ def kv_bytes_per_token(config: Qwen3Config, element_size: int) -> int:
 def request_kv_tokens(prepared: Prepared, levels: int) -> int:
     """Token-equivalents of KV a request holds at its peak: prompt, beam suffixes, candidate rows."""
     tokens = len(prepared.token_ids)
-    if prepared.beams:
+    if prepared.uses_beams:
         tokens += prepared.request.beam_width * levels * 2  # BeamKV plus the gathered suffix of a pass
-    if prepared.candidates is not None:
-        tokens += sum(map(len, prepared.candidates))
+    if prepared.candidate_tokens is not None:
+        tokens += sum(map(len, prepared.candidate_tokens))
         if prepared.kind == "recommend":
             tokens += prepared.request.num_results * levels
     return tokens

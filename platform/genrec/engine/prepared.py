@@ -34,8 +34,8 @@ def check_kind(request, kind: str) -> None:
 class Prepared:
     request: RetrieveRequest | ScoreRequest | RecommendRequest
     token_ids: torch.Tensor  # [T] int64, on the host
-    candidates: list[list[int]] | None = None  # given candidates' tokens (score, recommend)
-    given: list[Candidate] | None = None  # the candidates those tokens are of (recommend: after exclusions)
+    candidate_tokens: list[list[int]] | None = None  # the given candidates' token lists (score, recommend)
+    given: list[Candidate] | None = None  # the candidates those lists are of (recommend: after exclusions)
     labels: tuple[int, int] | None = None
     exclusions: list[int] | None = None  # catalog indices (retrieve, recommend)
     unknown_exclusions: int = 0
@@ -45,7 +45,7 @@ class Prepared:
         return request_kind(self.request)
 
     @property
-    def beams(self) -> bool:
+    def uses_beams(self) -> bool:
         return self.kind in ("retrieve", "recommend")
 
 
@@ -64,7 +64,7 @@ def prepare(engine, req) -> Prepared:
         tokens = candidate_token_lists(engine, req.candidates, len(token_ids))  # every candidate validated
         keep = _kept(engine, req.candidates, prepared.exclusions) if prepared.kind == "recommend" else None
         prepared.given = req.candidates if keep is None else [req.candidates[k] for k in keep]
-        prepared.candidates = tokens if keep is None else [tokens[k] for k in keep]
+        prepared.candidate_tokens = tokens if keep is None else [tokens[k] for k in keep]
         prepared.labels = label_token_ids(engine.tokenizer, req.labels)
     return prepared
 

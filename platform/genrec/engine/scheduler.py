@@ -1,10 +1,13 @@
-"""The continuous-batching scheduler: one `step()` is one iteration of the engine loop.
+"""The continuous-batching scheduler: the one place that sequences work. One `step()` is one iteration.
 
 Each iteration (1) drops cancelled and timed-out requests, freeing their KV at once; (2) admits waiting
 requests in arrival order while the KV budget allows; (3) prefills under a token budget, in chunks, so a
-long prompt does not starve running decodes; (4) scores the requests whose prefill finished and starts
-beam cohorts for the others; (5) runs ONE decode pass for every running beam of every request. No Ray,
-no threads here: the AsyncEngine drives it. Every model call is guarded so a failing request fails alone.
+long prompt does not starve running decodes; (4) starts beam cohorts for the prefilled beam requests; (5)
+runs ONE decode pass for every running beam of every request; (6) runs the scoring rows of every request
+that has them (score requests; recommend requests whose beams are done) and finishes them. A job's state
+(`JobState`) says which of these it is in. The runner makes every model call; no Ray and no threads here:
+the synchronous `Engine` steps it until its batch is done, the AsyncEngine's loop steps it forever. Every
+model call is guarded, so a failing request fails alone.
 """
 
 from __future__ import annotations
@@ -16,18 +19,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from genrec import attention
-from genrec.api import RetrieveResult
-from genrec.engine.beam import BeamCohort, fetch_finals
+from genrec.engine import results
+from genrec.engine.beam import fetch_finals, start_cohort
 from genrec.engine.checks import check_int, check_seconds
 from genrec.engine.context_cache import ContextCache, context_key
-from genrec.engine.decode import decode_step
-from genrec.engine.decode_graph import DecodeRunner
-from genrec.engine.engine import Engine, Prefilled
+from genrec.engine.job import Job, JobState, Prefilled
 from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token, request_kv_tokens
 from genrec.engine.metrics import EngineMetrics
 from genrec.engine.prepared import Prepared
+from genrec.engine.scoring import score_job
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
+
+WAITING, PREFILLING, DECODING, SCORING, FINISHED = JobState
 
 
 @dataclass
@@ -58,44 +61,24 @@ class SchedulerConfig:
 LIVE_FIELDS = ("request_timeout_s", "max_queue", "max_running", "prefill_tokens_per_step")
 
 
-@dataclass(eq=False)
-class Job:
-    prepared: Prepared
-    future: Future
-    submitted: float
-    deadline: float
-    kv_bytes: int
-    embeds: torch.Tensor | None = None
-    ctx_key: bytes | None = None
-    prefilled: Prefilled | None = None
-    partial: object = None  # ContextKV while prefilling in chunks
-    cohort: BeamCohort | None = None
-    retrieved: RetrieveResult | None = None  # recommend: the beams, waiting to be ranked
-    holding: Holding | None = None  # its extents of the KV pool, from admission to the end
-
-    @property
-    def kind(self) -> str:
-        return self.prepared.kind
-
-
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None):
-        self.engine = engine
-        self.config = _by_device(config or SchedulerConfig(), engine.device)
-        self.model = engine.model
-        self.per_token = kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
+    """Sequences the requests of one engine (`genrec.engine.Engine`: its runner, catalog and limits)."""
+
+    def __init__(self, engine, config: SchedulerConfig | None = None):
+        self.runner, self.catalog, self.trie = engine.runner, engine.catalog, engine.trie
+        self.score_max_tokens = engine.score_max_tokens
+        self.device = engine.device
+        self.config = _by_device(config or SchedulerConfig(), self.device)
+        model = self.runner.model
+        self.per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
         budget = self.config.kv_budget_bytes
-        budget = budget if budget is not None else _default_budget(engine.device)
-        self.budget = KVBudget(engine.new_pool(budget // self.per_token))
+        budget = budget if budget is not None else _default_budget(self.device)
+        self.budget = KVBudget(self.runner.new_pool(budget // self.per_token))
         self.cache = ContextCache(self.config.context_cache_entries)
-        # Static-shape decode passes replayed as CUDA graphs: only on CUDA with the (unverified) fast switch.
-        fast = attention.CUDA_FAST and engine.device.type == "cuda"
-        self.runner = DecodeRunner(self.model, self.budget.pool, engine.catalog.levels, graphs=True) if fast else None
         self.metrics = EngineMetrics()
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
         self.waiting: deque[Job] = deque()
-        self.prefilling: list[Job] = []
-        self.decoding: list[Job] = []
+        self.running: list[Job] = []  # admitted, in admission order; their state says what they need next
 
     # -- submission (any thread; the AsyncEngine serialises submitters) ---------------------------
 
@@ -104,31 +87,37 @@ class Scheduler:
         fixed = sorted(set(fields) - set(LIVE_FIELDS))
         if fixed:
             raise InvalidRequestError(fixed[0], f"cannot change on a running engine (live: {', '.join(LIVE_FIELDS)})")
-        self.config = _by_device(replace(self.config, **fields), self.engine.device)  # one atomic swap
+        self.config = _by_device(replace(self.config, **fields), self.device)  # one atomic swap
         return self.config
 
     def submit(self, prepared: Prepared, timeout_s: float | None = None) -> Future:
         timeout_s = check_seconds("timeout_s", timeout_s) if timeout_s is not None else self.config.request_timeout_s
-        kv_bytes = self.per_token * request_kv_tokens(prepared, self.engine.catalog.levels)
-        if kv_bytes > self.budget.capacity:
+        tokens = request_kv_tokens(prepared, self.catalog.levels)
+        if tokens * self.per_token > self.budget.capacity:
             raise InvalidRequestError(
-                "request", f"needs {kv_bytes} bytes of KV; this engine's budget is {self.budget.capacity}"
+                "request",
+                f"needs {tokens * self.per_token} bytes of KV; this engine's budget is {self.budget.capacity}",
             )
-        if len(self.waiting) + len(self.inbox) >= self.config.max_queue:
+        if not self.has_room:
             raise Overloaded(f"engine queue is full ({self.config.max_queue} waiting requests)")
         now = time.monotonic()
-        job = Job(prepared, Future(), now, now + timeout_s, kv_bytes)
+        job = Job(prepared, Future(), now, now + timeout_s, tokens)
         self.inbox.append(job)
         return job.future
 
     @property
+    def has_room(self) -> bool:
+        return len(self.waiting) + len(self.inbox) < self.config.max_queue
+
+    @property
     def idle(self) -> bool:
-        return not (self.inbox or self.waiting or self.prefilling or self.decoding)
+        return not (self.inbox or self.waiting or self.running)
 
     # -- one iteration (the loop thread) ---------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> bool:
+        """One iteration; False when it found nothing to do."""
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
         self._reap(time.monotonic())
@@ -137,152 +126,139 @@ class Scheduler:
         ready += prefilled
         self._start(ready)
         rows = self._decode()
+        scored = self._score()
         m = self.metrics
-        m.queue_depth, m.running = len(self.waiting), len(self.prefilling) + len(self.decoding)
+        m.queue_depth, m.running = len(self.waiting), len(self.running)
         m.kv_bytes_reserved = self.budget.reserved
-        if prefill_tokens or rows or ready:
+        if prefill_tokens or rows or ready or scored:
             m.steps += 1
             m.prefill_tokens_per_step.observe(prefill_tokens)
             m.batch_rows_per_step.observe(rows)
             return True
         return False
 
-    def _reap(self, now: float) -> None:
-        for queue in (self.prefilling, self.decoding):
-            for job in [j for j in queue if j.future.cancelled() or now > j.deadline]:
-                queue.remove(job)
-                self._end(job)
-        for job in [j for j in self.waiting if j.future.cancelled() or now > j.deadline]:
-            self.waiting.remove(job)
-            self._end(job)
+    def in_state(self, state: JobState) -> list[Job]:
+        return [j for j in self.running if j.state is state]
 
-    def _end(self, job: Job) -> None:
-        """A job left the engine without a result: cancelled or timed out."""
-        if job.future.cancelled():
-            self._finish(job, status="cancelled")
-        else:
-            waited = time.monotonic() - job.submitted
-            self._finish(job, error=RequestTimeout(f"request did not finish within {waited:.1f} s"), status="timeout")
+    def _reap(self, now: float) -> None:
+        for job in [j for j in (*self.waiting, *self.running) if j.future.cancelled() or now > j.deadline]:
+            if job.future.cancelled():
+                self._finish(job, status="cancelled")
+            else:
+                waited = time.monotonic() - job.submitted
+                error = RequestTimeout(f"request did not finish within {waited:.1f} s")
+                self._finish(job, error=error, status="timeout")
 
     def _admit(self) -> list[Job]:
+        """Waiting jobs, in arrival order, into the pool while they fit; those whose prompt is cached are ready."""
         ready = []
-        while self.waiting and len(self.prefilling) + len(self.decoding) + len(ready) < self.config.max_running:
+        while self.waiting and len(self.running) < self.config.max_running:
             job = self.waiting[0]
             job.ctx_key = context_key(job.prepared) if self.cache.entries else None
             job.holding = self._hold(job)
             if job.holding is None:
                 break  # in arrival order: the head waits for memory, nobody overtakes it
             self.waiting.popleft()
+            self.running.append(job)
             cached = self.cache.get(job.ctx_key) if job.ctx_key else None
             if cached is not None:
-                job.prefilled = cached
+                job.last_logits = cached.last_logits
                 self._first_step(job)
                 ready.append(job)
             else:
-                self.prefilling.append(job)
+                job.move(PREFILLING)
         return ready
 
     def _hold(self, job: Job) -> Holding | None:
         """The job's extents of the pool (sharing a cached prompt's); the context cache gives up its oldest
         prompts while they do not fit (perhaps the job's own: then it prefills after all)."""
-        tokens = job.kv_bytes // self.per_token
         prompt = len(job.prepared.token_ids)
         while True:
             cached = self.cache.peek(job.ctx_key) if job.ctx_key else None
-            holding = self.budget.admit(tokens, prompt, cached.ctx if cached is not None else None)
+            holding = self.budget.admit(job.kv_tokens, prompt, cached.ctx if cached is not None else None)
             if holding is not None or not self.cache.evict_oldest():
                 return holding
 
     def _prefill(self) -> tuple[int, list[Job]]:
         """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass."""
         budget, chunks = self.config.prefill_tokens_per_step, []
-        for job in list(self.prefilling):
+        for job in self.in_state(PREFILLING):
             if budget <= 0:
                 break
-            if job.partial is None:
+            start = job.ctx.length
+            if start == 0:
                 self._first_step(job)
-                self._guarded([job], self._begin_prefill)
-                if job.partial is None:
-                    continue  # it failed, alone
-            start = job.partial.length
             n = min(len(job.prepared.token_ids) - start, budget)
             chunks.append((job, start, n))
             budget -= n
         done: list[Job] = []
         self._guarded([job for job, _, _ in chunks], lambda jobs: done.extend(self._run_chunks(chunks, jobs)))
-        for job in done:
-            self.prefilling.remove(job)
         return self.config.prefill_tokens_per_step - budget, done
-
-    def _begin_prefill(self, jobs: list[Job]) -> None:
-        (job,) = jobs
-        job.embeds = self.engine.prompt_embeds(job.prepared)
-        job.partial = job.holding.ctx
 
     def _run_chunks(self, chunks, jobs: list[Job]) -> list[Job]:
         chunks = [c for c in chunks if c[0] in jobs]
-        for job, start, _ in chunks:
-            job.partial.length = start  # a retried pass rewrites the same positions
-        segments = [(job.embeds[start : start + n], job.partial) for job, start, n in chunks]
-        logits = self.model.prefill_packed(segments)
+        logits = self.runner.prefill([(job.prepared, job.ctx, start, n) for job, start, n in chunks])
         done = []
         for (job, _, _), row in zip(chunks, logits, strict=True):
-            if job.partial.length == len(job.prepared.token_ids):
-                job.prefilled, job.embeds, job.partial = Prefilled(job.partial, row), None, None
+            if job.ctx.length == len(job.prepared.token_ids):
+                job.last_logits = row
                 if job.ctx_key is not None:
-                    self.cache.put(job.ctx_key, job.prefilled)
+                    self.cache.put(job.ctx_key, Prefilled(job.ctx, row))
                 done.append(job)
         return done
 
     def _start(self, ready: list[Job]) -> None:
-        scoring = [j for j in ready if not j.prepared.beams]
-        self._guarded(scoring, self._score)
-        for job in (j for j in ready if j.prepared.beams):
-            self._guarded([job], self._start_beams)
+        """Prefilled jobs on to their next state: beam requests start their cohort, score requests score."""
+        for job in ready:
+            if job.prepared.uses_beams:
+                self._guarded([job], self._start_beams)
+            else:
+                job.move(SCORING)
 
     def _start_beams(self, jobs: list[Job]) -> None:
         (job,) = jobs
-        job.cohort = self.engine.start_beams([job.prepared], [job.prefilled], slots=job.holding.rest)
-        self.decoding.append(job)
+        slots = job.holding.rest
+        job.cohort = start_cohort(self.trie, [job.prepared], [job.ctx], job.last_logits[None], slots=slots)
+        job.move(DECODING)
         if job.cohort.done:  # a one-level code: nothing to decode
             self._beams_done([job])
 
-    def _score(self, jobs: list[Job]) -> None:
-        engine = self.engine
-        scores = engine.score_many([engine.score_job(j.prepared, j.prefilled) for j in jobs])
-        for job, s in zip(jobs, scores, strict=True):
-            self._finish(job, engine.score_result(job.prepared, job.prefilled, s))
-
     def _decode(self) -> int:
-        running = [j for j in self.decoding if not j.cohort.done]
-        if not running:
-            return 0
-        rows = sum(j.cohort.rows for j in running)
-        self._guarded(running, lambda jobs: decode_step(self.model, [j.cohort for j in jobs], self.runner))
-        self._beams_done([j for j in running if j in self.decoding and j.cohort.done])
+        decoding = self.in_state(DECODING)
+        rows = sum(j.cohort.rows for j in decoding)
+        self._guarded(decoding, lambda jobs: self.runner.decode([j.cohort for j in jobs]))
+        self._beams_done([j for j in decoding if j.state is DECODING and j.cohort.done])
         return rows
 
     def _beams_done(self, jobs: list[Job]) -> None:
-        recommends = []
         finals = fetch_finals([job.cohort for job in jobs]) if jobs else []  # one host sync for all
         for job, host in zip(jobs, finals, strict=True):
-            self.decoding.remove(job)
-            self._guarded([job], lambda one, host=host: self._beams_result(one[0], host, recommends))
-        self._guarded(recommends, self._rank)
+            self._guarded([job], lambda one, host=host: self._beams_result(one[0], host))
 
-    def _beams_result(self, job: Job, host, recommends: list[Job]) -> None:
-        (result,) = self.engine.retrieve_results([job.prepared], [job.prefilled], job.cohort, host)
+    def _beams_result(self, job: Job, host) -> None:
+        (beams,) = job.cohort.results(host)
+        result = results.retrieve_result(self.catalog, job.prepared, beams)
         if job.kind == "retrieve":
             self._finish(job, result)
         else:
             job.retrieved = result
-            recommends.append(job)
+            job.cohort = None
+            job.move(SCORING)
 
-    def _rank(self, jobs: list[Job]) -> None:
-        engine = self.engine
-        scores = engine.score_many([engine.score_job(j.prepared, j.prefilled, j.retrieved) for j in jobs])
+    def _score(self) -> int:
+        """One scoring run for every job in SCORING (rows of many jobs share passes), then their results."""
+        scoring = self.in_state(SCORING)
+        self._guarded(scoring, self._score_jobs)
+        return len(scoring)
+
+    def _score_jobs(self, jobs: list[Job]) -> None:
+        work = [score_job(j.prepared, j.ctx, j.last_logits, j.retrieved) for j in jobs]
+        scores = self.runner.score(work, self.score_max_tokens)
         for job, s in zip(jobs, scores, strict=True):
-            self._finish(job, engine.recommend_result(job.prepared, job.retrieved, s))
+            if job.kind == "score":
+                self._finish(job, results.score_result(job.prepared, s))
+            else:
+                self._finish(job, results.recommend_result(self.catalog, job.prepared, job.retrieved, s))
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
@@ -290,37 +266,36 @@ class Scheduler:
         """Fail every request in the engine (after an unexpected error in the loop itself, or at shutdown)."""
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
-        for queue in (self.waiting, self.prefilling, self.decoding):
-            while queue:
-                self._finish(queue.pop(), error=error, status=status)
+        for job in [*self.waiting, *self.running]:
+            self._finish(job, error=error, status=status)
 
     def _guarded(self, jobs: list[Job], fn) -> None:
-        """Run fn on the jobs together; if that raises, run it on each alone so only the culprit fails."""
+        """Run fn on the jobs together; if that raises, run it on each still unfinished one alone, so only the
+        culprit fails (a job fn already finished is never run again)."""
         if not jobs:
             return
         try:
             fn(jobs)
         except Exception as err:  # noqa: BLE001
             if len(jobs) == 1:
-                self._drop(jobs[0])
-                self._finish(jobs[0], error=err, status="error")
+                if not jobs[0].finished:
+                    self._finish(jobs[0], error=err, status="error")
                 return
             for job in jobs:
-                self._guarded([job], fn)
-
-    def _drop(self, job: Job) -> None:
-        for queue in (self.prefilling, self.decoding):
-            if job in queue:
-                queue.remove(job)
+                if not job.finished:
+                    self._guarded([job], fn)
 
     def _first_step(self, job: Job) -> None:
         self.metrics.time_to_first_step[job.kind].observe(time.monotonic() - job.submitted)
 
     def _finish(self, job: Job, result=None, error: BaseException | None = None, status: str = "ok") -> None:
+        """Settle the job's future and give its KV back (from any state)."""
+        (self.running if job in self.running else self.waiting).remove(job)
+        job.move(FINISHED)
         if job.holding is not None:
             self.budget.release(job.holding)
             job.holding = None
-        job.cohort = job.embeds = job.partial = job.prefilled = job.retrieved = None
+        job.cohort = job.last_logits = job.retrieved = None
         try:
             if error is not None:
                 job.future.set_exception(error)

@@ -6,7 +6,7 @@ import torch
 
 from genrec.errors import InvalidRequestError
 from genrec.model.soft_token import SoftTokenProjector
-from genrec.staging import host_side, to_device
+from genrec.staging import to_device
 
 
 def check_user_embedding(
@@ -39,17 +39,10 @@ def check_user_embedding(
 
 
 def inject_user_embedding(
-    embeds: torch.Tensor,
-    token_ids: torch.Tensor,
-    placeholder_id: int | None,
-    user_embedding: list[float] | None,
-    projector: SoftTokenProjector | None,
+    embeds: torch.Tensor, token_ids: torch.Tensor, placeholder_id: int, user_embedding: list[float], projector
 ) -> torch.Tensor:
-    """embeds [T, hidden] of token_ids [T]; placeholder rows replaced by one projected vector for all."""
-    with host_side():  # host tensors only
-        check_user_embedding(token_ids, placeholder_id, user_embedding, projector)
-    if user_embedding is None:
-        return embeds
+    """embeds [T, hidden] of token_ids [T] (a whole prompt or a chunk of it, already checked by
+    `check_user_embedding`): placeholder rows replaced by one projected vector for all."""
     vector = to_device(user_embedding, projector.weight.device, torch.float32).to(projector.weight.dtype)
     projected = projector(vector).to(embeds.dtype)
     mask = to_device(token_ids.numpy() == placeholder_id, embeds.device, torch.bool)

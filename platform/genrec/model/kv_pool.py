@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec.model.config import Qwen3Config
+from genrec.model.family import KVShape
 
 
 class ExtentAllocator:
@@ -68,7 +68,7 @@ def kv_storage(shape, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class KVPool:
-    def __init__(self, config: Qwen3Config, tokens: int, device, dtype):
+    def __init__(self, config: KVShape, tokens: int, device, dtype):
         shape = (config.num_hidden_layers, tokens, config.num_key_value_heads, config.head_dim)
         self.k, self.v = kv_storage(shape, device, dtype)
         self.tokens = tokens
@@ -90,10 +90,6 @@ class KVPool:
     def used(self) -> int:
         """Tokens in live extents."""
         return self._extents.used
-
-    @property
-    def largest_free(self) -> int:
-        return self._extents.largest
 
 
 @dataclass(eq=False)
@@ -131,7 +127,7 @@ class ContextKV:
         self._holders = 1
 
     @classmethod
-    def allocate(cls, config: Qwen3Config, capacity: int, device, dtype) -> ContextKV:
+    def allocate(cls, config: KVShape, capacity: int, device, dtype) -> ContextKV:
         """A context in a pool of its own, exactly `capacity` tokens."""
         return KVPool(config, capacity, device, dtype).context(capacity)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genrec.attention import ContextGroup, ContextRows, Spans, shared_context_attention, varlen_attention
+from genrec.attention import Spans, shared_context_attention, varlen_attention
 from genrec.model.config import Qwen3Config
 from genrec.model.kv_pool import ContextKV
 from genrec.staging import to_device
@@ -174,24 +174,27 @@ class Qwen3(nn.Module):
         return self.lm_head(self.model.norm(hidden)).float()
 
     @torch.inference_mode()
-    def prefill(self, embeds: torch.Tensor, ctx: ContextKV, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(
+        self, embeds: torch.Tensor, ctx: ContextKV, logits_at: torch.Tensor | None = None, fast: bool = False
+    ) -> torch.Tensor:
         """Run embeds [S, hidden] as positions ctx.length .. ctx.length+S-1 of the prompt.
 
         Writes the chunk's K/V into `ctx` (which must have capacity) and returns float32 logits at
         `logits_at` (chunk-relative indices; default: the last position).
         """
-        hidden = self._prefill_hidden([(embeds, ctx)])
+        hidden = self._prefill_hidden([(embeds, ctx)], fast)
         return self.logits(hidden[-1:] if logits_at is None else hidden[logits_at])
 
     @torch.inference_mode()
-    def prefill_packed(self, segments: list[tuple[torch.Tensor, ContextKV]]) -> torch.Tensor:
+    def prefill_packed(self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool = False) -> torch.Tensor:
         """Several prompts (or prompt chunks) in one pass: projections and MLPs run over all their tokens
-        at once, attention per segment. Returns the logits at each segment's last position [n, vocab]."""
-        hidden = self._prefill_hidden(segments)
+        at once, attention per segment. Returns the logits at each segment's last position [n, vocab].
+        `fast`: the CUDA attention kernel (see `genrec.attention.varlen`)."""
+        hidden = self._prefill_hidden(segments, fast)
         ends = to_device(np.cumsum([len(e) for e, _ in segments]) - 1, hidden.device)
         return self.logits(hidden[ends])
 
-    def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]]) -> torch.Tensor:
+    def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool) -> torch.Tensor:
         device = segments[0][0].device
         spans = []  # (first token in x, ctx start, ctx stop)
         offset = 0
@@ -211,7 +214,7 @@ class Qwen3(nn.Module):
             attn = None
             for pool, causal_spans in attend:  # one varlen call per pool (normally one)
                 out, _ = varlen_attention(
-                    q, pool.k[i], pool.v[i], causal_spans, layer.self_attn.scale, causal=True, need_lse=False
+                    q, pool.k[i], pool.v[i], causal_spans, layer.self_attn.scale, causal=True, need_lse=False, fast=fast
                 )
                 attn = out if attn is None else attn + out
             x = layer.finish(x, attn)
@@ -224,7 +227,7 @@ class Qwen3(nn.Module):
         self,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        groups: list[ContextGroup],
+        context,
         past_k: torch.Tensor | None = None,
         past_v: torch.Tensor | None = None,
         causal: bool = True,
@@ -232,10 +235,11 @@ class Qwen3(nn.Module):
     ):
         """Run R rows of S new tokens each.
 
-        embeds [R, S, hidden], positions [R, S]. Rows in `groups` attend to that group's ContextKV;
-        every row attends to its own suffix: past_k/past_v [layers, R, P, kv_heads, hd] (earlier tokens of
-        the row, e.g. a beam's ancestors) followed by its S new tokens (causally when `causal`). An explicit
-        `mask` [R or 1, S, P+S] (True = may attend) replaces that rule, e.g. to hide padded past positions.
+        embeds [R, S, hidden], positions [R, S]. `context` says which rows attend to which ContextKV
+        (`ContextRows`, or a static decode pass's `StaticContext`: anything with `at_layer(i)`); every row
+        attends to its own suffix: past_k/past_v [layers, R, P, kv_heads, hd] (earlier tokens of the row, e.g.
+        a beam's ancestors) followed by its S new tokens (causally when `causal`). An explicit `mask`
+        [R or 1, S, P+S] (True = may attend) replaces that rule, e.g. to hide padded past positions.
         Returns (hidden [R, S, hidden] before the final norm, new_k, new_v [layers, R, S, kv_heads, hd]).
         """
         R, S = positions.shape
@@ -245,7 +249,6 @@ class Qwen3(nn.Module):
             u = torch.arange(P + S, device=embeds.device)
             mask = (u[None, :] <= (torch.arange(S, device=embeds.device)[:, None] + P))[None]
         new_k, new_v = [], []
-        rows = ContextRows(groups, R, S)  # every request's rows over its context: one call per layer
         x = embeds
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv_heads(layer.input_layernorm(x), cos, sin)
@@ -254,7 +257,7 @@ class Qwen3(nn.Module):
             if P:
                 k = torch.cat((past_k[i], k), dim=1)
                 v = torch.cat((past_v[i], v), dim=1)
-            attn = shared_context_attention(q, rows.at_layer(i), k, v, mask, layer.self_attn.scale)
+            attn = shared_context_attention(q, context.at_layer(i), k, v, mask, layer.self_attn.scale)
             x = layer.finish(x, attn)
         return x, torch.stack(new_k), torch.stack(new_v)
 

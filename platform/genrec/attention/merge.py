@@ -1,0 +1,51 @@
+"""The suffix part of shared-context attention, and its exact merge with the context part."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class ContextLayer(Protocol):
+    """One layer's context part: (out [M, H, D], lse [H, M] float32) of M query rows over their contexts;
+    a row without a context gets out 0 and lse -inf."""
+
+    def attend(self, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def shared_context_attention(
+    q: torch.Tensor,
+    context: ContextLayer,
+    suffix_k: torch.Tensor,
+    suffix_v: torch.Tensor,
+    suffix_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of R rows over their context plus their own suffix.
+
+    q: [R, S, H, D] (S query positions per row); suffix_k/suffix_v: [R, U, KV, D]; suffix_mask: [R or 1, S, U]
+    bool (True = may attend) or None for "all visible". Every query position must see at least one suffix
+    key. The two partial softmaxes merge exactly through their log-sum-exps (equal to one softmax over the
+    concatenated keys). Returns [R, S, H, D] in q's dtype.
+    """
+    R, S, H, D = q.shape
+    KV = suffix_k.shape[2]
+    G = H // KV
+    qg = q.view(R, S, KV, G, D)
+
+    # Suffix part, all rows at once: scores [R, KV, G, S, U].
+    s_suf = torch.einsum("rskgd,rukd->rkgsu", qg, suffix_k).float() * scale
+    if suffix_mask is not None:
+        s_suf = s_suf.masked_fill(~suffix_mask[:, None, None], float("-inf"))
+    lse_suf = torch.logsumexp(s_suf, dim=-1)  # [R, KV, G, S]
+    p_suf = torch.exp(s_suf - lse_suf[..., None])
+    out_suf = torch.einsum("rkgsu,rukd->rkgsd", p_suf.to(suffix_v.dtype), suffix_v).float()
+
+    out, lse = context.attend(q.reshape(R * S, H, D), scale)  # [R*S, H, D], [H, R*S]
+    out_ctx = out.view(R, S, KV, G, D).permute(0, 2, 3, 1, 4).float()
+    lse_ctx = lse.view(KV, G, R, S).permute(2, 0, 1, 3)
+
+    lse = torch.logaddexp(lse_ctx, lse_suf)
+    out = out_ctx * torch.exp(lse_ctx - lse)[..., None] + out_suf * torch.exp(lse_suf - lse)[..., None]
+    return out.permute(0, 3, 1, 2, 4).reshape(R, S, H, D).to(q.dtype)

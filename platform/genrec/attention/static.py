@@ -1,0 +1,75 @@
+"""The context call with static shapes, for the decode pass a CUDA graph replays.
+
+The request mix, widths and context lengths are data in fixed-size index tensors, never shapes, so a decode
+pass has the same op shapes whatever its mix (see `genrec.engine.static_batch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from genrec.attention.varlen import Spans, varlen_reference
+
+
+@torch.library.custom_op("genrec::varlen_attention", mutates_args=())
+def varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    used_k: torch.Tensor,
+    row_empty: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    fast: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`varlen_attention` as one operator over index tensors of fixed size (sequence b: queries
+    cu_q[b]:cu_q[b+1], keys cu_k[b] for used_k[b]; row_empty [M]: rows of sequences without keys). This
+    implementation (CPU, or CUDA without `fast`) reads the index tensors on the host and runs the reference."""
+    spans = Spans(cu_q.tolist(), cu_k[:-1].tolist(), used_k.tolist())
+    out, lse = varlen_reference(q, k, v, spans, scale)
+    return out.clone(), lse.clone()
+
+
+@varlen_op.register_kernel("cuda")
+def _varlen_op_cuda(q, k, v, cu_q, cu_k, used_k, row_empty, max_q, max_k, scale, fast):
+    if not (fast and q.dtype in (torch.float16, torch.bfloat16)):
+        spans = Spans(cu_q.tolist(), cu_k[:-1].tolist(), used_k.tolist())  # syncs: the eager path only
+        out, lse = varlen_reference(q, k, v, spans, scale)
+        return out.clone(), lse.clone()
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale, seqused_k=used_k
+    )[:2]
+    return out.masked_fill(row_empty[:, None, None], 0), lse.masked_fill(row_empty[None], float("-inf"))
+
+
+@dataclass(frozen=True)
+class StaticContext:
+    """The context part of a static decode pass: a pool and the fixed-size index buffers of its rows."""
+
+    pool: object  # a KVPool
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    used_k: torch.Tensor
+    row_empty: torch.Tensor
+    fast: bool = False
+
+    def at_layer(self, i: int) -> StaticRows:
+        return StaticRows(self, i)
+
+
+@dataclass(frozen=True)
+class StaticRows:
+    """One layer of a `StaticContext`."""
+
+    context: StaticContext
+    layer: int
+
+    def attend(self, q: torch.Tensor, scale: float):
+        c = self.context
+        args = (c.cu_q, c.cu_k, c.used_k, c.row_empty, q.shape[0], c.pool.tokens, scale, c.fast)
+        return varlen_op(q, c.pool.k[self.layer], c.pool.v[self.layer], *args)

@@ -1,0 +1,72 @@
+"""A request inside the scheduler: its state, the moves allowed between states, and what each state holds."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from genrec.api import RetrieveResult
+from genrec.engine.beam import BeamCohort
+from genrec.engine.kv_budget import Holding
+from genrec.engine.prepared import Prepared
+
+
+class JobState(Enum):
+    WAITING = "waiting"  # queued; holds nothing
+    PREFILLING = "prefilling"  # holds its KV; its prompt runs in chunks, ctx.length tokens done
+    DECODING = "decoding"  # beam search over its context, one level per step
+    SCORING = "scoring"  # rows to score over its context: its candidates, or (recommend) its beams and candidates
+    FINISHED = "finished"  # its future is settled and its KV released
+
+
+_MOVES = {
+    JobState.WAITING: {JobState.PREFILLING, JobState.DECODING, JobState.SCORING, JobState.FINISHED},
+    JobState.PREFILLING: {JobState.DECODING, JobState.SCORING, JobState.FINISHED},
+    JobState.DECODING: {JobState.SCORING, JobState.FINISHED},
+    JobState.SCORING: {JobState.FINISHED},
+    JobState.FINISHED: set(),
+}
+
+
+@dataclass
+class Prefilled:
+    """A prompt after prefill: its ContextKV and the float32 logits at its last position (what the context cache
+    keeps)."""
+
+    ctx: object  # ContextKV
+    last_logits: torch.Tensor
+
+
+@dataclass(eq=False)
+class Job:
+    prepared: Prepared
+    future: Future
+    submitted: float
+    deadline: float
+    kv_tokens: int  # pool tokens it holds at its peak
+    state: JobState = JobState.WAITING
+    ctx_key: bytes | None = None  # its prompt's key in the context cache, when the cache is on
+    holding: Holding | None = None  # its extents of the pool, from admission until it finishes
+    last_logits: torch.Tensor | None = None  # once prefilled
+    cohort: BeamCohort | None = None  # DECODING
+    retrieved: RetrieveResult | None = None  # SCORING a recommend: its beams, ranked with the given candidates
+
+    @property
+    def kind(self) -> str:
+        return self.prepared.kind
+
+    @property
+    def ctx(self):
+        return self.holding.ctx
+
+    @property
+    def finished(self) -> bool:
+        return self.state is JobState.FINISHED
+
+    def move(self, state: JobState) -> None:
+        if state not in _MOVES[self.state]:
+            raise RuntimeError(f"a job cannot move from {self.state.value} to {state.value}")
+        self.state = state

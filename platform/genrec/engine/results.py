@@ -1,0 +1,115 @@
+"""A finished request's result, from its host values: catalog items, scores checked finite, recommend's ranking.
+
+Everything here runs on host data after the one fetch at the end of a request (`genrec.staging.fetch`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from genrec.api import (
+    CandidateScore,
+    RecommendedItem,
+    RecommendRequest,
+    RecommendResult,
+    RetrievedItem,
+    RetrieveResult,
+    ScoreResult,
+)
+from genrec.catalog import Catalog
+from genrec.engine.prepared import Prepared
+from genrec.engine.scoring import LabelScores, not_retrieved
+from genrec.errors import InvalidRequestError
+from genrec.staging import fetch
+
+
+def retrieve_result(catalog: Catalog, prepared: Prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
+    """beams: (catalog index, logprob) best first, from `BeamCohort.results`."""
+    check_finite([s for _, s in beams])
+    items = [
+        RetrievedItem(item_id=catalog.item_ids[i], semantic_id=catalog.codes[i].tolist(), logprob=s)
+        for i, s in beams[: prepared.request.num_results]
+    ]
+    return RetrieveResult(
+        request_id=prepared.request.request_id,
+        items=items,
+        prompt_tokens=len(prepared.token_ids),
+        unknown_exclusions=prepared.unknown_exclusions,
+    )
+
+
+def score_result(prepared: Prepared, scores: LabelScores) -> ScoreResult:
+    logprobs, probs, _ = _fetch_scores(scores)
+    items = [
+        CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
+        for c, lp, pr in zip(prepared.request.candidates, logprobs, probs, strict=True)
+    ]
+    return ScoreResult(request_id=prepared.request.request_id, scores=items, prompt_tokens=len(prepared.token_ids))
+
+
+def recommend_result(
+    catalog: Catalog, prepared: Prepared, retrieved: RetrieveResult, scores: LabelScores
+) -> RecommendResult:
+    offset = len(retrieved.items)
+    logprobs, probs, sequence = _fetch_scores(scores)
+    # The given rows carry a sequence logprob exactly when the job asked for one (see scoring.score_job).
+    joint = prepared.request.rank_by == "joint"
+    given_code = check_finite(sequence[offset:]) if joint else [None] * (len(sequence) - offset)
+    given_ids = {c.item_id for c in prepared.given if c.item_id is not None}
+    items = [
+        RecommendedItem(
+            item_id=i.item_id,
+            semantic_id=i.semantic_id,
+            retrieval_logprob=i.logprob,
+            code_logprob=i.logprob,
+            score_logprob=lp,
+            prob=pr,
+            source="retrieved+given" if i.item_id in given_ids else "retrieved",
+        )
+        for i, lp, pr in zip(retrieved.items, logprobs, probs, strict=False)
+    ]
+    given = [prepared.given[k] for k in not_retrieved(prepared, retrieved)]
+    for cand, lp, pr, code_lp in zip(given, logprobs[offset:], probs[offset:], given_code, strict=True):
+        code = catalog.codes[catalog.index_of(cand.item_id)].tolist() if cand.item_id else None
+        items.append(
+            RecommendedItem(
+                item_id=cand.item_id,
+                semantic_id=code,
+                code_logprob=code_lp,
+                score_logprob=lp,
+                prob=pr,
+                source="given",
+            )
+        )
+    items.sort(key=_rank_key(prepared.request), reverse=True)
+    return RecommendResult(
+        request_id=prepared.request.request_id,
+        items=items,
+        prompt_tokens=retrieved.prompt_tokens,
+        unknown_exclusions=retrieved.unknown_exclusions,
+    )
+
+
+def _rank_key(request: RecommendRequest):
+    if request.rank_by == "joint":
+        weight = request.score_weight
+        return lambda item: item.code_logprob + weight * item.score_logprob
+    return lambda item: item.score_logprob
+
+
+def _fetch_scores(scores: LabelScores) -> tuple[list[float], list[float], list[float]]:
+    """A request's label scores (checked finite) and sequence logprobs (NaN where not asked for: the caller
+    checks the rows it asked for) on the host: the end of the request, one named fetch."""
+    host = fetch(torch.stack((scores.logprob.double(), scores.prob.double(), scores.sequence.double())))
+    return check_finite(host[0].tolist()), check_finite(host[1].tolist()), host[2].tolist()
+
+
+def check_finite(values: list[float]) -> list[float]:
+    """No result carries a NaN or infinite score: the request fails instead (host values: no device sync)."""
+    if not all(map(math.isfinite, values)):
+        raise InvalidRequestError(
+            "request", "the model's scores for this request are not finite (e.g. a user_embedding too large)"
+        )
+    return values

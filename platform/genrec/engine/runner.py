@@ -1,0 +1,254 @@
+"""The model runner: the one place that calls the model. The scheduler decides what runs; this runs it.
+
+- prefill: chunks of many prompts packed into one pass, each written into its ContextKV (an extent of the
+  engine's KV pool) at the positions it continues from;
+- decode: one pass for the rows of many beam cohorts (any levels), eager, or with static shapes (the pass a
+  CUDA graph replays: on CUDA with the `fast` option);
+- score: candidate rows over their requests' contexts, in passes of bounded size, read out as label scores
+  and (where asked) sequence log-probabilities.
+
+The model is any `genrec.model.family.ContextModel` (Qwen3 here): embed, prefill_packed, forward_rows, logits.
+`fast` selects the CUDA attention kernels and graphs; it is passed down, never read from a global.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from genrec.attention import ContextGroup, ContextRows
+from genrec.engine.beam import BeamCohort, advance_all
+from genrec.engine.job import Prefilled
+from genrec.engine.prepared import Prepared
+from genrec.engine.scoring import LabelScores, ScoreJob, Segment, chunks, pad_rows, ragged
+from genrec.engine.soft_token import inject_user_embedding
+from genrec.engine.static_batch import DecodeBuffers, bucket_of
+from genrec.model.kv_pool import ContextKV, KVPool
+from genrec.staging import to_device
+
+
+class ModelRunner:
+    def __init__(self, model, levels: int, projector=None, placeholder_id: int | None = None, fast: bool = False):
+        self.model, self.projector, self.placeholder_id = model, projector, placeholder_id
+        self.device = model.device
+        self.fast = fast
+        self.graphs = fast and self.device.type == "cuda"  # static decode passes replayed as CUDA graphs
+        self.past = max(levels - 2, 0)  # the longest beam suffix a decode pass reads
+        self._buffers: dict[tuple[int, int], DecodeBuffers] = {}  # (pool, bucket) -> static inputs
+        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._mempool = None
+
+    def new_pool(self, tokens: int) -> KVPool:
+        return KVPool(self.model.config, tokens, self.device, self.model.dtype)
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prompt_embeds(self, prepared: Prepared, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Input embeddings of prompt tokens [start, stop), the soft token injected where the request has one."""
+        ids = prepared.token_ids[start:stop]
+        embeds = self.model.embed(to_device(ids.numpy(), self.device))
+        vector = prepared.request.user_embedding
+        if vector is None:
+            return embeds
+        return inject_user_embedding(embeds, ids, self.placeholder_id, vector, self.projector)
+
+    @torch.inference_mode()
+    def prefill_alone(self, prepared: Prepared) -> Prefilled:
+        """One prompt in one pass, into a pool of its own: the plain prefill benchmarks take as their floor."""
+        ctx = ContextKV.allocate(self.model.config, len(prepared.token_ids), self.device, self.model.dtype)
+        (logits,) = self.prefill([(prepared, ctx, 0, len(prepared.token_ids))])
+        return Prefilled(ctx, logits)
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[tuple[Prepared, ContextKV, int, int]]) -> torch.Tensor:
+        """Chunks (prepared, ctx, start, n): tokens [start, start + n) of each prompt, in one packed pass, written
+        into ctx. Returns the logits at each chunk's last position [chunks, vocab]. A retried pass rewrites
+        the same positions."""
+        segments = []
+        for prepared, ctx, start, n in chunks:
+            ctx.length = start
+            segments.append((self.prompt_embeds(prepared, start, start + n), ctx))
+        return self.model.prefill_packed(segments, fast=self.fast)
+
+    # -- decode ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, cohorts: list[BeamCohort], static: bool | None = None) -> None:
+        """One pass for every row of the cohorts, then each cohort's selection. `static` (default: on CUDA with
+        `fast`) runs the pass with static shapes; it needs the cohorts' contexts and BeamKV slots in one pool."""
+        cohorts = sorted(cohorts, key=lambda c: c.level)  # same-level cohorts adjacent: one selection each
+        pool = _one_pool(cohorts)
+        if (self.graphs if static is None else static) and pool is not None:
+            logprobs, new_k, new_v = self._static_pass(cohorts, pool)
+        else:
+            logprobs, new_k, new_v = self._eager_pass(cohorts)
+        advance_all(cohorts, logprobs, new_k, new_v)
+
+    def _eager_pass(self, cohorts: list[BeamCohort]):
+        inputs = [c.decode_inputs() for c in cohorts]
+        if len(cohorts) == 1:
+            tokens, positions, groups, past_k, past_v = inputs[0]
+            mask = None
+        else:
+            tokens, positions, groups, past_k, past_v, mask = _merge(inputs, self.model)
+        context = ContextRows(groups, len(tokens), fast=self.fast)
+        model = self.model
+        hidden, new_k, new_v = model.forward_rows(model.embed(tokens), positions, context, past_k, past_v, mask=mask)
+        return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
+
+    def static_forward(self, buf: DecodeBuffers):
+        """The static pass over a filled bucket: (logprobs [B, vocab], new_k, new_v [layers, B, 1, kv_heads, hd])."""
+        model, pool = self.model, buf.pool
+        past_k = pool.k[:, buf.ancestors] if buf.past else None  # [layers, B, P, KV, D]: one gather
+        past_v = pool.v[:, buf.ancestors] if buf.past else None
+        embeds = model.embed(buf.tokens[:, None])
+        hidden, new_k, new_v = model.forward_rows(
+            embeds, buf.positions[:, None], buf.context, past_k, past_v, mask=buf.mask
+        )
+        return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
+
+    def static_buffers(self, pool: KVPool, bucket: int) -> DecodeBuffers:
+        key = (id(pool), bucket)
+        if key not in self._buffers:
+            self._buffers[key] = DecodeBuffers(bucket, self.past, pool, self.fast)
+        return self._buffers[key]
+
+    def _static_pass(self, cohorts: list[BeamCohort], pool: KVPool):
+        rows = sum(c.rows for c in cohorts)
+        buf = self.static_buffers(pool, bucket_of(rows))
+        buf.fill(cohorts)
+        logprobs, new_k, new_v = self._replay(buf) if self.graphs else self.static_forward(buf)
+        return logprobs[:rows], new_k[:, :rows], new_v[:, :rows]
+
+    def _replay(self, buf: DecodeBuffers):
+        key = (id(buf.pool), buf.bucket)
+        graph = self._captured.get(key)
+        if graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.static_forward(buf)  # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            self._mempool = self._mempool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                buf.outputs = self.static_forward(buf)
+            self._captured[key] = graph
+        graph.replay()
+        return buf.outputs
+
+    # -- scoring ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, jobs: list[ScoreJob], max_tokens: int) -> list[LabelScores]:
+        """Every job's candidates as rows over its context; rows of many jobs share passes of at most
+        `max_tokens` padded tokens. A job without candidates gets empty scores and no rows in any pass."""
+        empty = LabelScores(*(torch.empty(0, device=self.device) for _ in range(3)))
+        parts: list[list[LabelScores]] = [[empty] for _ in jobs]  # every job has a part, even with no rows
+        for chunk in chunks(jobs, max_tokens):
+            for job_index, scores in zip(chunk.job_index, self._score_chunk(chunk.segments), strict=True):
+                parts[job_index].append(scores)
+        return [LabelScores.cat(ps) for ps in parts]
+
+    def _score_chunk(self, segments: list[Segment]) -> list[LabelScores]:
+        model, device = self.model, self.device
+        ids, lengths = pad_rows([cand for seg in segments for cand in seg.candidates])
+        counts = [len(seg.candidates) for seg in segments]
+        groups, offset = [], 0
+        for seg, n in zip(segments, counts, strict=True):
+            groups.append(ContextGroup(offset, offset + n, seg.job.ctx))
+            offset += n
+        starts = np.repeat([seg.job.ctx.length for seg in segments], counts)
+        positions = starts[:, None] + np.arange(ids.shape[1])[None, :]
+        labels = np.repeat([seg.job.labels for seg in segments], counts, axis=0)
+        ids_d, positions, labels = to_device(ids, device), to_device(positions, device), to_device(labels, device)
+        context = ContextRows(groups, len(ids), ids.shape[1], fast=self.fast)
+        hidden, _, _ = model.forward_rows(model.embed(ids_d), positions, context, causal=True)
+        last = hidden[torch.arange(len(ids), device=device), to_device(lengths - 1, device)]
+        logprob, prob = self._label_scores(last, labels[:, 0], labels[:, 1])
+        sequence = self._sequence_logprobs(segments, hidden, ids, lengths)
+        out, offset = [], 0
+        for n in counts:
+            part = slice(offset, offset + n)
+            out.append(LabelScores(logprob[part], prob[part], sequence[part]))
+            offset += n
+        return out
+
+    def _sequence_logprobs(self, segments: list[Segment], hidden, ids: np.ndarray, lengths: np.ndarray):
+        """[rows] log P(tokens | prompt) for the rows whose segment asks, NaN elsewhere. Token 0 is read from the
+        job's prompt log-probs, token t > 0 from the row's own hidden state at t - 1."""
+        device = hidden.device
+        out = torch.full((len(ids),), float("nan"), device=device)
+        wanted = np.flatnonzero(np.concatenate([seg.wants_sequence() for seg in segments]))
+        if not len(wanted):
+            return out
+        asks = np.array([seg.job.sequence_from is not None for seg in segments])
+        prompts = torch.stack([seg.job.prompt_logprobs for seg, a in zip(segments, asks, strict=True) if a])
+        segment_of_row = np.repeat(np.arange(len(segments)), [len(seg.candidates) for seg in segments])
+        prompt_of = (asks.cumsum() - 1)[segment_of_row[wanted]]  # its segment's row in `prompts`
+        first = prompts[to_device(prompt_of, device), to_device(ids[wanted, 0], device)]
+        # Tokens after the first, real ones only (no padding): (which wanted row, position of the state before it).
+        owner, position = ragged(lengths[wanted] - 1)
+        before = hidden[to_device(wanted[owner], device), to_device(position, device)]
+        picked = self._token_logprobs(before, to_device(ids[wanted[owner], position + 1], device))
+        total = first.index_add(0, to_device(owner, device), picked)
+        return out.index_put((to_device(wanted, device),), total)
+
+    def _token_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: int = 512) -> torch.Tensor:
+        """[N] log-softmax of each of `tokens` [N] under the logits of `hidden` [N, H], `rows` logit rows at a time."""
+        parts = [
+            torch.log_softmax(self.model.logits(h).float(), dim=-1).gather(1, t[:, None])[:, 0]
+            for h, t in zip(hidden.split(rows), tokens.split(rows), strict=True)
+        ]
+        return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+    def _label_scores(self, last_hidden: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, rows: int = 512):
+        """Label log-probs without materialising [N, vocab] logits for all N at once."""
+        logprobs, probs = [], []
+        for h, p, n in zip(last_hidden.split(rows), pos.split(rows), neg.split(rows), strict=True):
+            logits = self.model.logits(h)
+            lse = torch.logsumexp(logits, dim=-1)
+            pos_logit = logits.gather(1, p[:, None])[:, 0]
+            neg_logit = logits.gather(1, n[:, None])[:, 0]
+            logprobs.append(pos_logit - lse)
+            probs.append(torch.sigmoid(pos_logit - neg_logit))
+        return torch.cat(logprobs), torch.cat(probs)
+
+
+def _one_pool(cohorts: list[BeamCohort]) -> KVPool | None:
+    """The pool holding every cohort's contexts and BeamKV slots, or None when they are not all in one."""
+    pool = cohorts[0].slot_pool
+    if pool is None or any(c.slot_pool is not pool or any(x.pool is not pool for x in c.contexts) for c in cohorts):
+        return None
+    return pool
+
+
+def _merge(inputs, model):
+    """Cohorts' decode inputs as one pass: rows concatenated, past suffixes padded to the longest and masked."""
+    c = model.config
+    rows = [x[0].shape[0] for x in inputs]
+    pasts = [0 if x[3] is None else x[3].shape[2] for x in inputs]
+    longest = max(pasts)
+    device = inputs[0][0].device
+    tokens = torch.cat([x[0] for x in inputs])
+    positions = torch.cat([x[1] for x in inputs])
+    groups, offset = [], 0
+    for (_, _, cohort_groups, _, _), n in zip(inputs, rows, strict=True):
+        groups += [ContextGroup(g.start + offset, g.stop + offset, g.ctx) for g in cohort_groups]
+        offset += n
+    past_k = past_v = None
+    # Keys of a row: [padded past (longest) ; its new token]. Padding is masked out.
+    mask = torch.ones(sum(rows), 1, longest + 1, dtype=torch.bool, device=device)
+    if longest:
+        shape = (c.num_hidden_layers, sum(rows), longest, c.num_key_value_heads, c.head_dim)
+        past_k = torch.zeros(shape, dtype=model.dtype, device=device)
+        past_v = torch.zeros(shape, dtype=model.dtype, device=device)
+        offset = 0
+        for (_, _, _, k, v), n, p in zip(inputs, rows, pasts, strict=True):
+            if p:
+                past_k[:, offset : offset + n, :p] = k
+                past_v[:, offset : offset + n, :p] = v
+            mask[offset : offset + n, :, p:longest] = False
+            offset += n
+    return tokens, positions, groups, past_k, past_v, mask

@@ -1,34 +1,37 @@
-"""The static-shape decode pass (what a CUDA graph replays), run eagerly on the CPU."""
+"""The decode pass padded to a row bucket (the shape a CUDA graph replays), run eagerly on the CPU."""
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from genrec.api import RetrieveRequest
 from genrec.bench import gpu_check
 from genrec.engine.beam import fetch_finals
-from genrec.engine.static_batch import DecodeBuffers
+from genrec.engine.decode_batch import DecodeBatch
 from tests.conftest import random_prompt
 
 
 def pooled_cohorts(engine, rng, shape):
     """Cohorts as the scheduler makes them: contexts and BeamKV slots in one pool. shape: (prompt, width) each."""
     pool = engine.runner.new_pool(4096)
-    prompts = [random_prompt(engine, n, rng) for n, _ in shape]
-    return pool, gpu_check.pooled_cohorts(engine, prompts, [w for _, w in shape], pool)
+    prepared = [
+        engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, n, rng), beam_width=w)) for n, w in shape
+    ]
+    return pool, gpu_check.pooled_cohorts(engine, prepared, pool)
 
 
-def test_static_passes_equal_the_eager_passes(engine, rng):
+def test_bucketed_passes_equal_passes_sized_to_the_rows(engine, rng):
     shape = [(23, 5), (40, 9), (11, 30)]
     state = rng.get_state()
     pool, static = pooled_cohorts(engine, rng, shape)
     rng.set_state(state)
     _, eager = pooled_cohorts(engine, rng, shape)
     runner = engine.runner
-    runner.decode(static[:1], static=True)  # one runs ahead: a pass mixes levels and suffix lengths
-    runner.decode(eager[:1], static=False)
+    runner.decode(static[:1], bucketed=True)  # one runs ahead: a pass mixes levels and suffix lengths
+    runner.decode(eager[:1], bucketed=False)
     while not all(c.done for c in static):
-        runner.decode([c for c in static if not c.done], static=True)
-        runner.decode([c for c in eager if not c.done], static=False)
+        runner.decode([c for c in static if not c.done], bucketed=True)
+        runner.decode([c for c in eager if not c.done], bucketed=False)
     for (s_scores, s_items), (e_scores, e_items) in zip(fetch_finals(static), fetch_finals(eager), strict=True):
         assert s_items == e_items and np.allclose(s_scores, e_scores, atol=1e-5)
 
@@ -45,17 +48,17 @@ class OpShapes(TorchDispatchMode):
 
 
 def recorded_pass(engine, pool, cohorts, bucket):
-    buf = DecodeBuffers(bucket, max(engine.catalog.levels - 2, 0), pool)
+    buf = DecodeBatch(bucket, max(engine.catalog.levels - 2, 0), pool)
     rows = buf.fill(cohorts)
     with OpShapes() as rec:
-        logprobs, _, _ = engine.runner.static_forward(buf)
+        logprobs, _, _ = engine.runner.decode_forward(buf)
     return rec.ops, logprobs, rows, buf
 
 
 def test_two_request_mixes_in_one_bucket_run_the_same_op_shapes(engine, rng):
     _, one = pooled_cohorts(engine, rng, [(50, 13)])
     pool, three = pooled_cohorts(engine, rng, [(9, 3), (31, 4), (12, 2)])
-    engine.runner.decode(three[:1], static=True)  # mixed levels
+    engine.runner.decode(three[:1], bucketed=True)  # mixed levels
     first, _, rows_a, _ = recorded_pass(engine, one[0].slot_pool, one, 32)
     second, _, rows_b, _ = recorded_pass(engine, pool, three, 32)
     assert rows_a != rows_b and first == second  # a different mix, the same ops on the same shapes: replayable
@@ -63,22 +66,22 @@ def test_two_request_mixes_in_one_bucket_run_the_same_op_shapes(engine, rng):
 
 def test_padding_a_bucket_never_changes_real_rows(engine, rng):
     pool, cohorts = pooled_cohorts(engine, rng, [(20, 6), (33, 7)])
-    engine.runner.decode(cohorts, static=True)
+    engine.runner.decode(cohorts, bucketed=True)
     _, tight, rows, _ = recorded_pass(engine, pool, cohorts, 16)
-    buf = DecodeBuffers(64, max(engine.catalog.levels - 2, 0), pool)
+    buf = DecodeBatch(64, max(engine.catalog.levels - 2, 0), pool)
     assert buf.fill(cohorts) == rows
     buf.tokens[rows:] = torch.randint(0, engine.model.config.vocab_size, (64 - rows,))  # junk in the padding
     buf.positions[rows:] = 7
-    wide, _, _ = engine.runner.static_forward(buf)
+    wide, _, _ = engine.runner.decode_forward(buf)
     assert (wide[:rows] - tight[:rows]).abs().max().item() <= 1e-5
     assert torch.isfinite(wide).all()
 
 
-def test_a_static_pass_runs_without_a_sync(engine, rng):
+def test_a_bucketed_pass_runs_without_a_sync(engine, rng):
     from tests.sync_guard import no_sync
 
     pool, cohorts = pooled_cohorts(engine, rng, [(20, 6), (33, 7)])
     with no_sync():
         while not all(c.done for c in cohorts):
-            engine.runner.decode(cohorts, static=True)
+            engine.runner.decode(cohorts, bucketed=True)
     assert all(len(items) == c.rows for (_, items), c in zip(fetch_finals(cohorts), cohorts, strict=True))

@@ -188,7 +188,8 @@ def test_prompt_too_long_and_unknown_tokens(engine):
 
 def test_cohorts_at_different_levels_decode_together(engine, rng):
     """One decode pass over cohorts at different levels (padded suffixes, merged selection) == each alone."""
-    from genrec.engine.beam import fetch_finals, start_cohort
+    from genrec.bench import gpu_check
+    from genrec.engine.beam import fetch_finals
     from genrec.engine.results import retrieve_result
 
     requests = [
@@ -196,10 +197,7 @@ def test_cohorts_at_different_levels_decode_together(engine, rng):
         for n, w, ex in ((9, 5, []), (30, 17, ["item-000007"]), (4, 300, []), (12, 2, []))
     ]
     prepared = [engine.prepare(r) for r in requests]
-    prefilled = [engine.runner.prefill_alone(p) for p in prepared]
-    cohorts = [
-        start_cohort(engine.trie, [p], [f.ctx], f.last_logits[None]) for p, f in zip(prepared, prefilled, strict=True)
-    ]
+    cohorts = gpu_check.pooled_cohorts(engine, prepared, engine.runner.new_pool(4096))
     engine.runner.decode(cohorts[:1])  # the first one runs ahead by a level
     while not all(c.done for c in cohorts):
         engine.runner.decode([c for c in cohorts if not c.done])

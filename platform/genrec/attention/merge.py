@@ -38,6 +38,10 @@ def shared_context_attention(
     s_suf = torch.einsum("rskgd,rukd->rkgsu", qg, suffix_k).float() * scale
     if suffix_mask is not None:
         s_suf = s_suf.masked_fill(~suffix_mask[:, None, None], float("-inf"))
+        # Hidden keys may be padding gathered from anywhere in the pool (another request's NaN, say): their
+        # weight is 0, but 0 * NaN is NaN, so their values are zeroed too.
+        unseen = ~suffix_mask.any(dim=1)  # [R or 1, U]
+        suffix_v = suffix_v.masked_fill(unseen[:, :, None, None], 0)
     lse_suf = torch.logsumexp(s_suf, dim=-1)  # [R, KV, G, S]
     p_suf = torch.exp(s_suf - lse_suf[..., None])
     out_suf = torch.einsum("rkgsu,rukd->rkgsd", p_suf.to(suffix_v.dtype), suffix_v).float()

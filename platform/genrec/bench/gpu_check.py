@@ -117,29 +117,30 @@ def engine_checks(device) -> dict:
         return {"retrieve_items_equal": items_equal, "retrieve_max_logprob_diff": lp, "score_max_logprob_diff": sc}
 
 
-def pooled_cohorts(engine, prompts: list[list[int]], widths: list[int], pool):
-    """One cohort per request as the scheduler makes them: contexts and BeamKV slots in `pool`."""
-    from genrec.api import RetrieveRequest
+def pooled_cohorts(engine, prepared: list, pool):
+    """One cohort per prepared beam request as the scheduler makes them: contexts and BeamKV slots in `pool`."""
     from genrec.engine.beam import slots_needed, start_cohort
 
     cohorts = []
-    for prompt, width in zip(prompts, widths, strict=True):
-        prepared = engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=width))
-        ctx = pool.context(len(prompt))
-        logits = engine.runner.prefill([(prepared, ctx, 0, len(prompt))])
-        slots = pool.reserve(slots_needed(engine.trie, [width]))
-        cohorts.append(start_cohort(engine.trie, [prepared], [ctx], logits, slots=slots))
+    for p in prepared:
+        ctx = pool.context(len(p.token_ids))
+        logits = engine.runner.prefill([(p, ctx, 0, len(p.token_ids))])
+        slots = pool.reserve(slots_needed(engine.trie, [p.request.beam_width]))
+        cohorts.append(start_cohort(engine.trie, [p], [ctx], logits, slots=slots))
     return cohorts
 
 
 def _cohorts(engine, prompt_len, beams):
     """Fresh cohorts of `beams` widths in a pool of their own."""
+    from genrec.api import RetrieveRequest
     from genrec.bench.common import random_prompt
 
     g = torch.Generator().manual_seed(5)
-    prompts = [random_prompt(engine, prompt_len, g) for _ in beams]
-    pool = engine.runner.new_pool(len(beams) * (prompt_len + 4096))
-    return pooled_cohorts(engine, prompts, beams, pool)
+    prepared = [
+        engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, g), beam_width=width))
+        for width in beams
+    ]
+    return pooled_cohorts(engine, prepared, engine.runner.new_pool(len(beams) * (prompt_len + 4096)))
 
 
 def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: list[int]) -> dict:
@@ -157,16 +158,16 @@ def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: li
     out, finals = {}, {}
     for mode in ("eager", "varlen", "graphs"):
         engine = engines[mode != "eager"]
-        cohorts, static = _cohorts(engine, prompt_len, beams), mode == "graphs"
-        engine.runner.decode(cohorts, static)  # warm-up (and capture) on the first pass
+        cohorts, bucketed = _cohorts(engine, prompt_len, beams), mode == "graphs"
+        engine.runner.decode(cohorts, bucketed)  # warm-up (and capture) on the first pass
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
-            engine.runner.decode(cohorts, static)
+            engine.runner.decode(cohorts, bucketed)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
         while not all(c.done for c in cohorts):
-            engine.runner.decode([c for c in cohorts if not c.done], static)
+            engine.runner.decode([c for c in cohorts if not c.done], bucketed)
         finals[mode] = fetch_finals(cohorts)
         names = [e.name for e in prof.events()]
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

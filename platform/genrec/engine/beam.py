@@ -15,9 +15,8 @@ from itertools import groupby
 import numpy as np
 import torch
 
-from genrec.attention import ContextGroup
 from genrec.catalog.trie import CodeTrie
-from genrec.model.kv_pool import ContextKV, kv_storage
+from genrec.model.kv_pool import ContextKV, Extent
 from genrec.staging import fetch, to_device
 
 NEG_INF = float("-inf")
@@ -25,26 +24,16 @@ NEG_INF = float("-inf")
 
 class BeamCohort:
     def __init__(
-        self,
-        trie: CodeTrie,
-        widths: list[int],
-        contexts: list[ContextKV],
-        exclusions: list[np.ndarray],
-        device,
-        slots=None,
+        self, trie: CodeTrie, widths: list[int], contexts: list[ContextKV], exclusions: list[np.ndarray], slots: Extent
     ):
-        """`slots`: an Extent of the KV pool to hold the BeamKV (at least `slots_needed` tokens); else own memory."""
-        self.trie, self.widths, self.contexts, self.device = trie, widths, contexts, device
+        """`slots`: an extent of the contexts' KV pool that holds the cohort's BeamKV (`slots_needed` tokens), so a
+        decode pass reads every row's suffix and context from that one pool."""
+        self.trie, self.widths, self.contexts = trie, widths, contexts
+        self.device = device = slots.pool.k.device
         n = len(widths)
         self.base = _pass_bases(trie, widths)
-        self.slot_pool = slots.pool if slots is not None else None  # slots in a pool: a static decode can gather
-        self.slot_offset = slots.start if slots is not None else 0
-        if slots is not None:
-            self.slots_k, self.slots_v = slots.k(), slots.v()
-        else:
-            layers, _, kv_heads, head_dim = contexts[0].pool.k.shape
-            shape = (layers, self.base[-1], kv_heads, head_dim)
-            self.slots_k, self.slots_v = kv_storage(shape, device, contexts[0].pool.k.dtype)
+        self.slot_pool, self.slot_offset = slots.pool, slots.start
+        self.slots_k, self.slots_v = slots.k(), slots.v()
         self.level = 0
         self.prompt_lens = to_device([c.length for c in contexts], device)
         # Rows before the first selection: one per request (its prefill's last position).
@@ -67,21 +56,10 @@ class BeamCohort:
         """Expand every row by its allowed next tokens and keep each request's best rows."""
         select_together([self], logprobs)
 
-    def decode_inputs(self, gather: bool = True):
-        """Inputs of the next decode pass: (tokens [R, 1], positions [R, 1], groups, past_k, past_v); past_k
-        and past_v are None without `gather` (a static pass gathers from the pool itself)."""
-        step = self.level  # pass `step` feeds the level-(step-1) tokens
-        tokens = self.tokens[-1][:, None]
+    def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next decode pass's (tokens [R], positions [R]): pass `level` feeds the level-(level-1) tokens."""
         row_req = _layout(tuple(self.rows_per_req), self.device)["row_req"]
-        positions = (self.prompt_lens[row_req] + step - 1)[:, None]
-        groups = [
-            ContextGroup(off, off + n, ctx)
-            for off, n, ctx in zip(self._offsets(), self.rows_per_req, self.contexts, strict=True)
-        ]
-        past_k = past_v = None
-        if step > 1 and gather:  # one gather of every row's ancestors' K/V: [layers, rows, step - 1, kv_heads, hd]
-            past_k, past_v = self.slots_k[:, self.ancestors], self.slots_v[:, self.ancestors]
-        return tokens, positions, groups, past_k, past_v
+        return self.tokens[-1], self.prompt_lens[row_req] + self.level - 1
 
     def record_kv(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """new_k/new_v [layers, R, 1, kv_heads, hd] from the pass just run: into this pass's slots."""
@@ -113,12 +91,12 @@ class BeamCohort:
         return [sum(self.rows_per_req[:r]) for r in range(len(self.rows_per_req))]
 
 
-def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last_logits: torch.Tensor, slots=None):
+def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last_logits: torch.Tensor, slots: Extent):
     """A cohort of beam requests (`Prepared`s) over their prefilled contexts, with the first level already chosen
     from the logits at their prompts' last positions (last_logits [n, vocab]). `slots`: see `BeamCohort`."""
     exclusions = [np.asarray(p.exclusions, dtype=np.int64) for p in prepared]
     widths = [p.request.beam_width for p in prepared]
-    cohort = BeamCohort(trie, widths, contexts, exclusions, last_logits.device, slots)
+    cohort = BeamCohort(trie, widths, contexts, exclusions, slots)
     cohort.select(torch.log_softmax(last_logits, dim=-1))
     return cohort
 

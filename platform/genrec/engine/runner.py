@@ -2,8 +2,8 @@
 
 - prefill: chunks of many prompts packed into one pass, each written into its ContextKV (an extent of the
   engine's KV pool) at the positions it continues from;
-- decode: one pass for the rows of many beam cohorts (any levels), eager, or with static shapes (the pass a
-  CUDA graph replays: on CUDA with the `fast` option);
+- decode: one pass for the rows of many beam cohorts (any levels), its inputs as data in fixed buffers, so on
+  CUDA with the `fast` option the pass replays as a captured graph per row bucket;
 - score: candidate rows over their requests' contexts, in passes of bounded size, read out as label scores
   and (where asked) sequence log-probabilities.
 
@@ -18,11 +18,11 @@ import torch
 
 from genrec.attention import ContextGroup, ContextRows
 from genrec.engine.beam import BeamCohort, advance_all
+from genrec.engine.decode_batch import DecodeBatch, bucket_of
 from genrec.engine.job import Prefilled
 from genrec.engine.prepared import Prepared
 from genrec.engine.scoring import LabelScores, ScoreJob, Segment, chunks, pad_rows, ragged
 from genrec.engine.soft_token import inject_user_embedding
-from genrec.engine.static_batch import DecodeBuffers, bucket_of
 from genrec.model.kv_pool import ContextKV, KVPool
 from genrec.staging import to_device
 
@@ -34,7 +34,7 @@ class ModelRunner:
         self.fast = fast
         self.graphs = fast and self.device.type == "cuda"  # static decode passes replayed as CUDA graphs
         self.past = max(levels - 2, 0)  # the longest beam suffix a decode pass reads
-        self._buffers: dict[tuple[int, int], DecodeBuffers] = {}  # (pool, bucket) -> static inputs
+        self._buckets: dict[tuple[int, int], DecodeBatch] = {}  # (pool, bucket) -> what its graph reads
         self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._mempool = None
 
@@ -74,69 +74,53 @@ class ModelRunner:
     # -- decode ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, cohorts: list[BeamCohort], static: bool | None = None) -> None:
-        """One pass for every row of the cohorts, then each cohort's selection. `static` (default: on CUDA with
-        `fast`) runs the pass with static shapes; it needs the cohorts' contexts and BeamKV slots in one pool."""
+    def decode(self, cohorts: list[BeamCohort], bucketed: bool | None = None) -> None:
+        """One pass for every row of the cohorts (any levels; their contexts and BeamKV slots in one pool), then
+        each cohort's selection. `bucketed` (default: with CUDA graphs) pads the rows to a power of two, the
+        shape a captured graph replays; else the pass is sized to the rows."""
         cohorts = sorted(cohorts, key=lambda c: c.level)  # same-level cohorts adjacent: one selection each
-        pool = _one_pool(cohorts)
-        if (self.graphs if static is None else static) and pool is not None:
-            logprobs, new_k, new_v = self._static_pass(cohorts, pool)
-        else:
-            logprobs, new_k, new_v = self._eager_pass(cohorts)
-        advance_all(cohorts, logprobs, new_k, new_v)
+        pool = cohorts[0].slot_pool
+        rows = sum(c.rows for c in cohorts)
+        bucketed = self.graphs if bucketed is None else bucketed
+        batch = self._bucket(pool, bucket_of(rows)) if bucketed else DecodeBatch(rows, self.past, pool, self.fast)
+        batch.fill(cohorts)
+        logprobs, new_k, new_v = self._replay(batch) if bucketed and self.graphs else self.decode_forward(batch)
+        advance_all(cohorts, logprobs[:rows], new_k[:, :rows], new_v[:, :rows])
 
-    def _eager_pass(self, cohorts: list[BeamCohort]):
-        inputs = [c.decode_inputs() for c in cohorts]
-        if len(cohorts) == 1:
-            tokens, positions, groups, past_k, past_v = inputs[0]
-            mask = None
-        else:
-            tokens, positions, groups, past_k, past_v, mask = _merge(inputs, self.model)
-        context = ContextRows(groups, len(tokens), fast=self.fast)
-        model = self.model
-        hidden, new_k, new_v = model.forward_rows(model.embed(tokens), positions, context, past_k, past_v, mask=mask)
-        return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
-
-    def static_forward(self, buf: DecodeBuffers):
-        """The static pass over a filled bucket: (logprobs [B, vocab], new_k, new_v [layers, B, 1, kv_heads, hd])."""
-        model, pool = self.model, buf.pool
-        past_k = pool.k[:, buf.ancestors] if buf.past else None  # [layers, B, P, KV, D]: one gather
-        past_v = pool.v[:, buf.ancestors] if buf.past else None
-        embeds = model.embed(buf.tokens[:, None])
+    def decode_forward(self, batch: DecodeBatch):
+        """The pass over a filled batch: (logprobs [B, vocab], new_k, new_v [layers, B, 1, kv_heads, hd])."""
+        model, pool = self.model, batch.pool
+        past_k = pool.k[:, batch.ancestors] if batch.past else None  # [layers, B, P, KV, D]: one gather
+        past_v = pool.v[:, batch.ancestors] if batch.past else None
+        embeds = model.embed(batch.tokens[:, None])
         hidden, new_k, new_v = model.forward_rows(
-            embeds, buf.positions[:, None], buf.context, past_k, past_v, mask=buf.mask
+            embeds, batch.positions[:, None], batch.context, past_k, past_v, mask=batch.mask
         )
         return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
 
-    def static_buffers(self, pool: KVPool, bucket: int) -> DecodeBuffers:
+    def _bucket(self, pool: KVPool, bucket: int) -> DecodeBatch:
+        """The bucket's batch, kept: a captured graph reads its buffers at replay."""
         key = (id(pool), bucket)
-        if key not in self._buffers:
-            self._buffers[key] = DecodeBuffers(bucket, self.past, pool, self.fast)
-        return self._buffers[key]
+        if key not in self._buckets:
+            self._buckets[key] = DecodeBatch(bucket, self.past, pool, self.fast)
+        return self._buckets[key]
 
-    def _static_pass(self, cohorts: list[BeamCohort], pool: KVPool):
-        rows = sum(c.rows for c in cohorts)
-        buf = self.static_buffers(pool, bucket_of(rows))
-        buf.fill(cohorts)
-        logprobs, new_k, new_v = self._replay(buf) if self.graphs else self.static_forward(buf)
-        return logprobs[:rows], new_k[:, :rows], new_v[:, :rows]
-
-    def _replay(self, buf: DecodeBuffers):
-        key = (id(buf.pool), buf.bucket)
+    def _replay(self, batch: DecodeBatch):
+        key = (id(batch.pool), batch.bucket)
         graph = self._captured.get(key)
         if graph is None:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.static_forward(buf)  # warm-up outside the capture
+                self.decode_forward(batch)  # warm-up outside the capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             self._mempool = self._mempool or torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._mempool):
-                buf.outputs = self.static_forward(buf)
+                batch.outputs = self.decode_forward(batch)
             self._captured[key] = graph
         graph.replay()
-        return buf.outputs
+        return batch.outputs
 
     # -- scoring ---------------------------------------------------------------------------------
 
@@ -214,41 +198,3 @@ class ModelRunner:
             logprobs.append(pos_logit - lse)
             probs.append(torch.sigmoid(pos_logit - neg_logit))
         return torch.cat(logprobs), torch.cat(probs)
-
-
-def _one_pool(cohorts: list[BeamCohort]) -> KVPool | None:
-    """The pool holding every cohort's contexts and BeamKV slots, or None when they are not all in one."""
-    pool = cohorts[0].slot_pool
-    if pool is None or any(c.slot_pool is not pool or any(x.pool is not pool for x in c.contexts) for c in cohorts):
-        return None
-    return pool
-
-
-def _merge(inputs, model):
-    """Cohorts' decode inputs as one pass: rows concatenated, past suffixes padded to the longest and masked."""
-    c = model.config
-    rows = [x[0].shape[0] for x in inputs]
-    pasts = [0 if x[3] is None else x[3].shape[2] for x in inputs]
-    longest = max(pasts)
-    device = inputs[0][0].device
-    tokens = torch.cat([x[0] for x in inputs])
-    positions = torch.cat([x[1] for x in inputs])
-    groups, offset = [], 0
-    for (_, _, cohort_groups, _, _), n in zip(inputs, rows, strict=True):
-        groups += [ContextGroup(g.start + offset, g.stop + offset, g.ctx) for g in cohort_groups]
-        offset += n
-    past_k = past_v = None
-    # Keys of a row: [padded past (longest) ; its new token]. Padding is masked out.
-    mask = torch.ones(sum(rows), 1, longest + 1, dtype=torch.bool, device=device)
-    if longest:
-        shape = (c.num_hidden_layers, sum(rows), longest, c.num_key_value_heads, c.head_dim)
-        past_k = torch.zeros(shape, dtype=model.dtype, device=device)
-        past_v = torch.zeros(shape, dtype=model.dtype, device=device)
-        offset = 0
-        for (_, _, _, k, v), n, p in zip(inputs, rows, pasts, strict=True):
-            if p:
-                past_k[:, offset : offset + n, :p] = k
-                past_v[:, offset : offset + n, :p] = v
-            mask[offset : offset + n, :, p:longest] = False
-            offset += n
-    return tokens, positions, groups, past_k, past_v, mask

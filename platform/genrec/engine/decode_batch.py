@@ -1,10 +1,10 @@
-"""The decode pass's inputs with static shapes, so the same pass runs eagerly on the CPU or replays as a CUDA graph.
+"""The inputs of one decode pass over many beam cohorts, as data in fixed-size buffers, never as shapes.
 
-Rows are padded up to a bucket (a power of two); the request mix, widths and context lengths are data in
-fixed-size buffers, never shapes: token, position, ancestors (global slots of the KV pool, padded to the
-longest suffix), suffix mask, and the varlen index tensors of the context call (one sequence per request,
-one for the padding rows, empty ones up to the bucket). Padding rows see only their own token and no
-context, and every op works row by row, so they never change a real row.
+Token, position, ancestors (global slots of the KV pool, padded to the longest suffix), suffix mask, and the
+varlen index tensors of the context call (one sequence per request, one for the padding rows, empty ones up
+to the size). Cohorts at different levels mix freely. Sized to the rows exactly (the CPU), or padded to a
+bucket (a power of two) so that one captured CUDA graph per bucket replays any request mix: padding rows see
+only their own token and no context, and every op works row by row, so they never change a real row.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def bucket_of(rows: int, smallest: int = 16) -> int:
     return max(smallest, 1 << (rows - 1).bit_length())
 
 
-class DecodeBuffers:
-    """Static inputs (and a captured graph's outputs) of one bucket's decode pass over one pool."""
+class DecodeBatch:
+    """The inputs (and a captured graph's outputs) of a decode pass of up to `bucket` rows over one pool."""
 
     def __init__(self, bucket: int, past: int, pool, fast: bool = False):
         self.bucket, self.past, self.pool = bucket, past, pool
@@ -49,9 +49,7 @@ class DecodeBuffers:
         rows, pasts, offsets, lengths, counts = 0, [], [], [], []
         for c in cohorts:
             n, p = c.rows, c.level - 1  # this pass feeds level c.level's tokens; p earlier tokens per row
-            step_inputs = c.decode_inputs(gather=False)
-            self.tokens[rows : rows + n] = step_inputs[0][:, 0]
-            self.positions[rows : rows + n] = step_inputs[1][:, 0]
+            self.tokens[rows : rows + n], self.positions[rows : rows + n] = c.step_inputs()
             if p:
                 self.ancestors[rows : rows + n, :p] = c.ancestors + c.slot_offset
             pasts += [p] * n

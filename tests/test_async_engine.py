@@ -195,12 +195,12 @@ def test_invalid_requests_raise_before_queueing(engine, async_engine):
     assert async_engine.scheduler.idle
 
 
-def test_context_cache_prefills_a_repeated_prompt_once(engine, rng, monkeypatch):
-    calls = []
+def test_a_repeated_prompt_prefills_only_past_its_cached_blocks(engine, rng, monkeypatch):
+    spans = []
     original = engine.runner.prompt_embeds
-    monkeypatch.setattr(engine.runner, "prompt_embeds", lambda p, *span: calls.append(1) or original(p, *span))
-    scheduler = Scheduler(engine, SchedulerConfig(context_cache_entries=4))
-    prompt = random_prompt(engine, 25, rng)
+    monkeypatch.setattr(engine.runner, "prompt_embeds", lambda p, *span: spans.append(span) or original(p, *span))
+    scheduler = Scheduler(engine)
+    prompt = random_prompt(engine, 40, rng)
     retrieve = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=5)))
     while not scheduler.idle:
         scheduler.step()
@@ -208,7 +208,9 @@ def test_context_cache_prefills_a_repeated_prompt_once(engine, rng, monkeypatch)
     score = scheduler.submit(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=top)))
     while not scheduler.idle:
         scheduler.step()
-    assert len(calls) == 1 and scheduler.cache.hits == 1
+    assert spans == [(0, 40), (32, 40)]  # two whole blocks of 16 reused, the rest prefilled
+    stats = scheduler.cache.stats
+    assert (stats.hits, stats.tokens_reused, stats.tokens_prompted) == (1, 32, 80)
     assert_same(score.result(), engine.score([ScoreRequest(prompt_token_ids=prompt, candidates=top)])[0])
 
 
@@ -233,6 +235,13 @@ def slow_requests(engine, rng, n=20):
     return [RetrieveRequest(prompt_token_ids=random_prompt(engine, 200, rng), beam_width=64) for _ in range(n)]
 
 
+def held_decode(engine, monkeypatch, seconds=0.5):
+    """Every decode pass waits `seconds` first: nothing finishes in the first fraction of a second, however fast
+    the machine (the shutdown tests then do not depend on its speed)."""
+    original = engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode", lambda *a, **k: time.sleep(seconds) or original(*a, **k))
+
+
 async def submit_then_shutdown(ae, requests, wait_s, **shutdown):
     tasks = [asyncio.ensure_future(call(ae, r)) for r in requests]
     await asyncio.sleep(wait_s)
@@ -244,7 +253,8 @@ async def submit_then_shutdown(ae, requests, wait_s, **shutdown):
     return [t.exception() or t.result() for t in tasks], took
 
 
-def test_shutdown_fails_every_queued_and_running_request_promptly(engine, rng):
+def test_shutdown_fails_every_queued_and_running_request_promptly(engine, rng, monkeypatch):
+    held_decode(engine, monkeypatch)
     ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=16, max_running=4))
     outcomes, took = asyncio.run(submit_then_shutdown(ae, slow_requests(engine, rng), 0.2, timeout_s=10.0))
     stopped = [o for o in outcomes if isinstance(o, EngineStopped)]
@@ -277,7 +287,8 @@ def test_shutdown_with_drain_finishes_what_it_holds_and_refuses_new_requests(eng
     assert ae.kv_bytes_reserved == 0
 
 
-def test_a_drain_that_runs_out_of_time_fails_the_rest(engine, rng):
+def test_a_drain_that_runs_out_of_time_fails_the_rest(engine, rng, monkeypatch):
+    held_decode(engine, monkeypatch)
     ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=8, max_running=2))
     outcomes, took = asyncio.run(submit_then_shutdown(ae, slow_requests(engine, rng), 0.05, timeout_s=0.3, drain=True))
     assert took < 3.0
@@ -338,7 +349,7 @@ def test_a_lower_max_queue_applies_to_the_next_submission(engine, rng):
         {"request_timeout_s": 0},
         {"request_timeout_s": float("nan")},
         {"kv_budget_bytes": 0},
-        {"context_cache_entries": -1},
+        {"prefix_cache_bytes": -1},
         {"max_running": 2.5},
     ],
 )

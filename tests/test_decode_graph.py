@@ -85,3 +85,35 @@ def test_a_bucketed_pass_runs_without_a_sync(engine, rng):
         while not all(c.done for c in cohorts):
             engine.runner.decode(cohorts, bucketed=True)
     assert all(len(items) == c.rows for (_, items), c in zip(fetch_finals(cohorts), cohorts, strict=True))
+
+
+def test_contexts_with_reused_prefix_pieces_decode_the_same_bucketed_and_sized_to_the_rows(engine, rng):
+    """Contexts of 1, 2 and 3 spans in one pass (prefix pieces of an earlier prompt, read in place)."""
+    from genrec.engine.beam import fetch_finals, slots_needed, start_cohort
+    from genrec.model.kv_pool import ContextKV, Piece
+
+    def cohorts(pool):
+        base = random_prompt(engine, 48, torch.Generator().manual_seed(3))
+        first = engine.prepare(RetrieveRequest(prompt_token_ids=base, beam_width=4))
+        shared = pool.context(48)
+        engine.runner.prefill([(first, shared, 0, 48)])
+        out = []
+        for pieces, extra in (([], 10), ([(0, 32)], 7), ([(0, 16), (16, 32)], 20)):
+            tokens = base[: sum(n for _, n in pieces)] + random_prompt(
+                engine, extra, torch.Generator().manual_seed(extra)
+            )
+            p = engine.prepare(RetrieveRequest(prompt_token_ids=tokens, beam_width=5))
+            prefix = [Piece(shared.extent.retain(), shared.extent.start + a, n) for a, n in pieces]
+            ctx = ContextKV(pool.reserve(len(tokens) - sum(n for _, n in pieces)), prefix)
+            logits = engine.runner.prefill([(p, ctx, ctx.prefix_length, len(tokens) - ctx.prefix_length)])
+            slots = pool.reserve(slots_needed(engine.trie, [5]))
+            out.append(start_cohort(engine.trie, [p], [ctx], logits, slots=slots))
+        return out
+
+    bucketed, exact = cohorts(engine.runner.new_pool(2048)), cohorts(engine.runner.new_pool(2048))
+    assert [len(c.contexts[0].spans()) for c in exact] == [1, 2, 3]
+    while not all(c.done for c in exact):
+        engine.runner.decode(bucketed, bucketed=True)
+        engine.runner.decode(exact, bucketed=False)
+    for (b_scores, b_items), (e_scores, e_items) in zip(fetch_finals(bucketed), fetch_finals(exact), strict=True):
+        assert b_items == e_items and np.allclose(b_scores, e_scores, atol=1e-5)

@@ -28,15 +28,15 @@ def test_first_fit_reuses_holes_and_coalesces_to_one_extent():
 def test_a_context_is_a_view_of_its_pool_and_comes_back_when_its_last_holder_releases(engine):
     pool = engine.runner.new_pool(64)
     first, second = pool.context(20), pool.context(30)
-    assert (first.offset, second.offset, pool.used) == (0, 20, 50)
+    assert (first.extent.start, second.extent.start, pool.used) == (0, 20, 50)
     first.length = 5
     k, _ = first.layer(1)
     assert k.shape == (engine.model.config.num_key_value_heads, 5, engine.model.config.head_dim)
     assert k.data_ptr() == pool.k[1, 0].data_ptr()  # a view: nothing copied
-    second.retain()
+    second.extent.retain()
     second.release()
     assert pool.used == 50  # one holder left
-    second.release()
+    second.extent.release()
     first.release()
     assert pool.used == 0 and pool._extents.largest == 64
     assert pool.context(65) is None
@@ -51,7 +51,7 @@ def test_pooled_prefill_writes_the_same_kv_as_a_private_context(engine, rng):
     pool.context(9)  # something before it: the context sits at an offset
     ctx = pool.context(17)
     got = model.prefill(model.embed(ids), ctx)
-    assert ctx.offset == 9 and torch.equal(got, want)
+    assert ctx.extent.start == 9 and torch.equal(got, want)
     assert torch.equal(ctx.k, alone.k) and torch.equal(ctx.v, alone.v)
 
 
@@ -68,6 +68,8 @@ def test_admission_takes_real_pool_space_and_everything_comes_back(engine, rng):
     assert pool.used == tokens[0] + tokens[1] and len(scheduler.waiting) == 1  # the third waits for space
     while not scheduler.idle:
         scheduler.step()
+    assert pool.used * pool.bytes_per_token == scheduler.cache.bytes  # what stays is the prefix cache's
+    scheduler.cache.clear()
     assert pool.used == 0 and pool._extents.largest == pool.tokens and scheduler.budget.reserved == 0
     for request, future in zip(requests, futures, strict=True):
         assert [i.item_id for i in future.result().items] == [i.item_id for i in engine.retrieve([request])[0].items]
@@ -78,7 +80,8 @@ def test_cached_prompts_hold_pool_space_until_evicted_for_a_request_that_does_no
     big = RetrieveRequest(prompt_token_ids=random_prompt(engine, 60, rng), beam_width=4)
     need = request_kv_tokens(engine.prepare(big), engine.catalog.levels)
     per_token = Scheduler(engine).per_token
-    scheduler = Scheduler(engine, SchedulerConfig(kv_budget_bytes=per_token * need, context_cache_entries=4))
+    budget = per_token * need
+    scheduler = Scheduler(engine, SchedulerConfig(kv_budget_bytes=budget, prefix_cache_bytes=budget))
     pool = scheduler.budget.pool
     first = scheduler.submit(engine.prepare(small))
     while not scheduler.idle:
@@ -88,4 +91,4 @@ def test_cached_prompts_hold_pool_space_until_evicted_for_a_request_that_does_no
     while not scheduler.idle:
         scheduler.step()
     assert second.result().items and first.result().items
-    assert len(scheduler.cache._items) == 1 and pool.used == 60  # now the big prompt is the cached one
+    assert scheduler.cache.snapshot()["entries"] == 1 and pool.used == 60  # now the big prompt is the cached one

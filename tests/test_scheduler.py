@@ -72,6 +72,7 @@ def test_a_retry_after_a_failure_never_runs_a_job_that_already_finished(engine, 
     with pytest.raises(RuntimeError, match="injected"):
         bad.result()
     assert scheduler.metrics.requests == {("score", "ok"): 1, ("score", "error"): 1}
+    scheduler.cache.clear()
     assert scheduler.budget.reserved == 0 and scheduler.budget.pool.used == 0
 
 
@@ -79,8 +80,9 @@ def test_the_synchronous_api_steps_the_engines_own_scheduler(engine, rng):
     before = engine.scheduler.metrics.steps
     requests = [RetrieveRequest(prompt_token_ids=random_prompt(engine, 30, rng), beam_width=4) for _ in range(3)]
     assert all(len(r.items) == 4 for r in engine.retrieve(requests))
-    assert engine.scheduler.metrics.steps > before and engine.scheduler.idle
-    assert engine.scheduler.budget.pool.used == 0
+    scheduler = engine.scheduler
+    assert scheduler.metrics.steps > before and scheduler.idle and scheduler.budget.reserved == 0
+    assert scheduler.budget.pool.used * scheduler.budget.pool.bytes_per_token == scheduler.cache.bytes
 
 
 def test_a_batch_larger_than_the_queue_is_submitted_as_room_frees(tiny_dir, rng):

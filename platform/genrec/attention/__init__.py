@@ -13,13 +13,15 @@ By concern:
 """
 
 from genrec.attention.merge import shared_context_attention
-from genrec.attention.rows import ContextGroup, ContextRows
-from genrec.attention.static import StaticContext, StaticRows, varlen_op
+from genrec.attention.rows import ContextGroup, ContextRows, PrefillRows
+from genrec.attention.static import SpanIndex, StaticContext, StaticRows, varlen_op
 from genrec.attention.varlen import Spans, context_attention, varlen_attention, varlen_reference
 
 __all__ = [
     "ContextGroup",
     "ContextRows",
+    "PrefillRows",
+    "SpanIndex",
     "Spans",
     "StaticContext",
     "StaticRows",

@@ -53,3 +53,13 @@ def shared_context_attention(
     lse = torch.logaddexp(lse_ctx, lse_suf)
     out = out_ctx * torch.exp(lse_ctx - lse)[..., None] + out_suf * torch.exp(lse_suf - lse)[..., None]
     return out.permute(0, 3, 1, 2, 4).reshape(R, S, H, D).to(q.dtype)
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions of the same queries over disjoint keys, as one: out [M, H, D], lse [H, M].
+    A side with no keys (lse -inf) adds nothing."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse).nan_to_num(0.0).T[..., None]  # -inf - -inf: neither side has keys
+    weight_b = torch.exp(lse_b - lse).nan_to_num(0.0).T[..., None]
+    out = out_a.float() * weight_a + out_b.float() * weight_b
+    return out.to(out_a.dtype), lse

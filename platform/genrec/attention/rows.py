@@ -1,4 +1,9 @@
-"""Which rows of a pass read which pooled context: worked out once per pass, read by every layer."""
+"""Which rows of a pass read which pooled context: worked out once per pass, read by every layer.
+
+A context (`ContextKV`) is one or more spans of a pool: reused prefix pieces, then its own tokens. Part j of a
+pass is span j of every context (of one pool): one varlen call each, merged exactly. A context without prefix
+pieces has one span, so the common pass is one call per layer.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +12,51 @@ from typing import Any
 
 import torch
 
+from genrec.attention.merge import merge_partials
 from genrec.attention.varlen import Spans, varlen_attention
 
 
 @dataclass(frozen=True)
 class ContextGroup:
-    """Rows [start, stop) of a pass share one request's context (a ContextKV: an extent of a KV pool)."""
+    """Rows [start, stop) of a pass share one request's context (a ContextKV)."""
 
     start: int
     stop: int
     ctx: Any
 
 
+def span_parts(contexts: list, cu_q: list[int]) -> list[tuple[Any, Spans]]:
+    """(pool, Spans) per part: sequence b (queries cu_q[b]:cu_q[b+1]) reads span j of contexts[b] in part j;
+    a sequence whose context is None, in another pool, or has fewer spans reads nothing there."""
+    pools = list({id(c.pool): c.pool for c in contexts if c is not None}.values())
+    spans = [c.spans() if c is not None else [] for c in contexts]
+    parts = []
+    for pool in pools:
+        mine = [s if c is not None and c.pool is pool else [] for c, s in zip(contexts, spans, strict=True)]
+        for j in range(max(map(len, mine))):
+            starts = [s[j][0] if j < len(s) else 0 for s in mine]
+            lengths = [s[j][1] if j < len(s) else 0 for s in mine]
+            parts.append((pool, Spans(cu_q, starts, lengths)))
+    return parts
+
+
+def attend_parts(q, parts, layer: int, scale: float, fast: bool):
+    """q [M, H, D] over every part -> (out [M, H, D], lse [H, M]); queries that read nothing get 0 and -inf."""
+    out = lse = None
+    for pool, spans in parts:
+        o, s = varlen_attention(q, pool.k[layer], pool.v[layer], spans, scale, fast=fast)
+        out, lse = (o, s) if out is None else merge_partials(out, lse, o, s)
+    if out is None:
+        M, H, D = q.shape
+        return q.new_zeros(M, H, D), torch.full((H, M), float("-inf"), device=q.device)
+    return out, lse
+
+
 class ContextRows:
     """The context part of a pass: every row over its group's pooled context.
 
     `groups` in any order; rows outside every group, and groups of no rows, take nothing from the context.
-    Rows carry `per_row` query positions each. Contexts from one pool (the engine's) make one varlen call per
-    layer; several pools, one call each, merged exactly. `fast`: the CUDA kernel (see `varlen_attention`).
+    Rows carry `per_row` query positions each. `fast`: the CUDA kernel (see `varlen_attention`).
     """
 
     def __init__(self, groups: list[ContextGroup], rows: int, per_row: int = 1, fast: bool = False):
@@ -38,28 +70,15 @@ class ContextRows:
         if cu[-1] < rows:
             cu.append(rows)
             ctxs.append(None)
-        pools = list({id(c.pool): c.pool for c in ctxs if c is not None}.values()) or [None]
-        cu_q = [c * per_row for c in cu]
         self.fast = fast
-        self.parts = []
-        for pool in pools:
-            mine = [c if c is not None and c.pool is pool else None for c in ctxs]
-            starts = [c.offset if c is not None else 0 for c in mine]
-            self.parts.append((pool, Spans(cu_q, starts, [c.length if c is not None else 0 for c in mine])))
+        self.parts = span_parts(ctxs, [c * per_row for c in cu])
 
     def at_layer(self, i: int) -> LayerRows:
         return LayerRows(self, i)
 
     def attend(self, q: torch.Tensor, layer: int, scale: float):
         """q [rows * per_row, H, D] -> (out [.., H, D], lse [H, ..]) over each row's context."""
-        out = lse = None
-        for pool, spans in self.parts:
-            if pool is None:  # no row has a context
-                M, H, D = q.shape
-                return q.new_zeros(M, H, D), torch.full((H, M), float("-inf"), device=q.device)
-            o, s = varlen_attention(q, pool.k[layer], pool.v[layer], spans, scale, fast=self.fast)
-            out, lse = (o, s) if out is None else (out + o, torch.logaddexp(lse, s))
-        return out, lse
+        return attend_parts(q, self.parts, layer, scale, self.fast)
 
 
 @dataclass(frozen=True)
@@ -71,3 +90,47 @@ class LayerRows:
 
     def attend(self, q: torch.Tensor, scale: float):
         return self.rows.attend(q, self.layer, scale)
+
+
+class PrefillRows:
+    """The attention of packed prompt chunks: chunk b (queries cu_q[b]:cu_q[b+1]) sees its context's prefix pieces
+    whole and its own tokens up to itself (causal, bottom-right: the chunk's tokens are the last ones written)."""
+
+    def __init__(self, contexts: list, cu_q: list[int], fast: bool = False):
+        self.fast = fast
+        own = [(c.pool, c.extent.start, c.length - c.prefix_length) for c in contexts]
+        pools = list({id(p): p for p, _, _ in own}.values())
+        self.causal = [
+            (pool, Spans(cu_q, [a if p is pool else 0 for p, a, _ in own], [n if p is pool else 0 for p, _, n in own]))
+            for pool in pools
+        ]
+        prefixes = [_Prefix(c) if c.prefix else None for c in contexts]
+        self.prefix = span_parts(prefixes, cu_q)
+
+    def attend(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """q [tokens, H, D] -> out [tokens, H, D]."""
+        if not self.prefix and len(self.causal) == 1:  # no reused prefix: one causal call, no LSE needed
+            pool, spans = self.causal[0]
+            out, _ = varlen_attention(
+                q, pool.k[layer], pool.v[layer], spans, scale, causal=True, need_lse=False, fast=self.fast
+            )
+            return out
+        out, lse = attend_parts(q, self.prefix, layer, scale, self.fast)
+        for pool, spans in self.causal:
+            o, s = varlen_attention(q, pool.k[layer], pool.v[layer], spans, scale, causal=True, fast=self.fast)
+            out, lse = merge_partials(out, lse, o, s)
+        return out
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """A context's prefix pieces alone, as `span_parts` reads contexts."""
+
+    ctx: Any
+
+    @property
+    def pool(self):
+        return self.ctx.pool
+
+    def spans(self) -> list[tuple[int, int]]:
+        return self.ctx.spans()[:-1]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from genrec.attention.merge import merge_partials
 from genrec.attention.varlen import Spans, varlen_reference
 
 
@@ -48,14 +49,22 @@ def _varlen_op_cuda(q, k, v, cu_q, cu_k, used_k, row_empty, max_q, max_k, scale,
 
 
 @dataclass(frozen=True)
-class StaticContext:
-    """The context part of a static decode pass: a pool and the fixed-size index buffers of its rows."""
+class SpanIndex:
+    """Span j of every sequence: keys at cu_k[b] for used_k[b] tokens; row_empty [M]: rows whose span is empty."""
 
-    pool: object  # a KVPool
-    cu_q: torch.Tensor
     cu_k: torch.Tensor
     used_k: torch.Tensor
     row_empty: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StaticContext:
+    """The context part of a decode pass: a pool, the queries' sequences (cu_q), and one SpanIndex per span of
+    the contexts (a context reused prefix pieces: several spans), merged exactly."""
+
+    pool: object  # a KVPool
+    cu_q: torch.Tensor
+    spans: tuple[SpanIndex, ...]
     fast: bool = False
 
     def at_layer(self, i: int) -> StaticRows:
@@ -71,5 +80,10 @@ class StaticRows:
 
     def attend(self, q: torch.Tensor, scale: float):
         c = self.context
-        args = (c.cu_q, c.cu_k, c.used_k, c.row_empty, q.shape[0], c.pool.tokens, scale, c.fast)
-        return varlen_op(q, c.pool.k[self.layer], c.pool.v[self.layer], *args)
+        k, v = c.pool.k[self.layer], c.pool.v[self.layer]
+        out = lse = None
+        for s in c.spans:
+            args = (c.cu_q, s.cu_k, s.used_k, s.row_empty, q.shape[0], c.pool.tokens, scale, c.fast)
+            o, e = varlen_op(q, k, v, *args)
+            out, lse = (o, e) if out is None else merge_partials(out, lse, o, e)
+        return out, lse

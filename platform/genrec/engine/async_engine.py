@@ -81,10 +81,7 @@ class AsyncEngine:
         return self.scheduler.reconfigure(**fields)
 
     def metrics(self) -> dict:
-        snapshot = self.scheduler.metrics.snapshot()
-        cache = self.scheduler.cache
-        snapshot["context_cache"] = {"entries": len(cache._items), "hits": cache.hits, "misses": cache.misses}
-        return snapshot
+        return {**self.scheduler.metrics.snapshot(), "prefix_cache": self.scheduler.cache.snapshot()}
 
     @property
     def kv_bytes_reserved(self) -> int:

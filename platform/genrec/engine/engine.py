@@ -20,7 +20,7 @@ from genrec.engine.runner import ModelRunner
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
 from genrec.errors import InvalidRequestError
 from genrec.model import Qwen3, load_qwen3
-from genrec.model.directory import ModelDirectory
+from genrec.model.directory import ModelDirectory, model_version
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import USER_TOKEN, check_token_ids, load_tokenizer, semantic_token_ranges
 from genrec.staging import host_side
@@ -39,10 +39,12 @@ class Engine:
         score_max_tokens: int = 16384,
         cuda_fast: bool = False,
         scheduler: SchedulerConfig | None = None,
+        model_version: str = "",
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.catalog = catalog
+        self.model_version = model_version  # salts the prefix cache's keys
         self.device = model.device
         self.trie = CodeTrie.build(catalog.codes, device=self.device)
         self.projector = projector.to(self.device, model.dtype) if projector is not None else None
@@ -71,7 +73,7 @@ class Engine:
         projector = None
         if directory.soft_token_path.exists():
             projector = SoftTokenProjector.load(directory.soft_token_path, model.config.hidden_size)
-        return cls(model, tokenizer, catalog, projector, **options)
+        return cls(model, tokenizer, catalog, projector, model_version=model_version(directory.path), **options)
 
     @property
     def scheduler(self) -> Scheduler:

@@ -48,7 +48,7 @@ class Job:
     deadline: float
     kv_tokens: int  # pool tokens it holds at its peak
     state: JobState = JobState.WAITING
-    ctx_key: bytes | None = None  # its prompt's key in the context cache, when the cache is on
+    block_keys: list[bytes] | None = None  # its prompt's keys in the prefix cache, from admission on
     holding: Holding | None = None  # its extents of the pool, from admission until it finishes
     last_logits: torch.Tensor | None = None  # once prefilled
     cohort: BeamCohort | None = None  # DECODING

@@ -1,8 +1,9 @@
 """The KV budget is the pool: admission takes real extents of the engine's preallocated KVPool.
 
-A job holds its ContextKV (unless a cached one is shared) and a second extent for the rest of what it may
-hold at its peak: its BeamKV slots plus headroom for its rows (`request_kv_tokens`). Both come back when it
-ends. A job that does not fit waits; the context cache gives up its least recently used prompts first.
+A job holds its ContextKV (the pieces of a reused prefix, and its own extent for the rest of its prompt) and a
+second extent for the rest of what it may hold at its peak: its BeamKV slots plus headroom for its rows
+(`request_kv_tokens`). Both come back when it ends. A job that does not fit waits; the prefix cache gives up
+its least recently used entries first.
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ from dataclasses import dataclass
 
 from genrec.engine.prepared import Prepared
 from genrec.model.config import Qwen3Config
-from genrec.model.kv_pool import ContextKV, Extent, KVPool
+from genrec.model.kv_pool import ContextKV, Extent, KVPool, Piece
 
 
 @dataclass
 class Holding:
     """What one admitted job holds in the pool."""
 
-    ctx: ContextKV  # its own, or a retained cached one
+    ctx: ContextKV  # its prompt: reused prefix pieces (held), then its own extent
     rest: Extent  # BeamKV slots and row headroom
-    tokens: int  # pool tokens this job took (a shared cached context is not counted)
+    tokens: int  # pool tokens it took (its own extent and the rest; reused pieces are not counted)
 
 
 class KVBudget:
@@ -29,18 +30,18 @@ class KVBudget:
         self.capacity = pool.tokens * pool.bytes_per_token
         self.reserved = 0  # bytes held by admitted jobs
 
-    def admit(self, tokens: int, prompt_tokens: int, cached: ContextKV | None = None) -> Holding | None:
-        """Extents for a job of `tokens` pool tokens at its peak (its prompt first), or None if they do not fit."""
-        ctx = cached.retain() if cached is not None else self.pool.context(prompt_tokens)
-        if ctx is None:
+    def admit(self, own_tokens: int, rest_tokens: int, prefix: list[Piece]) -> Holding | None:
+        """Extents for a job's own prompt tokens (after its reused `prefix`, whose holds it takes over) and the
+        rest of its peak; None if they do not fit (the caller still holds the prefix then)."""
+        own = self.pool.reserve(own_tokens)
+        if own is None:
             return None
-        rest = self.pool.reserve(tokens - prompt_tokens)
+        rest = self.pool.reserve(rest_tokens)
         if rest is None:
-            ctx.release()
+            own.release()
             return None
-        taken = tokens if cached is None else tokens - prompt_tokens
-        self.reserved += taken * self.pool.bytes_per_token
-        return Holding(ctx, rest, taken)
+        self.reserved += (own_tokens + rest_tokens) * self.pool.bytes_per_token
+        return Holding(ContextKV(own, prefix), rest, own_tokens + rest_tokens)
 
     def release(self, holding: Holding) -> None:
         holding.ctx.release()

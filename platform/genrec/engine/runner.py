@@ -23,7 +23,7 @@ from genrec.engine.job import Prefilled
 from genrec.engine.prepared import Prepared
 from genrec.engine.scoring import LabelScores, ScoreJob, Segment, chunks, pad_rows, ragged
 from genrec.engine.soft_token import inject_user_embedding
-from genrec.model.kv_pool import ContextKV, KVPool
+from genrec.model.kv_pool import MAX_SPANS, ContextKV, KVPool
 from genrec.staging import to_device
 
 
@@ -82,7 +82,11 @@ class ModelRunner:
         pool = cohorts[0].slot_pool
         rows = sum(c.rows for c in cohorts)
         bucketed = self.graphs if bucketed is None else bucketed
-        batch = self._bucket(pool, bucket_of(rows)) if bucketed else DecodeBatch(rows, self.past, pool, self.fast)
+        if bucketed:
+            batch = self._bucket(pool, bucket_of(rows))
+        else:
+            spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
+            batch = DecodeBatch(rows, self.past, pool, spans, self.fast)
         batch.fill(cohorts)
         logprobs, new_k, new_v = self._replay(batch) if bucketed and self.graphs else self.decode_forward(batch)
         advance_all(cohorts, logprobs[:rows], new_k[:, :rows], new_v[:, :rows])
@@ -102,7 +106,7 @@ class ModelRunner:
         """The bucket's batch, kept: a captured graph reads its buffers at replay."""
         key = (id(pool), bucket)
         if key not in self._buckets:
-            self._buckets[key] = DecodeBatch(bucket, self.past, pool, self.fast)
+            self._buckets[key] = DecodeBatch(bucket, self.past, pool, MAX_SPANS, self.fast)
         return self._buckets[key]
 
     def _replay(self, batch: DecodeBatch):

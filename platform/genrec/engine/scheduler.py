@@ -22,10 +22,10 @@ import torch
 from genrec.engine import results
 from genrec.engine.beam import fetch_finals, start_cohort
 from genrec.engine.checks import check_int, check_seconds
-from genrec.engine.context_cache import ContextCache, context_key
-from genrec.engine.job import Job, JobState, Prefilled
+from genrec.engine.job import Job, JobState
 from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token, request_kv_tokens
 from genrec.engine.metrics import EngineMetrics
+from genrec.engine.prefix_cache import BLOCK, PrefixCache, block_keys
 from genrec.engine.prepared import Prepared
 from genrec.engine.scoring import score_job
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
@@ -44,14 +44,16 @@ class SchedulerConfig:
     prefill_tokens_per_step: int = 4096  # chunked-prefill budget of one iteration
     kv_budget_bytes: int | None = None  # the KV pool, preallocated: 4 GiB on CPU, half the free memory on CUDA
     request_timeout_s: float = 60.0
-    context_cache_entries: int = 0  # LRU of recent prefills by exact prompt (held in the pool); 0 = off
+    # Prompts' K/V kept for reuse by later prompts with the same start, inside the pool (None: half of it; 0: off).
+    prefix_cache_bytes: int | None = None
 
     def __post_init__(self):
         """Zero would stall the engine (every request times out) or refuse everything: refused here instead."""
         check_int("max_queue", self.max_queue)
         check_int("prefill_tokens_per_step", self.prefill_tokens_per_step)
         check_seconds("request_timeout_s", self.request_timeout_s)
-        check_int("context_cache_entries", self.context_cache_entries, least=0)
+        if self.prefix_cache_bytes is not None:
+            check_int("prefix_cache_bytes", self.prefix_cache_bytes, least=0)
         for name in ("max_running", "kv_budget_bytes"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
@@ -66,6 +68,8 @@ class Scheduler:
 
     def __init__(self, engine, config: SchedulerConfig | None = None):
         self.runner, self.catalog, self.trie = engine.runner, engine.catalog, engine.trie
+        self.salt = engine.model_version.encode()  # cached prefixes of another model version never match
+        self.placeholder_id = engine.placeholder_id
         self.score_max_tokens = engine.score_max_tokens
         self.device = engine.device
         self.config = _by_device(config or SchedulerConfig(), self.device)
@@ -74,7 +78,8 @@ class Scheduler:
         budget = self.config.kv_budget_bytes
         budget = budget if budget is not None else _default_budget(self.device)
         self.budget = KVBudget(self.runner.new_pool(budget // self.per_token))
-        self.cache = ContextCache(self.config.context_cache_entries)
+        cache_bytes = self.config.prefix_cache_bytes
+        self.cache = PrefixCache(cache_bytes if cache_bytes is not None else self.budget.capacity // 2)
         self.metrics = EngineMetrics()
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
         self.waiting: deque[Job] = deque()
@@ -121,9 +126,8 @@ class Scheduler:
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
         self._reap(time.monotonic())
-        ready = self._admit()
-        prefill_tokens, prefilled = self._prefill()
-        ready += prefilled
+        self._admit()
+        prefill_tokens, ready = self._prefill()
         self._start(ready)
         rows = self._decode()
         scored = self._score()
@@ -149,35 +153,39 @@ class Scheduler:
                 error = RequestTimeout(f"request did not finish within {waited:.1f} s")
                 self._finish(job, error=error, status="timeout")
 
-    def _admit(self) -> list[Job]:
-        """Waiting jobs, in arrival order, into the pool while they fit; those whose prompt is cached are ready."""
-        ready = []
+    def _admit(self) -> None:
+        """Waiting jobs, in arrival order, into the pool while they fit (reusing their longest cached prefix)."""
         while self.waiting and len(self.running) < self.config.max_running:
             job = self.waiting[0]
-            job.ctx_key = context_key(job.prepared) if self.cache.entries else None
+            if job.block_keys is None and self.cache.enabled:
+                p = job.prepared
+                embedding = p.request.user_embedding
+                job.block_keys = block_keys(p.token_ids.numpy(), self.salt, self.placeholder_id, embedding)
             job.holding = self._hold(job)
             if job.holding is None:
                 break  # in arrival order: the head waits for memory, nobody overtakes it
             self.waiting.popleft()
             self.running.append(job)
-            cached = self.cache.get(job.ctx_key) if job.ctx_key else None
-            if cached is not None:
-                job.last_logits = cached.last_logits
-                self._first_step(job)
-                ready.append(job)
-            else:
-                job.move(PREFILLING)
-        return ready
+            job.move(PREFILLING)  # at least its last token: the logits there start its beams or rows
+            stats = self.cache.stats
+            stats.tokens_prompted += len(job.prepared.token_ids)
+            stats.tokens_reused += job.ctx.prefix_length
+            stats.hits += job.ctx.prefix_length > 0
 
     def _hold(self, job: Job) -> Holding | None:
-        """The job's extents of the pool (sharing a cached prompt's); the context cache gives up its oldest
-        prompts while they do not fit (perhaps the job's own: then it prefills after all)."""
+        """The job's extents of the pool, after its longest cached prefix (never the whole prompt); the prefix
+        cache gives entries back while the job does not fit."""
         prompt = len(job.prepared.token_ids)
         while True:
-            cached = self.cache.peek(job.ctx_key) if job.ctx_key else None
-            holding = self.budget.admit(job.kv_tokens, prompt, cached.ctx if cached is not None else None)
-            if holding is not None or not self.cache.evict_oldest():
+            prefix = self.cache.lookup(job.block_keys, (prompt - 1) // BLOCK) if self.cache.enabled else []
+            reused = sum(p.length for p in prefix)
+            holding = self.budget.admit(prompt - reused, job.kv_tokens - prompt, prefix)
+            if holding is not None:
                 return holding
+            for piece in prefix:
+                piece.extent.release()
+            if not self.cache.evict_one():
+                return None
 
     def _prefill(self) -> tuple[int, list[Job]]:
         """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass."""
@@ -186,7 +194,7 @@ class Scheduler:
             if budget <= 0:
                 break
             start = job.ctx.length
-            if start == 0:
+            if start == job.ctx.prefix_length:
                 self._first_step(job)
             n = min(len(job.prepared.token_ids) - start, budget)
             chunks.append((job, start, n))
@@ -202,8 +210,7 @@ class Scheduler:
         for (job, _, _), row in zip(chunks, logits, strict=True):
             if job.ctx.length == len(job.prepared.token_ids):
                 job.last_logits = row
-                if job.ctx_key is not None:
-                    self.cache.put(job.ctx_key, Prefilled(job.ctx, row))
+                self.cache.insert(job.block_keys, job.ctx)
                 done.append(job)
         return done
 
@@ -295,6 +302,7 @@ class Scheduler:
         if job.holding is not None:
             self.budget.release(job.holding)
             job.holding = None
+            self.cache.trim()  # what it read or handed to the cache may be given back now
         job.cohort = job.last_logits = job.retrieved = None
         try:
             if error is not None:

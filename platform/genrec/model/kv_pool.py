@@ -16,6 +16,10 @@ import torch
 
 from genrec.model.family import KVShape
 
+# The most spans a context has: up to MAX_SPANS - 1 reused prefix pieces, then its own part. A fixed number, so
+# a decode pass captured as a graph has one shape whatever its contexts (see genrec.engine.prefix_cache).
+MAX_SPANS = 4
+
 
 class ExtentAllocator:
     """First-fit over a sorted free list of (start, length); freed neighbours coalesce at once, so a
@@ -92,19 +96,33 @@ class KVPool:
         return self._extents.used
 
 
-@dataclass(eq=False)
 class Extent:
-    """Tokens [start, start + length) of a pool, held until `release()`."""
+    """Tokens [start, start + length) of a pool, held while anyone holds it: created with one holder; `retain()`
+    adds one, `release()` drops one, and the last release gives the tokens back to the pool."""
 
-    pool: KVPool
-    start: int
-    length: int
-    live: bool = True
+    def __init__(self, pool: KVPool, start: int, length: int):
+        self.pool, self.start, self.length = pool, start, length
+        self.holders = 1
+
+    @property
+    def live(self) -> bool:
+        return self.holders > 0
+
+    def retain(self) -> Extent:
+        if not self.live:
+            raise RuntimeError("an extent already given back cannot be held again")
+        self.holders += 1
+        return self
 
     def release(self) -> None:
         if self.live:
-            self.live = False
-            self.pool._extents.release(self.start, self.length)
+            self.holders -= 1
+            if self.holders == 0:
+                self.pool._extents.release(self.start, self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.pool.bytes_per_token
 
     def k(self) -> torch.Tensor:
         """[layers, length, kv_heads, head_dim] view."""
@@ -114,17 +132,26 @@ class Extent:
         return self.pool.v[:, self.start : self.start + self.length]
 
 
-class ContextKV:
-    """One request's prompt K/V for every layer: an extent of a KVPool, `length` tokens of it written.
+@dataclass(frozen=True)
+class Piece:
+    """Tokens [start, start + length) of the pool, inside `extent`, read in place by a later prompt."""
 
-    Shared by every row of the request (and by the context cache): holders `retain()` and `release()`,
-    and the extent goes back to the pool when the last one releases it.
+    extent: Extent
+    start: int
+    length: int
+
+
+class ContextKV:
+    """One request's prompt K/V for every layer, in one pool: the `prefix` pieces (earlier prompts' K/V reused in
+    place, read-only, held while this context lives), then its own extent, written from position `prefix_length`
+    on; `length` tokens in all are ready. Shared by every row of the request: attention reads `spans()`.
     """
 
-    def __init__(self, extent: Extent):
+    def __init__(self, extent: Extent, prefix: list[Piece] | tuple = ()):
         self.extent = extent
-        self.length = 0
-        self._holders = 1
+        self.prefix = list(prefix)
+        self.prefix_length = sum(p.length for p in self.prefix)
+        self.length = self.prefix_length
 
     @classmethod
     def allocate(cls, config: KVShape, capacity: int, device, dtype) -> ContextKV:
@@ -135,17 +162,17 @@ class ContextKV:
     def pool(self) -> KVPool:
         return self.extent.pool
 
-    @property
-    def offset(self) -> int:
-        return self.extent.start
+    def spans(self) -> list[tuple[int, int]]:
+        """(pool offset, tokens) of every part, in position order: the prefix pieces, then its own written tokens."""
+        return [(p.start, p.length) for p in self.prefix] + [(self.extent.start, self.length - self.prefix_length)]
 
-    @property
-    def capacity(self) -> int:
-        return self.extent.length
+    def own_offset(self, position: int) -> int:
+        """Where in the pool the token at prompt `position` (>= prefix_length) of its own part lives."""
+        return self.extent.start + position - self.prefix_length
 
     @property
     def k(self) -> torch.Tensor:
-        """The whole extent's K: [layers, capacity, kv_heads, head_dim] (token-major view of the pool)."""
+        """Its own extent's K: [layers, capacity, kv_heads, head_dim] (token-major view of the pool)."""
         return self.extent.k()
 
     @property
@@ -153,19 +180,17 @@ class ContextKV:
         return self.extent.v()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's written K/V as [kv_heads, length, head_dim] views of the pool."""
-        span = slice(self.offset, self.offset + self.length)
-        return self.pool.k[i, span].transpose(0, 1), self.pool.v[i, span].transpose(0, 1)
-
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * self.pool.bytes_per_token
-
-    def retain(self) -> ContextKV:
-        self._holders += 1
-        return self
+        """Layer i's ready K/V as [kv_heads, length, head_dim]: views of the pool, or with prefix pieces a copy
+        of them all concatenated (a plain view of the whole context, for references and checks)."""
+        k = torch.cat([self.pool.k[i, a : a + n] for a, n in self.spans()]) if self.prefix else None
+        v = torch.cat([self.pool.v[i, a : a + n] for a, n in self.spans()]) if self.prefix else None
+        if not self.prefix:
+            span = slice(self.extent.start, self.extent.start + self.length)
+            k, v = self.pool.k[i, span], self.pool.v[i, span]
+        return k.transpose(0, 1), v.transpose(0, 1)
 
     def release(self) -> None:
-        self._holders -= 1
-        if self._holders == 0:
-            self.extent.release()
+        """Give back its own extent and its holds on the prefix pieces."""
+        self.extent.release()
+        for piece in self.prefix:
+            piece.extent.release()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genrec.attention import Spans, shared_context_attention, varlen_attention
+from genrec.attention import PrefillRows, shared_context_attention
 from genrec.model.config import Qwen3Config
 from genrec.model.kv_pool import ContextKV
 from genrec.staging import to_device
@@ -201,25 +201,18 @@ class Qwen3(nn.Module):
         for embeds, ctx in segments:
             spans.append((offset, ctx.length, ctx.length + len(embeds)))
             offset += len(embeds)
+            ctx.length += len(embeds)  # written layer by layer below, before each layer's attention reads it
         positions = torch.cat([torch.arange(start, stop, device=device) for _, start, stop in spans])
         x = segments[0][0] if len(segments) == 1 else torch.cat([e for e, _ in segments])
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        attend = _prefill_spans(segments, spans)
+        rows = PrefillRows([ctx for _, ctx in segments], [0, *np.cumsum([len(e) for e, _ in segments]).tolist()], fast)
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv_heads(layer.input_layernorm(x), cos, sin)
             for (first, start, stop), (_, ctx) in zip(spans, segments, strict=True):
-                n, at = stop - start, ctx.offset + start
+                n, at = stop - start, ctx.own_offset(start)
                 ctx.pool.k[i, at : at + n] = k[first : first + n]
                 ctx.pool.v[i, at : at + n] = v[first : first + n]
-            attn = None
-            for pool, causal_spans in attend:  # one varlen call per pool (normally one)
-                out, _ = varlen_attention(
-                    q, pool.k[i], pool.v[i], causal_spans, layer.self_attn.scale, causal=True, need_lse=False, fast=fast
-                )
-                attn = out if attn is None else attn + out
-            x = layer.finish(x, attn)
-        for (_, _, stop), (_, ctx) in zip(spans, segments, strict=True):
-            ctx.length = stop
+            x = layer.finish(x, rows.attend(q, i, layer.self_attn.scale))
         return x
 
     @torch.inference_mode()
@@ -260,19 +253,3 @@ class Qwen3(nn.Module):
             attn = shared_context_attention(q, context.at_layer(i), k, v, mask, layer.self_attn.scale)
             x = layer.finish(x, attn)
         return x, torch.stack(new_k), torch.stack(new_v)
-
-
-def _prefill_spans(segments, spans) -> list[tuple]:
-    """Per pool, the causal varlen spans of the packed chunks: chunk j's queries see its prompt up to its end;
-    chunks of another pool see nothing there (they add zero to the sum over pools)."""
-    cu_q = [0]
-    for first, start, stop in spans:
-        cu_q.append(first + stop - start)
-    pools = list({id(ctx.pool): ctx.pool for _, ctx in segments}.values())
-    out = []
-    for pool in pools:
-        mine = [ctx.pool is pool for _, ctx in segments]
-        starts = [ctx.offset if m else 0 for (_, ctx), m in zip(segments, mine, strict=True)]
-        lengths = [stop if m else 0 for (_, _, stop), m in zip(spans, mine, strict=True)]
-        out.append((pool, Spans(cu_q, starts, lengths)))
-    return out

@@ -1,0 +1,174 @@
+"""Context that outlives a request: prompts' K/V kept by content, reused in place by later prompts that start alike.
+
+A prompt is cut into whole blocks of BLOCK tokens, each keyed by a hash chain: key(i) = H(key(i-1), tokens of
+block i [, a digest of the user embedding if the block holds the soft-token placeholder]), seeded with the model
+version. A key stands for the whole prefix up to its block, so an edited, deduplicated or re-tokenized history
+is a miss from the first changed block on, never a wrong hit; and a soft token ties every later block to its
+embedding. Nothing here knows users: the user ID only routes requests to the replica that holds them.
+
+After its prefill, a request hands its own extent (the K/V of the prompt past its reused prefix) to the cache,
+which keys its whole blocks. A later prompt reads its longest cached prefix as at most MAX_SPANS - 1 pieces of
+the pool, without copying or recomputing them, and prefills the rest at the positions that follow.
+
+Memory is the KV pool's own, counted in bytes: the cache holds at most `capacity_bytes`, and admission of a
+request that does not fit takes entries back first. An entry a running request reads is never taken. Eviction
+is segmented LRU: an entry starts on probation and is protected once a later request reuses it; probation is
+emptied first, so a stream of one-off prompts cannot flush the prefixes of returning users.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from genrec.model.kv_pool import MAX_SPANS, ContextKV, Extent, Piece
+
+BLOCK = 16  # tokens per block: the unit of reuse
+
+
+def block_keys(token_ids: np.ndarray, salt: bytes, placeholder_id: int | None, embedding) -> list[bytes]:
+    """The chain keys of the prompt's whole blocks."""
+    n = len(token_ids) // BLOCK
+    blocks = np.ascontiguousarray(token_ids[: n * BLOCK], dtype=np.int64).reshape(n, BLOCK)
+    soft = None
+    if embedding is not None and placeholder_id is not None:
+        soft = hashlib.blake2b(struct.pack(f"{len(embedding)}d", *embedding), digest_size=16).digest()
+        holds_soft = (blocks == placeholder_id).any(axis=1)
+    keys, key = [], hashlib.blake2b(salt, digest_size=16).digest()
+    for i in range(n):
+        h = hashlib.blake2b(key, digest_size=16)
+        h.update(blocks[i].tobytes())
+        if soft is not None and holds_soft[i]:
+            h.update(soft)
+        key = h.digest()
+        keys.append(key)
+    return keys
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One request's own extent, held by the cache; its whole blocks are keyed."""
+
+    extent: Extent
+    keys: list[bytes]
+    protected: bool = False
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # admitted requests that reused at least one block
+    tokens_prompted: int = 0
+    tokens_reused: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    spills: int = 0  # to a host tier: none on the CPU (see README)
+
+
+class PrefixCache:
+    def __init__(self, capacity_bytes: int, protected_share: float = 0.8):
+        self.capacity_bytes = capacity_bytes
+        self.protected_limit = int(capacity_bytes * protected_share)
+        self._blocks: dict[bytes, tuple[_Entry, int]] = {}  # key -> (entry, pool offset of the block)
+        self._probation: OrderedDict[_Entry, None] = OrderedDict()  # least recently used first
+        self._protected: OrderedDict[_Entry, None] = OrderedDict()
+        self.bytes = 0
+        self.protected_bytes = 0
+        self.stats = CacheStats()
+
+    def snapshot(self) -> dict:
+        entries = len(self._probation) + len(self._protected)
+        held = {"bytes_held": self.bytes, "entries": entries, "capacity_bytes": self.capacity_bytes}
+        return {**asdict(self.stats), **held}
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_bytes > 0
+
+    def lookup(self, keys: list[bytes], max_blocks: int) -> list[Piece]:
+        """The longest cached prefix of at most `max_blocks` blocks, as pool pieces (adjacent blocks of one
+        entry merge), at most MAX_SPANS - 1 of them. Each piece's extent is retained for the caller."""
+        pieces: list[Piece] = []
+        used: list[_Entry] = []
+        for key in keys[:max_blocks]:
+            found = self._blocks.get(key)
+            if found is None:
+                break
+            entry, start = found
+            last = pieces[-1] if pieces else None
+            if last is not None and last.extent is entry.extent and last.start + last.length == start:
+                pieces[-1] = Piece(entry.extent, last.start, last.length + BLOCK)
+            elif len(pieces) < MAX_SPANS - 1:
+                pieces.append(Piece(entry.extent, start, BLOCK))
+                used.append(entry)
+            else:
+                break
+        for piece in pieces:
+            piece.extent.retain()
+        for entry in used:
+            self._touch(entry)
+        return pieces
+
+    def insert(self, keys: list[bytes], ctx: ContextKV) -> None:
+        """Key the whole blocks of the context's own part (its prompt fully written); the cache holds its extent."""
+        if not self.enabled:
+            return
+        own = keys[ctx.prefix_length // BLOCK : ctx.length // BLOCK]
+        if not own or all(k in self._blocks for k in own):
+            return
+        entry = _Entry(ctx.extent.retain(), own)
+        for i, key in enumerate(own):
+            self._blocks.setdefault(key, (entry, ctx.extent.start + i * BLOCK))
+        self._probation[entry] = None
+        self.bytes += entry.extent.nbytes
+        self.trim()
+
+    def trim(self) -> None:
+        """Back within capacity, as far as entries no running request reads allow."""
+        while self.bytes > self.capacity_bytes and self.evict_one():
+            pass
+
+    def evict_one(self) -> bool:
+        """Give back the least recently used entry no running request reads (probation first). False if none."""
+        for segment in (self._probation, self._protected):
+            for entry in segment:
+                if entry.extent.holders == 1:  # the cache's own hold only
+                    self._drop(entry, segment)
+                    return True
+        return False
+
+    def _drop(self, entry: _Entry, segment: OrderedDict) -> None:
+        del segment[entry]
+        for key in entry.keys:
+            if self._blocks.get(key, (None,))[0] is entry:
+                del self._blocks[key]
+        self.bytes -= entry.extent.nbytes
+        if entry.protected:
+            self.protected_bytes -= entry.extent.nbytes
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += entry.extent.nbytes
+        entry.extent.release()
+
+    def _touch(self, entry: _Entry) -> None:
+        """A reuse: most recently used, and protected (demoting the oldest protected past their share)."""
+        if entry.protected:
+            self._protected.move_to_end(entry)
+            return
+        del self._probation[entry]
+        entry.protected = True
+        self._protected[entry] = None
+        self.protected_bytes += entry.extent.nbytes
+        while self.protected_bytes > self.protected_limit and len(self._protected) > 1:
+            oldest = next(iter(self._protected))
+            del self._protected[oldest]
+            oldest.protected = False
+            self.protected_bytes -= oldest.extent.nbytes
+            self._probation[oldest] = None
+
+    def clear(self) -> None:
+        """Give back every entry no running request reads."""
+        while self.evict_one():
+            pass

@@ -1,0 +1,178 @@
+"""Context that outlives a request: a returning user's prompt reuses its cached prefix and equals a cold run.
+
+The cold engine is the session's (no prefix cache); the warm scheduler keeps prefixes across requests.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.engine.prefix_cache import BLOCK, PrefixCache, block_keys
+from genrec.engine.scheduler import Scheduler, SchedulerConfig
+from genrec.model.kv_pool import MAX_SPANS, ContextKV
+from genrec.model.tokenizer import USER_TOKEN
+from tests.conftest import random_prompt
+
+
+def run(scheduler, engine, request):
+    future = scheduler.submit(engine.prepare(request))
+    while not scheduler.idle:
+        scheduler.step()
+    return future.result()
+
+
+def assert_equal(warm, cold, tol=1e-4):
+    if hasattr(warm, "scores"):
+        assert [s.item_id for s in warm.scores] == [s.item_id for s in cold.scores]
+        assert np.allclose([s.logprob for s in warm.scores], [s.logprob for s in cold.scores], atol=tol)
+        return
+    assert [i.item_id for i in warm.items] == [i.item_id for i in cold.items]
+    for field in ("logprob", "score_logprob", "code_logprob"):
+        w = [getattr(i, field) for i in warm.items if hasattr(i, field)]
+        c = [getattr(i, field) for i in cold.items if hasattr(i, field)]
+        assert np.allclose(np.asarray(w, dtype=float), np.asarray(c, dtype=float), atol=tol, equal_nan=True)
+
+
+def cold(engine, request):
+    return getattr(engine, type(request).__name__.removesuffix("Request").lower())([request])[0]
+
+
+def returning_user(engine, rng, start=70, appends=(9, 23, 1, 40, 16, 5)):
+    """A history that grows by a few events at a time: each prompt is the previous one plus new tokens."""
+    prompt = random_prompt(engine, start, rng)
+    yield prompt
+    for n in appends:
+        prompt = prompt + random_prompt(engine, n, rng)
+        yield prompt
+
+
+@pytest.mark.parametrize("kind", ["retrieve", "score", "recommend"])
+def test_a_returning_user_reuses_the_cached_prefix_and_equals_a_cold_run(engine, rng, kind):
+    scheduler = Scheduler(engine)  # prefix cache on (the default)
+    cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:6]] + [Candidate(text="news")]
+    make = {
+        "retrieve": lambda p: RetrieveRequest(prompt_token_ids=p, beam_width=8),
+        "score": lambda p: ScoreRequest(prompt_token_ids=p, candidates=cands),
+        "recommend": lambda p: RecommendRequest(prompt_token_ids=p, beam_width=5, candidates=cands, rank_by="joint"),
+    }[kind]
+    reused = []
+    for prompt in returning_user(engine, rng):
+        before = scheduler.cache.stats.tokens_reused
+        assert_equal(run(scheduler, engine, make(prompt)), cold(engine, make(prompt)))
+        reused.append(scheduler.cache.stats.tokens_reused - before)
+    assert reused[0] == 0 and all(r > 0 for r in reused[1:])
+    assert all(r % BLOCK == 0 and r <= len(p) - 1 for r, p in zip(reused, returning_user(engine, rng), strict=False))
+
+
+def test_reuse_holds_at_most_max_spans_pieces_and_recomputes_the_small_tail(engine, rng):
+    scheduler = Scheduler(engine)
+    spans = []
+    original = scheduler.budget.admit
+
+    def recording(own, rest, prefix):
+        spans.append(len(prefix))
+        return original(own, rest, prefix)
+
+    scheduler.budget.admit = recording
+    for prompt in returning_user(engine, rng, start=40, appends=(20,) * 8):
+        assert_equal(
+            run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=6)),
+            cold(engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=6)),
+        )
+    assert max(spans) == MAX_SPANS - 1 and spans[-1] >= 1
+
+
+def test_warm_equals_cold_with_evictions_in_between(engine, rng):
+    per_token = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0)).per_token
+    scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=per_token * 200))  # room for a few entries
+    users = [list(returning_user(engine, rng, start=60, appends=(17, 30))) for _ in range(3)]
+    for step in range(3):  # users take turns: their entries push each other out
+        for prompts in users:
+            request = RetrieveRequest(prompt_token_ids=prompts[step], beam_width=6)
+            assert_equal(run(scheduler, engine, request), cold(engine, request))
+    stats = scheduler.cache.stats
+    assert stats.evictions > 0 and stats.hits > 0
+    assert scheduler.cache.bytes <= per_token * 200
+
+
+def test_a_soft_token_ties_later_blocks_to_its_embedding(engine, rng):
+    scheduler = Scheduler(engine)
+    user = engine.tokenizer.convert_tokens_to_ids(USER_TOKEN)
+    prompt = random_prompt(engine, 60, rng)
+    prompt[20] = user  # in block 1: block 0 is shared by every embedding, blocks 1.. are not
+    a, b = (torch.randn(engine.projector.user_dim, generator=rng).tolist() for _ in range(2))
+    longer = prompt + random_prompt(engine, 10, rng)
+    request = lambda p, v: RetrieveRequest(prompt_token_ids=p, user_embedding=v, beam_width=6)  # noqa: E731
+    for tokens, vector, reused in ((prompt, a, 0), (longer, b, BLOCK), (longer, a, 48)):
+        before = scheduler.cache.stats.tokens_reused
+        assert_equal(run(scheduler, engine, request(tokens, vector)), cold(engine, request(tokens, vector)))
+        assert scheduler.cache.stats.tokens_reused - before == reused
+
+
+def test_an_edit_in_the_middle_reuses_only_the_blocks_before_it(engine, rng):
+    scheduler = Scheduler(engine)
+    prompt = random_prompt(engine, 90, rng)
+    run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=4))
+    edited = list(prompt)
+    edited[40] = (edited[40] + 1) % int(engine.trie.token[0].min())  # block 2 (tokens 32-47) changes
+    request = RetrieveRequest(prompt_token_ids=edited + random_prompt(engine, 5, rng), beam_width=4)
+    before = scheduler.cache.stats.tokens_reused
+    assert_equal(run(scheduler, engine, request), cold(engine, request))
+    assert scheduler.cache.stats.tokens_reused - before == 2 * BLOCK
+
+
+def test_block_keys_are_a_chain_salted_by_model_version_and_embedding():
+    ids = np.arange(50)
+    keys = block_keys(ids, b"v1", None, None)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert block_keys(ids, b"v2", None, None)[0] != keys[0]  # another model version: never a hit
+    changed = ids.copy()
+    changed[17] += 1
+    other = block_keys(changed, b"v1", None, None)
+    assert other[0] == keys[0] and other[1] != keys[1] and other[2] != keys[2]  # the chain carries the edit
+    with_soft = block_keys(ids, b"v1", 20, [0.5, 0.25])
+    assert with_soft[0] == keys[0] and with_soft[1] != keys[1]
+    assert block_keys(ids, b"v1", 20, [0.5, 0.25]) == with_soft
+    assert block_keys(ids, b"v1", 20, [0.5, 0.26])[1] != with_soft[1]
+
+
+def cache_with_entries(engine, sizes, capacity_tokens):
+    """A PrefixCache over a fresh pool holding one entry per size (tokens), each from its own prompt."""
+    pool = engine.runner.new_pool(4096)
+    cache = PrefixCache(capacity_tokens * pool.bytes_per_token, protected_share=0.5)
+    keys = []
+    for i, n in enumerate(sizes):
+        ctx = ContextKV(pool.reserve(n))
+        ctx.length = n
+        k = block_keys(np.full(n, i), b"", None, None)
+        cache.insert(k, ctx)
+        ctx.release()  # the request ends: the cache's hold is the last
+        keys.append(k)
+    return pool, cache, keys
+
+
+def test_eviction_is_by_bytes_and_never_takes_an_entry_in_use(engine):
+    pool, cache, keys = cache_with_entries(engine, [32, 48, 16], capacity_tokens=96)
+    assert cache.bytes == 96 * pool.bytes_per_token and pool.used == 96
+    held = cache.lookup(keys[0], 10)  # a running request reads entry 0
+    assert [p.length for p in held] == [32]
+    assert cache.evict_one() and cache.evict_one()  # entries 1 and 2 go; 0 is in use
+    assert not cache.evict_one() and pool.used == 32
+    for piece in held:
+        piece.extent.release()
+    assert cache.evict_one() and pool.used == 0 and cache.bytes == 0
+
+
+def test_one_off_prompts_do_not_flush_a_returning_users_prefix(engine):
+    """Segmented LRU: a reused entry is protected; a stream of one-off prompts evicts each other first."""
+    pool, cache, keys = cache_with_entries(engine, [32], capacity_tokens=96)
+    for piece in cache.lookup(keys[0], 10):  # the user returns once: protected
+        piece.extent.release()
+    for i in range(10):  # one-off prompts, each 32 tokens, never seen again
+        ctx = ContextKV(pool.reserve(32))
+        ctx.length = 32
+        cache.insert(block_keys(np.full(32, 100 + i), b"", None, None), ctx)
+        ctx.release()
+    assert [p.length for p in cache.lookup(keys[0], 10)] == [32]  # still there
+    assert cache.bytes <= 96 * pool.bytes_per_token and cache.stats.evictions >= 8

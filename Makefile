@@ -14,11 +14,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps recbole==1.2.1
 	touch $(STAMP)
 
-.PHONY: install test demo lint peers
+.PHONY: install test test-fast demo lint peers
 install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The unit tier only (no Ray, Serve, jobs, redis-server or demo): the inner loop.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not integration" tests
 
 demo: $(STAMP)
 	$(VENV)/bin/genrec demo

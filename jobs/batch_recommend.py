@@ -12,7 +12,7 @@ Exit status: 0, or 1 when the fraction of bad rows passes --max-error-fraction, 
 import argparse
 
 from genrec.batch import BatchSpec, Execution, run_batch
-from genrec.batch.job_args import add_cache_flags, cache_spec, run_job
+from genrec.batch.job_args import add_cache_flags, add_engine_flags, cache_config, engine_options, run_job
 
 
 def main() -> int:
@@ -36,9 +36,10 @@ def main() -> int:
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor (0: CPU engine)")
     parser.add_argument("--cpus-per-actor", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per actor")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--kv-budget-bytes", type=int, default=None, help="each actor's KV pool (default: by device)")
     parser.add_argument("--max-error-fraction", type=float, default=0.01)
     parser.add_argument("--no-progress", action="store_true", help="no Ray Data progress bars")
+    add_engine_flags(parser)
     add_cache_flags(parser)
     args = parser.parse_args()
 
@@ -53,14 +54,15 @@ def main() -> int:
         score_weight=args.score_weight,
         batch_size=args.batch_size,
         device="cuda" if args.num_gpus > 0 else "cpu",
-        dtype=args.dtype,
-        cache=cache_spec(args),
+        cache=cache_config(args),
+        **engine_options(args),
     )
     execution = Execution(
         actors=args.actors,
         num_gpus=args.num_gpus,
         cpus_per_actor=args.cpus_per_actor,
         threads=args.threads,
+        kv_budget_bytes=args.kv_budget_bytes,
         max_error_fraction=args.max_error_fraction,
         progress=not args.no_progress,
     )

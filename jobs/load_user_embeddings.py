@@ -10,7 +10,7 @@ import argparse
 import json
 
 from genrec.batch import load_user_embeddings
-from genrec.batch.job_args import add_cache_flags, cache_spec, run_job
+from genrec.batch.job_args import add_cache_flags, cache_config, run_job
 
 
 def main() -> int:
@@ -21,7 +21,7 @@ def main() -> int:
     add_cache_flags(parser, required=True)
     args = parser.parse_args()
 
-    print(json.dumps(load_user_embeddings(args.embeddings, cache_spec(args), args.dim, args.batch_rows)), flush=True)
+    print(json.dumps(load_user_embeddings(args.embeddings, cache_config(args), args.dim, args.batch_rows)), flush=True)
     return 0
 
 

@@ -1,4 +1,6 @@
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -6,6 +8,19 @@ import torch
 from genrec.model.tiny import ModelSpec, write_model_dir
 
 TINY = ModelSpec(items=300, levels=3, codebook=8, user_dim=6, seed=1)
+
+# The integration tier (`make test` runs it, `make test-fast` skips it): tests that start Ray, Serve, a Ray job,
+# a redis-server or the whole demo. A test is in it when it uses one of these fixtures, lives in one of these
+# modules, or is marked `integration` itself.
+INTEGRATION_FIXTURES = {"ray_cluster", "serve_url", "redis_url"}
+INTEGRATION_MODULES = {"test_serving", "test_batch_jobs", "test_demo_e2e"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())) or module in INTEGRATION_MODULES:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
@@ -15,9 +30,11 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(tiny_dir):
-    from genrec.engine import Engine
+    """The session's shared engine keeps no prefixes between calls (prefix_cache_bytes=0), so no test's results
+    depend on what ran before it; the prefix cache has tests of its own (tests/test_prefix_cache.py)."""
+    from genrec.engine import Engine, SchedulerConfig
 
-    return Engine.from_pretrained(tiny_dir)
+    return Engine.from_pretrained(tiny_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +73,12 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def redis_url():
     """A real redis-server on 127.0.0.1 and a free port; installed with apt if the machine lacks it."""
-    from genrec.cache.redis_server import LocalRedis
+    from genrec.bench.redis_server import LocalRedis
 
-    with LocalRedis(install=True) as url:
+    if shutil.which("redis-server") is None:
+        subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=True, capture_output=True)
+    with LocalRedis() as url:
         yield url
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from genrec.api import RecommendRequest, RetrieveRequest
-from genrec.batch import BatchSpec, CacheSettings, Execution, load_user_embeddings, run_batch
+from genrec.batch import BatchSpec, CacheConfig, Execution, load_user_embeddings, run_batch
 from genrec.model.directory import model_version
 from tests.conftest import random_prompt
 
@@ -158,6 +158,7 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
     import ray
 
     from genrec.cache import SQLiteStore
+    from genrec.cache.actor import EmbeddingCache
     from genrec.model.tokenizer import USER_TOKEN
 
     placeholder = engine.tokenizer.convert_tokens_to_ids(USER_TOKEN)
@@ -170,7 +171,7 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
                    tmp_path / "users.parquet")  # fmt: skip
     pq.write_table(pa.table({"user_id": list(range(n - 1)), "embedding": vectors[: n - 1]}), tmp_path / "emb.parquet")
 
-    cache = CacheSettings(name="batch-test-cache", store_path=str(tmp_path / "emb.sqlite"))
+    cache = CacheConfig(name="batch-test-cache", store_path=str(tmp_path / "emb.sqlite"))
     loaded = load_user_embeddings(str(tmp_path / "emb.parquet"), cache)
     assert loaded["loaded"] == loaded["resident"] == n - 1
     assert SQLiteStore(tmp_path / "emb.sqlite", dim).count() == n - 1  # durable before the job uses it
@@ -187,7 +188,7 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
         )
         summary = run_batch(spec, Execution(progress=False))
     finally:
-        for actor in cache.connect(dim).actors:
+        for actor in EmbeddingCache.connect(cache.with_dim(dim)).actors:
             ray.kill(actor)
     assert summary.errors == 1  # the last user has no embedding anywhere
     (error,) = read_output(spec.out, "errors").to_pylist()

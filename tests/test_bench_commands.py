@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from genrec.cli import app
@@ -52,6 +53,7 @@ def test_bench_cache(ray_cluster, redis_url, tmp_path):
     assert 0 < report["hit_rate_at_10pct_capacity"]["lru"] <= 1
 
 
+@pytest.mark.integration  # its own local Ray and Serve, in a subprocess
 def test_bench_serve(tiny_dir, tmp_path):
     """Through the real CLI in a process of its own (it starts its own local Ray and Serve, then stops them)."""
     import os

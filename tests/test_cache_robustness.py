@@ -159,7 +159,7 @@ def test_random_batches_against_every_table_configuration(tmp_path):
     assert min(totals.values()) > 100  # every branch ran many times
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("redis", marks=pytest.mark.integration)])
 def test_random_batches_against_the_stores(tmp_path, request, kind):
     if kind == "sqlite":
         store = SQLiteStore(tmp_path / "random.sqlite", DIM)

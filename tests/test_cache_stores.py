@@ -15,7 +15,7 @@ from genrec.errors import CacheError, StoreError
 DIM = 8
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.integration)])
 def make_store(request, tmp_path):
     opened, prefix = [], f"test:{uuid.uuid4().hex}:"
 

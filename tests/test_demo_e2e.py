@@ -14,6 +14,7 @@ import pytest
 
 USERS = 24
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(900)  # the whole demo, training included (the default is 300 s a test)
 
 
 def demo(tmp: Path, *extra: str) -> subprocess.Popen:

@@ -1,6 +1,7 @@
 """The model directory format, the tiny-model writer, and clear errors for bad directories."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from genrec.cli import app
 from genrec.engine import Engine
 from genrec.errors import CatalogError, ModelDirectoryError
+from genrec.model.directory import model_version
 from genrec.model.tiny import ModelSpec, write_model_dir
 from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, semantic_token_ranges
 
@@ -172,15 +174,89 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, monkeypatch, capsys
 
 
 def test_model_version_is_a_content_hash(tiny_dir, tmp_path):
-    import shutil
-
-    from genrec.model.directory import model_version
-
     copy = tmp_path / "copy"
     shutil.copytree(tiny_dir, copy)
-    assert model_version(copy) == model_version(tiny_dir)
+    assert model_version(copy) == model_version(tiny_dir) == full_hash(tiny_dir)
     (copy / "genrec" / "catalog.parquet").write_bytes((copy / "genrec" / "catalog.parquet").read_bytes() + b"x")
     assert model_version(copy) != model_version(tiny_dir)
+
+
+def full_hash(model_dir) -> str:
+    """The definition: every file's name and sha256, in name order (genrec/digests.json aside)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != "digests.json"):
+        digest.update(file.relative_to(model_dir).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+@pytest.fixture
+def recorded_dir(tiny_dir, tmp_path, monkeypatch):
+    """A copy of the tiny model whose weights count as large (recorded) and were written a while ago; reads of
+    every large file are counted."""
+    from genrec.model import digests
+
+    copy = tmp_path / "recorded"
+    shutil.copytree(tiny_dir, copy)
+    age(copy / "model.safetensors")
+    monkeypatch.setattr(digests, "LARGE_BYTES", (copy / "model.safetensors").stat().st_size)  # the largest file
+    reads = []
+    original = digests.file_sha256
+    monkeypatch.setattr(digests, "file_sha256", lambda path: reads.append(path.name) or original(path))
+    return copy, reads
+
+
+def age(path, seconds=60):
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns - seconds * 10**9))
+
+
+def test_model_version_reads_the_weights_once_then_uses_the_record(recorded_dir):
+    model_dir, reads = recorded_dir
+    assert model_version(model_dir) == full_hash(model_dir)
+    record = json.loads((model_dir / "genrec" / "digests.json").read_text())
+    assert list(record) == ["model.safetensors"] and reads.count("model.safetensors") == 1
+    assert model_version(model_dir) == full_hash(model_dir)  # the record is not part of the version
+    assert reads.count("model.safetensors") == 1 and "tokenizer.json" in reads  # small files: every time
+
+
+def test_model_version_sees_a_same_size_edit_of_the_weights(recorded_dir):
+    model_dir, reads = recorded_dir
+    before = model_version(model_dir)
+    weights = model_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # a value in the last tensor: same size, same header
+    weights.write_bytes(bytes(data))
+    assert model_version(model_dir) == full_hash(model_dir) != before
+    assert reads.count("model.safetensors") == 2
+
+
+def test_model_version_rehashes_a_touched_file_and_ignores_a_bad_record(recorded_dir):
+    model_dir, reads = recorded_dir
+    version = model_version(model_dir)
+    age(model_dir / "model.safetensors", seconds=30)  # same bytes, another modification time
+    assert model_version(model_dir) == version and reads.count("model.safetensors") == 2
+    assert model_version(model_dir) == version and reads.count("model.safetensors") == 2  # recorded again
+    (model_dir / "genrec" / "digests.json").write_text('{"model.safetensors": {"size": 1, "sha256": 7}')
+    assert model_version(model_dir) == version and reads.count("model.safetensors") == 3
+
+
+def test_cli_model_version_prints_it_and_records_the_weights(recorded_dir):
+    model_dir, reads = recorded_dir
+    result = CliRunner().invoke(app, ["model-version", str(model_dir)])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == full_hash(model_dir)
+    assert (model_dir / "genrec" / "digests.json").exists()
+
+
+def test_a_file_written_just_now_is_not_recorded(recorded_dir):
+    model_dir, reads = recorded_dir
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # a coarse clock could give an edit in the next tick this mtime
+    model_version(model_dir)
+    assert not (model_dir / "genrec" / "digests.json").exists()
 
 
 def edit_config(model_dir, **fields):

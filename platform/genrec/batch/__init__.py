@@ -4,6 +4,6 @@ from genrec.batch.connect import ensure_ray
 from genrec.batch.pipeline import Summary, run_batch
 from genrec.batch.spec import BatchSpec, Execution
 from genrec.batch.user_embeddings import load_user_embeddings
-from genrec.cache.settings import CacheSettings
+from genrec.cache.config import CacheConfig
 
-__all__ = ["BatchSpec", "CacheSettings", "Execution", "Summary", "ensure_ray", "load_user_embeddings", "run_batch"]
+__all__ = ["BatchSpec", "CacheConfig", "Execution", "Summary", "ensure_ray", "load_user_embeddings", "run_batch"]

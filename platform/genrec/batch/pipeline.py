@@ -63,7 +63,7 @@ def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
     processed, first_shard_s = 0, None
     if pending:
         ensure_ray()  # only now: bad input fails fast, and a finished run needs no cluster
-        cache = spec.cache.connect(_user_dim(directory)) if spec.cache else None
+        cache = _connect_cache(spec, directory) if spec.cache else None
         for report in _run_shards(pending, spec, execution, version, run_id, cache):
             first_shard_s = first_shard_s or round(time.perf_counter() - start, 3)
             if report["skipped"]:  # committed meanwhile by a late worker of a killed run
@@ -107,6 +107,7 @@ def _run_shards(pending: list[Shard], spec: BatchSpec, execution: Execution, ver
             "run_id": run_id,
             "cache": cache,
             "threads": execution.threads,
+            "kv_budget_bytes": execution.kv_budget_bytes,
         },
         batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
         batch_format="pyarrow",
@@ -124,6 +125,12 @@ def _check_device(spec: BatchSpec, execution: Execution) -> None:
             f"device {spec.device!r} with num_gpus={execution.num_gpus}: a CUDA engine needs GPUs per actor "
             "and a CPU engine none"
         )
+
+
+def _connect_cache(spec: BatchSpec, directory: ModelDirectory):
+    from genrec.cache.actor import EmbeddingCache  # after ensure_ray: it imports Ray
+
+    return EmbeddingCache.connect(spec.cache.with_dim(_user_dim(directory)))
 
 
 def _user_dim(directory: ModelDirectory) -> int:

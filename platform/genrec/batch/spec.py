@@ -9,13 +9,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from genrec.api import MAX_BEAM_WIDTH, MAX_SCORE_WEIGHT
-from genrec.cache.settings import CacheSettings
+from genrec.cache.config import CacheConfig
+from genrec.engine_options import EngineOptions
 
 FORMAT = 2  # bump when the output layout or columns change
 
 
-class BatchSpec(BaseModel):
-    """Everything that decides the output: two runs with equal specs (and equal inputs) write equal files."""
+class BatchSpec(EngineOptions):
+    """Everything that decides the output: two runs with equal specs (and equal inputs) write equal files.
+    The engine's options (EngineOptions: dtype, the scoring chunk, the fast path...) are part of it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -31,8 +33,7 @@ class BatchSpec(BaseModel):
     )
     batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
     device: str = "cpu"
-    dtype: str | None = Field(None, description="default: bfloat16 on CUDA, float32 on the CPU")
-    cache: CacheSettings | None = Field(None, description="user embeddings by user_id when the input has none")
+    cache: CacheConfig | None = Field(None, description="user embeddings by user_id when the input has none")
 
     @model_validator(mode="after")
     def _results_within_beam(self):
@@ -57,7 +58,7 @@ class BatchSpec(BaseModel):
             "score_weight": self.score_weight,
             "batch_size": self.batch_size,
             "device": self.device.split(":")[0],
-            "dtype": self.dtype,
+            **self.engine_kwargs(),
             "cache": self.cache.name if self.cache else None,
         }
 
@@ -75,5 +76,8 @@ class Execution(BaseModel):
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0: CPU engine)")
     cpus_per_actor: float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
     threads: int | None = Field(None, ge=1, description="torch threads per actor (default: Ray's, 1 per CPU)")
+    kv_budget_bytes: int | None = Field(
+        None, ge=1, description="each actor's KV pool (default: 4 GiB on the CPU, half the free GPU memory)"
+    )
     max_error_fraction: float = Field(0.01, ge=0, le=1, description="exit non-zero above this fraction of users")
     progress: bool = Field(True, description="Ray Data progress bars")

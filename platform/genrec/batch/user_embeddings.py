@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from genrec.cache.settings import CacheSettings
+from genrec.cache.config import CacheConfig
 from genrec.errors import GenrecError
 
 
@@ -34,17 +34,20 @@ class _ThroughCache:
         pass
 
 
-def load_user_embeddings(path: str, spec: CacheSettings, dim: int | None = None, batch_rows: int = 65536) -> dict:
-    """Bulk-load a `user_id, embedding` Parquet into the cache (created if it does not exist yet)."""
+def load_user_embeddings(path: str, config: CacheConfig, dim: int | None = None, batch_rows: int = 65536) -> dict:
+    """Bulk-load a `user_id, embedding` Parquet into the cache (created if it does not exist yet). The width is
+    `dim`, else the configuration's, else the file's first embedding's."""
     from genrec.batch.connect import ensure_ray
     from genrec.cache import load_parquet
 
-    dim = dim or _embedding_dim(path)
+    config = config.with_dim(dim or config.dim or _embedding_dim(path))
     ensure_ray()
-    cache = spec.connect(dim)
-    loaded = load_parquet(path, _ThroughCache(cache, dim), batch_rows=batch_rows)
+    from genrec.cache.actor import EmbeddingCache  # after ensure_ray: it imports Ray
+
+    cache = EmbeddingCache.connect(config)
+    loaded = load_parquet(path, _ThroughCache(cache, config.dim), batch_rows=batch_rows)
     resident = sum(s["resident"] for s in cache.stats())
-    return {"cache": spec.name, "shards": spec.shards, "dim": dim, "loaded": loaded, "resident": resident}
+    return {"cache": config.name, "shards": config.shards, "dim": config.dim, "loaded": loaded, "resident": resident}
 
 
 def _embedding_dim(path: str) -> int:

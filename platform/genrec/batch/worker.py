@@ -29,15 +29,27 @@ REPORT = pa.schema(
 
 
 class ShardWorker:
-    def __init__(self, spec: BatchSpec, model_version: str, run_id: str, cache=None, threads: int | None = None):
+    def __init__(
+        self,
+        spec: BatchSpec,
+        model_version: str,
+        run_id: str,
+        cache=None,
+        threads: int | None = None,
+        kv_budget_bytes: int | None = None,
+    ):
         import torch
 
-        from genrec.engine import Engine
+        from genrec.engine import Engine, SchedulerConfig
 
         if threads:
             torch.set_num_threads(threads)
         self.spec, self.model_version, self.run_id, self.cache = spec, model_version, run_id, cache
-        self.engine = Engine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype)
+        # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
+        scheduler = SchedulerConfig(kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=0)
+        self.engine = Engine.from_pretrained(
+            spec.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs()
+        )
         self.reader = ShardReader(UsersInput(spec.users))
         self.out = OutputDir(spec.out)
 

@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from genrec.bench.common import machine
+from genrec.bench.redis_server import LocalRedis
 from genrec.cache import EmbeddingTable, RedisStore
 from genrec.cache.policies import POLICIES
-from genrec.cache.redis_server import LocalRedis
 
 INLINE_RETURN_BYTES = 4 << 20
 
@@ -103,7 +103,8 @@ def _actor_throughput(vectors, all_keys, workload, inline_bytes) -> float:
     """Through a fresh local Ray cluster; `inline_bytes` raises Ray's inline-return limit (see cache.actor)."""
     import ray
 
-    from genrec.cache.actor import CacheConfig, EmbeddingCache
+    from genrec.cache.actor import EmbeddingCache
+    from genrec.cache.config import CacheConfig
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
@@ -111,8 +112,8 @@ def _actor_throughput(vectors, all_keys, workload, inline_bytes) -> float:
         system_config = {"max_direct_call_object_size": inline_bytes} if inline_bytes else None
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system_config)
     try:
-        config = CacheConfig(dim=vectors.shape[1], capacity=len(all_keys), store="none")
-        cache = EmbeddingCache.connect(f"bench-{os.getpid()}", config, namespace=None)
+        config = CacheConfig(name=f"bench-{os.getpid()}", dim=vectors.shape[1], capacity=len(all_keys), store="none")
+        cache = EmbeddingCache.connect(config, namespace=None)
         for start in range(0, len(all_keys), 50_000):
             cache.put(all_keys[start : start + 50_000], vectors[start : start + 50_000])
         rate = _throughput(cache.get, workload)

@@ -18,41 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import urllib.parse
 import uuid
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from genrec.cache.config import CacheConfig
 from genrec.cache.keys import mix64, normalize_keys
-from genrec.cache.table import EmbeddingTable, check_table_options
+from genrec.cache.table import EmbeddingTable
 from genrec.cache.vectors import checked_batch
 from genrec.errors import CacheError, GenrecError, StoreError
-
-STORES = ("sqlite", "redis", "none")
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    dim: int
-    capacity: int = 1_000_000
-    policy: str = "lru"
-    admit_after: int = 1
-    store: str = "sqlite"  # sqlite | redis | none
-    store_path: str = "/tmp/genrec-embeddings.sqlite"  # sqlite: the file (one per shard, suffixed)
-    redis_url: str = "redis://127.0.0.1:6379/0"
-
-    def __post_init__(self):
-        check_table_options(self.dim, self.capacity, self.policy, self.admit_after)
-        if self.store not in STORES:
-            raise CacheError(f"store: unknown store {self.store!r}; choose one of {list(STORES)}")
-        if self.store == "sqlite" and not (isinstance(self.store_path, str) and self.store_path):
-            raise CacheError(f"store_path must name a file, got {self.store_path!r}")
-        scheme = urllib.parse.urlparse(self.redis_url).scheme if isinstance(self.redis_url, str) else None
-        if self.store == "redis" and scheme not in ("redis", "rediss", "unix"):
-            raise CacheError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
 
 
 def open_store(config: CacheConfig, shard: int):
@@ -71,9 +47,9 @@ class EmbeddingCacheActor:
     each call retries the open and raises its StoreError, which reaches the caller as itself (a constructor
     error would reach it only as a bare ActorDiedError)."""
 
-    def __init__(self, config: dict, shard: int, shards: int):
+    def __init__(self, config: CacheConfig, shard: int):
         self.started = uuid.uuid4().hex  # tells a restarted actor from the one before it
-        self.config, self.shard, self.shards = CacheConfig(**config), shard, shards
+        self.config, self.shard = config, shard
         self.table: EmbeddingTable | None = None
         with contextlib.suppress(GenrecError):
             self._table()
@@ -87,7 +63,7 @@ class EmbeddingCacheActor:
     def describe(self) -> dict:
         """The configuration this shard serves (raises if its store does not open)."""
         self._table()
-        return {**asdict(self.config), "shards": self.shards}
+        return self.config.model_dump()
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._table().get(keys)
@@ -111,23 +87,17 @@ class EmbeddingCache:
 
     @classmethod
     def connect(
-        cls,
-        name: str,
-        config: CacheConfig,
-        shards: int = 1,
-        namespace: str | None = "genrec",
-        num_cpus=0,
-        timeout_s: float = 60.0,
+        cls, config: CacheConfig, namespace: str | None = "genrec", num_cpus=0, timeout_s: float = 60.0
     ) -> EmbeddingCache:
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-            raise CacheError(f"shards must be a positive integer, got {shards!r}")
+        """The client of `config.name`'s actors, created with `config` if they do not exist yet."""
+        if config.dim is None:
+            raise CacheError(f"cache {config.name!r}: dim is not set (CacheConfig.with_dim)")
+        options = {"namespace": namespace, "get_if_exists": True, "lifetime": "detached", "num_cpus": num_cpus}
         actors = [
-            EmbeddingCacheActor.options(
-                name=f"{name}-{i}", namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=num_cpus
-            ).remote(asdict(config), i, shards)
-            for i in range(shards)
+            EmbeddingCacheActor.options(name=f"{config.name}-{i}", **options).remote(config, i)
+            for i in range(config.shards)
         ]
-        _check_started(name, actors, {**asdict(config), "shards": shards}, timeout_s)
+        _check_started(config.name, actors, config.model_dump(), timeout_s)
         return cls(actors, config.dim)
 
     def _shard_of(self, keys: np.ndarray) -> np.ndarray:

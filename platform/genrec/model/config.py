@@ -24,10 +24,6 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
 
-    @property
-    def gqa_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def to_hf_dict(self) -> dict:
         """A config.json body that transformers (v4 and v5) and vLLM read as Qwen3."""
         body = asdict(self)

@@ -11,9 +11,7 @@ from genrec.serving.ingress import Ingress
 
 def build_app(args: AppArgs) -> Application:
     """Ingress -> EngineServer, each deployment's options derived from the arguments."""
-    engine = EngineServer.options(**engine_options(args)).bind(
-        args.model_dir, args.device, args.dtype, args.max_candidates, args.torch_threads
-    )
+    engine = EngineServer.options(**engine_deployment(args)).bind(args.model_dir, args.device, args.replica_options())
     ingress = Ingress.options(
         num_replicas=args.ingress_replicas,
         max_queued_requests=args.ingress_max_queued_requests,
@@ -24,7 +22,8 @@ def build_app(args: AppArgs) -> Application:
     return ingress.bind(engine, args.ingress_settings())
 
 
-def engine_options(args: AppArgs) -> dict:
+def engine_deployment(args: AppArgs) -> dict:
+    """The engine deployment's Serve options."""
     on_gpu = args.device == "cuda"
     gpus = args.engine_num_gpus if args.engine_num_gpus is not None else (1 if on_gpu else 0)
     cpus = args.engine_num_cpus if args.engine_num_cpus is not None else 1

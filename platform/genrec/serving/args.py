@@ -3,29 +3,50 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from genrec.cache.settings import CacheSettings
+from genrec.cache.config import CacheConfig
+from genrec.engine_options import EngineOptions
+
+if TYPE_CHECKING:
+    from genrec.engine import SchedulerConfig
 
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in a config file fails the deploy instead of vanishing
 
 
-class CacheArgs(CacheSettings):
-    """The shared embedding cache the ingress resolves `user_id`s through (see genrec.cache.actor)."""
-
-    dim: int = Field(gt=0, description="the user vectors' width: the model's soft-token input size")
-
-
 class EngineLimits(_Args):
-    """What may change live (`user_config` -> `reconfigure`, no restart): queueing and batching limits."""
+    """What may change live (`user_config` -> `reconfigure`, no restart): queueing and batching limits.
+    A field left out of a `user_config` is its default here, so removing it from the config reverts it."""
 
     max_queue: int = Field(256, ge=1, description="requests waiting in one replica's engine; beyond: 503")
     max_running: int | None = Field(None, ge=1, description="requests batched at once (default: by device)")
     prefill_tokens_per_step: int = Field(4096, ge=1)
+
+
+class ReplicaOptions(EngineOptions):
+    """What an engine replica is built with: the Engine's options, its scheduler's sizes and its threads
+    (a change replaces the replicas)."""
+
+    kv_budget_bytes: int | None = Field(
+        None, ge=1, description="the KV pool, allocated once (default: 4 GiB on the CPU, half the free GPU memory)"
+    )
+    prefix_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="prompts' K/V kept for reuse by later prompts with the same start (default: half "
+        "the KV pool; 0: off)",
+    )
+    torch_threads: int | None = Field(None, ge=1, description="intra-op threads of an engine replica")
+
+    def scheduler_config(self, limits: EngineLimits = EngineLimits()) -> SchedulerConfig:
+        from genrec.engine import SchedulerConfig  # here: the ingress imports these arguments without torch
+
+        sizes = {"kv_budget_bytes": self.kv_budget_bytes, "prefix_cache_bytes": self.prefix_cache_bytes}
+        return SchedulerConfig(**limits.model_dump(), **sizes)
 
 
 class IngressSettings(_Args):
@@ -34,7 +55,7 @@ class IngressSettings(_Args):
     auth_token_env: str | None = Field(
         None, description="name of the environment variable holding the bearer token; unset: no auth"
     )
-    cache: CacheArgs | None = Field(None, description="resolve user_id -> user_embedding through this cache")
+    cache: CacheConfig | None = Field(None, description="resolve user_id -> user_embedding through this cache")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 503 when the engines are overloaded")
 
 
@@ -44,16 +65,13 @@ class IngressLimits(_Args):
     request_timeout_s: float = Field(30.0, gt=0, description="deadline of a request (504 past it)")
 
 
-class AppArgs(IngressSettings, IngressLimits):
+class AppArgs(IngressSettings, IngressLimits, ReplicaOptions):
     model_dir: str = Field(description="a genrec model directory, present on every node that runs an engine")
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="default: bf16 on cuda")
     limits: EngineLimits = EngineLimits()
-    max_candidates: int = Field(2048, ge=1)
     # Resources and scaling of the engine deployment (config files may also override them per deployment).
     engine_num_cpus: float | None = Field(None, gt=0, description="default: 1")
     engine_num_gpus: float | None = Field(None, ge=0, description="default: 1 on cuda, 0 on cpu")
-    torch_threads: int | None = Field(None, ge=1, description="intra-op threads of an engine replica")
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(32, gt=0, description="per engine replica, for autoscaling")
@@ -72,8 +90,17 @@ class AppArgs(IngressSettings, IngressLimits):
     def ingress_settings(self) -> IngressSettings:
         return IngressSettings.model_validate(self.model_dump(include=set(IngressSettings.model_fields)))
 
+    def replica_options(self) -> ReplicaOptions:
+        return ReplicaOptions.model_validate(self.model_dump(include=set(ReplicaOptions.model_fields)))
+
     @model_validator(mode="after")
     def _replica_bounds(self):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+    @model_validator(mode="after")
+    def _cache_dim(self):
+        if self.cache is not None and self.cache.dim is None:
+            raise ValueError("cache.dim is required: the user vectors' width (the model's soft-token input size)")
         return self

@@ -9,27 +9,26 @@ import time
 from ray import serve
 
 from genrec.api import MAX_BEAM_WIDTH
-from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.engine import AsyncEngine, Engine
 from genrec.engine.prepared import check_kind
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
-from genrec.model.directory import model_version
-from genrec.serving.args import EngineLimits
+from genrec.serving.args import EngineLimits, ReplicaOptions
 from genrec.serving.metrics import EngineMetricsExporter
 from genrec.serving.schemas import ModelInfo
 
 
 @serve.deployment(name="EngineServer", health_check_period_s=5, health_check_timeout_s=10)
 class EngineServer:
-    def __init__(self, model_dir: str, device: str, dtype: str | None, max_candidates: int, torch_threads=None):
-        if torch_threads:
+    def __init__(self, model_dir: str, device: str, options: ReplicaOptions):
+        if options.torch_threads:
             import torch
 
-            torch.set_num_threads(torch_threads)
+            torch.set_num_threads(options.torch_threads)
         started = time.perf_counter()
-        engine = Engine.from_pretrained(model_dir, device=device, dtype=dtype, max_candidates=max_candidates)
-        self.engine = AsyncEngine(engine, SchedulerConfig())
+        engine = Engine.from_pretrained(model_dir, device=device, **options.engine_kwargs())
+        self.engine = AsyncEngine(engine, options.scheduler_config())  # the live limits: reconfigure, next
         self.info = ModelInfo(
-            version=model_version(model_dir),
+            version=engine.model_version,
             model_dir=str(model_dir),
             device=device,
             catalog_items=len(engine.catalog),
@@ -45,9 +44,10 @@ class EngineServer:
         threading.Thread(target=self._export_until_stopped, name="genrec-metrics", daemon=True).start()
 
     def reconfigure(self, user_config: dict) -> None:
-        """Live limits (queue, batching) from the config's `user_config`, without a restart."""
+        """Live limits (queue, batching) from the config's `user_config`, without a restart. Every limit is
+        set: one the config no longer names goes back to its default."""
         limits = EngineLimits.model_validate(user_config)
-        self.engine.reconfigure(**limits.model_dump(exclude_none=True))
+        self.engine.reconfigure(**limits.model_dump())
 
     async def retrieve(self, request, timeout_s: float):
         return await self._run("retrieve", request, timeout_s)

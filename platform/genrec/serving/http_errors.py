@@ -67,9 +67,7 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
 
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
     """FastAPI's own validation of the body: one detail per field, 400 for unparsable JSON, else 422."""
-    details = [
-        ErrorDetail(field=_field_path(e.get("loc", ())), message=e.get("msg", "invalid")) for e in error.errors()
-    ]
+    details = [_detail(e) for e in error.errors()]
     malformed = any(e.get("type") == "json_invalid" for e in error.errors())
     message = "; ".join(f"{d.field}: {d.message}" if d.field else d.message for d in details)
     body = ErrorBody(code="invalid_request", message=message or "invalid request", details=details)

@@ -21,6 +21,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genrec.api import RecommendResult, RetrieveResult, ScoreResult
+from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
 from genrec.serving.args import IngressLimits, IngressSettings
 from genrec.serving.http_errors import (
@@ -74,7 +75,7 @@ def _read_token(env_name: str | None) -> bytes | None:
 
 
 def _connect_cache(cache_args):
-    return cache_args.connect(cache_args.dim) if cache_args is not None else None
+    return EmbeddingCache.connect(cache_args) if cache_args is not None else None
 
 
 # The class is serialised when it is decorated: everything it calls must already be defined above.

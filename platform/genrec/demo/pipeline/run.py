@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from genrec.cache.settings import CacheSettings
+from genrec.cache.config import CacheConfig
 from genrec.demo.build import build_model
 from genrec.demo.calibrate import choose_ranking, is_current
 from genrec.demo.config import DemoConfig
@@ -140,7 +140,7 @@ def run_platform(out, model_dir, prepared: Prepared, cfg, serve_config: Path, po
     prompts = Prompts.of(model_dir, data, cfg.history)
     inputs = write_inputs(out, data, prompts, prepared.factors.users)
     titles = read_titles(model_dir)
-    cache = CacheSettings(name=CACHE_NAME, store="sqlite", store_path=str(out / "embeddings.sqlite"))
+    cache = CacheConfig(name=CACHE_NAME, store="sqlite", store_path=str(out / "embeddings.sqlite"))
     batch_out = out / "batch"
     Path(cache.store_path).unlink(missing_ok=True)  # ours, from an earlier run: start clean
     shutil.rmtree(batch_out, ignore_errors=True)
@@ -166,11 +166,11 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
-def _cache_flags(cache: CacheSettings) -> list[str]:
+def _cache_flags(cache: CacheConfig) -> list[str]:
     return ["--cache", cache.name, "--cache-store", cache.store, "--cache-store-path", cache.store_path]
 
 
-def _batch_flags(model_dir: Path, users: Path, out: Path, beam: int, cache: CacheSettings, ranking: dict):
+def _batch_flags(model_dir: Path, users: Path, out: Path, beam: int, cache: CacheConfig, ranking: dict):
     return [
         *("--model", str(model_dir), "--users", str(users), "--out", str(out)),
         *("--beam-width", str(beam), "--num-results", str(beam), "--rank"),

@@ -1,4 +1,7 @@
-"""A private redis-server on 127.0.0.1 and a free port, for benchmarks and tests (a real server)."""
+"""A private redis-server on 127.0.0.1 and a free port, for `genrec bench cache` and the tests (a real server).
+
+It only starts an installed redis-server; installing one is the caller's business (the tests' fixture does).
+"""
 
 from __future__ import annotations
 
@@ -10,21 +13,18 @@ import time
 
 
 class LocalRedis:
-    """`with LocalRedis() as url:` starts redis-server (installing it with apt when `install`), then stops it."""
+    """`with LocalRedis() as url:` starts redis-server, then stops it."""
 
-    def __init__(self, install: bool = False):
-        self.install = install
+    def __init__(self):
         self.server: subprocess.Popen | None = None
         self.workdir: str | None = None
 
     def __enter__(self) -> str:
         binary = shutil.which("redis-server")
-        if binary is None and self.install:
-            subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True)
-            subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=True, capture_output=True)
-            binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server not found: install it (apt-get install redis-server) or pass a URL")
+            raise RuntimeError(
+                "redis-server not found: install it (e.g. apt-get install redis-server) or pass --redis-url"
+            )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -1,0 +1,25 @@
+"""How an Engine is built: the options a Serve config (`AppArgs`) and a batch run (`BatchSpec`) share."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineOptions(BaseModel):
+    """`Engine.from_pretrained`'s options. They can change results (numerics, which requests are refused), so
+    a batch run keeps them in its identity."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="default: bfloat16 on CUDA, float32 on the CPU"
+    )
+    max_candidates: int = Field(2048, ge=1, description="candidates per score or recommend request")
+    score_max_tokens: int = Field(16384, ge=1, description="padded tokens per scoring pass")
+    cuda_fast: bool = Field(False, description="the unverified CUDA fast path (custom kernels, CUDA graphs)")
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments of `Engine.from_pretrained` (besides the model directory and the device)."""
+        return self.model_dump(include=set(EngineOptions.model_fields))

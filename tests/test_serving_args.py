@@ -1,0 +1,142 @@
+"""The Serve app's arguments reach the engine: build-time options as Engine kwargs and a SchedulerConfig, live
+limits through `reconfigure` (a limit the config no longer names reverts to its default). No Ray cluster."""
+
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from genrec.engine import SchedulerConfig
+from genrec.model.directory import model_version
+from genrec.serving import engine_server
+from genrec.serving.args import AppArgs, EngineLimits
+
+OPTIONS = {
+    "dtype": "bfloat16",
+    "max_candidates": 64,
+    "score_max_tokens": 1024,
+    "cuda_fast": True,
+    "kv_budget_bytes": 1 << 20,
+    "prefix_cache_bytes": 0,
+    "torch_threads": 1,
+}
+
+
+def test_engine_options_become_engine_kwargs_and_a_scheduler_config():
+    options = AppArgs(model_dir="/m", **OPTIONS).replica_options()
+    assert options.engine_kwargs() == {
+        "dtype": "bfloat16",
+        "max_candidates": 64,
+        "score_max_tokens": 1024,
+        "cuda_fast": True,
+    }
+    config = options.scheduler_config(EngineLimits(max_queue=7))
+    assert isinstance(config, SchedulerConfig)
+    assert (config.kv_budget_bytes, config.prefix_cache_bytes, config.max_queue) == (1 << 20, 0, 7)
+
+
+def test_defaults_are_the_engines():
+    options = AppArgs(model_dir="/m").replica_options()
+    assert options.engine_kwargs() == {
+        "dtype": None,
+        "max_candidates": 2048,
+        "score_max_tokens": 16384,
+        "cuda_fast": False,
+    }
+    assert options.scheduler_config() == SchedulerConfig()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("kv_budget_bytes", 0),
+        ("prefix_cache_bytes", -1),
+        ("score_max_tokens", 0),
+        ("max_candidates", 0),
+        ("dtype", "float64"),
+        ("torch_threads", 0),
+        ("cuda_fast", "sometimes"),
+        ("kv_budget", 1),
+    ],
+)
+def test_a_bad_engine_option_is_refused_by_name(field, value):
+    with pytest.raises(ValidationError, match=field):
+        AppArgs(model_dir="/m", **{field: value})
+
+
+def test_a_cache_without_dim_is_refused():
+    with pytest.raises(ValidationError, match="cache.dim is required"):
+        AppArgs(model_dir="/m", cache={"name": "users"})
+
+
+class RecordingEngine:
+    """Stands in for Engine and AsyncEngine: records what EngineServer builds them with and sets live."""
+
+    def __init__(self, tiny):
+        self.tiny, self.built, self.config, self.live = tiny, None, None, []
+
+    def from_pretrained(self, model_dir, device, **kwargs):
+        self.built = {"device": device, **kwargs}
+        return self.tiny
+
+    def async_engine(self, engine, config):
+        self.config = config
+        return self
+
+    def reconfigure(self, **fields):
+        self.live.append(fields)
+
+    def metrics(self):
+        return {}
+
+    def shutdown(self, **_):
+        pass
+
+
+class QuietMetrics:
+    def __init__(self):
+        self.model_load_seconds = self
+
+    def set(self, _):
+        pass
+
+    def update(self, _):
+        pass
+
+
+@pytest.fixture
+def recorded(monkeypatch, engine):
+    recording = RecordingEngine(engine)
+    monkeypatch.setattr(engine_server, "Engine", SimpleNamespace(from_pretrained=recording.from_pretrained))
+    monkeypatch.setattr(engine_server, "AsyncEngine", recording.async_engine)
+    monkeypatch.setattr(engine_server, "EngineMetricsExporter", QuietMetrics)
+    return recording
+
+
+def test_engine_server_builds_the_engine_with_the_options(recorded, tiny_dir):
+    args = AppArgs(model_dir=str(tiny_dir), **OPTIONS)
+    server = engine_server.EngineServer.func_or_class(args.model_dir, args.device, args.replica_options())
+    try:
+        assert recorded.built == {"device": "cpu", **args.replica_options().engine_kwargs()}
+        assert (recorded.config.kv_budget_bytes, recorded.config.prefix_cache_bytes) == (1 << 20, 0)
+        assert server.info.version == model_version(tiny_dir)
+    finally:
+        server._stopped.set()
+
+
+def test_reconfigure_sets_every_limit_and_a_removed_one_reverts(recorded, tiny_dir):
+    server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", AppArgs(model_dir="/m").replica_options())
+    try:
+        server.reconfigure({"max_queue": 5, "max_running": 2})
+        server.reconfigure({"max_running": 2})  # max_queue removed from the config's user_config
+        server.reconfigure({})
+        defaults = EngineLimits().model_dump()
+        assert recorded.live == [
+            {**defaults, "max_queue": 5, "max_running": 2},
+            {**defaults, "max_running": 2},
+            defaults,
+        ]
+        with pytest.raises(ValidationError, match="max_queue"):
+            server.reconfigure({"max_queue": 0})
+    finally:
+        server._stopped.set()

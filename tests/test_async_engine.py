@@ -7,8 +7,8 @@ import pytest
 
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
 from genrec.engine import AsyncEngine, SchedulerConfig
-from genrec.engine.kv_budget import request_kv_tokens
 from genrec.engine.job import JobState
+from genrec.engine.kv_budget import request_kv_tokens
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from tests.conftest import random_prompt

@@ -44,6 +44,27 @@ def test_bench_load(tiny_dir, tmp_path):
     assert report["saturation"]["requests"] == 4 and plot.stat().st_size > 0
 
 
+def test_bench_returning(tiny_dir, tmp_path):
+    report = run(
+        tmp_path, "returning", "--model", str(tiny_dir), "--events", "60", "--users", "3", "--burst", "4",
+        "--rate", "4", "--duration", "0.5", "--repeats", "2",
+    )  # fmt: skip
+    runs = report["workload"]
+    assert runs["stable_cache_off"]["reuse_rate"] == 0 and runs["stable_cache_on"]["reuse_rate"] > 0.3
+    assert runs["sliding_cache_on"]["reuse_rate"] < runs["stable_cache_on"]["reuse_rate"]
+    assert report["ratios"]["returning_cold_over_warm"] > 0
+
+
+def test_bench_rank(tmp_path):
+    hstu_dir = tmp_path / "hstu"
+    assert CliRunner().invoke(app, ["tiny-model", str(hstu_dir), "--family", "hstu", "--items", "50"]).exit_code == 0
+    report = run(
+        tmp_path, "rank", "--model", str(hstu_dir), "--events", "30", "--candidates", "8", "--repeats", "1",
+        "--fanout-sample", "2", "--new-events", "3",
+    )  # fmt: skip
+    assert report["fanout_timed"] == 2 and all(v > 0 for v in report["ratios"].values())
+
+
 def test_bench_cache(ray_cluster, redis_url, tmp_path):
     report = run(
         tmp_path, "cache", "--keys", "5000", "--dim", "8", "--batch", "100", "--batches", "5", "--redis-url", redis_url,

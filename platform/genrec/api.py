@@ -197,3 +197,42 @@ class RecommendResult(BaseModel):
     items: list[RecommendedItem] = Field(description="ranked by the request's rank_by, best first")
     prompt_tokens: int
     unknown_exclusions: int = 0
+
+
+# -- ranking (the HSTU family): a user's event history, then candidates scored per task -----------------------
+
+Timestamp = Annotated[StrictFloat | StrictInt, BeforeValidator(_plain)]
+
+
+class Event(_Strict):
+    """One event of a user's history, oldest first: the item, what the user did (an action index of the model;
+    None: no action recorded) and when (seconds, any epoch; None: unknown)."""
+
+    item_id: Text
+    action: Int | None = Field(None, ge=0)
+    timestamp: Timestamp | None = None
+
+    @field_validator("timestamp")
+    @classmethod
+    def _finite_time(cls, value):
+        if value is not None and not math.isfinite(value):
+            raise ValueError("'timestamp' is not a finite number")
+        return value
+
+
+class RankRequest(_Strict):
+    history: list[Event] = Field(min_length=1, description="the user's events, oldest first")
+    candidates: list[Text] = Field(min_length=1, description="item IDs to rank after the history")
+    tasks: list[Text] | None = Field(None, min_length=1, description="the model's tasks to return (default: all)")
+    request_id: Annotated[Text, Field(max_length=256)] | None = None
+
+
+class RankedItem(BaseModel):
+    item_id: str
+    scores: dict[str, float] = Field(description="task name -> probability")
+
+
+class RankResult(BaseModel):
+    request_id: str | None = None
+    items: list[RankedItem] = Field(description="in the candidates' order")
+    history_events: int

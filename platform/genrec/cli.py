@@ -40,11 +40,21 @@ def tiny_model(
     head_dim: int = 16,
     intermediate: int = 128,
     seed: int = 0,
+    family: str = typer.Option("qwen3", help="qwen3 (semantic-ID retrieval) | hstu (ranking after a history)"),
     force: bool = typer.Option(False, "--force", help="replace a model directory already at OUT_DIR"),
 ):
-    """Write a complete model directory with random weights of the real Qwen3 architecture."""
+    """Write a complete model directory with random weights of the real architecture (Qwen3, or HSTU)."""
     from genrec.model.tiny import ModelSpec, make_room, write_model_dir
 
+    if family not in ("qwen3", "hstu"):
+        raise typer.BadParameter("--family must be qwen3 or hstu")
+    if family == "hstu":
+        from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
+
+        make_room(out_dir, force)
+        hstu = HSTUSpec(items=items, hidden=hidden, layers=layers, heads=heads, head_dim=head_dim, seed=seed)
+        typer.echo(str(write_hstu_dir(out_dir, hstu)))
+        return
     spec = ModelSpec(
         items=items,
         levels=levels,
@@ -128,14 +138,24 @@ def bench_retrieve(
     hf_baseline: bool = typer.Option(True, help="also time transformers generate(num_beams=...)"),
     user_embedding: bool = typer.Option(False, help="also time the soft-token path against token-only prompts"),
     peer: str = typer.Option(None, help="vllm: also run vLLM on the same model and prompts (`make peers`)"),
-    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FlashAttention-2 varlen and decode graphs (unverified)"),
+    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FA2 varlen + decode graphs (unverified)"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ):
     """Engine.retrieve against one plain prefill (the floor) and transformers beam search."""
     from genrec.bench.retrieve import run
 
     report = run(
-        prompt_len, beam_width, preset, model, levels, batch, device, repeats, hf_baseline, user_embedding, peer,
+        prompt_len,
+        beam_width,
+        preset,
+        model,
+        levels,
+        batch,
+        device,
+        repeats,
+        hf_baseline,
+        user_embedding,
+        peer,
         cuda_fast,
     )
     _emit(report, json_out)
@@ -152,7 +172,7 @@ def bench_score(
     repeats: int = typer.Option(3, min=1),
     fanout_sample: int = typer.Option(50, min=1, help="fan-out forwards actually timed (the rest are the same cost)"),
     peer: str = typer.Option(None, help="vllm: also run vLLM on the same model and prompts (`make peers`)"),
-    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FlashAttention-2 varlen and decode graphs (unverified)"),
+    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FA2 varlen + decode graphs (unverified)"),
     json_out: Path = typer.Option(None, "--json"),
 ):
     """One-pass scoring against one forward per candidate and one plain forward of as many tokens."""
@@ -178,7 +198,7 @@ def bench_load(
     max_running: int = typer.Option(
         None, min=1, help="requests the engine runs at once (default: 8 on CUDA, 64 on CPU)"
     ),
-    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FlashAttention-2 varlen and decode graphs (unverified)"),
+    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FA2 varlen + decode graphs (unverified)"),
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG: latency against offered load"),
 ):
@@ -206,6 +226,54 @@ def bench_load(
         cuda_fast,
     )
     _emit(report, json_out)
+
+
+@bench_app.command("returning")
+def bench_returning(
+    preset: str = typer.Option("realistic", help="a preset with a soft-token projector (realistic: hidden 512)"),
+    model: Path = typer.Option(None),
+    device: str = typer.Option("cpu", callback=_device),
+    events: int = typer.Option(400, min=2, help="history events in a prompt (x levels tokens: 2000 at 5 levels)"),
+    new_events: int = typer.Option(2, "--new-events", min=1, help="events a returning user adds per request"),
+    users: int = typer.Option(16, min=1, help="returning users, Zipf popularity"),
+    new_user_share: float = typer.Option(0.2, min=0.0, max=1.0, help="requests from first-time users"),
+    burst: int = typer.Option(24, min=1, help="requests sent at once for the saturation figure"),
+    rate: float = typer.Option(0.5, help="offered load for the p50/p99 figures, requests per second"),
+    duration: float = typer.Option(20.0, min=0.1),
+    repeats: int = typer.Option(5, min=1, help="returning requests timed for the single-user figure"),
+    cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FA2 varlen + decode graphs (unverified)"),
+    json_out: Path = typer.Option(None, "--json"),
+):
+    """Returning users (previous prompt + new events): prefix cache off vs on, and the two prompt layouts."""
+    from genrec.bench.common import check_rate
+    from genrec.bench.returning import run
+
+    check_rate(rate)
+    report = run(
+        preset, model, device, events, new_events, users, new_user_share, burst, rate, duration, repeats, cuda_fast
+    )
+    _emit(report, json_out)
+
+
+@bench_app.command("rank")
+def bench_rank(
+    preset: str = typer.Option("tiny", help="HSTU preset (tiny: model dim 256, 4 layers, 4 heads, head dim 64)"),
+    model: Path = typer.Option(None, help="an HSTU model directory instead of a preset"),
+    device: str = typer.Option("cpu", callback=_device),
+    events: int = typer.Option(2000, min=1, help="history events"),
+    candidates: int = typer.Option(500, min=1),
+    repeats: int = typer.Option(3, min=1),
+    fanout_sample: int = typer.Option(20, min=1, help="one-candidate requests actually timed (scaled to all)"),
+    new_events: int = typer.Option(10, min=1, help="events a returning user adds (warm vs cold)"),
+    json_out: Path = typer.Option(None, "--json"),
+):
+    """HSTU ranking: one pass vs one request per candidate vs the plain masked forward; warm vs cold history."""
+    import os
+
+    from genrec.bench.rank import run
+
+    root = Path(os.environ.get("GENREC_CACHE", Path.home() / ".cache" / "genrec")) / "presets"
+    _emit(run(preset, model, device, events, candidates, repeats, fanout_sample, new_events, root), json_out)
 
 
 @bench_app.command("serve")

@@ -16,7 +16,16 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
-from genrec.api import RecommendRequest, RecommendResult, RetrieveRequest, RetrieveResult, ScoreRequest, ScoreResult
+from genrec.api import (
+    RankRequest,
+    RankResult,
+    RecommendRequest,
+    RecommendResult,
+    RetrieveRequest,
+    RetrieveResult,
+    ScoreRequest,
+    ScoreResult,
+)
 from genrec.engine.engine import Engine
 from genrec.engine.prepared import check_kind
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
@@ -55,6 +64,10 @@ class AsyncEngine:
 
     async def recommend(self, request: RecommendRequest, timeout_s: float | None = None) -> RecommendResult:
         check_kind(request, "recommend")
+        return await asyncio.wrap_future(self.submit(request, timeout_s))
+
+    async def rank(self, request: RankRequest, timeout_s: float | None = None) -> RankResult:
+        check_kind(request, "rank")
         return await asyncio.wrap_future(self.submit(request, timeout_s))
 
     def submit(self, request, timeout_s: float | None = None) -> Future:

@@ -12,15 +12,27 @@ from pathlib import Path
 
 import torch
 
-from genrec.api import RecommendRequest, RecommendResult, RetrieveRequest, RetrieveResult, ScoreRequest, ScoreResult
+from genrec.api import (
+    RankRequest,
+    RankResult,
+    RecommendRequest,
+    RecommendResult,
+    RetrieveRequest,
+    RetrieveResult,
+    ScoreRequest,
+    ScoreResult,
+)
 from genrec.catalog import Catalog, CodeTrie
+from genrec.catalog.item_index import ItemIndex
 from genrec.engine.checks import check_int
 from genrec.engine.prepared import Prepared, check_kind, prepare
 from genrec.engine.runner import ModelRunner
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
 from genrec.errors import InvalidRequestError
 from genrec.model import Qwen3, load_qwen3
-from genrec.model.directory import ModelDirectory, model_version
+from genrec.model.directory import GENREC_SUBDIR, ModelDirectory, directory_family, model_version
+from genrec.model.family import family_of
+from genrec.model.hstu import load_hstu
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import USER_TOKEN, check_token_ids, load_tokenizer, semantic_token_ranges
 from genrec.staging import host_side
@@ -42,18 +54,23 @@ class Engine:
         model_version: str = "",
     ):
         self.model = model
+        self.family = family_of(model)
         self.tokenizer = tokenizer
-        self.catalog = catalog
+        self.catalog = catalog  # a Catalog (item <-> semantic ID); for a ranking model an ItemIndex
         self.model_version = model_version  # salts the prefix cache's keys
         self.device = model.device
-        self.trie = CodeTrie.build(catalog.codes, device=self.device)
         self.projector = projector.to(self.device, model.dtype) if projector is not None else None
-        self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
         self.max_candidates = check_int("max_candidates", max_candidates)
         self.score_max_tokens = check_int("score_max_tokens", score_max_tokens)
-        # Room for the generated code after the prompt.
-        self.max_prompt_tokens = model.config.prompt_room(catalog.levels)
-        self.runner = ModelRunner(model, catalog.levels, self.projector, self.placeholder_id, fast=bool(cuda_fast))
+        if self.family == "qwen3":
+            self.levels = catalog.levels
+            self.trie = CodeTrie.build(catalog.codes, device=self.device)
+            self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
+            self.max_prompt_tokens = model.config.prompt_room(catalog.levels)  # room for the code after it
+        else:
+            self.levels, self.trie, self.placeholder_id = 0, None, None
+            self.max_prompt_tokens = model.config.max_history_events
+        self.runner = ModelRunner(model, self.levels, self.projector, self.placeholder_id, fast=bool(cuda_fast))
         self.scheduler_config = scheduler or SchedulerConfig()
         self._scheduler: Scheduler | None = None
 
@@ -61,11 +78,15 @@ class Engine:
     def from_pretrained(
         cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None, **options
     ):
-        directory = ModelDirectory(model_dir)
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        if directory_family(model_dir) == "hstu":
+            model = load_hstu(model_dir, device=device, dtype=dtype)
+            items = ItemIndex.load(Path(model_dir) / GENREC_SUBDIR / "catalog.parquet", model.config.num_items)
+            return cls(model, None, items, model_version=model_version(model_dir), **options)
+        directory = ModelDirectory(model_dir)
         tokenizer = load_tokenizer(directory.path)
         check_token_ids(tokenizer, directory.config.vocab_size, directory.path)
         catalog = Catalog.load(directory.catalog_path, semantic_token_ranges(tokenizer))
@@ -95,6 +116,10 @@ class Engine:
     def recommend(self, requests: list[RecommendRequest]) -> list[RecommendResult]:
         """Beam search, then score the retrieved items plus the given candidates against the same ContextKV."""
         return self._run(requests, "recommend")
+
+    def rank(self, requests: list[RankRequest]) -> list[RankResult]:
+        """A ranking model (HSTU): each request's candidates after its history, every task's probability."""
+        return self._run(requests, "rank")
 
     def prepare(self, req) -> Prepared:
         with host_side():  # request checks on host data, before any device work

@@ -63,4 +63,6 @@ def request_kv_tokens(prepared: Prepared, levels: int) -> int:
         tokens += sum(map(len, prepared.candidate_tokens))
         if prepared.kind == "recommend":
             tokens += prepared.request.num_results * levels
+    if prepared.candidate_rows is not None:  # rank: one row per candidate over the history
+        tokens += len(prepared.candidate_rows)
     return tokens

@@ -33,7 +33,9 @@ BLOCK = 16  # tokens per block: the unit of reuse
 def block_keys(token_ids: np.ndarray, salt: bytes, placeholder_id: int | None, embedding) -> list[bytes]:
     """The chain keys of the prompt's whole blocks."""
     n = len(token_ids) // BLOCK
-    blocks = np.ascontiguousarray(token_ids[: n * BLOCK], dtype=np.int64).reshape(n, BLOCK)
+    if not n:
+        return []
+    blocks = np.ascontiguousarray(token_ids[: n * BLOCK], dtype=np.int64).reshape(n, -1)  # a row per block
     soft = None
     if embedding is not None and placeholder_id is not None:
         soft = hashlib.blake2b(struct.pack(f"{len(embedding)}d", *embedding), digest_size=16).digest()

@@ -11,6 +11,8 @@ import torch
 
 from genrec.api import (
     CandidateScore,
+    RankedItem,
+    RankResult,
     RecommendedItem,
     RecommendRequest,
     RecommendResult,
@@ -113,3 +115,15 @@ def check_finite(values: list[float]) -> list[float]:
             "request", "the model's scores for this request are not finite (e.g. a user_embedding too large)"
         )
     return values
+
+
+def rank_result(task_names: tuple[str, ...], prepared: Prepared, probs: torch.Tensor) -> RankResult:
+    """probs [candidates, asked tasks], in the candidates' order: one fetch, checked finite."""
+    host = fetch(probs.double())
+    check_finite(host.reshape(-1).tolist())
+    names = [task_names[t] for t in prepared.tasks]
+    items = [
+        RankedItem(item_id=item, scores=dict(zip(names, row, strict=True)))
+        for item, row in zip(prepared.request.candidates, host.tolist(), strict=True)
+    ]
+    return RankResult(request_id=prepared.request.request_id, items=items, history_events=len(prepared.token_ids))

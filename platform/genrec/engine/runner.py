@@ -30,6 +30,7 @@ from genrec.staging import to_device
 class ModelRunner:
     def __init__(self, model, levels: int, projector=None, placeholder_id: int | None = None, fast: bool = False):
         self.model, self.projector, self.placeholder_id = model, projector, placeholder_id
+        self.ranks = hasattr(model, "candidates_over")  # the HSTU family: histories and candidate rows
         self.device = model.device
         self.fast = fast
         self.graphs = fast and self.device.type == "cuda"  # static decode passes replayed as CUDA graphs
@@ -45,7 +46,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prompt_embeds(self, prepared: Prepared, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Input embeddings of prompt tokens [start, stop), the soft token injected where the request has one."""
+        """Input embeddings of context rows [start, stop): prompt tokens, the soft token injected where the request
+        has one; or a history's events (item, action, time bucket at their absolute positions)."""
+        if prepared.kind == "rank":
+            return self._event_embeds(prepared.token_ids[start:stop], start)
         ids = prepared.token_ids[start:stop]
         embeds = self.model.embed(to_device(ids.numpy(), self.device))
         vector = prepared.request.user_embedding
@@ -69,6 +73,9 @@ class ModelRunner:
         for prepared, ctx, start, n in chunks:
             ctx.length = start
             segments.append((self.prompt_embeds(prepared, start, start + n), ctx))
+        if self.ranks:  # a history: its K/V is all the candidates need
+            self.model.prefill_contexts(segments)
+            return [None] * len(segments)
         return self.model.prefill_packed(segments, fast=self.fast)
 
     # -- decode ----------------------------------------------------------------------------------
@@ -125,6 +132,40 @@ class ModelRunner:
             self._captured[key] = graph
         graph.replay()
         return batch.outputs
+
+    # -- ranking (HSTU) ---------------------------------------------------------------------------
+
+    def _event_embeds(self, events: torch.Tensor, start: int) -> torch.Tensor:
+        """events [n, 3] (item row, action, bucket) on the host, at positions start .. start + n - 1."""
+        device = self.device
+        items, actions, buckets = (to_device(events[:, j].numpy(), device) for j in range(3))
+        positions = to_device(np.arange(start, start + len(events)), device)
+        return self.model.embed_events(
+            items, actions, positions, buckets if self.model.config.num_time_buckets else None
+        )
+
+    @torch.inference_mode()
+    def rank(self, jobs: list[tuple[ContextKV, np.ndarray, list[int]]], max_rows: int) -> list[torch.Tensor]:
+        """Each (history ctx, candidate rows, task indices): [candidates, tasks] probabilities. A candidate takes the
+        position after the history, no action and the unknown time bucket; it sees the history and itself only,
+        so it scores the same whatever else is ranked with it. Candidates of many jobs share passes of at most
+        `max_rows` rows."""
+        model, device = self.model, self.device
+        outs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        for part in _row_chunks([len(rows) for _, rows, _ in jobs], max_rows):
+            groups, items, positions, offset = [], [], [], 0
+            for j, a, b in part:
+                ctx = jobs[j][0]
+                groups.append(ContextGroup(offset, offset + b - a, ctx))
+                items.append(jobs[j][1][a:b])
+                positions.append(np.full(b - a, ctx.length))
+                offset += b - a
+            items, positions = to_device(np.concatenate(items), device), to_device(np.concatenate(positions), device)
+            hidden = model.candidates_over(model.embed_events(items, None, positions), groups)
+            probs = model.task_probs(hidden)
+            for (j, _, _), g in zip(part, groups, strict=True):
+                outs[j].append(probs[g.start : g.stop][:, to_device(jobs[j][2], device)])
+        return [torch.cat(o) for o in outs]
 
     # -- scoring ---------------------------------------------------------------------------------
 
@@ -202,3 +243,19 @@ class ModelRunner:
             logprobs.append(pos_logit - lse)
             probs.append(torch.sigmoid(pos_logit - neg_logit))
         return torch.cat(logprobs), torch.cat(probs)
+
+
+def _row_chunks(counts: list[int], max_rows: int):
+    """Rows of many jobs in order, cut into passes of at most `max_rows`: per pass, (job, first, stop) pieces."""
+    part, used = [], 0
+    for j, n in enumerate(counts):
+        a = 0
+        while a < n:
+            take = min(n - a, max_rows - used)
+            part.append((j, a, a + take))
+            a, used = a + take, used + take
+            if used == max_rows:
+                yield part
+                part, used = [], 0
+    if part:
+        yield part

@@ -67,10 +67,11 @@ class Scheduler:
     """Sequences the requests of one engine (`genrec.engine.Engine`: its runner, catalog and limits)."""
 
     def __init__(self, engine, config: SchedulerConfig | None = None):
-        self.runner, self.catalog, self.trie = engine.runner, engine.catalog, engine.trie
+        self.runner, self.catalog, self.trie, self.levels = engine.runner, engine.catalog, engine.trie, engine.levels
         self.salt = engine.model_version.encode()  # cached prefixes of another model version never match
         self.placeholder_id = engine.placeholder_id
         self.score_max_tokens = engine.score_max_tokens
+        self.task_names = getattr(engine.model.config, "tasks", ())
         self.device = engine.device
         self.config = _by_device(config or SchedulerConfig(), self.device)
         model = self.runner.model
@@ -97,7 +98,7 @@ class Scheduler:
 
     def submit(self, prepared: Prepared, timeout_s: float | None = None) -> Future:
         timeout_s = check_seconds("timeout_s", timeout_s) if timeout_s is not None else self.config.request_timeout_s
-        tokens = request_kv_tokens(prepared, self.catalog.levels)
+        tokens = request_kv_tokens(prepared, self.levels)
         if tokens * self.per_token > self.budget.capacity:
             raise InvalidRequestError(
                 "request",
@@ -159,7 +160,7 @@ class Scheduler:
             job = self.waiting[0]
             if job.block_keys is None and self.cache.enabled:
                 p = job.prepared
-                embedding = p.request.user_embedding
+                embedding = getattr(p.request, "user_embedding", None)
                 job.block_keys = block_keys(p.token_ids.numpy(), self.salt, self.placeholder_id, embedding)
             job.holding = self._hold(job)
             if job.holding is None:
@@ -255,8 +256,14 @@ class Scheduler:
     def _score(self) -> int:
         """One scoring run for every job in SCORING (rows of many jobs share passes), then their results."""
         scoring = self.in_state(SCORING)
-        self._guarded(scoring, self._score_jobs)
+        self._guarded([j for j in scoring if j.kind == "rank"], self._rank_jobs)
+        self._guarded([j for j in scoring if j.kind != "rank"], self._score_jobs)
         return len(scoring)
+
+    def _rank_jobs(self, jobs: list[Job]) -> None:
+        work = [(j.ctx, j.prepared.candidate_rows, j.prepared.tasks) for j in jobs]
+        for job, probs in zip(jobs, self.runner.rank(work, self.score_max_tokens), strict=True):
+            self._finish(job, results.rank_result(self.task_names, job.prepared, probs))
 
     def _score_jobs(self, jobs: list[Job]) -> None:
         work = [score_job(j.prepared, j.ctx, j.last_logits, j.retrieved) for j in jobs]

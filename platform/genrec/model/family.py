@@ -43,3 +43,8 @@ class ContextModel(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Task outputs of hidden states (Qwen3: next-token logits, float32)."""
+
+
+def family_of(model) -> str:
+    """"hstu" for a ranking model (history in, task probabilities per candidate out), else "qwen3"."""
+    return "hstu" if hasattr(model, "candidates_over") else "qwen3"

@@ -77,6 +77,10 @@ PRESETS = {
     "tiny": ModelSpec(
         items=2000, levels=5, codebook=16, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768
     ),
+    # The shape the returning-users and HSTU goals are stated at (a CPU can run 2000-token prompts of it).
+    "realistic": ModelSpec(
+        items=5000, levels=5, codebook=32, hidden=512, layers=4, heads=8, kv_heads=4, head_dim=64, intermediate=1536
+    ),
     "small": ModelSpec(
         items=5000, levels=5, codebook=32, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536
     ),

@@ -1,0 +1,297 @@
+"""Our HSTU ranker, in the variant whose history K/V can be cached exactly across requests.
+
+Each layer: LayerNorm -> one Linear (with bias) to u, v, q, k -> SiLU on all four -> attention
+`A = SiLU(q·kᵀ/√d) / N` (N a config constant, no softmax) under the mask -> `Linear(u ⊙ LayerNorm(A·v))`
+-> residual. No FFN. Input = item + action + absolute position (+ time bucket) embeddings; a final LayerNorm
+and a multi-task MLP head read the candidate positions.
+
+Masks: history events attend causally among themselves; each candidate attends to the whole history and to
+itself only; history never attends to candidates. So the history's K/V depend on earlier events only
+(`prefill` may run it in any number of appended chunks), and a candidate's attention is a plain sum of its
+history part and its own part (`forward_candidates`): with a constant normaliser there is no softmax to merge.
+
+K/V are cached token-major, [layers, tokens, heads, head_dim] (a slice of genrec's `KVPool`), after the SiLU.
+Conventions for items, actions, buckets and positions: see `genrec.model.hstu_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from genrec.errors import ModelDirectoryError
+from genrec.model.hstu_config import HSTUConfig
+from genrec.model.weights import load_state_dict, model_weight
+
+# Prefill queries per attention call: bounds the [heads, chunk, keys] score matrix (1024 × 16k keys × 4 heads
+# in float32 is 256 MiB) without changing any result.
+PREFILL_QUERY_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """Part of a history's K/V held elsewhere (a reused prefix piece): k, v [layers, T, heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class HistorySegment:
+    """New history events `embeds` [n, hidden] following `start` events already in k_cache/v_cache
+    [layers, capacity, heads, head_dim], which in turn follow the `prefix` spans (earlier events, read in place)."""
+
+    embeds: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    start: int
+    prefix: tuple[KeySpan, ...] = ()
+
+
+@dataclass(frozen=True)
+class HistoryRows:
+    """Candidate rows [start, stop) of one request attend to its history: the `prefix` spans, then k, v
+    [layers, T, heads, head_dim] (e.g. `ctx.k[:, :ctx.length]`; T may be 0)."""
+
+    start: int
+    stop: int
+    k: torch.Tensor
+    v: torch.Tensor
+    prefix: tuple[KeySpan, ...] = ()
+
+
+class HSTULayer(nn.Module):
+    def __init__(self, c: HSTUConfig):
+        super().__init__()
+        self.heads, self.head_dim = c.num_attention_heads, c.head_dim
+        width = c.num_attention_heads * c.head_dim
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.uvqk = nn.Linear(c.hidden_size, 4 * width)  # output rows: u, v, q, k (each heads × head_dim)
+        self.attn_norm = nn.LayerNorm(width, eps=c.layer_norm_eps)
+        self.out = nn.Linear(width, c.hidden_size)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., hidden] -> u, v, q, k, each [..., heads, head_dim], SiLU applied."""
+        uvqk = F.silu(self.uvqk(self.norm(x)))
+        return uvqk.view(*x.shape[:-1], 4, self.heads, self.head_dim).unbind(-3)
+
+    def finish(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Gate, output projection, residual; attn [..., heads, head_dim] already divided by N."""
+        return x + self.out(u.flatten(-2) * self.attn_norm(attn.flatten(-2)))
+
+
+class TaskHead(nn.Module):
+    """Per-candidate MLP: hidden -> head_hidden -> SiLU -> one logit per task."""
+
+    def __init__(self, c: HSTUConfig):
+        super().__init__()
+        self.hidden = nn.Linear(c.hidden_size, c.head_hidden)
+        self.out = nn.Linear(c.head_hidden, len(c.tasks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.hidden(x)))
+
+
+class HSTU(nn.Module):
+    """Parameter names (the safetensors keys) are stable: item_embedding, action_embedding, position_embedding,
+    bucket_embedding (only with time buckets), layers.{i}.{norm,uvqk,attn_norm,out}, final_norm,
+    head.{hidden,out}."""
+
+    def __init__(self, config: HSTUConfig):
+        super().__init__()
+        c = self.config = config
+        self.item_embedding = nn.Embedding(c.num_items, c.hidden_size)
+        self.action_embedding = nn.Embedding(c.num_actions + 1, c.hidden_size)
+        self.position_embedding = nn.Embedding(c.max_positions, c.hidden_size)
+        if c.num_time_buckets:
+            self.bucket_embedding = nn.Embedding(c.num_time_buckets + 1, c.hidden_size)
+        self.layers = nn.ModuleList(HSTULayer(c) for _ in range(c.num_hidden_layers))
+        self.final_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.head = TaskHead(c)
+        self.scale = c.head_dim**-0.5
+        self.inv_normalizer = 1.0 / c.attention_normalizer
+
+    @property
+    def device(self) -> torch.device:
+        return self.item_embedding.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.item_embedding.weight.dtype
+
+    def embed_events(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor | None,
+        positions: torch.Tensor,
+        buckets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Item + action + position (+ bucket) embeddings, [T, hidden]. Index tensors are [T] int64 and must be
+        in range (validated by the caller: no device sync here). actions None = no action on every event;
+        buckets None = the unknown bucket (and must be None when the config has no time buckets)."""
+        c = self.config
+        if actions is None:
+            actions = torch.full_like(items, c.no_action)
+        x = self.item_embedding(items) + self.action_embedding(actions) + self.position_embedding(positions)
+        if c.num_time_buckets:
+            if buckets is None:
+                buckets = torch.full_like(items, c.unknown_bucket)
+            x = x + self.bucket_embedding(buckets)
+        elif buckets is not None:
+            raise ValueError("buckets given, but the model has no time-bucket feature (num_time_buckets is 0)")
+        return x
+
+    @torch.inference_mode()
+    def prefill(self, embeds: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+        """Run history events embeds [n, hidden] as positions start .. start+n-1, given the first `start` events'
+        K/V in k_cache/v_cache [layers, capacity, heads, head_dim]; writes the new events' K/V there.
+        Returns their hidden states [n, hidden] (before the final norm)."""
+        return self.prefill_packed([HistorySegment(embeds, k_cache, v_cache, start)])
+
+    @torch.inference_mode()
+    def prefill_packed(self, segments: list[HistorySegment]) -> torch.Tensor:
+        """Several users' new events in one pass: projections over all tokens at once, attention per user.
+        Returns the hidden states of all segments' events, concatenated in order."""
+        for s in segments:
+            if s.start < 0 or s.start + len(s.embeds) > s.k_cache.shape[1]:
+                raise ValueError(
+                    f"events {s.start}..{s.start + len(s.embeds)} do not fit a cache of {s.k_cache.shape[1]}"
+                )
+        x = segments[0].embeds if len(segments) == 1 else torch.cat([s.embeds for s in segments])
+        for i, layer in enumerate(self.layers):
+            u, v, q, k = layer.project(x)
+            parts, first = [], 0
+            for s in segments:
+                n, stop = len(s.embeds), s.start + len(s.embeds)
+                s.k_cache[i, s.start : stop] = k[first : first + n]
+                s.v_cache[i, s.start : stop] = v[first : first + n]
+                part = self._causal(q[first : first + n], s.k_cache[i, :stop], s.v_cache[i, :stop], s.start)
+                for span in s.prefix:  # earlier events: every new one sees all of them
+                    part += self._over(q[first : first + n], span.k[i], span.v[i])
+                parts.append(part)
+                first += n
+            x = layer.finish(x, u, (parts[0] if len(parts) == 1 else torch.cat(parts)) * self.inv_normalizer)
+        return x
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Queries q [n, H, D] at positions start.. over keys k, v [start+n, H, D]:
+        Σ over keys j ≤ the query's position of SiLU(q·k_j/√d) v_j, [n, H, D] (not yet divided by N).
+        Queries go in chunks, each over the keys it may see: the score matrix stays bounded for long histories
+        and the masked-out upper triangle is mostly never computed."""
+        if not len(q):
+            return torch.zeros_like(q)
+        out = []
+        for a in range(0, len(q), PREFILL_QUERY_CHUNK):
+            b = min(a + PREFILL_QUERY_CHUNK, len(q))
+            keys = start + b
+            scores = F.silu(torch.matmul(q[a:b].transpose(0, 1), k[:keys].permute(1, 2, 0)) * self.scale)
+            scores.tril_(diagonal=start + a)  # query i (position start+a+i) sees keys 0 .. start+a+i
+            out.append(torch.matmul(scores, v[:keys].transpose(0, 1)).transpose(0, 1))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    @torch.inference_mode()
+    def forward_candidates(self, embeds: torch.Tensor, groups: list[HistoryRows]) -> torch.Tensor:
+        """R candidate rows embeds [R, hidden]; rows of a group attend to that group's history and to themselves
+        (rows in no group: themselves only). The history part is one matrix product per group over all its rows.
+        Returns hidden states [R, hidden] (before the final norm): feed them to `task_probs`."""
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            u, v, q, k = layer.project(x)
+            attn = F.silu((q * k).sum(-1, keepdim=True) * self.scale) * v  # each row's own part, [R, H, D]
+            for g in groups:
+                if g.stop > g.start:
+                    for span in (*g.prefix, KeySpan(g.k, g.v)):
+                        attn[g.start : g.stop] += self._over(q[g.start : g.stop], span.k[i], span.v[i])
+            x = layer.finish(x, u, attn * self.inv_normalizer)
+        return x
+
+    def _over(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Queries q [n, H, D] over every key of k, v [T, H, D]: Σ_j SiLU(q·k_j/√d) v_j, [n, H, D] (not divided
+        by N). One product for all queries; T = 0 gives zeros."""
+        if not k.shape[0] or not q.shape[0]:
+            return torch.zeros_like(q)
+        scores = F.silu(torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)) * self.scale)
+        return torch.matmul(scores, v.transpose(0, 1)).transpose(0, 1)
+
+    # -- the engine's calls: histories held as genrec ContextKVs (prefix pieces of the pool, then its own extent) --
+
+    @torch.inference_mode()
+    def prefill_contexts(self, segments: list[tuple[torch.Tensor, object]]) -> None:
+        """Each (embeds [n, hidden], ctx): n new events after the ctx.length ready ones, written into ctx."""
+        history = [
+            HistorySegment(embeds, ctx.extent.k(), ctx.extent.v(), ctx.length - ctx.prefix_length, _prefix(ctx))
+            for embeds, ctx in segments
+        ]
+        self.prefill_packed(history)
+        for embeds, ctx in segments:
+            ctx.length += len(embeds)
+
+    @torch.inference_mode()
+    def candidates_over(self, embeds: torch.Tensor, groups: list) -> torch.Tensor:
+        """Candidate rows over their request's context (`ContextGroup`s): hidden [R, hidden] for `task_probs`."""
+        rows = []
+        for g in groups:
+            own = g.ctx.length - g.ctx.prefix_length
+            k, v = g.ctx.extent.k()[:, :own], g.ctx.extent.v()[:, :own]
+            rows.append(HistoryRows(g.start, g.stop, k, v, _prefix(g.ctx)))
+        return self.forward_candidates(embeds, rows)
+
+    def task_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + multi-task head on hidden states [R, hidden]: [R, tasks] in float32."""
+        return self.head(self.final_norm(hidden)).float()
+
+    @torch.inference_mode()
+    def task_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Per-task probabilities [R, tasks] (sigmoid of the logits), float32, tasks in config order."""
+        return torch.sigmoid(self.task_logits(hidden))
+
+    def save(self, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write config.json and model.safetensors into `out` (created if needed)."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        body = self.config.to_dict()
+        body["torch_dtype"] = str(dtype or self.dtype).removeprefix("torch.")
+        (out / "config.json").write_text(json.dumps(body, indent=2))
+        state = {n: p.detach().to("cpu", dtype or p.dtype).contiguous() for n, p in self.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"))
+        return out
+
+
+def _prefix(ctx) -> tuple[KeySpan, ...]:
+    pool = ctx.pool
+    return tuple(
+        KeySpan(pool.k[:, p.start : p.start + p.length], pool.v[:, p.start : p.start + p.length]) for p in ctx.prefix
+    )
+
+
+def load_hstu(model_dir: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> HSTU:
+    """Build an HSTU from a model directory (config.json + model.safetensors), every tensor checked by name and
+    shape against the config."""
+    model_dir = Path(model_dir)
+    config = HSTUConfig.from_file(model_dir / "config.json")
+    tensors = load_state_dict(model_dir)
+    with torch.device("meta"):
+        model = HSTU(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ModelDirectoryError(model_dir, f"weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise ModelDirectoryError(
+            model_dir, f"weights hold {len(extra)} tensors the config does not imply, e.g. {extra[:3]}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ModelDirectoryError(
+                model_dir, f"tensor {name} has shape {tuple(tensors[name].shape)}, config implies {tuple(shape)}"
+            )
+    state = {n: model_weight(n, tensors[n], device, dtype, model_dir) for n in expected}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,152 @@
+"""HSTU ranking through the engine: equal to the plain float64 reference, history cached across requests, the
+same validation rules as the other kinds, and the engine picks the family from the model directory."""
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from genrec.api import Event, RankRequest, RetrieveRequest
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.engine.scheduler import Scheduler
+from genrec.errors import InvalidRequestError
+from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
+from tests.hstu_reference import reference_rank
+
+TOL = 1e-5
+SPEC = HSTUSpec(items=120, hidden=32, layers=2, heads=2, head_dim=8, max_positions=512, actions=3, time_buckets=6)
+
+
+@pytest.fixture(scope="module")
+def hstu_dir(tmp_path_factory):
+    return write_hstu_dir(tmp_path_factory.mktemp("hstu") / "model", SPEC)
+
+
+@pytest.fixture(scope="module")
+def ranker(hstu_dir):
+    return Engine.from_pretrained(hstu_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+
+
+def history(rng: random.Random, n: int, start_time: float = 1e9) -> list[Event]:
+    t, events = start_time, []
+    for _ in range(n):
+        t += rng.choice([None, 5.0, 300.0, 86400.0]) or 0.0
+        action = rng.choice([None, 0, 1, 2])
+        events.append(Event(item_id=f"item-{rng.randrange(SPEC.items):06d}", action=action, timestamp=t))
+    return events
+
+
+def candidates(rng: random.Random, n: int) -> list[str]:
+    return [f"item-{rng.randrange(SPEC.items):06d}" for _ in range(n)]
+
+
+def reference(ranker, hstu_dir, request: RankRequest):
+    config = ranker.model.config
+    params = load_file(str(hstu_dir / "model.safetensors"))
+    rows = ranker.catalog.row_of
+    buckets = config.time_buckets([e.timestamp for e in request.history])
+    out = reference_rank(
+        params,
+        config,
+        [rows(e.item_id) for e in request.history],
+        [e.action for e in request.history],
+        [rows(c) for c in request.candidates],
+        buckets=[None if b == config.unknown_bucket else b for b in buckets],
+    )
+    return out.probs.numpy()
+
+
+def probs(result, tasks) -> np.ndarray:
+    return np.array([[item.scores[t] for t in tasks] for item in result.items])
+
+
+@pytest.mark.parametrize("events,count", [(1, 1), (37, 9), (200, 64)])
+def test_rank_equals_the_plain_masked_forward(ranker, hstu_dir, events, count):
+    rng = random.Random(events)
+    request = RankRequest(history=history(rng, events), candidates=candidates(rng, count))
+    (result,) = ranker.rank([request])
+    assert [i.item_id for i in result.items] == request.candidates and result.history_events == events
+    assert np.abs(probs(result, SPEC.tasks) - reference(ranker, hstu_dir, request)).max() <= TOL
+
+
+def test_a_candidates_scores_do_not_depend_on_the_others(ranker):
+    rng = random.Random(3)
+    events, pool = history(rng, 50), candidates(rng, 30)
+    (full,) = ranker.rank([RankRequest(history=events, candidates=pool)])
+    shuffled = pool[::-1][:17]
+    (part,) = ranker.rank([RankRequest(history=events, candidates=shuffled)])
+    by_item = {i.item_id: i.scores for i in full.items}
+    for item in part.items:
+        assert item.scores == pytest.approx(by_item[item.item_id], abs=1e-6)
+
+
+def test_requests_batched_and_chunked_equal_each_alone(hstu_dir, ranker):
+    rng = random.Random(4)
+    requests = [RankRequest(history=history(rng, n), candidates=candidates(rng, c)) for n, c in ((5, 40), (90, 3))]
+    small_passes = Engine.from_pretrained(hstu_dir, score_max_tokens=7, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    together = small_passes.rank(requests)  # rows of both requests in passes of 7
+    for request, got in zip(requests, together, strict=True):
+        (alone,) = ranker.rank([request])
+        assert np.abs(probs(got, SPEC.tasks) - probs(alone, SPEC.tasks)).max() <= 1e-6
+
+
+def test_a_returning_users_history_is_reused_and_equals_a_cold_run(ranker, hstu_dir):
+    scheduler = Scheduler(ranker)  # prefix cache on
+    rng = random.Random(5)
+    events = history(rng, 100)
+    reused = []
+    for _ in range(4):  # each visit: 10 new events after the cached history
+        events = events + history(rng, 10, start_time=events[-1].timestamp)
+        request = RankRequest(history=events, candidates=candidates(rng, 12), tasks=["like", "click"])
+        before = scheduler.cache.stats.tokens_reused
+        future = scheduler.submit(ranker.prepare(request))
+        while not scheduler.idle:
+            scheduler.step()
+        warm = future.result()
+        reused.append(scheduler.cache.stats.tokens_reused - before)
+        assert list(warm.items[0].scores) == ["like", "click"]
+        assert np.abs(probs(warm, ["click", "like"]) - reference(ranker, hstu_dir, request)[:, :2]).max() <= TOL
+    assert reused[0] == 0 and all(r >= 96 for r in reused[1:])
+
+
+def test_rank_requests_are_validated_naming_the_field(ranker):
+    rng = random.Random(6)
+    good = RankRequest(history=history(rng, 3), candidates=candidates(rng, 2))
+    cases = {
+        "history[1].item_id": good.model_copy(update={"history": [good.history[0], Event(item_id="nope")]}),
+        "history[0].action": good.model_copy(update={"history": [Event(item_id="item-000001", action=3)]}),
+        "candidates[1]": good.model_copy(update={"candidates": ["item-000002", "missing"]}),
+        "tasks[0]": good.model_copy(update={"tasks": ["watch"]}),
+        "history:": good.model_copy(update={"history": good.history * 200}),
+    }
+    for field, request in cases.items():
+        with pytest.raises(InvalidRequestError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            ranker.rank([request])
+    with pytest.raises(ValueError, match="timestamp"):
+        Event(item_id="item-000001", timestamp=float("nan"))
+    with pytest.raises(InvalidRequestError, match="serves rank, not retrieve"):
+        ranker.retrieve([RetrieveRequest(prompt_token_ids=[1, 2])])
+
+
+def test_a_qwen3_engine_refuses_rank_requests(engine):
+    request = RankRequest(history=[Event(item_id="item-000001")], candidates=["item-000002"])
+    with pytest.raises(InvalidRequestError, match="not rank"):
+        engine.rank([request])
+
+
+def test_the_async_engine_ranks_concurrent_requests(ranker, hstu_dir):
+    rng = random.Random(7)
+    requests = [RankRequest(history=history(rng, 20 + i), candidates=candidates(rng, 5)) for i in range(6)]
+    async_engine = AsyncEngine(ranker)
+
+    async def all_at_once():
+        return await asyncio.gather(*(async_engine.rank(r) for r in requests))
+
+    try:
+        results = asyncio.run(all_at_once())
+    finally:
+        async_engine.shutdown()
+    for request, result in zip(requests, results, strict=True):
+        assert np.abs(probs(result, SPEC.tasks) - reference(ranker, hstu_dir, request)).max() <= TOL

@@ -10,7 +10,9 @@ from genrec.api import RetrieveRequest
 from genrec.bench import peer_vllm
 from genrec.bench.common import interleaved_medians, load_hf, machine, median_seconds, model_dir_for, random_prompt
 from genrec.catalog.reference import allowed_tokens_fn
-from genrec.engine import Engine
+from genrec.engine import Engine, SchedulerConfig
+
+COLD = SchedulerConfig(prefix_cache_bytes=0)
 
 
 def run(
@@ -28,7 +30,8 @@ def run(
     cuda_fast=False,
 ):
     model_dir = model_dir_for(preset, model, levels)
-    engine = Engine.from_pretrained(model_dir, device=device, cuda_fast=cuda_fast)
+    # Every round repeats the same prompts: with the prefix cache on they would be warm, not a retrieve's cost.
+    engine = Engine.from_pretrained(model_dir, device=device, cuda_fast=cuda_fast, scheduler=COLD)
     if peer:
         peer_vllm.check(peer, engine.model.config, device, beam_width)
     generator = torch.Generator().manual_seed(0)

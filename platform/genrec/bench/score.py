@@ -7,15 +7,19 @@ import torch
 from genrec.api import Candidate, ScoreRequest
 from genrec.bench import peer_vllm
 from genrec.bench.common import interleaved_medians, load_hf, machine, model_dir_for, random_prompt, synchronize
-from genrec.engine import Engine
+from genrec.engine import Engine, SchedulerConfig
 from genrec.model import ContextKV
+
+COLD = SchedulerConfig(prefix_cache_bytes=0)
 
 
 def run(
     prefix_len, candidates, candidate_len, preset, model, device, repeats, fanout_sample, peer=None, cuda_fast=False
 ) -> dict:
     model_dir = model_dir_for(preset, model, None)
-    engine = Engine.from_pretrained(model_dir, device=device, max_candidates=max(candidates, 2048), cuda_fast=cuda_fast)
+    engine = Engine.from_pretrained(
+        model_dir, device=device, max_candidates=max(candidates, 2048), cuda_fast=cuda_fast, scheduler=COLD
+    )  # the same prompt every round: no prefix cache, or it would be warm
     if peer:
         peer_vllm.check(peer, engine.model.config, device)
     generator = torch.Generator().manual_seed(0)

@@ -176,3 +176,21 @@ def test_one_off_prompts_do_not_flush_a_returning_users_prefix(engine):
         ctx.release()
     assert [p.length for p in cache.lookup(keys[0], 10)] == [32]  # still there
     assert cache.bytes <= 96 * pool.bytes_per_token and cache.stats.evictions >= 8
+
+
+def test_an_evicted_prefix_spills_to_the_host_tier_and_comes_back_on_a_hit(engine, rng):
+    """A second tier (host memory; sized explicitly here, off by default): an entry evicted from the pool is kept
+    there and copied back when its user returns; the result still equals a cold run."""
+    per_token = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0)).per_token
+    config = SchedulerConfig(prefix_cache_bytes=per_token * 100, host_cache_bytes=per_token * 1000)
+    scheduler = Scheduler(engine, config)
+    users = [list(returning_user(engine, rng, start=80, appends=(12,))) for _ in range(3)]
+    for prompts in users:  # three first visits: 80 tokens each, only one fits the pool's share
+        run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompts[0], beam_width=6))
+    assert scheduler.cache.stats.spills >= 2
+    before = scheduler.cache.stats.tokens_reused
+    request = RetrieveRequest(prompt_token_ids=users[0][1], beam_width=6)  # the first user, long evicted
+    assert_equal(run(scheduler, engine, request), cold(engine, request))
+    snapshot = scheduler.cache.snapshot()
+    assert snapshot["restores"] >= 1 and scheduler.cache.stats.tokens_reused - before == 80
+    assert SchedulerConfig().host_cache_bytes == 0  # off unless sized

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from genrec.engine.host_tier import HostTier
 from genrec.model.kv_pool import MAX_SPANS, ContextKV, Extent, Piece
 
 BLOCK = 16  # tokens per block: the unit of reuse
@@ -67,12 +68,13 @@ class CacheStats:
     tokens_reused: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
-    spills: int = 0  # to a host tier: none on the CPU (see README)
+    spills: int = 0  # evicted entries kept by the host tier
 
 
 class PrefixCache:
-    def __init__(self, capacity_bytes: int, protected_share: float = 0.8):
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, capacity_bytes: int, protected_share: float = 0.8, host: HostTier | None = None):
+        """`host`: a second tier that evicted entries spill to (see genrec.engine.host_tier), or None."""
+        self.capacity_bytes, self.host = capacity_bytes, host
         self.protected_limit = int(capacity_bytes * protected_share)
         self._blocks: dict[bytes, tuple[_Entry, int]] = {}  # key -> (entry, pool offset of the block)
         self._probation: OrderedDict[_Entry, None] = OrderedDict()  # least recently used first
@@ -84,6 +86,8 @@ class PrefixCache:
     def snapshot(self) -> dict:
         entries = len(self._probation) + len(self._protected)
         held = {"bytes_held": self.bytes, "entries": entries, "capacity_bytes": self.capacity_bytes}
+        if self.host is not None:
+            held.update(host_bytes_held=self.host.bytes, restores=self.host.restores)
         return {**asdict(self.stats), **held}
 
     @property
@@ -96,7 +100,7 @@ class PrefixCache:
         pieces: list[Piece] = []
         used: list[_Entry] = []
         for key in keys[:max_blocks]:
-            found = self._blocks.get(key)
+            found = self._blocks.get(key) or self._restore(key)
             if found is None:
                 break
             entry, start = found
@@ -104,12 +108,10 @@ class PrefixCache:
             if last is not None and last.extent is entry.extent and last.start + last.length == start:
                 pieces[-1] = Piece(entry.extent, last.start, last.length + BLOCK)
             elif len(pieces) < MAX_SPANS - 1:
-                pieces.append(Piece(entry.extent, start, BLOCK))
+                pieces.append(Piece(entry.extent.retain(), start, BLOCK))  # held from here: nothing evicts it
                 used.append(entry)
             else:
                 break
-        for piece in pieces:
-            piece.extent.retain()
         for entry in used:
             self._touch(entry)
         return pieces
@@ -121,17 +123,28 @@ class PrefixCache:
         own = keys[ctx.prefix_length // BLOCK : ctx.length // BLOCK]
         if not own or all(k in self._blocks for k in own):
             return
-        entry = _Entry(ctx.extent.retain(), own)
-        for i, key in enumerate(own):
-            self._blocks.setdefault(key, (entry, ctx.extent.start + i * BLOCK))
-        self._probation[entry] = None
-        self.bytes += entry.extent.nbytes
+        self._add(_Entry(ctx.extent.retain(), own))
         self.trim()
 
     def trim(self) -> None:
         """Back within capacity, as far as entries no running request reads allow."""
         while self.bytes > self.capacity_bytes and self.evict_one():
             pass
+
+    def _restore(self, key: bytes) -> tuple[_Entry, int] | None:
+        """A block found in the host tier: its entry copied back into the pool (and the cache) first."""
+        spilled = self.host.find(key) if self.host is not None else None
+        extent = self.host.restore(spilled) if spilled is not None else None
+        if extent is None:
+            return None
+        self._add(_Entry(extent, spilled.keys))
+        return self._blocks.get(key)
+
+    def _add(self, entry: _Entry) -> None:
+        for i, key in enumerate(entry.keys):
+            self._blocks.setdefault(key, (entry, entry.extent.start + i * BLOCK))
+        self._probation[entry] = None
+        self.bytes += entry.extent.nbytes
 
     def evict_one(self) -> bool:
         """Give back the least recently used entry no running request reads (probation first). False if none."""
@@ -152,6 +165,8 @@ class PrefixCache:
             self.protected_bytes -= entry.extent.nbytes
         self.stats.evictions += 1
         self.stats.evicted_bytes += entry.extent.nbytes
+        if self.host is not None and self.host.spill(entry.keys, entry.extent, len(entry.keys) * BLOCK):
+            self.stats.spills += 1
         entry.extent.release()
 
     def _touch(self, entry: _Entry) -> None:

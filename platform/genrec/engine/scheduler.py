@@ -22,6 +22,7 @@ import torch
 from genrec.engine import results
 from genrec.engine.beam import fetch_finals, start_cohort
 from genrec.engine.checks import check_int, check_seconds
+from genrec.engine.host_tier import HostTier
 from genrec.engine.job import Job, JobState
 from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token, request_kv_tokens
 from genrec.engine.metrics import EngineMetrics
@@ -46,12 +47,15 @@ class SchedulerConfig:
     request_timeout_s: float = 60.0
     # Prompts' K/V kept for reuse by later prompts with the same start, inside the pool (None: half of it; 0: off).
     prefix_cache_bytes: int | None = None
+    # Host memory that prefixes evicted from the pool spill to (CUDA; unverified on a GPU: off by default).
+    host_cache_bytes: int = 0
 
     def __post_init__(self):
         """Zero would stall the engine (every request times out) or refuse everything: refused here instead."""
         check_int("max_queue", self.max_queue)
         check_int("prefill_tokens_per_step", self.prefill_tokens_per_step)
         check_seconds("request_timeout_s", self.request_timeout_s)
+        check_int("host_cache_bytes", self.host_cache_bytes, least=0)
         if self.prefix_cache_bytes is not None:
             check_int("prefix_cache_bytes", self.prefix_cache_bytes, least=0)
         for name in ("max_running", "kv_budget_bytes"):
@@ -80,7 +84,8 @@ class Scheduler:
         budget = budget if budget is not None else _default_budget(self.device)
         self.budget = KVBudget(self.runner.new_pool(budget // self.per_token))
         cache_bytes = self.config.prefix_cache_bytes
-        self.cache = PrefixCache(cache_bytes if cache_bytes is not None else self.budget.capacity // 2)
+        host = HostTier(self.config.host_cache_bytes, self.budget.pool) if self.config.host_cache_bytes else None
+        self.cache = PrefixCache(cache_bytes if cache_bytes is not None else self.budget.capacity // 2, host=host)
         self.metrics = EngineMetrics()
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
         self.waiting: deque[Job] = deque()

@@ -1,7 +1,10 @@
 """The scheduler as the one path: job states and their moves, retries that never re-run a finished job, and the
 synchronous Engine stepping the same scheduler."""
 
+import time
+
 import pytest
+import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.engine import results
@@ -95,3 +98,82 @@ def test_a_batch_larger_than_the_queue_is_submitted_as_room_frees(tiny_dir, rng)
         (alone,) = small.retrieve([request])
         assert [i.item_id for i in result.items] == [i.item_id for i in alone.items]
         assert result.items[0].logprob == pytest.approx(alone.items[0].logprob, abs=1e-5)
+
+
+def big_score(engine, rng, n=40, length=30):
+    """Many long candidates: with a small pass size, their scoring takes many passes."""
+    cands = [Candidate(token_ids=random_prompt(engine, length, rng)) for _ in range(n)]
+    return ScoreRequest(prompt_token_ids=random_prompt(engine, 20, rng), candidates=cands, request_id="big")
+
+
+def test_a_request_of_many_candidates_scores_in_bounded_passes_and_others_run_between(tiny_dir, rng):
+    from genrec.engine import Engine
+
+    engine = Engine.from_pretrained(tiny_dir, score_max_tokens=64, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    scheduler = engine.scheduler
+    big = scheduler.submit(engine.prepare(big_score(engine, rng)))  # 40 rows of 30: 2 rows a pass
+    small = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 9, rng))))
+    steps = 0
+    while not small.done():
+        scheduler.step()
+        steps += 1
+    assert not big.done() and scheduler.in_state(JobState.SCORING)  # the retrieve finished while it scores
+    while not scheduler.idle:
+        scheduler.step()
+        steps += 1
+    assert steps >= 20 and len(big.result().scores) == 40
+    (alone,) = Engine.from_pretrained(tiny_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0)).score(
+        [big_score(engine, torch.Generator().manual_seed(1234))]
+    )
+    assert [s.logprob for s in big.result().scores] == pytest.approx([s.logprob for s in alone.scores], abs=1e-5)
+
+
+def test_a_deadline_is_checked_between_scoring_passes(tiny_dir, rng):
+    import time
+
+    from genrec.engine import Engine
+    from genrec.errors import RequestTimeout
+
+    engine = Engine.from_pretrained(tiny_dir, score_max_tokens=32, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    scheduler = engine.scheduler
+    future = scheduler.submit(engine.prepare(big_score(engine, rng)), timeout_s=0.3)
+    while not scheduler.in_state(JobState.SCORING):
+        scheduler.step()
+    time.sleep(0.35)  # past its deadline, mid-scoring
+    scheduler.step()
+    with pytest.raises(RequestTimeout):
+        future.result(timeout=0)
+    assert scheduler.idle and scheduler.budget.reserved == 0
+
+
+def test_the_candidate_tokens_of_one_request_are_capped(tiny_dir, rng):
+    from genrec.engine import Engine
+    from genrec.errors import InvalidRequestError
+
+    engine = Engine.from_pretrained(tiny_dir, max_candidate_tokens=100)
+    with pytest.raises(InvalidRequestError, match="candidates: more than this engine's limit of 100"):
+        engine.score([big_score(engine, rng, n=4, length=30)])
+    assert len(engine.score([big_score(engine, rng, n=3, length=30)])[0].scores) == 3
+
+
+def test_a_step_stuck_past_its_limit_makes_the_engine_unhealthy_until_it_ends(engine, rng, monkeypatch):
+    import threading
+
+    from genrec.engine import AsyncEngine
+
+    release = threading.Event()
+    original = engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode", lambda *a, **k: release.wait(10) and original(*a, **k))
+    async_engine = AsyncEngine(engine, stall_s=0.2)
+    try:
+        future = async_engine.submit(RetrieveRequest(prompt_token_ids=random_prompt(engine, 9, rng), beam_width=3))
+        deadline = time.monotonic() + 10
+        while async_engine.healthy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not async_engine.healthy and async_engine.metrics()["step_in_flight_s"] > 0.2
+        release.set()
+        assert len(future.result(timeout=10).items) == 3
+        assert async_engine.healthy
+    finally:
+        release.set()
+        async_engine.shutdown()

@@ -35,7 +35,11 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, idle_wait_s: float = 0.02):
+    def __init__(
+        self, engine: Engine, config: SchedulerConfig | None = None, idle_wait_s: float = 0.02, stall_s: float = 60.0
+    ):
+        """`stall_s`: a step running longer than this marks the engine unhealthy (its pass is stuck, or far larger
+        than any should be), so Serve's health check replaces the replica instead of letting it time out."""
         self.engine = engine
         self.scheduler = Scheduler(engine, config if config is not None else engine.scheduler_config)
         self._lock = threading.Lock()  # one submitter at a time: the tokenizer is not thread-safe
@@ -45,6 +49,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
+        self.stall_s = stall_s
         self._thread = threading.Thread(target=self._loop, name="genrec-engine-loop", daemon=True)
         self._thread.start()
 
@@ -75,7 +80,7 @@ class AsyncEngine:
         Overloaded when full and EngineStopped once the engine is shut down (or its loop is gone)."""
         with self._lock:
             if not self.healthy:
-                raise EngineStopped("the engine is shut down" if self._closed else "the engine loop is not running")
+                raise EngineStopped(self._unhealthy_reason())
             prepared = self.engine.prepare(request)
             future = self.scheduler.submit(prepared, timeout_s)
             with self._settled:
@@ -86,8 +91,19 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        """False once shut down, or when the loop thread is dead."""
-        return not self._closed and self._thread.is_alive()
+        """False once shut down, when the loop thread is dead, or while one step has run past `stall_s`."""
+        return not self._closed and self._thread.is_alive() and not self.stalled
+
+    @property
+    def stalled(self) -> bool:
+        return self.scheduler.metrics.step_in_flight_s() > self.stall_s
+
+    def _unhealthy_reason(self) -> str:
+        if self._closed:
+            return "the engine is shut down"
+        if self.stalled:
+            return f"the engine loop has been in one step for over {self.stall_s:.0f} s"
+        return "the engine loop is not running"
 
     def reconfigure(self, **fields) -> SchedulerConfig:
         """Change live limits (request_timeout_s, max_queue, max_running, prefill_tokens_per_step); validated."""

@@ -14,7 +14,7 @@ def candidate_token_lists(engine, candidates: list[Candidate], prompt_tokens: in
         )
     vocab = engine.model.config.vocab_size
     room = engine.model.config.max_position_embeddings - prompt_tokens
-    lists = []
+    lists, total = [], 0
     for i, cand in enumerate(candidates):
         field = f"candidates[{i}]"
         if cand.item_id is not None:
@@ -35,6 +35,11 @@ def candidate_token_lists(engine, candidates: list[Candidate], prompt_tokens: in
         if len(tokens) > room:
             raise InvalidRequestError(
                 field, f"prompt plus candidate exceed the model's {room + prompt_tokens} positions"
+            )
+        total += len(tokens)
+        if total > engine.max_candidate_tokens:  # checked as it goes: the rest is never tokenized
+            raise InvalidRequestError(
+                "candidates", f"more than this engine's limit of {engine.max_candidate_tokens} candidate tokens in all"
             )
         lists.append(tokens)
     return lists

@@ -49,6 +49,7 @@ class Engine:
         projector: SoftTokenProjector | None = None,
         max_candidates: int = 2048,
         score_max_tokens: int = 16384,
+        max_candidate_tokens: int = 65536,
         cuda_fast: bool = False,
         scheduler: SchedulerConfig | None = None,
         model_version: str = "",
@@ -61,7 +62,8 @@ class Engine:
         self.device = model.device
         self.projector = projector.to(self.device, model.dtype) if projector is not None else None
         self.max_candidates = check_int("max_candidates", max_candidates)
-        self.score_max_tokens = check_int("score_max_tokens", score_max_tokens)
+        self.score_max_tokens = check_int("score_max_tokens", score_max_tokens)  # one scoring pass, padded
+        self.max_candidate_tokens = check_int("max_candidate_tokens", max_candidate_tokens)  # one request's
         if self.family == "qwen3":
             self.levels = catalog.levels
             self.trie = CodeTrie.build(catalog.codes, device=self.device)

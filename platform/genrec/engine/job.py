@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -12,6 +12,7 @@ from genrec.api import RetrieveResult
 from genrec.engine.beam import BeamCohort
 from genrec.engine.kv_budget import Holding
 from genrec.engine.prepared import Prepared
+from genrec.engine.scoring import ScoreJob
 
 
 class JobState(Enum):
@@ -53,6 +54,9 @@ class Job:
     last_logits: torch.Tensor | None = None  # once prefilled
     cohort: BeamCohort | None = None  # DECODING
     retrieved: RetrieveResult | None = None  # SCORING a recommend: its beams, ranked with the given candidates
+    work: ScoreJob | None = None  # SCORING (score, recommend): its rows, built when it starts scoring
+    scored: list = field(default_factory=list)  # SCORING: the outputs of its rows done so far, pass by pass
+    rows_done: int = 0
 
     @property
     def kind(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections import defaultdict, deque
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -50,6 +51,7 @@ class EngineMetrics:
         self.running = 0
         self.kv_bytes_reserved = 0
         self.steps = 0
+        self.step_started: float | None = None  # monotonic time the step in flight began; None between steps
         self.batch_rows_per_step = Histogram(SIZE_BUCKETS)
         self.prefill_tokens_per_step = Histogram(SIZE_BUCKETS)
         self.time_to_first_step: dict[str, Histogram] = defaultdict(Histogram)
@@ -62,9 +64,15 @@ class EngineMetrics:
             if seconds is not None and status == "ok":
                 self.latency[kind].observe(seconds)
 
+    def step_in_flight_s(self) -> float:
+        """How long the step in flight has run (0 between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def snapshot(self) -> dict:
         with self._lock:
             return {
+                "step_in_flight_s": self.step_in_flight_s(),
                 "queue_depth": self.queue_depth,
                 "running": self.running,
                 "kv_bytes_reserved": self.kv_bytes_reserved,

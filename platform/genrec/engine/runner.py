@@ -145,39 +145,48 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def rank(self, jobs: list[tuple[ContextKV, np.ndarray, list[int]]], max_rows: int) -> list[torch.Tensor]:
-        """Each (history ctx, candidate rows, task indices): [candidates, tasks] probabilities. A candidate takes the
-        position after the history, no action and the unknown time bucket; it sees the history and itself only,
-        so it scores the same whatever else is ranked with it. Candidates of many jobs share passes of at most
-        `max_rows` rows."""
+    def rank_pass(self, jobs: list[tuple[ContextKV, np.ndarray, list[int]]], max_rows: int):
+        """One pass of at most `max_rows` candidate rows, taken in order from the jobs (history ctx, candidate rows
+        still to rank, task indices): (job index, [rows, tasks] probabilities of its next rows) per job reached.
+        A candidate takes the position after the history, no action and the unknown time bucket; it sees the
+        history and itself only, so it scores the same whatever else is ranked with it."""
         model, device = self.model, self.device
-        outs: list[list[torch.Tensor]] = [[] for _ in jobs]
-        for part in _row_chunks([len(rows) for _, rows, _ in jobs], max_rows):
-            groups, items, positions, offset = [], [], [], 0
-            for j, a, b in part:
-                ctx = jobs[j][0]
-                groups.append(ContextGroup(offset, offset + b - a, ctx))
-                items.append(jobs[j][1][a:b])
-                positions.append(np.full(b - a, ctx.length))
-                offset += b - a
-            items, positions = to_device(np.concatenate(items), device), to_device(np.concatenate(positions), device)
-            hidden = model.candidates_over(model.embed_events(items, None, positions), groups)
-            probs = model.task_probs(hidden)
-            for (j, _, _), g in zip(part, groups, strict=True):
-                outs[j].append(probs[g.start : g.stop][:, to_device(jobs[j][2], device)])
-        return [torch.cat(o) for o in outs]
+        part = next(_row_chunks([len(rows) for _, rows, _ in jobs], max_rows), [])
+        if not part:
+            return []
+        groups, items, positions, offset = [], [], [], 0
+        for j, a, b in part:
+            ctx = jobs[j][0]
+            groups.append(ContextGroup(offset, offset + b - a, ctx))
+            items.append(jobs[j][1][a:b])
+            positions.append(np.full(b - a, ctx.length))
+            offset += b - a
+        items, positions = to_device(np.concatenate(items), device), to_device(np.concatenate(positions), device)
+        probs = model.task_probs(model.candidates_over(model.embed_events(items, None, positions), groups))
+        return [
+            (j, probs[g.start : g.stop][:, to_device(jobs[j][2], device)])
+            for (j, _, _), g in zip(part, groups, strict=True)
+        ]
 
     # -- scoring ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def score_pass(self, jobs: list[ScoreJob], max_tokens: int) -> list[tuple[int, LabelScores]]:
+        """One pass of at most `max_tokens` padded tokens, candidates taken in order from the jobs: (job index,
+        scores of its next rows) per job reached. Every candidate is a row over its job's context."""
+        chunk = next(chunks(jobs, max_tokens), None)
+        if chunk is None:
+            return []
+        return list(zip(chunk.job_index, self._score_chunk(chunk.segments), strict=True))
+
     def score(self, jobs: list[ScoreJob], max_tokens: int) -> list[LabelScores]:
-        """Every job's candidates as rows over its context; rows of many jobs share passes of at most
-        `max_tokens` padded tokens. A job without candidates gets empty scores and no rows in any pass."""
-        empty = LabelScores(*(torch.empty(0, device=self.device) for _ in range(3)))
-        parts: list[list[LabelScores]] = [[empty] for _ in jobs]  # every job has a part, even with no rows
-        for chunk in chunks(jobs, max_tokens):
-            for job_index, scores in zip(chunk.job_index, self._score_chunk(chunk.segments), strict=True):
-                parts[job_index].append(scores)
+        """Every job's candidates, pass after pass (what the scheduler spreads over its steps)."""
+        parts: list[list[LabelScores]] = [[LabelScores.empty(self.device)] for _ in jobs]
+        done = [0] * len(jobs)
+        while pending := [i for i, job in enumerate(jobs) if done[i] < len(job.candidates)]:
+            for k, scores in self.score_pass([jobs[i].after(done[i]) for i in pending], max_tokens):
+                parts[pending[k]].append(scores)
+                done[pending[k]] += len(scores)
         return [LabelScores.cat(ps) for ps in parts]
 
     def _score_chunk(self, segments: list[Segment]) -> list[LabelScores]:

@@ -28,7 +28,7 @@ from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token, reque
 from genrec.engine.metrics import EngineMetrics
 from genrec.engine.prefix_cache import BLOCK, PrefixCache, block_keys
 from genrec.engine.prepared import Prepared
-from genrec.engine.scoring import score_job
+from genrec.engine.scoring import LabelScores, score_job
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
 
 WAITING, PREFILLING, DECODING, SCORING, FINISHED = JobState
@@ -129,6 +129,13 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> bool:
         """One iteration; False when it found nothing to do."""
+        self.metrics.step_started = time.monotonic()
+        try:
+            return self._step()
+        finally:
+            self.metrics.step_started = None
+
+    def _step(self) -> bool:
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
         self._reap(time.monotonic())
@@ -259,25 +266,39 @@ class Scheduler:
             job.move(SCORING)
 
     def _score(self) -> int:
-        """One scoring run for every job in SCORING (rows of many jobs share passes), then their results."""
+        """One bounded pass of scoring rows and one of ranking rows for the jobs in SCORING (rows of many jobs
+        share a pass); a job whose rows are all done finishes. A request of many candidates thus spreads over
+        several steps: others' decode passes run between, and its deadline is checked between its passes."""
         scoring = self.in_state(SCORING)
-        self._guarded([j for j in scoring if j.kind == "rank"], self._rank_jobs)
-        self._guarded([j for j in scoring if j.kind != "rank"], self._score_jobs)
+        self._guarded([j for j in scoring if j.kind == "rank"], self._rank_pass)
+        self._guarded([j for j in scoring if j.kind != "rank"], self._score_pass)
         return len(scoring)
 
-    def _rank_jobs(self, jobs: list[Job]) -> None:
-        work = [(j.ctx, j.prepared.candidate_rows, j.prepared.tasks) for j in jobs]
-        for job, probs in zip(jobs, self.runner.rank(work, self.score_max_tokens), strict=True):
-            self._finish(job, results.rank_result(self.task_names, job.prepared, probs))
+    def _score_pass(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.work is None:
+                job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved)
+                job.scored = [LabelScores.empty(self.device)]
+        views = [job.work.after(job.rows_done) for job in jobs]
+        for k, scores in self.runner.score_pass(views, self.score_max_tokens):
+            jobs[k].scored.append(scores)
+            jobs[k].rows_done += len(scores)
+        for job in jobs:
+            if job.rows_done == len(job.work.candidates):
+                scores = LabelScores.cat(job.scored)
+                if job.kind == "score":
+                    self._finish(job, results.score_result(job.prepared, scores))
+                else:
+                    self._finish(job, results.recommend_result(self.catalog, job.prepared, job.retrieved, scores))
 
-    def _score_jobs(self, jobs: list[Job]) -> None:
-        work = [score_job(j.prepared, j.ctx, j.last_logits, j.retrieved) for j in jobs]
-        scores = self.runner.score(work, self.score_max_tokens)
-        for job, s in zip(jobs, scores, strict=True):
-            if job.kind == "score":
-                self._finish(job, results.score_result(job.prepared, s))
-            else:
-                self._finish(job, results.recommend_result(self.catalog, job.prepared, job.retrieved, s))
+    def _rank_pass(self, jobs: list[Job]) -> None:
+        views = [(j.ctx, j.prepared.candidate_rows[j.rows_done :], j.prepared.tasks) for j in jobs]
+        for k, probs in self.runner.rank_pass(views, self.score_max_tokens):
+            jobs[k].scored.append(probs)
+            jobs[k].rows_done += len(probs)
+        for job in jobs:
+            if job.rows_done == len(job.prepared.candidate_rows):
+                self._finish(job, results.rank_result(self.task_names, job.prepared, torch.cat(job.scored)))
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
@@ -315,7 +336,8 @@ class Scheduler:
             self.budget.release(job.holding)
             job.holding = None
             self.cache.trim()  # what it read or handed to the cache may be given back now
-        job.cohort = job.last_logits = job.retrieved = None
+        job.cohort = job.last_logits = job.retrieved = job.work = None
+        job.scored = []
         try:
             if error is not None:
                 job.future.set_exception(error)

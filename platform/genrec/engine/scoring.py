@@ -37,12 +37,24 @@ class ScoreJob:
         if self.sequence_from is not None and self.prompt_logprobs is None:
             raise ValueError("sequence_from needs prompt_logprobs")
 
+    def after(self, done: int) -> ScoreJob:
+        """The same job without its first `done` candidates (those scored in earlier passes)."""
+        first = None if self.sequence_from is None else max(self.sequence_from - done, 0)
+        return ScoreJob(self.ctx, self.candidates[done:], self.labels, first, self.prompt_logprobs)
+
 
 @dataclass
 class LabelScores:
     logprob: torch.Tensor  # [N] full-vocabulary log-softmax of the positive label
     prob: torch.Tensor  # [N] softmax over the two labels: P(positive)
     sequence: torch.Tensor  # [N] log P(candidate tokens | prompt) for the rows asked for, NaN for the others
+
+    @classmethod
+    def empty(cls, device) -> LabelScores:
+        return cls(*(torch.empty(0, device=device) for _ in range(3)))
+
+    def __len__(self) -> int:
+        return len(self.logprob)
 
     @classmethod
     def cat(cls, parts: list[LabelScores]) -> LabelScores:

@@ -18,6 +18,7 @@ class EngineOptions(BaseModel):
     )
     max_candidates: int = Field(2048, ge=1, description="candidates per score or recommend request")
     score_max_tokens: int = Field(16384, ge=1, description="padded tokens per scoring pass")
+    max_candidate_tokens: int = Field(65536, ge=1, description="candidate tokens of one request in all; beyond: 4xx")
     cuda_fast: bool = Field(False, description="the unverified CUDA fast path (custom kernels, CUDA graphs)")
 
     def engine_kwargs(self) -> dict:

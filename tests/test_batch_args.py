@@ -6,15 +6,15 @@ import argparse
 import pytest
 
 from genrec.batch import BatchSpec, CacheConfig, Execution
-from genrec.batch.job_args import add_cache_flags, add_engine_flags, cache_config, engine_options, run_job
+from genrec.batch.job_args import add_cache_flags, add_shard_job_flags, cache_config, job_spec_fields, run_job
 
 
 def spec_from(*flags: str) -> BatchSpec:
     parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
+    add_shard_job_flags(parser, users_help="users")
     add_cache_flags(parser)
-    args = parser.parse_args(list(flags))
-    return BatchSpec(model="m", users="u", out="o", cache=cache_config(args), **engine_options(args))
+    args = parser.parse_args(["--model", "m", "--users", "u", "--out", "o", *flags])
+    return BatchSpec(cache=cache_config(args), **job_spec_fields(args))
 
 
 def test_flags_left_out_are_the_settings_defaults():
@@ -31,6 +31,7 @@ def test_engine_and_cache_flags_reach_the_spec_and_the_identity():
         "dtype": "bfloat16",
         "max_candidates": 9,
         "score_max_tokens": 512,
+        "max_candidate_tokens": 65536,
         "cuda_fast": True,
     }
     assert spec.cache == CacheConfig(name="users", policy="lfu", shards=2, store="none")

@@ -15,6 +15,7 @@ OPTIONS = {
     "dtype": "bfloat16",
     "max_candidates": 64,
     "score_max_tokens": 1024,
+    "max_candidate_tokens": 65536,
     "cuda_fast": True,
     "kv_budget_bytes": 1 << 20,
     "prefix_cache_bytes": 0,
@@ -28,6 +29,7 @@ def test_engine_options_become_engine_kwargs_and_a_scheduler_config():
         "dtype": "bfloat16",
         "max_candidates": 64,
         "score_max_tokens": 1024,
+        "max_candidate_tokens": 65536,
         "cuda_fast": True,
     }
     config = options.scheduler_config(EngineLimits(max_queue=7))
@@ -41,6 +43,7 @@ def test_defaults_are_the_engines():
         "dtype": None,
         "max_candidates": 2048,
         "score_max_tokens": 16384,
+        "max_candidate_tokens": 65536,
         "cuda_fast": False,
     }
     assert options.scheduler_config() == SchedulerConfig()

@@ -21,16 +21,24 @@ CODES = np.array([[10, 20], [11, 21], [12, 22], [13, 23]])
 def test_row_layout_by_hand():
     vocab = Vocab(CODES, user=5, yes=6, no=7)
     batch = make_batch([(0, 3)], [np.array([0, 1, 2, 3])], vocab, length=2, negatives=np.array([[0, 2]]))
-    # <|user|> + the last 2 history items + <|user|>, the target (item 3), negatives (items 0 and 2)
-    assert batch.input_ids[0].tolist() == [5, 11, 21, 12, 22, 5, 13, 23, 10, 20, 12, 22]
+    # the last 2 history items + <|user|>, the target (item 3), negatives (items 0 and 2)
+    assert batch.input_ids[0].tolist() == [11, 21, 12, 22, 5, 13, 23, 10, 20, 12, 22]
     x = IGNORE
-    assert batch.labels[0].tolist() == [11, 21, 12, 22, x, 13, 23, x, x, x, x, x]
-    assert batch.candidates[0].tolist() == [3, 0, 2] and batch.candidate_last[0].tolist() == [7, 9, 11]
-    assert batch.positions[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7, 6, 7]
+    assert batch.labels[0].tolist() == [21, 12, 22, x, 13, 23, x, x, x, x, x]
+    assert batch.candidates[0].tolist() == [3, 0, 2] and batch.candidate_last[0].tolist() == [6, 8, 10]
+    assert batch.positions[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 5, 6, 5, 6]
     mask = batch.mask[0, 0]
-    assert mask[7].nonzero().flatten().tolist() == list(range(8))  # the target: causal over the prompt
-    assert mask[9].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 8, 9]  # a negative: prompt + itself
-    assert mask[11].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 10, 11]
+    assert mask[6].nonzero().flatten().tolist() == list(range(7))  # the target: causal over the prompt
+    assert mask[8].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 7, 8]  # a negative: prompt + itself
+    assert mask[10].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 9, 10]
+
+
+def test_a_returning_users_prompt_keeps_its_start_until_a_whole_step_is_cut():
+    codes = np.arange(100)[:, None]  # item i -> token i
+    prompts = [prompt_token_ids(codes, np.arange(n), 99, 10).tolist() for n in range(10, 15)]
+    assert [p[0] for p in prompts] == [0, 2, 2, 4, 4]  # cut in steps of 2 (length // 5), never one at a time
+    assert all(p[-1] == 99 and len(p) - 1 <= 10 for p in prompts)  # at most `length` items, then <|user|>
+    assert prompts[2][:-1] == prompts[1][:-1] + [11]  # the next visit extends the last prompt
 
 
 def test_epoch_windows_end_at_the_latest_item_and_move_the_earlier_ones_by_epoch():

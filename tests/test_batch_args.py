@@ -25,13 +25,14 @@ def test_flags_left_out_are_the_settings_defaults():
 def test_engine_and_cache_flags_reach_the_spec_and_the_identity():
     spec = spec_from(
         *("--dtype", "bfloat16", "--score-max-tokens", "512", "--max-candidates", "9", "--cuda-fast"),
+        *("--max-candidate-tokens", "4096"),
         *("--cache", "users", "--cache-policy", "lfu", "--cache-shards", "2", "--cache-store", "none"),
     )
     assert spec.engine_kwargs() == {
         "dtype": "bfloat16",
         "max_candidates": 9,
         "score_max_tokens": 512,
-        "max_candidate_tokens": 65536,
+        "max_candidate_tokens": 4096,
         "cuda_fast": True,
     }
     assert spec.cache == CacheConfig(name="users", policy="lfu", shards=2, store="none")
@@ -41,6 +42,7 @@ def test_engine_and_cache_flags_reach_the_spec_and_the_identity():
         "cache",
         "cuda_fast",
         "dtype",
+        "max_candidate_tokens",
         "max_candidates",
         "score_max_tokens",
     ]

@@ -1,5 +1,6 @@
-"""The jobs as a cluster runs them: semantic IDs through Ray Data, and one real `ray job submit` of the batch job
-against a `ray start --head` cluster that this test starts (and stops) on ports and a temp dir of its own."""
+"""The jobs as a cluster runs them: semantic IDs through Ray Data, and real `ray job submit`s of the batch jobs
+(recommend, rank) against a `ray start --head` cluster that this test starts (and stops) on ports and a temp dir
+of its own."""
 
 import json
 import os
@@ -22,6 +23,7 @@ from genrec.batch.semantic_ids import build_semantic_ids, fixed_size_block
 from genrec.catalog import Catalog
 from genrec.catalog.build_ids import build_catalog
 from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
+from tests import rank_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +63,7 @@ def free_ports(n):
     return ports
 
 
-def test_ray_job_submit_runs_the_batch_job(tiny_dir, tmp_path):
+def test_ray_job_submit_runs_the_batch_jobs(tiny_dir, tmp_path):
     users = tmp_path / "users.parquet"
     pq.write_table(
         pa.table({"user_id": list(range(6)), "prompt": [f"user {i} likes podcasts" for i in range(6)]}), users
@@ -92,16 +94,29 @@ def test_ray_job_submit_runs_the_batch_job(tiny_dir, tmp_path):
                 pass
             assert time.monotonic() < deadline, "the dashboard did not come up"
             time.sleep(0.5)
-        job = [sys.executable, "jobs/batch_recommend.py", "--model", str(tiny_dir), "--users", str(users)]
-        job += ["--out", str(tmp_path / "out"), "--beam-width", "4", "--batch-size", "4", "--no-progress"]
-        submit = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", *job]
-        done = subprocess.run(submit, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-        line = next(x for x in done.stdout.splitlines() if x.startswith("batch summary: "))
-        summary = json.loads(line.removeprefix("batch summary: "))
+
+        def submit(script: str, *flags: str) -> dict:
+            job = [sys.executable, f"jobs/{script}", *flags, "--batch-size", "4", "--no-progress"]
+            command = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", *job]
+            done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+            line = next(x for x in done.stdout.splitlines() if x.startswith("batch summary: "))
+            return json.loads(line.removeprefix("batch summary: "))
+
+        flags = ["--model", str(tiny_dir), "--users", str(users), "--out", str(tmp_path / "out"), "--beam-width", "4"]
+        summary = submit("batch_recommend.py", *flags)
         assert (summary["users"], summary["processed"], summary["errors"]) == (6, 6, 0)
         output = pq.read_table(tmp_path / "out" / "recommendations")
         assert output.num_rows == summary["rows_written"] == 6 * 4
+
+        hstu, ranked = rank_inputs.model_dir(tmp_path), tmp_path / "rank-users.parquet"
+        rows = rank_inputs.users_rows(5, seed=3)
+        rank_inputs.write_users(ranked, rows)
+        flags = ["--model", str(hstu), "--users", str(ranked), "--out", str(tmp_path / "ranked"), "--rank-by", "click"]
+        summary = submit("batch_rank.py", *flags)
+        assert (summary["users"], summary["processed"], summary["errors"]) == (5, 5, 0)
+        output = pq.read_table(tmp_path / "ranked" / "rankings")
+        assert output.num_rows == summary["rows_written"] == sum(len(r["candidates"]) for r in rows)
     finally:
         stop_cluster(head, temp)
         shutil.rmtree(temp, ignore_errors=True)

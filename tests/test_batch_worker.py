@@ -12,13 +12,15 @@ import pytest
 import torch
 
 from genrec.batch import BatchSpec, run_batch
-from genrec.batch.output import OutputDir
+from genrec.batch.output import RECOMMENDATIONS, OutputDir
+from genrec.batch.recommend_worker import RecommendWorker
+from genrec.batch.rows import RECOMMEND_INPUT
 from genrec.batch.shards import UsersInput
-from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
 from genrec.model.directory import model_version
 from genrec.model.tokenizer import USER_TOKEN
 from tests.conftest import random_prompt
+from tests.shard_runs import error_rows, run_in_process, run_shard
 
 SCHEMA = pa.schema(
     [
@@ -55,29 +57,23 @@ def test_every_kind_of_bad_row_becomes_an_error_naming_its_field(engine, tiny_di
     spec = BatchSpec(
         model=str(tiny_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), beam_width=4, rank=True
     )
-    (shard,) = UsersInput(spec.users).shards(spec.batch_size)
-    OutputDir(spec.out).open_run({})
-    worker = ShardWorker(spec, model_version="v", run_id="r")  # the Ray Data callable class, called in-process
-    (report,) = worker(pa.Table.from_pylist([shard.as_row()])).to_pylist()
+    shard, worker, report = run_in_process(RecommendWorker, spec)
 
-    errors = pq.read_table(tmp_path / "out" / "errors" / shard.name).to_pylist()
-    want = [(i, field) for i, (_, field) in enumerate(cases) if field]
-    assert [(e["row"], e["field"]) for e in errors] == want
-    assert [e["user_id"] for e in errors] == [None if i == 1 else i for i, _ in want]
-    assert all(e["reason"] for e in errors)
+    want = [(i, field, None if i == 1 else i) for i, (_, field) in enumerate(cases) if field]
+    assert error_rows(spec.out, shard) == want
     output = pq.read_table(tmp_path / "out" / "recommendations" / shard.name).to_pylist()
     assert {r["user_id"] for r in output} == {0, len(cases) - 1}
     assert report == {"shard": 0, "users": len(cases), "rows": len(output), "errors": len(want), "skipped": False}
-    (again,) = worker(pa.Table.from_pylist([shard.as_row()])).to_pylist()  # a retried task: nothing recomputed
+    again = run_shard(worker, shard)  # a retried task: nothing recomputed
     assert again["skipped"] and again["rows"] == len(output)
 
 
 def test_a_cut_or_missing_output_file_is_not_done_and_stale_temporaries_go(tmp_path):
-    out = OutputDir(str(tmp_path / "out"))
+    out = OutputDir(str(tmp_path / "out"), RECOMMENDATIONS)
     out.open_run({"beam_width": 1})
     users = tmp_path / "users.parquet"
     pq.write_table(pa.table({"user_id": list(range(5)), "prompt": ["x"] * 5}), users)
-    shards = UsersInput(str(users)).shards(2)
+    shards = UsersInput(str(users), RECOMMEND_INPUT).shards(2)
     assert [(s.start, s.stop) for s in shards] == [(0, 2), (2, 4), (4, 5)]
     empty = pa.table({"user_id": pa.array([], pa.int64())})
     for shard in shards:
@@ -95,7 +91,8 @@ def test_a_rerun_with_other_settings_is_refused_before_any_work(tiny_dir, tmp_pa
     users = tmp_path / "users.parquet"
     pq.write_table(pa.table({"user_id": ["a"], "prompt": ["hello"]}), users)
     first = BatchSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=8)
-    OutputDir(first.out).open_run(first.identity(model_version(tiny_dir), UsersInput(str(users)).fingerprint()))
+    fingerprint = UsersInput(str(users), RECOMMEND_INPUT).fingerprint()
+    OutputDir(first.out, RECOMMENDATIONS).open_run(first.identity(model_version(tiny_dir), fingerprint))
     with pytest.raises(GenrecError, match="another run .*beam_width: 8 -> 9"):
         run_batch(first.model_copy(update={"beam_width": 9}))
     pq.write_table(pa.table({"user_id": ["a"], "prompt": ["hello again"]}), users)  # a new night's input
@@ -114,9 +111,9 @@ def test_a_rerun_with_other_settings_is_refused_before_any_work(tiny_dir, tmp_pa
 def test_an_unusable_users_file_is_one_clear_error(tmp_path, columns, fragment):
     pq.write_table(pa.table(columns), tmp_path / "users.parquet")
     with pytest.raises(GenrecError, match=fragment):
-        UsersInput(str(tmp_path / "users.parquet"))
+        UsersInput(str(tmp_path / "users.parquet"), RECOMMEND_INPUT)
     with pytest.raises(GenrecError, match="no such file"):
-        UsersInput(str(tmp_path / "missing.parquet"))
+        UsersInput(str(tmp_path / "missing.parquet"), RECOMMEND_INPUT)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""What the scripts in `jobs/` share: the engine and embedding-cache flags, and one clear line for bad input.
+"""What the scripts in `jobs/` share: the sharded jobs' common flags (model, input, output, execution), the
+engine and embedding-cache flags, the summary line and exit status, and one clear line for bad input.
 
 Flags left out are left out of the settings too, so their defaults are the settings' own (one place).
 """
@@ -11,6 +12,8 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ValidationError
 
+from genrec.batch.pipeline import Summary
+from genrec.batch.spec import Execution, JobSpec
 from genrec.cache.config import CacheConfig
 from genrec.cache.policies import POLICIES
 from genrec.engine_options import EngineOptions
@@ -21,6 +24,38 @@ def _default(model, field: str) -> str:
     return f"default: {model.model_fields[field].default}"
 
 
+def add_shard_job_flags(parser: argparse.ArgumentParser, users_help: str) -> None:
+    """The flags of every sharded job (recommend, rank): what it reads and writes, and how it executes."""
+    parser.add_argument("--model", required=True, help="model directory")
+    parser.add_argument("--users", required=True, help=users_help)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--batch-size", type=int, default=64, help="users per engine call and per output file")
+    parser.add_argument("--actors", type=int, default=1, help="engine actors (one model copy each)")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor (0: CPU engine)")
+    parser.add_argument("--cpus-per-actor", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per actor")
+    parser.add_argument("--kv-budget-bytes", type=int, default=None, help="each actor's KV pool (default: by device)")
+    parser.add_argument("--max-error-fraction", type=float, default=0.01)
+    parser.add_argument("--no-progress", action="store_true", help="no Ray Data progress bars")
+    add_engine_flags(parser)
+
+
+def job_spec_fields(args: argparse.Namespace) -> dict:
+    """The shared flags that are part of the run's identity (the engine flags among them), as JobSpec fields."""
+    return {**_given(args, JobSpec.model_fields), "device": "cuda" if args.num_gpus > 0 else "cpu"}
+
+
+def execution(args: argparse.Namespace) -> Execution:
+    """How the run executes (the shared flags that a rerun may change)."""
+    return Execution(**_given(args, Execution.model_fields), progress=not args.no_progress)
+
+
+def finish(summary: Summary, run: Execution) -> int:
+    """Print the summary line; the exit status: 1 when bad rows pass the allowed fraction, else 0."""
+    print(summary.line(), flush=True)
+    return 1 if summary.failed(run.max_error_fraction) else 0
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (part of the run's identity: a rerun must use the same)")
     group.add_argument(
@@ -28,12 +63,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-candidates", type=int, help=_default(EngineOptions, "max_candidates"))
     group.add_argument("--score-max-tokens", type=int, help=_default(EngineOptions, "score_max_tokens"))
+    group.add_argument("--max-candidate-tokens", type=int, help=_default(EngineOptions, "max_candidate_tokens"))
     group.add_argument("--cuda-fast", action="store_true", default=None, help="the unverified CUDA fast path")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The engine flags given, as BatchSpec fields."""
-    return _given(args, EngineOptions.model_fields)
 
 
 def add_cache_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:

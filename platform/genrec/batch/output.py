@@ -1,10 +1,11 @@
 """The output directory of a run:
 
     OUT/manifest.json                      the run's identity (args, model version, input fingerprint, run_id)
-    OUT/recommendations/part-NNNNNN.parquet one file per input shard: the commit point of that shard
+    OUT/recommendations/part-NNNNNN.parquet one file per input shard: the commit point of that shard (the
+                                           results folder: `recommendations/`, or the rank job's `rankings/`)
     OUT/errors/part-NNNNNN.parquet          the shard's bad rows (possibly none), written just before it
 
-A shard is done exactly when its recommendations file exists and reads as Parquet; a rerun skips it.
+A shard is done exactly when its results file exists and reads as Parquet; a rerun skips it.
 """
 
 from __future__ import annotations
@@ -20,25 +21,25 @@ from genrec.batch.spec import run_id_of
 from genrec.batch.storage import join
 from genrec.errors import GenrecError
 
-RECOMMENDATIONS, ERRORS, MANIFEST = "recommendations", "errors", "manifest.json"
+RECOMMENDATIONS, RANKINGS, ERRORS, MANIFEST = "recommendations", "rankings", "errors", "manifest.json"
 
 
 @dataclass(frozen=True)
 class ShardCounts:
-    rows: int  # recommendation rows
+    rows: int  # result rows
     errors: int
 
 
 class OutputDir:
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, results: str):
         self.uri = uri
         self.fs, self.root = storage.filesystem(uri)
-        self.recommendations = join(self.root, RECOMMENDATIONS)
+        self.results = join(self.root, results)
         self.errors = join(self.root, ERRORS)
 
     def open_run(self, identity: dict) -> str:
         """The run_id of `identity`; refuses a directory that holds another run's output."""
-        for directory in (self.recommendations, self.errors):
+        for directory in (self.results, self.errors):
             self.fs.create_dir(directory, recursive=True)
         path = join(self.root, MANIFEST)
         text = storage.read_text(self.fs, path)
@@ -53,11 +54,11 @@ class OutputDir:
         return run_id_of(identity)
 
     def remove_stale_tmp(self) -> int:
-        return sum(storage.remove_stale_tmp(self.fs, d) for d in (self.recommendations, self.errors))
+        return sum(storage.remove_stale_tmp(self.fs, d) for d in (self.results, self.errors))
 
     def committed(self, shards: list[Shard]) -> dict[int, ShardCounts]:
         """The shards that are done, with their row counts (one directory listing, then one footer each)."""
-        names = storage.files_in(self.fs, self.recommendations)
+        names = storage.files_in(self.fs, self.results)
         done = {}
         for shard in shards:
             if shard.name in names and (counts := self.counts(shard)) is not None:
@@ -65,11 +66,11 @@ class OutputDir:
         return done
 
     def counts(self, shard: Shard) -> ShardCounts | None:
-        rows = storage.parquet_rows(self.fs, join(self.recommendations, shard.name))
+        rows = storage.parquet_rows(self.fs, join(self.results, shard.name))
         errors = storage.parquet_rows(self.fs, join(self.errors, shard.name)) if rows is not None else None
         return ShardCounts(rows, errors) if errors is not None else None
 
-    def commit(self, shard: Shard, recommendations: pa.Table, errors: pa.Table) -> ShardCounts:
+    def commit(self, shard: Shard, results: pa.Table, errors: pa.Table) -> ShardCounts:
         storage.write_atomic(self.fs, join(self.errors, shard.name), errors)
-        storage.write_atomic(self.fs, join(self.recommendations, shard.name), recommendations)  # the commit point
-        return ShardCounts(recommendations.num_rows, errors.num_rows)
+        storage.write_atomic(self.fs, join(self.results, shard.name), results)  # the commit point
+        return ShardCounts(results.num_rows, errors.num_rows)

@@ -1,7 +1,8 @@
-"""run_batch: batch recommendation as a Ray Data pipeline over input shards, resumable and idempotent.
+"""run_shards: a batch job as a Ray Data pipeline over input shards, resumable and idempotent. The recommend
+job (`recommend.run_batch`) and the rank job (`rank.run_rank`) are this pipeline with their own worker.
 
     plan shards (driver)  ->  skip committed ones  ->  from_items(pending shards)
-      -> map_batches(ShardWorker, ActorPoolStrategy): read shard, validate rows, one engine call, commit files
+      -> map_batches(worker, ActorPoolStrategy): read shard, validate rows, one engine call, commit files
       -> per-shard reports  ->  summary
 
 Why shards and not Ray Data's read_parquet/write_parquet: Ray Data's blocks have no stable identity, and its
@@ -14,14 +15,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from genrec.batch.connect import ensure_ray
 from genrec.batch.output import OutputDir, ShardCounts
 from genrec.batch.shards import Shard, UsersInput
-from genrec.batch.spec import BatchSpec, Execution
+from genrec.batch.spec import Execution, JobSpec
+from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
-from genrec.model.directory import ModelDirectory, model_version
+from genrec.model.directory import model_version
 
 
 @dataclass
@@ -30,7 +33,7 @@ class Summary:
     shards: int
     processed: int  # users computed by this invocation
     skipped_as_done: int  # users whose shard an earlier invocation had committed
-    rows_written: int  # recommendation rows in the output, all invocations
+    rows_written: int  # result rows in the output (recommendations or rankings), all invocations
     errors: int  # bad rows in the output, all invocations
     error_fraction: float
     seconds: float
@@ -47,13 +50,16 @@ class Summary:
         return self.error_fraction > max_error_fraction
 
 
-def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
+def run_shards(
+    spec: JobSpec, execution: Execution, worker: type[ShardWorker], setup: Callable[[], dict] = dict
+) -> Summary:
+    """Run `worker` over the input's shards that are not committed yet. `setup()` gives the worker's further
+    arguments that need Ray (called once it is up)."""
     start = time.perf_counter()
     _check_device(spec, execution)
-    directory = ModelDirectory(spec.model)
-    users = UsersInput(spec.users)
+    users = UsersInput(spec.users, worker.layout)
     version = model_version(spec.model)
-    out = OutputDir(spec.out)
+    out = OutputDir(spec.out, worker.results)
     run_id = out.open_run(spec.identity(version, users.fingerprint()))
     out.remove_stale_tmp()
     shards = users.shards(spec.batch_size)
@@ -63,8 +69,8 @@ def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
     processed, first_shard_s = 0, None
     if pending:
         ensure_ray()  # only now: bad input fails fast, and a finished run needs no cluster
-        cache = _connect_cache(spec, directory) if spec.cache else None
-        for report in _run_shards(pending, spec, execution, version, run_id, cache):
+        worker_kwargs = {"spec": spec, "model_version": version, "run_id": run_id, **setup()}
+        for report in _run_shards(pending, worker, worker_kwargs, execution):
             first_shard_s = first_shard_s or round(time.perf_counter() - start, 3)
             if report["skipped"]:  # committed meanwhile by a late worker of a killed run
                 skipped += report["users"]
@@ -91,21 +97,16 @@ def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
     )
 
 
-def _run_shards(pending: list[Shard], spec: BatchSpec, execution: Execution, version: str, run_id: str, cache):
+def _run_shards(pending: list[Shard], worker: type[ShardWorker], worker_kwargs: dict, execution: Execution):
     ray = ensure_ray()
     from ray.data import ActorPoolStrategy
-
-    from genrec.batch.worker import ShardWorker
 
     dataset = ray.data.from_items([s.as_row() for s in pending], override_num_blocks=len(pending))
     dataset.context.enable_progress_bars = execution.progress  # this dataset's copy of the context
     reports = dataset.map_batches(
-        ShardWorker,
+        worker,
         fn_constructor_kwargs={
-            "spec": spec,
-            "model_version": version,
-            "run_id": run_id,
-            "cache": cache,
+            **worker_kwargs,
             "threads": execution.threads,
             "kv_budget_bytes": execution.kv_budget_bytes,
         },
@@ -118,25 +119,10 @@ def _run_shards(pending: list[Shard], spec: BatchSpec, execution: Execution, ver
     yield from reports.iter_rows()
 
 
-def _check_device(spec: BatchSpec, execution: Execution) -> None:
+def _check_device(spec: JobSpec, execution: Execution) -> None:
     on_gpu = spec.device.startswith("cuda")
     if on_gpu != (execution.num_gpus > 0):
         raise GenrecError(
             f"device {spec.device!r} with num_gpus={execution.num_gpus}: a CUDA engine needs GPUs per actor "
             "and a CPU engine none"
         )
-
-
-def _connect_cache(spec: BatchSpec, directory: ModelDirectory):
-    from genrec.cache.actor import EmbeddingCache  # after ensure_ray: it imports Ray
-
-    return EmbeddingCache.connect(spec.cache.with_dim(_user_dim(directory)))
-
-
-def _user_dim(directory: ModelDirectory) -> int:
-    from safetensors import safe_open
-
-    if not directory.soft_token_path.exists():
-        raise GenrecError(f"{directory.path}: the model has no soft-token projector to take user embeddings")
-    with safe_open(str(directory.soft_token_path), "pt") as tensors:
-        return tensors.get_slice("weight").get_shape()[1]

@@ -41,12 +41,11 @@ def recommendations_table(
 ) -> pa.Table:
     """`results`: RetrieveResults (items ranked by beam logprob) or, with `rank`, RecommendResults (ranked by
     their request's rank_by: score, or code_logprob + score)."""
-    counts = np.asarray([len(r.items) for r in results], dtype=np.int64)
     items = [item for r in results for item in r.items]
-    first_of_user = np.repeat(np.cumsum(counts) - counts, counts)
+    users, ranks = per_user_rows(user_ids, positions, [len(r.items) for r in results])
     columns = {
-        "user_id": user_ids.take(pa.array(np.repeat(np.asarray(positions, dtype=np.int64), counts))),
-        "rank": pa.array(np.arange(len(items)) - first_of_user + 1, pa.int32()),
+        "user_id": users,
+        "rank": ranks,
         "item_id": [item.item_id for item in items],
         "semantic_id": [item.semantic_id for item in items],
         "retrieval_logprob": [item.retrieval_logprob if rank else item.logprob for item in items],
@@ -56,6 +55,15 @@ def recommendations_table(
         "run_id": [run_id] * len(items),
     }
     return pa.table(columns, schema=output_schema(user_ids.type))
+
+
+def per_user_rows(user_ids: pa.Array, positions: list[int], counts: list[int]) -> tuple[pa.Array, pa.Array]:
+    """For output rows that list each user's items, `counts[k]` of them for the user in shard row
+    `positions[k]`, best first: each row's user_id and its rank (1 = best)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    first_of_user = np.repeat(np.cumsum(counts) - counts, counts)
+    users = user_ids.take(pa.array(np.repeat(np.asarray(positions, dtype=np.int64), counts)))
+    return users, pa.array(np.arange(int(counts.sum())) - first_of_user + 1, pa.int32())
 
 
 def errors_table(user_ids: pa.Array, errors: list[RowError], first_row: int, run_id: str) -> pa.Table:

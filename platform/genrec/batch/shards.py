@@ -1,4 +1,5 @@
 """The users input and its shards: fixed row ranges of the Parquet file(s), numbered in a stable order.
+Which columns a job reads (besides `user_id`) is its `InputLayout`.
 
 A shard is the unit of work, of output and of resumption: one engine call, one output file. Its number
 depends only on the input files and the batch size, so a rerun names every shard as the first run did.
@@ -17,8 +18,23 @@ import pyarrow.parquet as pq
 from genrec.batch.storage import filesystem
 from genrec.errors import GenrecError
 
-PROMPT_COLUMNS = ("prompt", "prompt_token_ids")
-OPTIONAL_COLUMNS = ("user_embedding", "exclude_item_ids", "candidates")
+
+@dataclass(frozen=True)
+class InputLayout:
+    """The columns a job reads besides `user_id`: for each entry of `required` one of its columns at least
+    (e.g. a prompt as text or as token IDs), and whichever of `optional` the input has."""
+
+    required: tuple[tuple[str, ...], ...]
+    optional: tuple[str, ...] = ()
+
+    def missing(self, names: list[str]) -> tuple[str, ...] | None:
+        """The first requirement none of `names` meets."""
+        return next((group for group in self.required if not any(c in names for c in group)), None)
+
+    def columns(self, names: list[str]) -> list[str]:
+        """The columns to read, of those the input has."""
+        wanted = ("user_id", *(c for group in self.required for c in group), *self.optional)
+        return [c for c in wanted if c in names]
 
 
 @dataclass(frozen=True)
@@ -51,8 +67,8 @@ class InputFile:
 class UsersInput:
     """A Parquet file or a directory of them (read in sorted name order) with one row per user."""
 
-    def __init__(self, uri: str):
-        self.uri = uri
+    def __init__(self, uri: str, layout: InputLayout):
+        self.uri, self.layout = uri, layout
         self.fs, root = filesystem(uri)
         info = self.fs.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
@@ -91,9 +107,11 @@ class UsersInput:
         kind = schema.field("user_id").type
         if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise GenrecError(f"{path}: column 'user_id' must hold integers or strings, not {kind}")
-        if not any(c in schema.names for c in PROMPT_COLUMNS):
-            raise GenrecError(f"{path}: needs a column 'prompt' (text) or 'prompt_token_ids' (have {schema.names})")
-        return [c for c in ("user_id", *PROMPT_COLUMNS, *OPTIONAL_COLUMNS) if c in schema.names]
+        missing = self.layout.missing(schema.names)
+        if missing:
+            needed = " or ".join(repr(c) for c in missing)
+            raise GenrecError(f"{path}: needs a column {needed} (have {schema.names})")
+        return self.layout.columns(schema.names)
 
     @property
     def rows(self) -> int:

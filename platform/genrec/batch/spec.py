@@ -1,4 +1,6 @@
-"""What a batch run computes (its identity) and how it executes (not part of the identity)."""
+"""What a batch run computes (its identity) and how it executes (not part of the identity).
+
+JobSpec holds what every sharded job shares; BatchSpec is the recommend job's, RankSpec the rank job's."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from genrec.engine_options import EngineOptions
 FORMAT = 2  # bump when the output layout or columns change
 
 
-class BatchSpec(EngineOptions):
-    """Everything that decides the output: two runs with equal specs (and equal inputs) write equal files.
+class JobSpec(EngineOptions):
+    """Everything that decides a job's output: two runs with equal specs (and equal inputs) write equal files.
     The engine's options (EngineOptions: dtype, the scoring chunk, the fast path...) are part of it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -24,6 +26,24 @@ class BatchSpec(EngineOptions):
     model: str = Field(description="model directory")
     users: str = Field(description="users Parquet file or directory (local path or URI)")
     out: str = Field(description="output directory (local path or URI)")
+    batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
+    device: str = "cpu"
+
+    def identity(self, model_version: str, input_fingerprint: str) -> dict:
+        """The settings a rerun must share with the first run for its output to be the same run's."""
+        return {
+            "format": FORMAT,
+            "model_version": model_version,
+            "input": input_fingerprint,
+            "batch_size": self.batch_size,
+            "device": self.device.split(":")[0],
+            **self.engine_kwargs(),
+        }
+
+
+class BatchSpec(JobSpec):
+    """The recommend job: retrieve (or recommend) for every user."""
+
     beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH)
     num_results: int | None = Field(None, ge=1, description="items per user (default: beam_width)")
     rank: bool = Field(False, description="recommend (retrieve, then score on the same prefill) instead of retrieve")
@@ -31,8 +51,6 @@ class BatchSpec(EngineOptions):
     score_weight: float = Field(
         1.0, ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False, description="RecommendRequest.score_weight"
     )
-    batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
-    device: str = "cpu"
     cache: CacheConfig | None = Field(None, description="user embeddings by user_id when the input has none")
 
     @model_validator(mode="after")
@@ -46,21 +64,29 @@ class BatchSpec(EngineOptions):
         return self
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
-        """The settings a rerun must share with the first run for its output to be the same run's."""
         return {
-            "format": FORMAT,
-            "model_version": model_version,
-            "input": input_fingerprint,
+            **super().identity(model_version, input_fingerprint),
             "beam_width": self.beam_width,
             "num_results": self.num_results or self.beam_width,
             "rank": self.rank,
             "rank_by": self.rank_by,
             "score_weight": self.score_weight,
-            "batch_size": self.batch_size,
-            "device": self.device.split(":")[0],
-            **self.engine_kwargs(),
             "cache": self.cache.name if self.cache else None,
         }
+
+
+class RankSpec(JobSpec):
+    """The rank job: rank every user's given candidates with a ranking (HSTU) model."""
+
+    rank_by: str | None = Field(
+        None,
+        min_length=1,
+        description="a task of the model: rank each user's candidates by its probability, highest first (ties in "
+        "the candidates' order); None: rank = the candidates' order",
+    )
+
+    def identity(self, model_version: str, input_fingerprint: str) -> dict:
+        return {**super().identity(model_version, input_fingerprint), "job": "rank", "rank_by": self.rank_by}
 
 
 def run_id_of(identity: dict) -> str:

@@ -3,6 +3,8 @@
 Nothing here imports Ray: Ray Data constructs the class once per actor and calls it with batches of shard
 descriptors. A shard is read, validated row by row, run through the engine in ONE call (so its results
 depend on the shard alone, never on scheduling) and committed; a shard already committed is skipped.
+Each job's worker (RecommendWorker, RankWorker) says which columns it reads, how rows become requests, which
+engine call runs them and how results become its output table.
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ from __future__ import annotations
 import pyarrow as pa
 
 from genrec.batch.output import OutputDir
-from genrec.batch.results import errors_table, recommendations_table
-from genrec.batch.rows import Parsed, RowError, parse_rows
-from genrec.batch.shards import Shard, ShardReader, UsersInput
-from genrec.batch.spec import BatchSpec
-from genrec.batch.user_embeddings import lookup
+from genrec.batch.results import errors_table
+from genrec.batch.rows import Parsed, RowError
+from genrec.batch.shards import InputLayout, Shard, ShardReader, UsersInput
+from genrec.batch.spec import JobSpec
 from genrec.errors import GenrecError, InvalidRequestError
 
 REPORT = pa.schema(
@@ -29,12 +30,14 @@ REPORT = pa.schema(
 
 
 class ShardWorker:
+    layout: InputLayout  # the columns the job reads
+    results: str  # its output folder
+
     def __init__(
         self,
-        spec: BatchSpec,
+        spec: JobSpec,
         model_version: str,
         run_id: str,
-        cache=None,
         threads: int | None = None,
         kv_budget_bytes: int | None = None,
     ):
@@ -44,14 +47,14 @@ class ShardWorker:
 
         if threads:
             torch.set_num_threads(threads)
-        self.spec, self.model_version, self.run_id, self.cache = spec, model_version, run_id, cache
+        self.spec, self.model_version, self.run_id = spec, model_version, run_id
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
         scheduler = SchedulerConfig(kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=0)
         self.engine = Engine.from_pretrained(
             spec.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs()
         )
-        self.reader = ShardReader(UsersInput(spec.users))
-        self.out = OutputDir(spec.out)
+        self.reader = ShardReader(UsersInput(spec.users, self.layout))
+        self.out = OutputDir(spec.out, self.results)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.Table.from_pylist([self.run(Shard(**row)) for row in batch.to_pylist()], schema=REPORT)
@@ -66,22 +69,28 @@ class ShardWorker:
     def compute(self, shard: Shard) -> tuple[pa.Table, pa.Table]:
         table = self.reader.read(shard)
         user_ids = table.column("user_id").combine_chunks()
-        embeddings = None
-        if self.cache is not None and "user_embedding" not in table.column_names:
-            embeddings = lookup(self.cache, user_ids.to_pylist())
-        spec = self.spec
-        ranking = {"rank_by": spec.rank_by, "score_weight": spec.score_weight}
-        parsed = parse_rows(table, spec.rank, spec.beam_width, spec.num_results, embeddings, ranking)
+        parsed = self.parse(table, user_ids)
         self._check_against_model(parsed)
-        run = self.engine.recommend if spec.rank else self.engine.retrieve
-        results = run(parsed.requests) if parsed.requests else []
+        results = self.infer(parsed.requests) if parsed.requests else []
         return (
-            recommendations_table(user_ids, parsed.positions, results, spec.rank, self.model_version, self.run_id),
+            self.results_table(user_ids, parsed.positions, results),
             errors_table(user_ids, sorted(parsed.errors, key=lambda e: e.position), shard.start, self.run_id),
         )
 
+    def parse(self, table: pa.Table, user_ids: pa.Array) -> Parsed:
+        """The shard's rows as requests, bad rows as errors."""
+        raise NotImplementedError
+
+    def infer(self, requests: list) -> list:
+        """One engine call over the shard's valid requests."""
+        raise NotImplementedError
+
+    def results_table(self, user_ids: pa.Array, positions: list[int], results: list) -> pa.Table:
+        """The output rows of the results (of the requests of shard rows `positions`)."""
+        raise NotImplementedError
+
     def _check_against_model(self, parsed: Parsed) -> None:
-        """Move requests the model refuses (too long, unknown candidate, wrong embedding size) to the errors."""
+        """Move requests the model refuses (too long, unknown item, wrong embedding size) to the errors."""
         keep = []
         for request, position in zip(parsed.requests, parsed.positions, strict=True):
             try:

@@ -1,0 +1,39 @@
+"""run_batch: the recommend job (retrieve, or with `rank` recommend, for every user) on the shard pipeline."""
+
+from __future__ import annotations
+
+from genrec.batch.pipeline import Summary, run_shards
+from genrec.batch.recommend_worker import RecommendWorker
+from genrec.batch.spec import BatchSpec, Execution
+from genrec.errors import GenrecError, ModelDirectoryError
+from genrec.model.directory import ModelDirectory, directory_family
+
+
+def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
+    if directory_family(spec.model) == "hstu":
+        raise ModelDirectoryError(
+            spec.model,
+            "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
+            "Qwen3 semantic-ID model",
+        )
+    directory = ModelDirectory(spec.model)
+
+    def cache() -> dict:  # once Ray is up: the EmbeddingCache actor's client
+        return {"cache": _connect_cache(spec, directory)} if spec.cache else {}
+
+    return run_shards(spec, execution, RecommendWorker, cache)
+
+
+def _connect_cache(spec: BatchSpec, directory: ModelDirectory):
+    from genrec.cache.actor import EmbeddingCache  # after ensure_ray: it imports Ray
+
+    return EmbeddingCache.connect(spec.cache.with_dim(_user_dim(directory)))
+
+
+def _user_dim(directory: ModelDirectory) -> int:
+    from safetensors import safe_open
+
+    if not directory.soft_token_path.exists():
+        raise GenrecError(f"{directory.path}: the model has no soft-token projector to take user embeddings")
+    with safe_open(str(directory.soft_token_path), "pt") as tensors:
+        return tensors.get_slice("weight").get_shape()[1]

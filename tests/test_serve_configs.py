@@ -13,7 +13,7 @@ from genrec.serving.app import build_app
 from genrec.serving.args import AppArgs, EngineLimits, IngressLimits
 
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
-CONFIGS = [DEPLOYMENTS / "local.yaml", DEPLOYMENTS / "gpu.yaml"]
+CONFIGS = [DEPLOYMENTS / "local.yaml", DEPLOYMENTS / "gpu.yaml", DEPLOYMENTS / "hstu-local.yaml"]
 FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
 
 
@@ -69,6 +69,32 @@ def test_args_and_deployment_names_match_the_app(path):
         for deployment in application.get("deployments", []):
             if "user_config" in deployment:  # what reconfigure() will be handed
                 live[deployment["name"]].model_validate(deployment["user_config"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_engine_deployment_routes_by_user(path):
+    """The config names genrec's user router (a request_router_config without the class would select Serve's
+    default) with kwargs it accepts, and the class loads as a Serve RequestRouter."""
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.request_router import RequestRouter
+
+    from genrec.serving.router import USER_ROUTER, UserRouter
+
+    for application in yaml.safe_load(path.read_text())["applications"]:
+        (engine,) = [d for d in application["deployments"] if d["name"] == "EngineServer"]
+        config = RequestRouterConfig(**engine["request_router_config"])  # imports the class
+        assert config.request_router_class == USER_ROUTER
+        assert issubclass(UserRouter, RequestRouter)
+        UserRouter.__new__(UserRouter).initialize_state(**config.request_router_kwargs)
+
+
+def test_the_gpu_app_keeps_two_engine_replicas_and_their_caches_through_a_dip():
+    (application,) = yaml.safe_load((DEPLOYMENTS / "gpu.yaml").read_text())["applications"]
+    args = AppArgs.model_validate(application["args"])
+    assert args.min_replicas >= 2 and args.downscale_delay_s >= 600
+    from genrec.serving.app import engine_deployment
+
+    assert engine_deployment(args)["autoscaling_config"]["downscale_delay_s"] == args.downscale_delay_s
 
 
 def test_the_checker_catches_typos():

@@ -13,39 +13,10 @@ import pytest
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
 from genrec.model.directory import model_version
 from genrec.model.tiny import write_model_dir
-from genrec.serving.args import AppArgs
 from tests.conftest import API_TOKEN_ENV, TINY
+from tests.serve_apps import delete, deploy, replica_actor_names
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
-SMALL = {"engine_num_cpus": 0.2, "ingress_num_cpus": 0.05}  # many apps share the 2-CPU test cluster
-
-
-def deploy(name: str, deployments: list[dict] | None = None, **args) -> None:
-    """Deploy as `serve deploy` / `serve run CONFIG` do: from a config naming the builder, so a change of
-    `user_config` alone reconfigures the running replicas instead of replacing them."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    AppArgs(**(SMALL | args))  # fail here, readably, on a typo in a test
-    _DEPLOYED[name] = {
-        "name": name,
-        "route_prefix": f"/{name}",
-        "import_path": "genrec.serving.app:build_app",
-        "args": SMALL | args,
-        "deployments": deployments or [],
-    }
-    # A config is declarative (apps it leaves out are removed): it lists every app this module runs.
-    _get_global_client().deploy_apps(ServeDeploySchema(applications=list(_DEPLOYED.values())), _blocking=True)
-
-
-def delete(name: str) -> None:
-    from ray import serve
-
-    _DEPLOYED.pop(name)
-    serve.delete(name)
-
-
-_DEPLOYED: dict[str, dict] = {}
 
 
 def user_vector(seed: int) -> list[float]:
@@ -161,6 +132,15 @@ def test_user_id_is_resolved_through_the_cache(open_url, client):
     assert "nobody" in missing.json()["message"] and missing.json()["details"][0]["field"] == "user_id"
 
 
+def test_rank_is_a_clear_404_on_a_qwen3_model(open_url, client):
+    body = {"history": [{"item_id": "item-000001"}], "candidates": ["item-000002"], "user_id": "u-1"}
+    response = client.post(f"{open_url}/v1/rank", json=body)
+    assert response.status_code == 404 and response.json()["code"] == "not_served", response.text
+    assert "qwen3" in response.json()["message"] and "/v1/retrieve" in response.json()["message"]
+    info = client.get(f"{open_url}/v1/model").json()
+    assert (info["family"], info["serves"], info["tasks"]) == ("qwen3", ["retrieve", "score", "recommend"], None)
+
+
 # -- bad input: 4xx naming the field, never a 5xx -------------------------------------------------
 
 BAD = [
@@ -248,16 +228,6 @@ def test_bearer_token_when_configured(guarded_url, client):
     assert client.get(f"{guarded_url}/healthz").status_code == 200  # probes need no token
 
 
-def replica_actor_names(app: str, deployment: str) -> list[str]:
-    import ray
-
-    return sorted(
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::") and f"{app}#{deployment}#" in a["name"]
-    )
-
-
 def test_deadline_is_504_and_changes_live_without_a_restart(guarded_url, tiny_dir, client):
     url = f"{guarded_url}/v1/retrieve"
     body = {"prompt_token_ids": list(range(3, 200)), "beam_width": 32}
@@ -338,13 +308,19 @@ def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
 def test_engine_metrics_reach_prometheus(open_url, client):
     import ray
 
-    client.post(f"{open_url}/v1/retrieve", json={"prompt": "user listened", "beam_width": 4})
+    returning = {"prompt_token_ids": [3 + i % 150 for i in range(100)], "beam_width": 4}
+    for _ in range(2):  # the second reuses the first's prompt: the prefix cache's counters move
+        client.post(f"{open_url}/v1/retrieve", json=returning)
     port = ray.nodes()[0]["MetricsExportPort"]
     wanted = (
         "ray_genrec_requests",
         "ray_genrec_request_latency_s",
         "ray_genrec_queue_depth",
         "ray_genrec_rows_per_step",
+        "ray_genrec_prefix_cache_tokens_reused_total",
+        "ray_genrec_prefix_cache_tokens_prompted_total",
+        "ray_genrec_prefix_cache_hits_total",
+        "ray_genrec_prefix_cache_bytes_held",
     )
     deadline = time.monotonic() + 60
     while True:
@@ -358,6 +334,8 @@ def test_engine_metrics_reach_prometheus(open_url, client):
         ln for ln in lines if ln.startswith("ray_genrec_requests") and 'kind="retrieve"' in ln and 'status="ok"' in ln
     ]
     assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 1
+    reused = [ln for ln in lines if ln.startswith("ray_genrec_prefix_cache_tokens_reused_total")]
+    assert reused and float(reused[0].rsplit(" ", 1)[1]) >= 96  # six whole blocks of the repeated prompt
 
 
 # -- a killed engine replica (its own app: the other tests' replicas stay as they are) -------------

@@ -230,25 +230,48 @@ def bench_load(
 
 @bench_app.command("returning")
 def bench_returning(
-    preset: str = typer.Option("realistic", help="a preset with a soft-token projector (realistic: hidden 512)"),
+    preset: str = typer.Option(
+        None, help="a preset with a soft-token projector (default: realistic, hidden 512; tiny with --serve)"
+    ),
     model: Path = typer.Option(None),
     device: str = typer.Option("cpu", callback=_device),
-    events: int = typer.Option(400, min=2, help="history events in a prompt (x levels tokens: 2000 at 5 levels)"),
+    events: int = typer.Option(
+        None, min=2, help="history events in a prompt, x levels tokens (default: 400, 2000 tokens; 200 with --serve)"
+    ),
     new_events: int = typer.Option(2, "--new-events", min=1, help="events a returning user adds per request"),
-    users: int = typer.Option(16, min=1, help="returning users, Zipf popularity"),
+    users: int = typer.Option(None, min=1, help="returning users, Zipf popularity (default: 16; 8 with --serve)"),
     new_user_share: float = typer.Option(0.2, min=0.0, max=1.0, help="requests from first-time users"),
     burst: int = typer.Option(24, min=1, help="requests sent at once for the saturation figure"),
     rate: float = typer.Option(0.5, help="offered load for the p50/p99 figures, requests per second"),
     duration: float = typer.Option(20.0, min=0.1),
     repeats: int = typer.Option(5, min=1, help="returning requests timed for the single-user figure"),
     cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FA2 varlen + decode graphs (unverified)"),
+    serve: bool = typer.Option(
+        False,
+        "--serve",
+        help="instead: through a local Serve app with 2 engine replicas (CPU), reuse rate with "
+        "genrec's user router and with Serve's default router against one replica",
+    ),
+    requests: int = typer.Option(40, min=1, help="--serve: requests after the users' first visits"),
+    concurrency: int = typer.Option(2, min=1, help="--serve: requests in flight (one per user at a time)"),
     json_out: Path = typer.Option(None, "--json"),
 ):
-    """Returning users (previous prompt + new events): prefix cache off vs on, and the two prompt layouts."""
+    """Returning users (previous prompt + new events): prefix cache off vs on, and the two prompt layouts; with
+    --serve, the reuse rate through Serve routed by user against Serve's default router."""
+    if serve:
+        from genrec.bench.returning_serve import run as run_serve
+
+        if device != "cpu":
+            raise ValueError("--serve runs its engine replicas on the CPU: drop --device")
+        preset, events, users = preset or "tiny", events or 200, users or 8
+        report = run_serve(preset, model, events, new_events, users, new_user_share, requests, concurrency)
+        _emit(report, json_out)
+        return
     from genrec.bench.common import check_rate
     from genrec.bench.returning import run
 
     check_rate(rate)
+    preset, events, users = preset or "realistic", events or 400, users or 16
     report = run(
         preset, model, device, events, new_events, users, new_user_share, burst, rate, duration, repeats, cuda_fast
     )

@@ -52,6 +52,7 @@ class Workload:
             self.first_visit(user)
         else:
             self.histories[user] += self._items(self.k)
+        self.last_user = user  # who sent it: the Serve part (returning_serve.py) routes by it
         return self.request(user)
 
     def first_visit(self, user: int) -> None:

@@ -115,20 +115,35 @@ def _connections(burst: int) -> httpx.Limits:
 
 
 @contextlib.contextmanager
-def _local_serve(model_dir):
-    """The app on a new local Ray of its own, HTTP on 127.0.0.1; all of it stopped afterwards."""
+def local_serve_session():
+    """A new local Ray of this process's own with Serve, HTTP on 127.0.0.1 (yields the base URL); all of it
+    stopped afterwards."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        raise GenrecError("this bench starts a Ray and a Serve of its own: run it in a fresh process")
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never someone else's cluster
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def _local_serve(model_dir):
+    """The app (ingress + one engine replica) on a local Ray of its own."""
     from ray import serve
 
     from genrec.serving.app import build_app
     from genrec.serving.args import AppArgs
 
-    if ray.is_initialized():
-        raise GenrecError("bench serve starts a Ray and a Serve of its own: run it in a fresh process")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never someone else's cluster
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = AppArgs(
         model_dir=str(model_dir),
         torch_threads=torch.get_num_threads(),  # as many as the in-process engine had
@@ -139,12 +154,9 @@ def _local_serve(model_dir):
         max_ongoing_requests=4096,
         max_queued_requests=4096,
     )
-    try:
+    with local_serve_session() as base:
         serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
-        yield f"http://127.0.0.1:{port}/{APP}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        yield f"{base}/{APP}"
 
 
 def _plot(report: dict, path) -> None:
@@ -173,4 +185,3 @@ def _plot(report: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

@@ -7,6 +7,7 @@ from ray.serve import Application
 from genrec.serving.args import AppArgs
 from genrec.serving.engine_server import EngineServer
 from genrec.serving.ingress import Ingress
+from genrec.serving.router import USER_ROUTER
 
 
 def build_app(args: AppArgs) -> Application:
@@ -38,9 +39,18 @@ def engine_deployment(args: AppArgs) -> dict:
             "min_replicas": args.min_replicas,
             "max_replicas": args.max_replicas,
             "target_ongoing_requests": args.target_ongoing_requests,
+            "downscale_delay_s": args.downscale_delay_s,
         },
         "user_config": args.limits.model_dump(),
+        **router(args),
     }
+
+
+def router(args: AppArgs) -> dict:
+    """The engine deployment's request router (a config file's `request_router_config` overrides it)."""
+    if args.engine_router == "serve_default":
+        return {}
+    return {"request_router_config": {"request_router_class": USER_ROUTER}}
 
 
 def backpressure(args: AppArgs) -> dict:

@@ -75,6 +75,14 @@ class AppArgs(IngressSettings, IngressLimits, ReplicaOptions):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(32, gt=0, description="per engine replica, for autoscaling")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="low traffic this long before an engine replica (and its prefix cache) goes"
+    )
+    engine_router: Literal["user", "serve_default"] = Field(
+        "user",
+        description="user: each user's requests to the engine replica holding their K/V (genrec.serving.router); "
+        "serve_default: Serve's power-of-two-choices router",
+    )
     max_ongoing_requests: int = Field(256, ge=1, description="per engine replica: they meet in its batching loop")
     max_queued_requests: int = Field(512, ge=1, description="per engine deployment handle; beyond: 503")
     ingress_num_cpus: float = Field(0.25, ge=0)

@@ -7,12 +7,14 @@ import threading
 import time
 
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from genrec.api import MAX_BEAM_WIDTH
 from genrec.engine import AsyncEngine, Engine
-from genrec.engine.prepared import check_kind
+from genrec.engine.prepared import FAMILY_KINDS, check_kind
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving.args import EngineLimits, ReplicaOptions
+from genrec.serving.http_errors import NotServed
 from genrec.serving.metrics import EngineMetricsExporter
 from genrec.serving.schemas import ModelInfo
 
@@ -27,17 +29,8 @@ class EngineServer:
         started = time.perf_counter()
         engine = Engine.from_pretrained(model_dir, device=device, **options.engine_kwargs())
         self.engine = AsyncEngine(engine, options.scheduler_config())  # the live limits: reconfigure, next
-        self.info = ModelInfo(
-            version=engine.model_version,
-            model_dir=str(model_dir),
-            device=device,
-            catalog_items=len(engine.catalog),
-            levels=engine.catalog.levels,
-            max_beam_width=MAX_BEAM_WIDTH,
-            max_candidates=engine.max_candidates,
-            max_prompt_tokens=engine.max_prompt_tokens,
-            user_dim=engine.projector.user_dim if engine.projector is not None else None,
-        )
+        self.info = describe(engine, model_dir, device)
+        self.replica = _replica_id()
         self.metrics = EngineMetricsExporter()
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self._stopped = threading.Event()
@@ -49,17 +42,26 @@ class EngineServer:
         limits = EngineLimits.model_validate(user_config)
         self.engine.reconfigure(**limits.model_dump())
 
-    async def retrieve(self, request, timeout_s: float):
+    # `routing_key` is read by the caller's request router (router.py), not here.
+    async def retrieve(self, request, timeout_s: float, routing_key: str | None = None):
         return await self._run("retrieve", request, timeout_s)
 
-    async def score(self, request, timeout_s: float):
+    async def score(self, request, timeout_s: float, routing_key: str | None = None):
         return await self._run("score", request, timeout_s)
 
-    async def recommend(self, request, timeout_s: float):
+    async def recommend(self, request, timeout_s: float, routing_key: str | None = None):
         return await self._run("recommend", request, timeout_s)
 
-    def model_info(self) -> ModelInfo:
+    async def rank(self, request, timeout_s: float, routing_key: str | None = None):
+        return await self._run("rank", request, timeout_s)
+
+    def model_info(self, routing_key: str | None = None) -> ModelInfo:
         return self.info
+
+    def stats(self, routing_key: str | None = None) -> dict:
+        """This replica's ID and its engine's metrics (prefix cache included): benches and tests ask each
+        replica through a handle (a random routing key reaches each replica of a user-routed deployment)."""
+        return {"replica": self.replica, "metrics": self.engine.metrics()}
 
     def check_health(self) -> None:
         if not self.engine.healthy:
@@ -74,6 +76,8 @@ class EngineServer:
     async def _run(self, kind: str, request, timeout_s: float):
         started, status = time.perf_counter(), "error"
         try:
+            if kind not in self.info.serves:
+                raise NotServed(kind, self.info.family, self.info.serves)
             check_kind(request, kind)
             # Validation and tokenizing run in a worker thread: this event loop also answers health checks.
             future = await asyncio.to_thread(self.engine.submit, request, timeout_s)
@@ -83,7 +87,7 @@ class EngineServer:
         except asyncio.CancelledError:
             status = "cancelled"
             raise
-        except InvalidRequestError:
+        except (InvalidRequestError, NotServed):
             status = "invalid"
             raise
         except Overloaded:
@@ -101,3 +105,42 @@ class EngineServer:
     def _export_until_stopped(self, period_s: float = 1.0) -> None:
         while not self._stopped.wait(period_s):
             self.metrics.update(self.engine.metrics())
+
+
+def describe(engine: Engine, model_dir: str, device: str) -> ModelInfo:
+    """What /v1/model says about the engine's model (the other family's fields None)."""
+    common = {
+        "version": engine.model_version,
+        "model_dir": str(model_dir),
+        "device": device,
+        "family": engine.family,
+        "serves": list(FAMILY_KINDS[engine.family]),
+        "catalog_items": len(engine.catalog),
+        "max_candidates": engine.max_candidates,
+    }
+    if engine.family == "hstu":
+        config = engine.model.config
+        return ModelInfo(
+            **common,
+            levels=None,
+            max_beam_width=None,
+            max_prompt_tokens=None,
+            user_dim=None,
+            tasks=list(config.tasks),
+            max_history_events=config.max_history_events,
+        )
+    return ModelInfo(
+        **common,
+        levels=engine.catalog.levels,
+        max_beam_width=MAX_BEAM_WIDTH,
+        max_prompt_tokens=engine.max_prompt_tokens,
+        user_dim=engine.projector.user_dim if engine.projector is not None else None,
+    )
+
+
+def _replica_id() -> str:
+    """Serve's unique ID of this replica (what the request router hashes); "local" outside Serve (tests)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return "local"

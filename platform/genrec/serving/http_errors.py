@@ -1,7 +1,8 @@
 """Every way a request can fail, as an HTTP status and a JSON body that says what to do about it.
 
-Client mistakes are 4xx naming the field; overload and a replaced replica are 503 with Retry-After; a
-missed deadline is 504. Only a bug is a 500 (logged with its traceback, answered without internals).
+Client mistakes are 4xx naming the field (a route of the other model family: 404 not_served); overload and a
+replaced replica are 503 with Retry-After; a missed deadline is 504. Only a bug is a 500 (logged with its
+traceback, answered without internals).
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ class UnknownUser(GenrecError):
         self.user_id = user_id
 
 
+class NotServed(GenrecError):
+    """A route of the other model family: this deployment's model does not answer that kind of request."""
+
+    def __init__(self, kind: str, family: str, serves: list[str]):
+        routes = ", ".join(f"/v1/{k}" for k in serves)
+        super().__init__(f"this deployment serves a {family} model, which answers {routes}; not /v1/{kind}")
+        self.kind, self.family, self.serves = kind, family, list(serves)
+
+    def __reduce__(self):  # raised in an engine replica, read in the ingress: rebuilt from its fields
+        return type(self), (self.kind, self.family, self.serves)
+
+
 class EngineUnavailable(GenrecError):
     """The engine replica, or the embedding cache, died or is being replaced: retry shortly."""
 
@@ -55,6 +68,8 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
     if isinstance(error, UnknownUser):
         detail = ErrorDetail(field="user_id", message=str(error))
         return 404, {"code": "unknown_user", "message": str(error), "details": [detail]}, {}
+    if isinstance(error, NotServed):
+        return 404, {"code": "not_served", "message": str(error)}, {}
     if isinstance(error, Overloaded):  # the deployment's configured Retry-After, wherever the queue was full
         return 503, {"code": "overloaded", "message": str(error)}, retry
     if isinstance(error, EngineStopped | EngineUnavailable):

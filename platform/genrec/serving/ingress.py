@@ -1,8 +1,10 @@
 """The HTTP ingress (FastAPI under `@serve.ingress`): auth, validation, user_id -> embedding, engine calls.
 
-It does no model work: it checks the request, resolves the user's embedding through the shared cache
-(awaiting the actor, never blocking the event loop), calls the engine deployment by handle under the
-request's deadline and turns every failure into the status the client can act on (see http_errors).
+It does no model work: it checks the request (and that the engines' model family answers its route), resolves
+the user's embedding through the shared cache (Qwen3 only; awaiting the actor, never blocking the event loop),
+calls the engine deployment by handle under the request's deadline, with the request's routing key (the user,
+see routing_key.py) for the engine deployment's request router, and turns every failure into the status the
+client can act on (see http_errors).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures' real types.
@@ -20,28 +22,33 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from genrec.api import RecommendResult, RetrieveResult, ScoreResult
+from genrec.api import RankResult, RecommendResult, RetrieveResult, ScoreResult
 from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
 from genrec.serving.args import IngressLimits, IngressSettings
 from genrec.serving.http_errors import (
     EngineUnavailable,
+    NotServed,
     Unauthorized,
     UnknownUser,
     error_response,
     http_error_handler,
     validation_error_handler,
 )
-from genrec.serving.schemas import ErrorBody, ModelInfo, RecommendBody, RetrieveBody, ScoreBody
+from genrec.serving.router import ROUTING_KEY
+from genrec.serving.routing_key import routing_key
+from genrec.serving.schemas import ErrorBody, ModelInfo, RankBody, RecommendBody, RetrieveBody, ScoreBody
 
 # Past the engine's own deadline, how long the ingress still waits for its answer before it gives up.
 DEADLINE_GRACE_S = 2.0
 MODEL_VERSION_HEADER = "X-Model-Version"
 MAX_BODY_BYTES = 32 << 20  # far above any valid request (the longest prompt as token IDs is < 1 MiB)
+MODEL_INFO_TTL_S = 30.0  # how long the ingress trusts what it learnt of the engines' model (its family)
 
 api = FastAPI(
     title="genrec",
-    description="Generative recommendation with semantic IDs: retrieve, score, recommend.",
+    description="Generative recommendation: retrieve, score, recommend (a semantic-ID decoder, Qwen3) or rank "
+    "(HSTU); one model family per deployment (GET /v1/model says which).",
     responses={code: {"model": ErrorBody} for code in (400, 401, 404, 422, 503, 504)},
 )
 api.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -89,6 +96,8 @@ class Ingress:
         self.cache_args = settings.cache
         self.cache = _connect_cache(settings.cache)
         self.request_timeout_s = None  # set by reconfigure, which Serve calls before the first request
+        self.info: ModelInfo | None = None  # the engines' model, learnt on first use (see _check_served)
+        self.info_at = 0.0
 
     def reconfigure(self, user_config: dict) -> None:
         """The request deadline changes live (`user_config`), without replacing the replica."""
@@ -105,6 +114,10 @@ class Ingress:
     @api.post("/v1/recommend", response_model=RecommendResult)
     async def recommend(self, body: RecommendBody, response: Response, auth=Depends(bearer)):
         return await self._serve("recommend", body, response, auth)
+
+    @api.post("/v1/rank", response_model=RankResult)
+    async def rank(self, body: RankBody, response: Response, auth=Depends(bearer)):
+        return await self._serve("rank", body, response, auth)
 
     @api.get("/v1/model", response_model=ModelInfo)
     async def model(self, auth=Depends(bearer)):
@@ -129,15 +142,29 @@ class Ingress:
         try:
             self._authorize(auth)
             deadline = time.monotonic() + self.request_timeout_s
+            await self._check_served(kind, deadline)
             request = body.to_request(await self._user_embedding(body, deadline))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s (the embedding lookup)")
-            result, version = await self._engine_call(getattr(self.engine, kind).remote(request, remaining), deadline)
+            call = getattr(self.engine, kind).remote(request, remaining, **{ROUTING_KEY: routing_key(body)})
+            try:
+                result, version = await self._engine_call(call, deadline)
+            except NotServed:
+                self.info = None  # the engines' model is not the one learnt (a new model): ask again next time
+                raise
             response.headers[MODEL_VERSION_HEADER] = version
             return result
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
+
+    async def _check_served(self, kind: str, deadline: float) -> None:
+        """A route of the other model family is refused here, before any embedding lookup (404 not_served)."""
+        if self.info is None or time.monotonic() - self.info_at > MODEL_INFO_TTL_S:
+            self.info = await self._engine_call(self.engine.model_info.remote(), deadline)
+            self.info_at = time.monotonic()
+        if kind not in self.info.serves:
+            raise NotServed(kind, self.info.family, self.info.serves)
 
     def _authorize(self, auth: HTTPAuthorizationCredentials | None) -> None:
         if self.token is None:
@@ -147,8 +174,8 @@ class Ingress:
             raise Unauthorized("a valid 'Authorization: Bearer <token>' header is required")
 
     async def _user_embedding(self, body, deadline: float) -> list[float] | None:
-        if body.user_embedding is not None or body.user_id is None:
-            return None  # an inline vector wins; no user_id, nothing to look up
+        if getattr(body, "user_embedding", None) is not None or body.user_id is None or isinstance(body, RankBody):
+            return None  # an inline vector wins; no user_id, nothing to look up; a ranker takes no vector
         if self.cache_args is None:
             raise InvalidRequestError("user_id", "this deployment has no embedding cache; send user_embedding")
         try:

@@ -1,7 +1,9 @@
 """Engine metrics exported through `ray.serve.metrics` (Prometheus at each node's metrics export port).
 
 Per request (kind, status): a counter and a latency histogram. Every second, the engine loop's state:
-queue depth, running requests, KV bytes reserved, and recent rows and prefill tokens per step.
+queue depth, running requests, KV bytes reserved, and recent rows and prefill tokens per step; and the prefix
+cache's: tokens reused and prompted, hits, evictions, spills (counters: Prometheus adds `_total`), bytes held
+and entries (gauges). Reuse rate = rate(..._tokens_reused_total) / rate(..._tokens_prompted_total).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class EngineMetricsExporter:
             "genrec_prefill_tokens_per_step_p50", description="median prefill tokens per step (recent)"
         )
         self.model_load_seconds = Gauge("genrec_model_load_s", description="seconds this replica took to load")
+        self.prefix_cache = PrefixCacheExporter()
 
     def finished(self, kind: str, status: str, seconds: float) -> None:
         self.requests.inc(tags={"kind": kind, "status": status})
@@ -40,3 +43,37 @@ class EngineMetricsExporter:
         self.kv_bytes.set(snapshot["kv_bytes_reserved"])
         self.rows_per_step.set(snapshot["batch_rows_per_step"]["p50"] or 0)
         self.prefill_per_step.set(snapshot["prefill_tokens_per_step"]["p50"] or 0)
+        if "prefix_cache" in snapshot:
+            self.prefix_cache.update(snapshot["prefix_cache"])
+
+
+# The engine's cumulative prefix-cache stats exported as counters: name -> (stats key, description).
+PREFIX_COUNTERS = {
+    "genrec_prefix_cache_tokens_reused": ("tokens_reused", "prompt tokens read from the prefix cache"),
+    "genrec_prefix_cache_tokens_prompted": ("tokens_prompted", "prompt tokens of admitted requests"),
+    "genrec_prefix_cache_hits": ("hits", "admitted requests that reused at least one block"),
+    "genrec_prefix_cache_evictions": ("evictions", "cache entries given back to the KV pool"),
+    "genrec_prefix_cache_spills": ("spills", "evicted entries spilled to a host-memory tier"),
+}
+PREFIX_GAUGES = {
+    "genrec_prefix_cache_bytes_held": ("bytes_held", "KV bytes the prefix cache holds"),
+    "genrec_prefix_cache_entries": ("entries", "prompts (extents) the prefix cache holds"),
+}
+
+
+class PrefixCacheExporter:
+    """Counters advance by what the engine's totals grew since the last update (a counter only increments)."""
+
+    def __init__(self):
+        self.counters = {name: Counter(name, description=text) for name, (_, text) in PREFIX_COUNTERS.items()}
+        self.gauges = {name: Gauge(name, description=text) for name, (_, text) in PREFIX_GAUGES.items()}
+        self.last = dict.fromkeys(PREFIX_COUNTERS, 0)
+
+    def update(self, stats: dict) -> None:
+        for name, (key, _) in PREFIX_COUNTERS.items():
+            grown = stats.get(key, 0) - self.last[name]
+            if grown > 0:
+                self.counters[name].inc(grown)
+                self.last[name] = stats[key]
+        for name, (key, _) in PREFIX_GAUGES.items():
+            self.gauges[name].set(stats.get(key, 0))

@@ -1,24 +1,27 @@
-"""HTTP bodies: the genrec.api requests plus an optional `user_id` whose embedding the ingress looks up."""
+"""HTTP bodies: the genrec.api requests plus an optional `user_id` (the ingress looks up its embedding for a
+Qwen3 model and routes by it), what /v1/model describes, and the error body."""
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, Field, StrictInt
 
-from genrec.api import RecommendRequest, RetrieveRequest, ScoreRequest, Text
+from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest, Text
 
 # The cache keys integers as int64 (its two lowest values are reserved) and strings by their UTF-8 bytes.
 UserId = Annotated[
     Annotated[Text, Field(min_length=1, max_length=256)] | Annotated[StrictInt, Field(ge=-(2**63) + 2, lt=2**63)],
-    Field(description="looked up in the embedding cache"),
+    Field(description="the user: requests of one user go to the engine replica that holds their K/V"),
 ]
 
 
 class _ByUser(BaseModel):
     api_model: ClassVar[type[BaseModel]]
     user_id: UserId | None = Field(
-        None, description="fills user_embedding from the embedding cache (an inline user_embedding wins)"
+        None,
+        description="fills user_embedding from the embedding cache (an inline user_embedding wins), and routes "
+        "the request to the engine replica that holds this user's prompts",
     )
 
     def to_request(self, user_embedding: list[float] | None):
@@ -41,16 +44,32 @@ class RecommendBody(RecommendRequest, _ByUser):
     api_model: ClassVar[type[BaseModel]] = RecommendRequest
 
 
+class RankBody(RankRequest):
+    user_id: UserId | None = Field(
+        None, description="routes the request to the engine replica that holds this user's history (no lookup)"
+    )
+
+    def to_request(self, user_embedding: None = None) -> RankRequest:
+        """The engine's request: the same fields without user_id (a ranking model has no soft token)."""
+        return RankRequest.model_validate(self.model_dump(exclude={"user_id"}))
+
+
 class ModelInfo(BaseModel):
+    """What the engine replicas serve. Fields of the other family are None."""
+
     version: str = Field(description="content hash of the model directory")
     model_dir: str
     device: str
+    family: Literal["qwen3", "hstu"] = Field("qwen3", description="qwen3: semantic-ID decoder; hstu: ranker")
+    serves: list[str] = Field(description="the request kinds (routes) this model answers")
     catalog_items: int
-    levels: int
-    max_beam_width: int
-    max_candidates: int
-    max_prompt_tokens: int
-    user_dim: int | None = Field(description="soft-token input size; None: the model has no projector")
+    max_candidates: int = Field(description="candidates per score, recommend or rank request")
+    levels: int | None = Field(description="qwen3: semantic-ID code length")
+    max_beam_width: int | None = Field(description="qwen3")
+    max_prompt_tokens: int | None = Field(description="qwen3")
+    user_dim: int | None = Field(description="qwen3: soft-token input size; None: the model has no projector")
+    tasks: list[str] | None = Field(None, description="hstu: the head's tasks (scores per candidate)")
+    max_history_events: int | None = Field(None, description="hstu: events a history may hold")
 
 
 class ErrorDetail(BaseModel):
@@ -59,6 +78,8 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    code: str = Field(description="invalid_request | unauthorized | unknown_user | overloaded | timeout | unavailable")
+    code: str = Field(
+        description="invalid_request | unauthorized | unknown_user | not_served | overloaded | timeout | unavailable"
+    )
     message: str
     details: list[ErrorDetail] = []

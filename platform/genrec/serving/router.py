@@ -1,0 +1,78 @@
+"""Route each user's requests to the engine replica that holds their prompts' K/V: rendezvous hashing.
+
+The ingress passes a routing key (the user ID, else a digest of the prompt's first block; see routing_key.py)
+as a keyword argument of its handle call. Every replica gets a score hash(key, replica ID); the highest is the
+key's primary, the next its one fallback, then the rest. No state is shared: every caller (each ingress
+replica) agrees, and when replicas come or go only the keys whose primary came or went move (about 1/N).
+
+Selected per deployment with `request_router_config: {request_router_class: genrec.serving.router:UserRouter}`
+(the builder's default for the engine deployment; see app.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Iterable
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+ROUTING_KEY = "routing_key"  # the keyword argument of the engine deployment's methods that carries the key
+USER_ROUTER = f"{__name__}:UserRouter"
+SPILL_AFTER_S = 0.1
+
+
+def score(key: str, replica_id: str) -> int:
+    """The replica's rendezvous weight for the key: a stable 64-bit hash (Python's hash() differs per process,
+    and every ingress replica must agree)."""
+    digest = hashlib.blake2b(f"{key}\0{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_order(key: str, replica_ids: Iterable[str]) -> list[str]:
+    """The replica IDs, best first for this key: whatever order they are given in, the same order out."""
+    return sorted(replica_ids, key=lambda rid: (score(key, rid), rid), reverse=True)
+
+
+def ranks(key: str, replicas: list, replica_id=lambda r: r, widen: int = 2) -> list[list]:
+    """[[primary], [fallback], [the rest]] (empty ranks left out); `widen` 0 stops after the primary, 1 after
+    the fallback."""
+    by_id = {replica_id(r): r for r in replicas}
+    ordered = [by_id[rid] for rid in rendezvous_order(key, by_id)]
+    return [rank for rank in (ordered[:1], ordered[1:2], ordered[2:])[: widen + 1] if rank]
+
+
+def widening(waited_s: float, spill_after_s: float) -> int:
+    """How far past the primary a request that has waited this long may go: 0 (the primary only), then the
+    fallback after `spill_after_s`, then any replica after twice that."""
+    return min(2, int(waited_s // spill_after_s)) if spill_after_s > 0 else 2
+
+
+class UserRouter(RequestRouter):
+    """Rank 0 is the key's primary, rank 1 its fallback, then the rest; a request without a key goes to the
+    shorter queue of two random replicas (as Serve's default does)."""
+
+    spill_after_s = SPILL_AFTER_S
+
+    def initialize_state(self, spill_after_s: float = SPILL_AFTER_S) -> None:
+        """`request_router_kwargs`: how long a request waits for its busy primary before the fallback (an
+        unknown keyword fails the router's start instead of vanishing)."""
+        if isinstance(spill_after_s, bool) or not isinstance(spill_after_s, int | float) or spill_after_s < 0:
+            raise ValueError(f"spill_after_s must be a number of seconds >= 0, not {spill_after_s!r}")
+        self.spill_after_s = float(spill_after_s)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is None:
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        # When no rank offered accepts (each replica at max_ongoing_requests), Serve calls again after a backoff
+        # sleep rather than at once; the ranks offered widen with the wait, so a busy primary is retried for a
+        # while before the request spills to the fallback (which serves it cold).
+        pending_request.routing_context.should_backoff = True
+        key = pending_request.kwargs.get(ROUTING_KEY)
+        if not isinstance(key, str) or not key:
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        widen = widening(time.time() - pending_request.created_at, self.spill_after_s)
+        return ranks(key, candidate_replicas, lambda r: r.replica_id.unique_id, widen)

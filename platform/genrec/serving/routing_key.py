@@ -1,0 +1,31 @@
+"""A request's routing key: what sends it to the engine replica that already holds its K/V (see router.py).
+
+The user ID when the request has one. Without one, a digest of the prompt's first block: a returning user's
+prompt starts like their last one (history first, oldest first: README, "Prompt layouts that reuse"), so it
+still finds the replica that holds it. The ingress has no tokenizer, so a text prompt's first block is
+approximated by its first characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+FIRST_BLOCK = 16  # tokens (or history events) of one prefix-cache block (genrec.engine.prefix_cache.BLOCK)
+FIRST_TEXT_CHARS = 64  # a text prompt's first characters: roughly its first block
+
+
+def routing_key(body) -> str:
+    user_id = getattr(body, "user_id", None)
+    if user_id is not None:
+        return f"user:{user_id!r}"  # repr: the user 42 and the user "42" are two keys, as in the cache
+    return "first-block:" + hashlib.blake2b(_first_block(body).encode(), digest_size=16).hexdigest()
+
+
+def _first_block(body) -> str:
+    history = getattr(body, "history", None)
+    if history is not None:  # a rank request: its first events
+        return json.dumps([[e.item_id, e.action, e.timestamp] for e in history[:FIRST_BLOCK]])
+    if getattr(body, "prompt_token_ids", None) is not None:
+        return json.dumps(list(body.prompt_token_ids[:FIRST_BLOCK]))
+    return "text:" + (body.prompt or "")[:FIRST_TEXT_CHARS]

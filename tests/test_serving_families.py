@@ -1,0 +1,69 @@
+"""Both model families behind the engine deployment, without Ray: /v1/model's description of each, rank served
+by the replica, a route of the other family refused as not_served (404, never a 5xx), the error crossing
+processes intact. The HTTP side is tests/test_serving_rank.py."""
+
+import asyncio
+import pickle
+
+import pytest
+
+from genrec.api import Event, RankRequest, RetrieveRequest
+from genrec.engine import Engine, SchedulerConfig
+from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
+from genrec.serving.args import AppArgs
+from genrec.serving.engine_server import EngineServer, describe
+from genrec.serving.http_errors import NotServed, error_response
+from tests.conftest import TINY
+
+SPEC = HSTUSpec(items=60, hidden=32, layers=1, heads=2, head_dim=8, max_positions=40, actions=2, time_buckets=4)
+
+
+@pytest.fixture(scope="module")
+def hstu_dir(tmp_path_factory):
+    return write_hstu_dir(tmp_path_factory.mktemp("hstu-families") / "model", SPEC)
+
+
+@pytest.fixture(scope="module")
+def ranker_server(hstu_dir):
+    options = AppArgs(model_dir=str(hstu_dir), kv_budget_bytes=16 << 20).replica_options()
+    server = EngineServer.func_or_class(str(hstu_dir), "cpu", options)
+    yield server
+    server._stopped.set()
+    server.engine.shutdown()
+
+
+def test_model_info_of_each_family(engine, tiny_dir, hstu_dir):
+    qwen3 = describe(engine, str(tiny_dir), "cpu")
+    assert (qwen3.family, qwen3.serves, qwen3.levels, qwen3.user_dim) == (
+        "qwen3", ["retrieve", "score", "recommend"], TINY.levels, TINY.user_dim,
+    )  # fmt: skip
+    assert qwen3.tasks is None and qwen3.max_history_events is None
+    ranker = describe(Engine.from_pretrained(hstu_dir), str(hstu_dir), "cpu")
+    assert (ranker.family, ranker.serves, ranker.tasks) == ("hstu", ["rank"], list(SPEC.tasks))
+    assert (ranker.catalog_items, ranker.max_history_events) == (SPEC.items, SPEC.max_positions - 1)
+    assert ranker.levels is ranker.max_beam_width is ranker.max_prompt_tokens is ranker.user_dim is None
+
+
+def test_the_replica_ranks_as_the_engine_does_and_ignores_the_routing_key(ranker_server, hstu_dir):
+    request = RankRequest(history=[Event(item_id="item-000001", action=1), Event(item_id="item-000002")],
+                          candidates=["item-000003", "item-000004"])  # fmt: skip
+    result, version = asyncio.run(ranker_server.rank(request, 10.0, routing_key="user:'u'"))
+    (want,) = Engine.from_pretrained(hstu_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0)).rank([request])
+    assert version == ranker_server.info.version and result.history_events == 2
+    for got, expected in zip(result.items, want.items, strict=True):
+        assert got.scores == pytest.approx(expected.scores, abs=1e-5)
+    assert ranker_server.stats()["metrics"]["requests"]["rank:ok"] == 1
+
+
+def test_a_route_of_the_other_family_is_not_served(ranker_server):
+    with pytest.raises(NotServed, match="hstu model, which answers /v1/rank; not /v1/retrieve"):
+        asyncio.run(ranker_server.retrieve(RetrieveRequest(prompt="user listened"), 10.0))
+    assert ranker_server.stats()["metrics"]["requests"].get("retrieve:invalid", 0) == 0  # never reached the engine
+
+
+def test_not_served_is_a_404_and_survives_pickling():
+    error = NotServed("retrieve", "hstu", ["rank"])
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), str(back), back.__dict__) == (NotServed, str(error), error.__dict__)
+    response = error_response(back)
+    assert response.status_code == 404 and b'"not_served"' in response.body

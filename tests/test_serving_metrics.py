@@ -1,0 +1,60 @@
+"""The prefix cache's stats reach the Prometheus exporter: the engine's cumulative totals become counter
+increments (a counter only goes up), bytes held and entries gauges. No Ray cluster: the metric classes are fakes."""
+
+from genrec.serving import metrics
+
+
+class Recorded:
+    def __init__(self, name, description="", **_):
+        self.name, self.value = name, 0
+
+    def inc(self, value=1.0, tags=None):
+        assert value > 0  # as ray.util.metrics.Counter requires
+        self.value += value
+
+    def set(self, value, tags=None):
+        self.value = value
+
+
+def test_prefix_cache_totals_become_counter_increments_and_gauges(monkeypatch):
+    monkeypatch.setattr(metrics, "Counter", Recorded)
+    monkeypatch.setattr(metrics, "Gauge", Recorded)
+    exporter = metrics.PrefixCacheExporter()
+    stats = {"tokens_reused": 0, "tokens_prompted": 120, "hits": 0, "evictions": 0, "spills": 0}
+    exporter.update({**stats, "bytes_held": 4096, "entries": 1})
+    exporter.update({**stats, "tokens_reused": 96, "tokens_prompted": 250, "hits": 1, "bytes_held": 8192, "entries": 2})
+    exporter.update({**stats, "tokens_reused": 96, "tokens_prompted": 250, "hits": 1, "evictions": 1, "entries": 1})
+    values = {name: c.value for name, c in {**exporter.counters, **exporter.gauges}.items()}
+    assert values == {
+        "genrec_prefix_cache_tokens_reused": 96,
+        "genrec_prefix_cache_tokens_prompted": 250,
+        "genrec_prefix_cache_hits": 1,
+        "genrec_prefix_cache_evictions": 1,
+        "genrec_prefix_cache_spills": 0,
+        "genrec_prefix_cache_bytes_held": 0,
+        "genrec_prefix_cache_entries": 1,
+    }
+
+
+def test_the_engine_snapshot_feeds_the_prefix_cache_exporter(monkeypatch, tiny_dir):
+    import asyncio
+
+    from genrec.api import RetrieveRequest
+    from genrec.engine import AsyncEngine, Engine
+
+    for name in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, name, Recorded)
+    exporter = metrics.EngineMetricsExporter()
+    engine = AsyncEngine(Engine.from_pretrained(tiny_dir))  # the prefix cache on, as in a replica
+    try:
+        request = RetrieveRequest(prompt_token_ids=[3 + i % 150 for i in range(100)], beam_width=4)
+        for _ in range(2):
+            asyncio.run(engine.retrieve(request))
+        exporter.update(engine.metrics())
+    finally:
+        engine.shutdown()
+    counters = exporter.prefix_cache.counters
+    assert counters["genrec_prefix_cache_tokens_prompted"].value == 200
+    assert counters["genrec_prefix_cache_tokens_reused"].value >= 96
+    assert counters["genrec_prefix_cache_hits"].value == 1
+    assert exporter.prefix_cache.gauges["genrec_prefix_cache_bytes_held"].value > 0

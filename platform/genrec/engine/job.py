@@ -17,28 +17,19 @@ from genrec.engine.scoring import ScoreJob
 
 class JobState(Enum):
     WAITING = "waiting"  # queued; holds nothing
-    PREFILLING = "prefilling"  # holds its KV; its prompt runs in chunks, ctx.length tokens done
+    PREFILLING = "prefilling"  # holds its KV; its prompt runs in chunks after its reused prefix, ctx.length done
     DECODING = "decoding"  # beam search over its context, one level per step
     SCORING = "scoring"  # rows to score over its context: its candidates, or (recommend) its beams and candidates
     FINISHED = "finished"  # its future is settled and its KV released
 
 
 _MOVES = {
-    JobState.WAITING: {JobState.PREFILLING, JobState.DECODING, JobState.SCORING, JobState.FINISHED},
+    JobState.WAITING: {JobState.PREFILLING, JobState.FINISHED},  # even a cached prompt prefills its last token
     JobState.PREFILLING: {JobState.DECODING, JobState.SCORING, JobState.FINISHED},
     JobState.DECODING: {JobState.SCORING, JobState.FINISHED},
     JobState.SCORING: {JobState.FINISHED},
     JobState.FINISHED: set(),
 }
-
-
-@dataclass
-class Prefilled:
-    """A prompt after prefill: its ContextKV and the float32 logits at its last position (what the context cache
-    keeps)."""
-
-    ctx: object  # ContextKV
-    last_logits: torch.Tensor
 
 
 @dataclass(eq=False)

@@ -13,18 +13,27 @@ The model is any `genrec.model.family.ContextModel` (Qwen3 here): embed, prefill
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from genrec.attention import ContextGroup, ContextRows
 from genrec.engine.beam import BeamCohort, advance_all
 from genrec.engine.decode_batch import DecodeBatch, bucket_of
-from genrec.engine.job import Prefilled
 from genrec.engine.prepared import Prepared
 from genrec.engine.scoring import LabelScores, ScoreJob, Segment, chunks, pad_rows, ragged
 from genrec.engine.soft_token import inject_user_embedding
 from genrec.model.kv_pool import MAX_SPANS, ContextKV, KVPool
 from genrec.staging import to_device
+
+
+@dataclass
+class Prefilled:
+    """A prompt prefilled on its own: its ContextKV and the float32 logits at its last position."""
+
+    ctx: ContextKV
+    last_logits: torch.Tensor
 
 
 class ModelRunner:

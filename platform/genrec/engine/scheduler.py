@@ -1,13 +1,14 @@
 """The continuous-batching scheduler: the one place that sequences work. One `step()` is one iteration.
 
 Each iteration (1) drops cancelled and timed-out requests, freeing their KV at once; (2) admits waiting
-requests in arrival order while the KV budget allows; (3) prefills under a token budget, in chunks, so a
-long prompt does not starve running decodes; (4) starts beam cohorts for the prefilled beam requests; (5)
-runs ONE decode pass for every running beam of every request; (6) runs the scoring rows of every request
-that has them (score requests; recommend requests whose beams are done) and finishes them. A job's state
-(`JobState`) says which of these it is in. The runner makes every model call; no Ray and no threads here:
-the synchronous `Engine` steps it until its batch is done, the AsyncEngine's loop steps it forever. Every
-model call is guarded, so a failing request fails alone.
+requests in arrival order while the KV budget allows, each reusing its longest cached prefix (the prefix
+cache); (3) prefills the rest of their contexts under a token budget, in chunks, so a long prompt does not
+starve running decodes; (4) starts beam cohorts for the prefilled beam requests; (5) runs ONE decode pass for
+every running beam of every request; (6) runs one bounded pass of scoring (or ranking) rows for the requests
+that have them, and finishes those whose rows are all done. A job's state (`JobState`) says which of these it
+is in. The runner makes every model call; no Ray and no threads here: the synchronous `Engine` steps it until
+its batch is done, the AsyncEngine's loop steps it forever. Every model call is guarded, so a failing request
+fails alone.
 """
 
 from __future__ import annotations

@@ -194,3 +194,21 @@ def test_an_evicted_prefix_spills_to_the_host_tier_and_comes_back_on_a_hit(engin
     snapshot = scheduler.cache.snapshot()
     assert snapshot["restores"] >= 1 and scheduler.cache.stats.tokens_reused - before == 80
     assert SchedulerConfig().host_cache_bytes == 0  # off unless sized
+
+
+def test_warm_and_cold_prompts_prefilled_in_one_pass_equal_their_cold_runs(engine, rng):
+    """One packed prefill pass mixing a chunk with a reused prefix and chunks without: each equals a cold run."""
+    scheduler = Scheduler(engine)
+    returning = list(returning_user(engine, rng, start=64, appends=(9,)))
+    run(scheduler, engine, RetrieveRequest(prompt_token_ids=returning[0], beam_width=5))
+    requests = [
+        RetrieveRequest(prompt_token_ids=returning[1], beam_width=5),  # warm: 64 tokens reused
+        RetrieveRequest(prompt_token_ids=random_prompt(engine, 40, rng), beam_width=5),  # cold
+        RetrieveRequest(prompt_token_ids=random_prompt(engine, 23, rng), beam_width=5),  # cold
+    ]
+    futures = [scheduler.submit(engine.prepare(r)) for r in requests]
+    while not scheduler.idle:
+        scheduler.step()
+    assert scheduler.cache.stats.tokens_reused == 64
+    for request, future in zip(requests, futures, strict=True):
+        assert_equal(future.result(), cold(engine, request))

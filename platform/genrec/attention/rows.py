@@ -100,25 +100,41 @@ class PrefillRows:
         self.fast = fast
         own = [(c.pool, c.extent.start, c.length - c.prefix_length) for c in contexts]
         pools = list({id(p): p for p, _, _ in own}.values())
-        self.causal = [
-            (pool, Spans(cu_q, [a if p is pool else 0 for p, a, _ in own], [n if p is pool else 0 for p, _, n in own]))
-            for pool in pools
-        ]
-        prefixes = [_Prefix(c) if c.prefix else None for c in contexts]
-        self.prefix = span_parts(prefixes, cu_q)
+
+        def causal(keep) -> list:  # the chunks' own spans, of the chunks `keep` says (others: no keys)
+            return [
+                (
+                    pool,
+                    Spans(
+                        cu_q,
+                        [a if p is pool else 0 for p, a, _ in own],
+                        [n if p is pool and k else 0 for (p, _, n), k in zip(own, keep, strict=True)],
+                    ),
+                )
+                for pool in pools
+            ]
+
+        with_prefix = [bool(c.prefix) for c in contexts]
+        # Chunks without a reused prefix need no log-sum-exp (one causal call); the others merge theirs exactly.
+        self.plain = causal([not w for w in with_prefix]) if not all(with_prefix) else []
+        self.merged = causal(with_prefix) if any(with_prefix) else []
+        self.prefix = span_parts([_Prefix(c) if c.prefix else None for c in contexts], cu_q)
 
     def attend(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-        """q [tokens, H, D] -> out [tokens, H, D]."""
-        if not self.prefix and len(self.causal) == 1:  # no reused prefix: one causal call, no LSE needed
-            pool, spans = self.causal[0]
-            out, _ = varlen_attention(
+        """q [tokens, H, D] -> out [tokens, H, D]. Every query belongs to one chunk: its row of `out` comes from
+        the plain call or from the merged ones (the other side gives it zeros)."""
+        out = None
+        for pool, spans in self.plain:
+            o, _ = varlen_attention(
                 q, pool.k[layer], pool.v[layer], spans, scale, causal=True, need_lse=False, fast=self.fast
             )
-            return out
-        out, lse = attend_parts(q, self.prefix, layer, scale, self.fast)
-        for pool, spans in self.causal:
-            o, s = varlen_attention(q, pool.k[layer], pool.v[layer], spans, scale, causal=True, fast=self.fast)
-            out, lse = merge_partials(out, lse, o, s)
+            out = o if out is None else out + o
+        if self.merged:
+            merged, lse = attend_parts(q, self.prefix, layer, scale, self.fast)
+            for pool, spans in self.merged:
+                o, s = varlen_attention(q, pool.k[layer], pool.v[layer], spans, scale, causal=True, fast=self.fast)
+                merged, lse = merge_partials(merged, lse, o, s)
+            out = merged if out is None else out + merged
         return out
 
 

@@ -100,6 +100,14 @@ def _causal(q, keys, values, scale, need_lse):
         return out[0].transpose(0, 1), None
     H, KV = q.shape[1], keys.shape[0]
     kh, vh = keys.repeat_interleave(H // KV, 0), values.repeat_interleave(H // KV, 0)  # [H, n, D]
+    if m == n and q.device.type == "cpu" and (q.device.type, q.dtype) not in _FUSED_BROKEN:
+        try:  # the fused kernel returns the log-sum-exp too (its causal mask is top-left: right only when m == n)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.transpose(0, 1)[None], kh[None], vh[None], 0.0, True, scale=scale
+            )
+            return out[0].transpose(0, 1), lse[0]
+        except RuntimeError:
+            _FUSED_BROKEN.add((q.device.type, q.dtype))
     s = torch.bmm(q.transpose(0, 1), kh.transpose(1, 2)).float() * scale
     visible = mask if mask is not None else torch.ones(m, n, dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~visible[None], float("-inf"))

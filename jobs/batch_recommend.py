@@ -6,7 +6,8 @@
 --rank recommends (retrieve, then rank); --rank-by joint [--score-weight W] ranks by the generator's and the
 label's log-probabilities together (RecommendRequest.rank_by).
 Rerun with the same arguments after a failure: committed shards are skipped, the rest are computed.
-Exit status: 0, or 1 when the fraction of bad rows passes --max-error-fraction, or 2 for bad arguments.
+Exit status: 0, or 1 when the fraction of bad rows (repeated user_ids among them) passes --max-error-fraction,
+or 2 for bad arguments (an --out that cannot be written, --num-gpus that the cluster cannot give among them).
 """
 
 import argparse

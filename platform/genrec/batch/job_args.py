@@ -32,6 +32,12 @@ def add_shard_job_flags(parser: argparse.ArgumentParser, users_help: str) -> Non
     parser.add_argument("--batch-size", type=int, default=64, help="users per engine call and per output file")
     parser.add_argument("--actors", type=int, default=1, help="engine actors (one model copy each)")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor (0: CPU engine)")
+    parser.add_argument(
+        "--gpu-wait-s",
+        type=float,
+        help="when no node has the GPUs and the autoscaler publishes no GPU node type (ray up): ask it for one and "
+        "wait this long (default: refuse at once)",
+    )
     parser.add_argument("--cpus-per-actor", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per actor")
     parser.add_argument("--kv-budget-bytes", type=int, default=None, help="each actor's KV pool (default: by device)")
@@ -108,7 +114,7 @@ def run_job(main: Callable[[], int]) -> None:
 
 def _one_line(err: Exception) -> str:
     if not isinstance(err, ValidationError):
-        return str(err)
+        return " ".join(str(err).split())
     parts = []
     for problem in err.errors():
         message = problem["msg"].removeprefix("Value error, ")

@@ -1,7 +1,7 @@
 """run_shards: a batch job as a Ray Data pipeline over input shards, resumable and idempotent. The recommend
 job (`recommend.run_batch`) and the rank job (`rank.run_rank`) are this pipeline with their own worker.
 
-    plan shards (driver)  ->  skip committed ones  ->  from_items(pending shards)
+    plan shards, find repeated user_ids (driver)  ->  skip committed ones  ->  from_arrow(pending shards)
       -> map_batches(worker, ActorPoolStrategy): read shard, validate rows, one engine call, commit files
       -> per-shard reports  ->  summary
 
@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from genrec.batch.connect import ensure_ray
+from genrec.batch.connect import check_gpus, ensure_ray
 from genrec.batch.output import OutputDir, ShardCounts
-from genrec.batch.shards import Shard, UsersInput
+from genrec.batch.shards import Shard, UsersInput, shards_table
 from genrec.batch.spec import Execution, JobSpec
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
@@ -35,6 +35,7 @@ class Summary:
     skipped_as_done: int  # users whose shard an earlier invocation had committed
     rows_written: int  # result rows in the output (recommendations or rankings), all invocations
     errors: int  # bad rows in the output, all invocations
+    repeats: int  # input rows refused for a user_id an earlier row has (among the errors)
     error_fraction: float
     seconds: float
     first_shard_s: float | None  # until the first shard was committed: actor start, model load, one shard
@@ -68,7 +69,13 @@ def run_shards(
     pending = [s for s in shards if s.index not in counts]
     processed, first_shard_s = 0, None
     if pending:
-        ensure_ray()  # only now: bad input fails fast, and a finished run needs no cluster
+        out.check_writable()
+        ray = ensure_ray()  # only now: bad input fails fast, and a finished run needs no cluster
+        try:
+            check_gpus(ray, execution.num_gpus, execution.gpu_wait_s)
+        except GenrecError:
+            out.abandon_new_run()  # nothing ran: the rerun (e.g. with --num-gpus 0) is a new run
+            raise
         worker_kwargs = {"spec": spec, "model_version": version, "run_id": run_id, **setup()}
         for report in _run_shards(pending, worker, worker_kwargs, execution):
             first_shard_s = first_shard_s or round(time.perf_counter() - start, 3)
@@ -87,6 +94,7 @@ def run_shards(
         skipped_as_done=skipped,
         rows_written=rows,
         errors=errors,
+        repeats=sum(len(s.repeats) for s in shards),
         error_fraction=errors / max(users.rows, 1),
         seconds=round(seconds, 3),
         first_shard_s=first_shard_s,
@@ -101,7 +109,7 @@ def _run_shards(pending: list[Shard], worker: type[ShardWorker], worker_kwargs: 
     ray = ensure_ray()
     from ray.data import ActorPoolStrategy
 
-    dataset = ray.data.from_items([s.as_row() for s in pending], override_num_blocks=len(pending))
+    dataset = ray.data.from_arrow([shards_table([s]) for s in pending])  # one block per shard
     dataset.context.enable_progress_bars = execution.progress  # this dataset's copy of the context
     reports = dataset.map_batches(
         worker,

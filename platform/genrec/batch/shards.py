@@ -3,6 +3,11 @@ Which columns a job reads (besides `user_id`) is its `InputLayout`.
 
 A shard is the unit of work, of output and of resumption: one engine call, one output file. Its number
 depends only on the input files and the batch size, so a rerun names every shard as the first run did.
+
+One row per user: a user_id that comes again is a repeat. The first row with it in input order (files in name
+order, rows in file order) is the user's row, valid or not; every later one is refused (an error naming the first).
+The driver finds the repeats over the whole input before any shard runs and gives each shard its own, so shards
+that run apart, in any order, in any run, refuse the same rows.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -38,11 +45,18 @@ class InputLayout:
 
 
 @dataclass(frozen=True)
+class Repeat:
+    position: int  # row in the shard
+    reason: str  # "repeats row N" (the user's row; "of FILE" when another file holds it)
+
+
+@dataclass(frozen=True)
 class Shard:
     index: int
     path: str  # inside the input's filesystem
     start: int  # first row in that file
     stop: int
+    repeats: tuple[Repeat, ...] = ()  # its rows whose user_id an earlier row of the input has
 
     @property
     def name(self) -> str:
@@ -54,6 +68,25 @@ class Shard:
 
     def as_row(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_row(cls, row: dict) -> Shard:
+        return cls(**{**row, "repeats": tuple(Repeat(**r) for r in row.get("repeats") or ())})
+
+
+SHARD_SCHEMA = pa.schema(
+    [
+        ("index", pa.int64()),
+        ("path", pa.string()),
+        ("start", pa.int64()),
+        ("stop", pa.int64()),
+        ("repeats", pa.list_(pa.struct([("position", pa.int64()), ("reason", pa.string())]))),
+    ]
+)
+
+
+def shards_table(shards: list[Shard]) -> pa.Table:
+    return pa.Table.from_pylist([s.as_row() for s in shards], SHARD_SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -70,6 +103,7 @@ class UsersInput:
     def __init__(self, uri: str, layout: InputLayout):
         self.uri, self.layout = uri, layout
         self.fs, root = filesystem(uri)
+        self.root = root
         info = self.fs.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
             raise GenrecError(f"{uri}: no such file or directory (expected the users Parquet)")
@@ -105,6 +139,9 @@ class UsersInput:
         if "user_id" not in schema.names:
             raise GenrecError(f"{path}: column 'user_id' is missing (have {schema.names})")
         kind = schema.field("user_id").type
+        for other_path, other in schemas[1:]:  # one type: 42 and "42" are different users, and one output column
+            if other.field("user_id").type != kind:
+                raise GenrecError(f"{other_path}: column 'user_id' is {other.field('user_id').type}, {path}'s {kind}")
         if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise GenrecError(f"{path}: column 'user_id' must hold integers or strings, not {kind}")
         missing = self.layout.missing(schema.names)
@@ -122,11 +159,41 @@ class UsersInput:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def shards(self, rows_per_shard: int) -> list[Shard]:
+        """The input's shards, each with its repeats (reads the user_id column of every file)."""
+        first = self.first_rows()
+        offsets = np.cumsum([0, *(f.rows for f in self.files)])
+        repeated = np.flatnonzero((first >= 0) & (first != np.arange(len(first))))  # input rows, in order
         out = []
-        for file in self.files:
+        for k, file in enumerate(self.files):
             for start in range(0, file.rows, rows_per_shard):
-                out.append(Shard(len(out), file.path, start, min(start + rows_per_shard, file.rows)))
+                stop = min(start + rows_per_shard, file.rows)
+                lo, hi = np.searchsorted(repeated, [offsets[k] + start, offsets[k] + stop])
+                repeats = tuple(
+                    Repeat(int(row - offsets[k] - start), self._reason(int(first[row]), k, offsets))
+                    for row in repeated[lo:hi]
+                )
+                out.append(Shard(len(out), file.path, start, stop, repeats))
         return out
+
+    def first_rows(self) -> np.ndarray:
+        """For every input row (files one after another): the first input row with its user_id (the row itself
+        when it is the first), -1 where the user_id is null."""
+        chunks = []
+        for file in self.files:
+            with self.fs.open_input_file(file.path) as handle:
+                chunks += pq.ParquetFile(handle).read(columns=["user_id"]).column(0).chunks
+        user_ids = pa.chunked_array(chunks, type=chunks[0].type if chunks else pa.int64())
+        groups = pc.index_in(user_ids, value_set=pc.unique(user_ids)).to_numpy()  # one number per distinct id
+        values, first_of_group = np.unique(groups, return_index=True)
+        first = first_of_group[np.searchsorted(values, groups)].astype(np.int64)
+        first[user_ids.is_null().to_numpy(zero_copy_only=False)] = -1
+        return first
+
+    def _reason(self, first: int, file_index: int, offsets: np.ndarray) -> str:
+        """The refusal of a repeat of input row `first` found in file `file_index`."""
+        k = int(np.searchsorted(offsets, first, side="right")) - 1
+        where = "" if k == file_index else f" of {self.files[k].path.removeprefix(self.root).lstrip('/')}"
+        return f"repeats row {first - offsets[k]}{where}"
 
     def file(self, path: str) -> InputFile:
         return next(f for f in self.files if f.path == path)

@@ -14,7 +14,7 @@ from genrec.api import MAX_BEAM_WIDTH, MAX_SCORE_WEIGHT
 from genrec.cache.config import CacheConfig
 from genrec.engine_options import EngineOptions
 
-FORMAT = 2  # bump when the output layout or columns change
+FORMAT = 3  # bump when the output layout or columns change (3: repeated user_ids refused)
 
 
 class JobSpec(EngineOptions):
@@ -100,6 +100,12 @@ class Execution(BaseModel):
 
     actors: int = Field(1, ge=1, description="engine actors in the pool (one model copy each)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0: CPU engine)")
+    gpu_wait_s: float = Field(
+        0.0,
+        ge=0,
+        description="with num_gpus, when no node has the GPUs and the autoscaler publishes no GPU node type: ask "
+        "it for one and wait this long for it (0: refuse at once)",
+    )
     cpus_per_actor: float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
     threads: int | None = Field(None, ge=1, description="torch threads per actor (default: Ray's, 1 per CPU)")
     kv_budget_bytes: int | None = Field(

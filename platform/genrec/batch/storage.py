@@ -50,6 +50,15 @@ def write_text_atomic(fs: pafs.FileSystem, path: str, text: str) -> None:
     fs.move(tmp, path)
 
 
+def probe_write(fs: pafs.FileSystem, directory: str) -> None:
+    """Write and delete a hidden temporary file in `directory`: raises (OSError, ArrowException) where it cannot.
+    A probe left by a killed writer is a stale temporary (remove_stale_tmp)."""
+    probe = f"{directory}/.probe.{uuid.uuid4().hex}{TMP_SUFFIX}"
+    with fs.open_output_stream(probe) as stream:
+        stream.write(b"")
+    fs.delete_file(probe)
+
+
 def read_text(fs: pafs.FileSystem, path: str) -> str | None:
     if fs.get_file_info(path).type == pafs.FileType.NotFound:
         return None

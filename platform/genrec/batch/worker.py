@@ -2,7 +2,8 @@
 
 Nothing here imports Ray: Ray Data constructs the class once per actor and calls it with batches of shard
 descriptors. A shard is read, validated row by row, run through the engine in ONE call (so its results
-depend on the shard alone, never on scheduling) and committed; a shard already committed is skipped.
+depend on the shard alone, never on scheduling) and committed; a shard already committed is skipped. The rows the
+driver found to repeat an earlier row's user_id (the shard's `repeats`) are refused, whatever else they hold.
 Each job's worker (RecommendWorker, RankWorker) says which columns it reads, how rows become requests, which
 engine call runs them and how results become its output table.
 """
@@ -57,7 +58,7 @@ class ShardWorker:
         self.out = OutputDir(spec.out, self.results)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([self.run(Shard(**row)) for row in batch.to_pylist()], schema=REPORT)
+        return pa.Table.from_pylist([self.run(Shard.from_row(row)) for row in batch.to_pylist()], schema=REPORT)
 
     def run(self, shard: Shard) -> dict:
         done = self.out.counts(shard)  # a retried task, or a late duplicate of a shard
@@ -70,6 +71,7 @@ class ShardWorker:
         table = self.reader.read(shard)
         user_ids = table.column("user_id").combine_chunks()
         parsed = self.parse(table, user_ids)
+        _refuse_repeats(parsed, shard)
         self._check_against_model(parsed)
         results = self.infer(parsed.requests) if parsed.requests else []
         return (
@@ -102,3 +104,14 @@ class ShardWorker:
                 parsed.errors.append(RowError(position, "request", str(err)))
         parsed.requests = [r for r, _ in keep]
         parsed.positions = [p for _, p in keep]
+
+
+def _refuse_repeats(parsed: Parsed, shard: Shard) -> None:
+    """The shard's repeats as errors (field user_id, naming the user's row), in place of a request or another error."""
+    if not shard.repeats:
+        return
+    refused = {r.position: r.reason for r in shard.repeats}
+    kept = [(q, p) for q, p in zip(parsed.requests, parsed.positions, strict=True) if p not in refused]
+    parsed.requests, parsed.positions = [q for q, _ in kept], [p for _, p in kept]
+    parsed.errors = [e for e in parsed.errors if e.position not in refused]
+    parsed.errors += [RowError(position, "user_id", reason) for position, reason in refused.items()]

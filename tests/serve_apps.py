@@ -1,6 +1,8 @@
 """Serve apps for the test modules, deployed on the session's Serve as `serve deploy` does (from a config naming
 the builder), so a change of `user_config` alone reconfigures running replicas instead of replacing them."""
 
+import time
+
 from genrec.serving.args import AppArgs
 
 SMALL = {"engine_num_cpus": 0.2, "ingress_num_cpus": 0.05}  # many apps share the 2-CPU test cluster
@@ -15,19 +17,41 @@ def deploy(name: str, deployments: list[dict] | None = None, **args) -> None:
 
 def deploy_many(apps: dict[str, tuple[list[dict] | None, dict]]) -> None:
     """Several apps in one config: Serve starts them side by side."""
+    for name, (deployments, args) in apps.items():
+        _record(name, deployments, args)
+    _apply(blocking=True)
+
+
+def deploy_refused(name: str, deployments: list[dict] | None = None, timeout_s: float = 60, **args) -> str:
+    """Deploy a config the app's builder refuses and return the app's DEPLOY_FAILED message (its running version
+    stays). The refused config stays recorded: deploy the good one again afterwards."""
+    from ray import serve
+
+    _record(name, deployments, args)
+    _apply(blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while (status := serve.status().applications[name]).status != "DEPLOY_FAILED":
+        assert time.monotonic() < deadline, f"the deploy of {name} was not refused: {status.status}"
+        time.sleep(0.2)
+    return status.message
+
+
+def _record(name: str, deployments: list[dict] | None, args: dict) -> None:
+    AppArgs(**(SMALL | args))  # fail here, readably, on a typo in a test
+    _DEPLOYED[name] = {
+        "name": name,
+        "route_prefix": f"/{name}",
+        "import_path": "genrec.serving.app:build_app",
+        "args": SMALL | args,
+        "deployments": deployments or [],
+    }
+
+
+def _apply(blocking: bool) -> None:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    for name, (deployments, args) in apps.items():
-        AppArgs(**(SMALL | args))  # fail here, readably, on a typo in a test
-        _DEPLOYED[name] = {
-            "name": name,
-            "route_prefix": f"/{name}",
-            "import_path": "genrec.serving.app:build_app",
-            "args": SMALL | args,
-            "deployments": deployments or [],
-        }
-    _get_global_client().deploy_apps(ServeDeploySchema(applications=list(_DEPLOYED.values())), _blocking=True)
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=list(_DEPLOYED.values())), _blocking=blocking)
 
 
 def delete(name: str) -> None:

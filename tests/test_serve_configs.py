@@ -1,47 +1,18 @@
 """The Serve config files: every key is one Serve's schema defines (Serve drops unknown keys silently, so a
 typo would deploy and do nothing), `args` validate into AppArgs, and every named deployment exists."""
 
-import typing
 from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import BaseModel
 from ray.serve.schema import ServeDeploySchema
 
-from genrec.serving.app import build_app
+from genrec.serving.app import application
 from genrec.serving.args import AppArgs, EngineLimits, IngressLimits
+from genrec.serving.check import LIVE, main, problems, unknown_keys
 
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
 CONFIGS = [DEPLOYMENTS / "local.yaml", DEPLOYMENTS / "gpu.yaml", DEPLOYMENTS / "hstu-local.yaml"]
-FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
-
-
-def _models_in(annotation) -> list[type[BaseModel]]:
-    """The pydantic models a field's annotation may hold (through Optional, Union, list, dict values)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    found = []
-    for arg in typing.get_args(annotation):
-        found += _models_in(arg)
-    return found
-
-
-def unknown_keys(value, model: type[BaseModel], path: str = "") -> list[str]:
-    if isinstance(value, list):
-        return [bad for i, item in enumerate(value) for bad in unknown_keys(item, model, f"{path}[{i}]")]
-    if not isinstance(value, dict):
-        return []
-    fields = {f.alias or name: f for name, f in model.model_fields.items()} | dict(model.model_fields)
-    bad = []
-    for key, item in value.items():
-        where = f"{path}.{key}" if path else key
-        if key not in fields:
-            bad.append(where)
-        elif key not in FREE_FORM:
-            for sub in _models_in(fields[key].annotation):
-                bad += unknown_keys(item, sub, where)
-    return bad
 
 
 def deployment_names(app) -> set[str]:
@@ -55,18 +26,19 @@ def test_config_keys_are_serve_schema_fields(path):
     config = yaml.safe_load(path.read_text())
     assert unknown_keys(config, ServeDeploySchema) == []
     ServeDeploySchema.model_validate(config)  # and the values validate
+    assert problems(config) == []  # and args, user_configs and deployment names (python -m genrec.serving.check)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_args_and_deployment_names_match_the_app(path):
-    for application in yaml.safe_load(path.read_text())["applications"]:
-        assert application["import_path"] == "genrec.serving.app:build_app"
-        args = AppArgs.model_validate(application["args"])
-        names = deployment_names(build_app(args))
-        assert names == {"Ingress", "EngineServer"}
-        assert {d["name"] for d in application.get("deployments", [])} <= names
+    for app in yaml.safe_load(path.read_text())["applications"]:
+        assert app["import_path"] == "genrec.serving.app:build_app"
+        args = AppArgs.model_validate(app["args"])
+        names = deployment_names(application(args))
+        assert names == {"Ingress", "EngineServer"} == set(LIVE)  # what the config check knows
+        assert {d["name"] for d in app.get("deployments", [])} <= names
         live = {"Ingress": IngressLimits, "EngineServer": EngineLimits}
-        for deployment in application.get("deployments", []):
+        for deployment in app.get("deployments", []):
             if "user_config" in deployment:  # what reconfigure() will be handed
                 live[deployment["name"]].model_validate(deployment["user_config"])
 
@@ -80,8 +52,8 @@ def test_the_engine_deployment_routes_by_user(path):
 
     from genrec.serving.router import USER_ROUTER, UserRouter
 
-    for application in yaml.safe_load(path.read_text())["applications"]:
-        (engine,) = [d for d in application["deployments"] if d["name"] == "EngineServer"]
+    for app in yaml.safe_load(path.read_text())["applications"]:
+        (engine,) = [d for d in app["deployments"] if d["name"] == "EngineServer"]
         config = RequestRouterConfig(**engine["request_router_config"])  # imports the class
         assert config.request_router_class == USER_ROUTER
         assert issubclass(UserRouter, RequestRouter)
@@ -89,8 +61,8 @@ def test_the_engine_deployment_routes_by_user(path):
 
 
 def test_the_gpu_app_keeps_two_engine_replicas_and_their_caches_through_a_dip():
-    (application,) = yaml.safe_load((DEPLOYMENTS / "gpu.yaml").read_text())["applications"]
-    args = AppArgs.model_validate(application["args"])
+    (app,) = yaml.safe_load((DEPLOYMENTS / "gpu.yaml").read_text())["applications"]
+    args = AppArgs.model_validate(app["args"])
     assert args.min_replicas >= 2 and args.downscale_delay_s >= 600
     from genrec.serving.app import engine_deployment
 
@@ -142,3 +114,37 @@ def test_rayservice_carries_the_gpu_app_and_autoscales():
     env = {e["name"] for e in container["env"]}
     token_env = serve_config["applications"][0]["args"]["auth_token_env"]
     assert token_env in env  # the bearer token reaches the replicas
+
+
+def test_the_config_check_refuses_what_serve_would_accept(tmp_path, capsys):
+    """A user_config Serve would hand to running replicas (which keep their limits and log it), an unknown
+    deployment, a typo in args: each refused by `python -m genrec.serving.check`, naming where."""
+    config = yaml.safe_load((DEPLOYMENTS / "local.yaml").read_text())
+    (app,) = config["applications"]
+    app["args"]["max_replicaz"] = 2
+    app["deployments"] += [
+        {"name": "EngineServer", "user_config": {"max_queue": 0}},
+        {"name": "Ingress", "user_config": {"request_timeout_s": -1, "deadline": 3}},
+        {"name": "Engine"},
+    ]
+    found = problems(config)
+    assert any(p.startswith("applications[0].args.max_replicaz:") for p in found)
+    assert any(p.startswith("applications[0].deployments[1].user_config.max_queue:") for p in found)
+    assert any(p.startswith("applications[0].deployments[2].user_config.request_timeout_s:") for p in found)
+    assert any(p.startswith("applications[0].deployments[2].user_config.deadline:") for p in found)
+    assert any(p.startswith("applications[0].deployments[3].name: no deployment 'Engine'") for p in found)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main([str(path)]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == len(found) and all(e.startswith(f"error: {path}: ") for e in errors)
+    assert main([str(DEPLOYMENTS / "rayservice.yaml")]) == 0  # a RayService is read through its serveConfigV2
+
+
+def test_the_config_check_can_check_the_model_directory(tiny_dir, tmp_path):
+    config = yaml.safe_load((DEPLOYMENTS / "local.yaml").read_text())
+    config["applications"][0]["args"]["model_dir"] = str(tiny_dir)
+    assert problems(config, check_model=True) == []
+    config["applications"][0]["args"]["model_dir"] = str(tmp_path / "no-such-model")
+    (problem,) = problems(config, check_model=True)
+    assert problem.startswith("applications[0].args.model_dir: ") and "does not exist" in problem

@@ -1,7 +1,10 @@
 """The Serve app over real HTTP: routes, auth, bad input, overload, deadlines, replica loss, rollout."""
 
+import itertools
 import json
 import os
+import shutil
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +17,7 @@ from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreReques
 from genrec.model.directory import model_version
 from genrec.model.tiny import write_model_dir
 from tests.conftest import API_TOKEN_ENV, TINY
-from tests.serve_apps import delete, deploy, replica_actor_names
+from tests.serve_apps import delete, deploy, deploy_refused, replica_actor_names
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 
@@ -54,6 +57,53 @@ def open_replicas(open_url):
 def client():
     with httpx.Client(timeout=60) as c:
         yield c
+
+
+def raw_post(app_url: str, path: str, headers: dict, parts, timeout_s: float = 30) -> tuple[int, str, float]:
+    """A POST over a plain socket, its body `parts` sent as they come (a client that streams or trickles its
+    body); sending stops once an answer arrives. Returns (status, the error code, seconds until the answer)."""
+    import select
+
+    host, port, prefix = app_url.split("//")[1].replace(":", "/", 1).split("/", 2)
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        lines = [f"POST /{prefix}{path} HTTP/1.1", f"Host: {host}", *(f"{k}: {v}" for k, v in headers.items())]
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        try:
+            for part in parts:
+                if select.select([sock], [], [], 0)[0]:
+                    break  # answered before the body was all sent
+                sock.sendall(part)
+        except OSError:
+            pass  # the server closed the connection: its answer is read below
+        answer = b""
+        while b"}" not in answer and (more := sock.recv(4096)):
+            answer += more
+    code = json.loads(answer[answer.index(b"{") :]).get("code")
+    return int(answer.split(b" ", 2)[1]), code, time.monotonic() - started
+
+
+def under_load(url: str, during, headers=None, threads: int = 2) -> tuple[list, list]:
+    """Requests in a loop from `threads` clients while `during()` runs: (model versions answered, failures)."""
+    seen, failures, stop = [], [], threading.Event()
+
+    def load():
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                r = c.post(url, json={"prompt": "user listened", "beam_width": 8}, headers=headers)
+                (seen if r.status_code == 200 else failures).append(r.headers.get("x-model-version", r.text))
+
+    workers = [threading.Thread(target=load) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(1)
+        during()
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    return seen, failures
 
 
 # -- routes ---------------------------------------------------------------------------------------
@@ -160,6 +210,9 @@ BAD = [
     ("retrieve", {"prompt": "user listened", "user_id": 10**30}, 422, "user_id"),
     ("retrieve", b'{"prompt": "user listened", "user_id": "\\ud800"}', 422, "user_id"),
     ("retrieve", {"prompt": "user listened", "user_id": "u" * 300}, 422, "user_id"),
+    ("retrieve", {"prompt": "user listened", "user_id": 1.5}, 422, "user_id"),
+    ("retrieve", {"prompt": "user listened", "user_id": True}, 422, "user_id"),
+    ("retrieve", {"prompt": "user listened", "user_id": -(2**63)}, 422, "user_id"),
     ("retrieve", {"prompt": "word " * 2_000_000}, 422, "prompt"),
     ("score", {"prompt": "user listened", "candidates": [{"text": "news " * 2_000_000}]}, 422, "candidates[0].text"),
     ("retrieve", {}, 422, "prompt"),
@@ -175,12 +228,20 @@ BAD = [
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(open_url, client):
-    from genrec.serving.ingress import MAX_BODY_BYTES
+    from genrec.serving.edge import MAX_BODY_BYTES
 
     response = client.post(
         f"{open_url}/v1/retrieve", content=b" " * (MAX_BODY_BYTES + 1), headers={"content-type": "application/json"}
     )
     assert response.status_code == 413 and response.json()["code"] == "too_large"
+
+
+def test_a_chunked_body_over_the_limit_is_413(open_url):
+    """No Content-Length: the ingress counts the body as it arrives and refuses it past 32 MiB (40 MiB sent)."""
+    chunk = b" " * (1 << 20)
+    head = {"Content-Type": "application/json", "Transfer-Encoding": "chunked"}
+    chunks = itertools.chain((b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(40)), [b"0\r\n\r\n"])
+    assert raw_post(open_url, "/v1/retrieve", head, chunks)[:2] == (413, "too_large")
 
 
 @pytest.mark.parametrize(("route", "body", "status", "field"), BAD, ids=[str(i) for i in range(len(BAD))])
@@ -195,6 +256,7 @@ def test_bad_input_is_a_4xx_naming_the_field(open_url, client, open_replicas, ro
     assert error["code"] == "invalid_request" and error["message"]
     if field is not None:
         assert field in response.text
+    assert not [word for word in ("function", "0x", "functools", "constrained-") if word in response.text]
 
 
 def test_the_service_is_healthy_after_the_bad_input(open_url, client, open_replicas):
@@ -208,11 +270,12 @@ def test_the_service_is_healthy_after_the_bad_input(open_url, client, open_repli
 # -- auth, deadlines and live reconfiguration, rollout: one auth-on app ---------------------------
 
 AUTH = {"Authorization": f"Bearer {os.environ[API_TOKEN_ENV]}"}
+GUARDED = {"auth_token_env": API_TOKEN_ENV, "request_timeout_s": 20, "body_timeout_s": 2}  # + model_dir
 
 
 @pytest.fixture(scope="module")
 def guarded_url(serve_url, tiny_dir):
-    deploy("guarded", model_dir=str(tiny_dir), auth_token_env=API_TOKEN_ENV, request_timeout_s=20)
+    deploy("guarded", model_dir=str(tiny_dir), **GUARDED)
     yield f"{serve_url}/guarded"
     delete("guarded")
 
@@ -228,12 +291,22 @@ def test_bearer_token_when_configured(guarded_url, client):
     assert client.get(f"{guarded_url}/healthz").status_code == 200  # probes need no token
 
 
+def test_auth_is_read_before_the_body_and_a_trickled_body_ends_at_its_deadline(guarded_url):
+    """A client that sends its headers and then too little of its body holds an ingress slot for
+    body_timeout_s at most (408); without the token it is refused at once (401), its body never waited for."""
+    head = {"Content-Type": "application/json", "Content-Length": "100"}
+    status, code, seconds = raw_post(guarded_url, "/v1/retrieve", head, [b'{"prompt": "user'])
+    assert (status, code) == (401, "unauthorized") and seconds < 1.5
+    status, code, seconds = raw_post(guarded_url, "/v1/retrieve", head | AUTH, [b'{"prompt": "user'])
+    assert (status, code) == (408, "timeout") and 2 <= seconds < 10
+
+
 def test_deadline_is_504_and_changes_live_without_a_restart(guarded_url, tiny_dir, client):
     url = f"{guarded_url}/v1/retrieve"
     body = {"prompt_token_ids": list(range(3, 200)), "beam_width": 32}
     assert client.post(url, json=body, headers=AUTH).status_code == 200
     before = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
-    args = {"model_dir": str(tiny_dir), "auth_token_env": API_TOKEN_ENV, "request_timeout_s": 20}
+    args = {"model_dir": str(tiny_dir), **GUARDED}
     deploy("guarded", deployments=[{"name": "Ingress", "user_config": {"request_timeout_s": 0.001}}], **args)
     try:
         late = client.post(url, json=body, headers=AUTH)  # the same request that just took well under 20 s
@@ -245,31 +318,64 @@ def test_deadline_is_504_and_changes_live_without_a_restart(guarded_url, tiny_di
     assert client.post(url, json=body, headers=AUTH).status_code == 200
 
 
+def test_a_user_config_that_does_not_validate_keeps_the_running_limits(guarded_url, tiny_dir, client):
+    """Live limits Serve hands to the running replicas as they are: refused there, the replicas stay and keep
+    their limits (a reconfigure that raised would have them torn down and replaced by ones that fail alike)."""
+    from ray import serve
+
+    url, body = f"{guarded_url}/v1/retrieve", {"prompt": "user listened", "beam_width": 4}
+    before = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
+    bad = [
+        {"name": "Ingress", "user_config": {"request_timeout_s": 0}},
+        {"name": "EngineServer", "user_config": {"max_queue": 0, "max_running": 2}},
+    ]
+    deploy("guarded", deployments=bad, model_dir=str(tiny_dir), **GUARDED)
+    try:
+        engine = serve.get_deployment_handle("EngineServer", app_name="guarded")
+        refused_by = time.monotonic() + 30
+        while (stats := engine.stats.remote().result(timeout_s=30))["user_config_refused"] is None:
+            assert time.monotonic() < refused_by, "the engine replica never saw the user_config"
+            time.sleep(0.5)
+        assert "max_queue" in stats["user_config_refused"]
+        assert (stats["limits"]["max_queue"], stats["limits"]["max_running"]) == (256, None)  # as they were
+        assert client.post(url, json=body, headers=AUTH).status_code == 200  # the 20 s deadline stayed too
+        assert replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer") == before
+    finally:
+        deploy("guarded", model_dir=str(tiny_dir), **GUARDED)
+
+
+def test_a_redeploy_of_a_broken_model_directory_is_refused_and_fails_no_request(guarded_url, tiny_dir, tmp_path):
+    """A truncated model.safetensors: the builder refuses the deploy naming the file, before Serve replaces any
+    replica; the running version answers every request meanwhile."""
+    broken = shutil.copytree(tiny_dir, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    before = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
+    messages = []
+    try:
+        seen, failures = under_load(
+            f"{guarded_url}/v1/retrieve",
+            lambda: messages.append(deploy_refused("guarded", model_dir=str(broken), **GUARDED)),
+            headers=AUTH,
+        )
+    finally:
+        deploy("guarded", model_dir=str(tiny_dir), **GUARDED)
+    assert f"{weights}: not a complete safetensors file" in messages[0]
+    assert failures == [] and seen and set(seen) == {model_version(tiny_dir)}
+    assert replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer") == before
+
+
 def test_rollout_to_a_new_model_fails_no_request(guarded_url, tiny_dir, tmp_path):
     from dataclasses import replace
 
     new_dir = write_model_dir(tmp_path / "v2", replace(TINY, seed=2))
     old_version, new_version = model_version(tiny_dir), model_version(new_dir)
-    url = f"{guarded_url}/v1/retrieve"
-    seen, failures, stop = [], [], threading.Event()
 
-    def load():
-        with httpx.Client(timeout=30) as c:
-            while not stop.is_set():
-                r = c.post(url, json={"prompt": "user listened", "beam_width": 8}, headers=AUTH)
-                (seen if r.status_code == 200 else failures).append(r.headers.get("x-model-version", r.text))
-
-    workers = [threading.Thread(target=load) for _ in range(2)]
-    for w in workers:
-        w.start()
-    try:
-        time.sleep(1)
-        deploy("guarded", model_dir=str(new_dir), auth_token_env=API_TOKEN_ENV, request_timeout_s=20)
+    def rollout():
+        deploy("guarded", model_dir=str(new_dir), **GUARDED)
         time.sleep(2)
-    finally:
-        stop.set()
-        for w in workers:
-            w.join()
+
+    seen, failures = under_load(f"{guarded_url}/v1/retrieve", rollout, headers=AUTH)
     assert failures == []
     assert seen[0] == old_version and seen[-1] == new_version
 
@@ -312,7 +418,9 @@ def test_engine_metrics_reach_prometheus(open_url, client):
     for _ in range(2):  # the second reuses the first's prompt: the prefix cache's counters move
         client.post(f"{open_url}/v1/retrieve", json=returning)
     port = ray.nodes()[0]["MetricsExportPort"]
+    assert client.post(f"{open_url}/v1/retrieve", json={"prompt": "x", "beam_widht": 4}).status_code == 422
     wanted = (
+        "ray_genrec_http_requests_total",  # the ingress's own answers, its 4xx included
         "ray_genrec_requests",
         "ray_genrec_request_latency_s",
         "ray_genrec_queue_depth",
@@ -334,6 +442,12 @@ def test_engine_metrics_reach_prometheus(open_url, client):
         ln for ln in lines if ln.startswith("ray_genrec_requests") and 'kind="retrieve"' in ln and 'status="ok"' in ln
     ]
     assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 1
+    refused = [
+        ln
+        for ln in lines
+        if ln.startswith("ray_genrec_http_requests_total") and 'route="/v1/retrieve"' in ln and 'status="422"' in ln
+    ]
+    assert refused and float(refused[0].rsplit(" ", 1)[1]) >= 1  # never reached the engine, counted all the same
     reused = [ln for ln in lines if ln.startswith("ray_genrec_prefix_cache_tokens_reused_total")]
     assert reused and float(reused[0].rsplit(" ", 1)[1]) >= 96  # six whole blocks of the repeated prompt
 

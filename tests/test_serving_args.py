@@ -97,13 +97,7 @@ class RecordingEngine:
 
 
 class QuietMetrics:
-    def __init__(self):
-        self.model_load_seconds = self
-
-    def set(self, _):
-        pass
-
-    def update(self, _):
+    def update(self, _, **__):
         pass
 
 
@@ -139,7 +133,26 @@ def test_reconfigure_sets_every_limit_and_a_removed_one_reverts(recorded, tiny_d
             {**defaults, "max_running": 2},
             defaults,
         ]
-        with pytest.raises(ValidationError, match="max_queue"):
-            server.reconfigure({"max_queue": 0})
+    finally:
+        server._stopped.set()
+
+
+def test_a_user_config_that_does_not_validate_keeps_the_running_limits(recorded, tiny_dir):
+    """Raising from reconfigure would make Serve tear the replica down (and its replacements fail alike): a bad
+    user_config is refused, the limits in force stay, and the replica says why. At start, the builder's limits
+    are in force."""
+    options = AppArgs(model_dir="/m").replica_options()
+    server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", options, EngineLimits(max_queue=9))
+    try:
+        assert recorded.config.max_queue == 9
+        server.reconfigure({"max_queue": 0})  # the first user_config, at start: the builder's limits stay
+        assert recorded.live == [] and server.limits.max_queue == 9
+        server.reconfigure({"max_queue": 5})
+        assert server.stats()["user_config_refused"] is None
+        server.reconfigure({"max_queue": 5, "max_running": "many", "queue": 1})
+        assert recorded.live == [{**EngineLimits().model_dump(), "max_queue": 5}]
+        stats = server.stats()
+        assert stats["limits"] == {**EngineLimits().model_dump(), "max_queue": 5}
+        assert "max_running" in stats["user_config_refused"] and "queue" in stats["user_config_refused"]
     finally:
         server._stopped.set()

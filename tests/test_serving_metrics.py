@@ -50,9 +50,12 @@ def test_the_engine_snapshot_feeds_the_prefix_cache_exporter(monkeypatch, tiny_d
         request = RetrieveRequest(prompt_token_ids=[3 + i % 150 for i in range(100)], beam_width=4)
         for _ in range(2):
             asyncio.run(engine.retrieve(request))
-        exporter.update(engine.metrics())
+        exporter.load_s = 1.5
+        exporter.update(engine.metrics(), config_refused=True)
     finally:
         engine.shutdown()
+    # Every gauge is set at each update: Ray's agent drops a gauge series left unset for two export intervals.
+    assert (exporter.model_load_seconds.value, exporter.user_config_refused.value) == (1.5, 1)
     counters = exporter.prefix_cache.counters
     assert counters["genrec_prefix_cache_tokens_prompted"].value == 200
     assert counters["genrec_prefix_cache_tokens_reused"].value >= 96

@@ -7,27 +7,36 @@ from ray.serve import Application
 from genrec.serving.args import AppArgs
 from genrec.serving.engine_server import EngineServer
 from genrec.serving.ingress import Ingress
+from genrec.serving.preflight import preflight
 from genrec.serving.router import USER_ROUTER
 
 
 def build_app(args: AppArgs) -> Application:
-    """Ingress -> EngineServer, each deployment's options derived from the arguments."""
-    engine = EngineServer.options(**engine_deployment(args)).bind(args.model_dir, args.device, args.replica_options())
+    """The app of `args`, once what its engine replicas will load has checked out (preflight.py): a deploy that
+    could not start them is refused here, before Serve replaces any running replica."""
+    preflight(args)
+    return application(args)
+
+
+def application(args: AppArgs) -> Application:
+    """Ingress -> EngineServer, each deployment's options derived from the arguments (nothing checked)."""
+    engine = EngineServer.options(**engine_deployment(args)).bind(
+        args.model_dir, args.device, args.replica_options(), args.limits
+    )
     ingress = Ingress.options(
         num_replicas=args.ingress_replicas,
+        max_ongoing_requests=args.ingress_max_ongoing_requests,
         max_queued_requests=args.ingress_max_queued_requests,
         backpressure_config=backpressure(args),
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
-        user_config={"request_timeout_s": args.request_timeout_s},
+        user_config=args.ingress_limits().model_dump(),
     )
-    return ingress.bind(engine, args.ingress_settings())
+    return ingress.bind(engine, args.ingress_settings(), args.ingress_limits())
 
 
 def engine_deployment(args: AppArgs) -> dict:
     """The engine deployment's Serve options."""
-    on_gpu = args.device == "cuda"
-    gpus = args.engine_num_gpus if args.engine_num_gpus is not None else (1 if on_gpu else 0)
-    cpus = args.engine_num_cpus if args.engine_num_cpus is not None else 1
+    cpus, gpus = args.engine_resources()
     return {
         "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus},
         # High enough that concurrent requests meet inside the engine's batching loop; the engine's own

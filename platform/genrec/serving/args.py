@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from genrec.cache.config import CacheConfig
 from genrec.engine_options import EngineOptions
 
 if TYPE_CHECKING:
     from genrec.engine import SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 
 class _Args(BaseModel):
@@ -57,6 +60,9 @@ class IngressSettings(_Args):
     )
     cache: CacheConfig | None = Field(None, description="resolve user_id -> user_embedding through this cache")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 503 when the engines are overloaded")
+    body_timeout_s: float = Field(
+        10.0, gt=0, description="a request's whole body must arrive within this; 408 past it (frees the slot)"
+    )
 
 
 class IngressLimits(_Args):
@@ -87,6 +93,9 @@ class AppArgs(IngressSettings, IngressLimits, ReplicaOptions):
     max_queued_requests: int = Field(512, ge=1, description="per engine deployment handle; beyond: 503")
     ingress_num_cpus: float = Field(0.25, ge=0)
     ingress_replicas: int = Field(1, ge=1)
+    ingress_max_ongoing_requests: int = Field(
+        1024, ge=1, description="requests one ingress replica holds at once (a slow body holds one <= body_timeout_s)"
+    )
     ingress_max_queued_requests: int = Field(2048, ge=1, description="per ingress deployment; beyond: 503")
 
     @field_validator("model_dir")
@@ -98,8 +107,16 @@ class AppArgs(IngressSettings, IngressLimits, ReplicaOptions):
     def ingress_settings(self) -> IngressSettings:
         return IngressSettings.model_validate(self.model_dump(include=set(IngressSettings.model_fields)))
 
+    def ingress_limits(self) -> IngressLimits:
+        return IngressLimits.model_validate(self.model_dump(include=set(IngressLimits.model_fields)))
+
     def replica_options(self) -> ReplicaOptions:
         return ReplicaOptions.model_validate(self.model_dump(include=set(ReplicaOptions.model_fields)))
+
+    def engine_resources(self) -> tuple[float, float]:
+        """CPUs and GPUs one engine replica reserves (a config file may still override them per deployment)."""
+        gpus = self.engine_num_gpus if self.engine_num_gpus is not None else (1 if self.device == "cuda" else 0)
+        return (self.engine_num_cpus if self.engine_num_cpus is not None else 1), gpus
 
     @model_validator(mode="after")
     def _replica_bounds(self):
@@ -112,3 +129,16 @@ class AppArgs(IngressSettings, IngressLimits, ReplicaOptions):
         if self.cache is not None and self.cache.dim is None:
             raise ValueError("cache.dim is required: the user vectors' width (the model's soft-token input size)")
         return self
+
+
+def live_limits(model: type[_Args], user_config, running: _Args) -> tuple[_Args, str | None]:
+    """The limits a deployment's `user_config` asks for; or, when it does not validate, the running ones and why
+    it was refused. `reconfigure` must not raise on a bad config: Serve would tear the replica down and start
+    replacements that fail the same way (zero replicas). A config file is checked before it is deployed by
+    `python -m genrec.serving.check`."""
+    try:
+        return model.model_validate(user_config), None
+    except ValidationError as err:
+        problem = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'user_config'}: {e['msg']}" for e in err.errors())
+        log.error("user_config %r refused, the running limits stay (%s): %s", user_config, running, problem)
+        return running, problem

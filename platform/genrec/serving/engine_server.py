@@ -13,7 +13,7 @@ from genrec.api import MAX_BEAM_WIDTH
 from genrec.engine import AsyncEngine, Engine
 from genrec.engine.prepared import FAMILY_KINDS, check_kind
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
-from genrec.serving.args import EngineLimits, ReplicaOptions
+from genrec.serving.args import EngineLimits, ReplicaOptions, live_limits
 from genrec.serving.http_errors import NotServed
 from genrec.serving.metrics import EngineMetricsExporter
 from genrec.serving.schemas import ModelInfo
@@ -21,26 +21,31 @@ from genrec.serving.schemas import ModelInfo
 
 @serve.deployment(name="EngineServer", health_check_period_s=5, health_check_timeout_s=10)
 class EngineServer:
-    def __init__(self, model_dir: str, device: str, options: ReplicaOptions):
+    def __init__(self, model_dir: str, device: str, options: ReplicaOptions, limits: EngineLimits = EngineLimits()):
         if options.torch_threads:
             import torch
 
             torch.set_num_threads(options.torch_threads)
         started = time.perf_counter()
         engine = Engine.from_pretrained(model_dir, device=device, **options.engine_kwargs())
-        self.engine = AsyncEngine(engine, options.scheduler_config())  # the live limits: reconfigure, next
+        # The builder's limits until reconfigure applies the config's (and if the config's are refused).
+        self.limits, self.config_refused = limits, None
+        self.engine = AsyncEngine(engine, options.scheduler_config(limits))
         self.info = describe(engine, model_dir, device)
         self.replica = _replica_id()
         self.metrics = EngineMetricsExporter()
-        self.metrics.model_load_seconds.set(time.perf_counter() - started)
+        self.metrics.load_s = time.perf_counter() - started
         self._stopped = threading.Event()
         threading.Thread(target=self._export_until_stopped, name="genrec-metrics", daemon=True).start()
 
     def reconfigure(self, user_config: dict) -> None:
         """Live limits (queue, batching) from the config's `user_config`, without a restart. Every limit is
-        set: one the config no longer names goes back to its default."""
-        limits = EngineLimits.model_validate(user_config)
-        self.engine.reconfigure(**limits.model_dump())
+        set: one the config no longer names goes back to its default. A config that does not validate is
+        refused and the running limits stay (see args.live_limits); `stats()` and a gauge say so."""
+        limits, self.config_refused = live_limits(EngineLimits, user_config, self.limits)
+        if self.config_refused is None:
+            self.engine.reconfigure(**limits.model_dump())
+            self.limits = limits
 
     # `routing_key` is read by the caller's request router (router.py), not here.
     async def retrieve(self, request, timeout_s: float, routing_key: str | None = None):
@@ -59,9 +64,15 @@ class EngineServer:
         return self.info
 
     def stats(self, routing_key: str | None = None) -> dict:
-        """This replica's ID and its engine's metrics (prefix cache included): benches and tests ask each
-        replica through a handle (a random routing key reaches each replica of a user-routed deployment)."""
-        return {"replica": self.replica, "metrics": self.engine.metrics()}
+        """This replica's ID, its engine's metrics (prefix cache included), its live limits and why the last
+        `user_config` was refused (None: it was not): benches and tests ask each replica through a handle (a
+        random routing key reaches each replica of a user-routed deployment)."""
+        return {
+            "replica": self.replica,
+            "metrics": self.engine.metrics(),
+            "limits": self.limits.model_dump(),
+            "user_config_refused": self.config_refused,
+        }
 
     def check_health(self) -> None:
         if not self.engine.healthy:
@@ -104,7 +115,7 @@ class EngineServer:
 
     def _export_until_stopped(self, period_s: float = 1.0) -> None:
         while not self._stopped.wait(period_s):
-            self.metrics.update(self.engine.metrics())
+            self.metrics.update(self.engine.metrics(), config_refused=self.config_refused is not None)
 
 
 def describe(engine: Engine, model_dir: str, device: str) -> ModelInfo:

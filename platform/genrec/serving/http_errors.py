@@ -46,6 +46,10 @@ class NotServed(GenrecError):
         return type(self), (self.kind, self.family, self.serves)
 
 
+class TooLarge(GenrecError):
+    """A request body over the ingress's limit (edge.MAX_BODY_BYTES)."""
+
+
 class EngineUnavailable(GenrecError):
     """The engine replica, or the embedding cache, died or is being replaced: retry shortly."""
 
@@ -61,8 +65,7 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
         detail = ErrorDetail(field=error.field, message=error.problem)
         return 422, {"code": "invalid_request", "message": str(error), "details": [detail]}, {}
     if isinstance(error, ValidationError):  # a request rebuilt in the ingress (e.g. with a cached embedding)
-        details = [ErrorDetail(field=_field_path(e["loc"]), message=e["msg"]) for e in error.errors()]
-        return 422, {"code": "invalid_request", "message": str(error), "details": details}, {}
+        return 422, _invalid(error.errors()).model_dump(), {}
     if isinstance(error, Unauthorized):
         return 401, {"code": "unauthorized", "message": str(error)}, {"WWW-Authenticate": "Bearer"}
     if isinstance(error, UnknownUser):
@@ -70,6 +73,8 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
         return 404, {"code": "unknown_user", "message": str(error), "details": [detail]}, {}
     if isinstance(error, NotServed):
         return 404, {"code": "not_served", "message": str(error)}, {}
+    if isinstance(error, TooLarge):
+        return 413, {"code": "too_large", "message": str(error)}, {}
     if isinstance(error, Overloaded):  # the deployment's configured Retry-After, wherever the queue was full
         return 503, {"code": "overloaded", "message": str(error)}, retry
     if isinstance(error, EngineStopped | EngineUnavailable):
@@ -82,16 +87,21 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
 
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
     """FastAPI's own validation of the body: one detail per field, 400 for unparsable JSON, else 422."""
-    details = [_detail(e) for e in error.errors()]
     malformed = any(e.get("type") == "json_invalid" for e in error.errors())
+    return JSONResponse(_invalid(error.errors()).model_dump(), status_code=400 if malformed else 422)
+
+
+def _invalid(errors) -> ErrorBody:
+    """Pydantic's errors as genrec's body: built from each error's field and message only (never str() of the
+    error, which shows the validators' reprs and addresses)."""
+    details = [_detail(e) for e in errors]
     message = "; ".join(f"{d.field}: {d.message}" if d.field else d.message for d in details)
-    body = ErrorBody(code="invalid_request", message=message or "invalid request", details=details)
-    return JSONResponse(body.model_dump(), status_code=400 if malformed else 422)
+    return ErrorBody(code="invalid_request", message=message or "invalid request", details=details)
 
 
 async def http_error_handler(request: Request, error: StarletteHTTPException) -> JSONResponse:
     """Errors Starlette/FastAPI raise themselves (an unparsable body, a wrong method...): the same JSON shape."""
-    codes = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+    codes = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large"}
     body = ErrorBody(code=codes.get(error.status_code, "invalid_request"), message=str(error.detail))
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
 
@@ -104,8 +114,12 @@ def _detail(error: dict) -> ErrorDetail:
 
 
 def _field_path(loc) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    """`candidates[0].text`: the field names and list positions of a location. Pydantic also puts a union
+    member's schema in it (`function-after[<function ... at 0x...>, str]`, `constrained-int`): left out."""
     path = ""
-    for part in parts:
-        path += f"[{part}]" if part.isdigit() else (f".{part}" if path else part)
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part != "body" and part.isidentifier():
+            path += f".{part}" if path else part
     return path or None

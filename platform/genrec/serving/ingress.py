@@ -1,40 +1,31 @@
 """The HTTP ingress (FastAPI under `@serve.ingress`): auth, validation, user_id -> embedding, engine calls.
 
-It does no model work: it checks the request (and that the engines' model family answers its route), resolves
-the user's embedding through the shared cache (Qwen3 only; awaiting the actor, never blocking the event loop),
-calls the engine deployment by handle under the request's deadline, with the request's routing key (the user,
-see routing_key.py) for the engine deployment's request router, and turns every failure into the status the
-client can act on (see http_errors).
+It does no model work. Its edge (edge.py) checks the token and bounds the body's size and arrival time before a
+route reads it, and counts every answer. It checks the request (and that the engines' model family answers its
+route), resolves the user's embedding through the shared cache (Qwen3 only; awaiting the actor, never blocking
+the event loop), calls the engine deployment by handle under the request's deadline, with the request's routing
+key (the user, see routing_key.py) for the engine deployment's request router, and turns every failure into the
+status the client can act on (see http_errors).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures' real types.
 import asyncio
-import hmac
 import os
 import time
 
 from fastapi import Depends, FastAPI, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genrec.api import RankResult, RecommendResult, RetrieveResult, ScoreResult
 from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
-from genrec.serving.args import IngressLimits, IngressSettings
-from genrec.serving.http_errors import (
-    EngineUnavailable,
-    NotServed,
-    Unauthorized,
-    UnknownUser,
-    error_response,
-    http_error_handler,
-    validation_error_handler,
-)
+from genrec.serving import edge
+from genrec.serving.args import IngressLimits, IngressSettings, live_limits
+from genrec.serving.http_errors import EngineUnavailable, NotServed, UnknownUser, error_response
+from genrec.serving.metrics import IngressMetrics
 from genrec.serving.router import ROUTING_KEY
 from genrec.serving.routing_key import routing_key
 from genrec.serving.schemas import ErrorBody, ModelInfo, RankBody, RecommendBody, RetrieveBody, ScoreBody
@@ -42,28 +33,17 @@ from genrec.serving.schemas import ErrorBody, ModelInfo, RankBody, RecommendBody
 # Past the engine's own deadline, how long the ingress still waits for its answer before it gives up.
 DEADLINE_GRACE_S = 2.0
 MODEL_VERSION_HEADER = "X-Model-Version"
-MAX_BODY_BYTES = 32 << 20  # far above any valid request (the longest prompt as token IDs is < 1 MiB)
 MODEL_INFO_TTL_S = 30.0  # how long the ingress trusts what it learnt of the engines' model (its family)
 
 api = FastAPI(
     title="genrec",
     description="Generative recommendation: retrieve, score, recommend (a semantic-ID decoder, Qwen3) or rank "
     "(HSTU); one model family per deployment (GET /v1/model says which).",
-    responses={code: {"model": ErrorBody} for code in (400, 401, 404, 422, 503, 504)},
+    responses={code: {"model": ErrorBody} for code in (400, 401, 404, 408, 413, 422, 503, 504)},
 )
-api.add_exception_handler(RequestValidationError, validation_error_handler)
-api.add_exception_handler(StarletteHTTPException, http_error_handler)
+edge.install(api)  # error bodies; auth, body size and body timeout before a route reads the body; answers counted
+# The routes declare the bearer scheme for the OpenAPI docs; the edge checks the token, before the body is read.
 bearer = HTTPBearer(auto_error=False, description="set when the deployment has auth_token_env")
-
-
-@api.middleware("http")
-async def refuse_huge_bodies(request, call_next):
-    """413 before reading a body its Content-Length says is too large."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > MAX_BODY_BYTES:
-        message = f"request body of {length} bytes exceeds {MAX_BODY_BYTES} bytes"
-        return JSONResponse(ErrorBody(code="too_large", message=message).model_dump(), status_code=413)
-    return await call_next(request)
 
 
 def _cause(err: RayTaskError) -> BaseException:
@@ -89,46 +69,58 @@ def _connect_cache(cache_args):
 @serve.deployment(name="Ingress", max_ongoing_requests=1024)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, engine, settings: IngressSettings):
+    def __init__(self, engine, settings: IngressSettings, limits: IngressLimits = IngressLimits()):
         self.engine = engine
         self.retry_after_s = settings.retry_after_s
-        self.token = _read_token(settings.auth_token_env)
+        self.metrics = IngressMetrics()
+        edge.configure(
+            token=_read_token(settings.auth_token_env),
+            body_timeout_s=settings.body_timeout_s,
+            routes=frozenset(api.openapi()["paths"]),
+            answered=self.metrics.answered,
+        )
         self.cache_args = settings.cache
         self.cache = _connect_cache(settings.cache)
-        self.request_timeout_s = None  # set by reconfigure, which Serve calls before the first request
+        self.limits = limits  # the builder's, until reconfigure (Serve calls it before the first request)
         self.info: ModelInfo | None = None  # the engines' model, learnt on first use (see _check_served)
         self.info_at = 0.0
 
+    @property
+    def request_timeout_s(self) -> float:
+        return self.limits.request_timeout_s
+
     def reconfigure(self, user_config: dict) -> None:
-        """The request deadline changes live (`user_config`), without replacing the replica."""
-        self.request_timeout_s = IngressLimits.model_validate(user_config).request_timeout_s
+        """The request deadline changes live (`user_config`), without replacing the replica; a config that
+        does not validate is refused and the running deadline stays (args.live_limits)."""
+        self.limits, refused = live_limits(IngressLimits, user_config, self.limits)
+        self.metrics.refused = refused is not None
 
     @api.post("/v1/retrieve", response_model=RetrieveResult)
     async def retrieve(self, body: RetrieveBody, response: Response, auth=Depends(bearer)):
-        return await self._serve("retrieve", body, response, auth)
+        return await self._serve("retrieve", body, response)
 
     @api.post("/v1/score", response_model=ScoreResult)
     async def score(self, body: ScoreBody, response: Response, auth=Depends(bearer)):
-        return await self._serve("score", body, response, auth)
+        return await self._serve("score", body, response)
 
     @api.post("/v1/recommend", response_model=RecommendResult)
     async def recommend(self, body: RecommendBody, response: Response, auth=Depends(bearer)):
-        return await self._serve("recommend", body, response, auth)
+        return await self._serve("recommend", body, response)
 
     @api.post("/v1/rank", response_model=RankResult)
     async def rank(self, body: RankBody, response: Response, auth=Depends(bearer)):
-        return await self._serve("rank", body, response, auth)
+        return await self._serve("rank", body, response)
 
     @api.get("/v1/model", response_model=ModelInfo)
     async def model(self, auth=Depends(bearer)):
         try:
-            self._authorize(auth)
             deadline = time.monotonic() + self.request_timeout_s
             return await self._engine_call(self.engine.model_info.remote(), deadline)
         except Exception as err:  # noqa: BLE001 - every failure becomes its status (see http_errors)
             return error_response(err, self.retry_after_s)
 
-    @api.api_route("/healthz", methods=["GET", "HEAD"])
+    @api.get("/healthz")
+    @api.head("/healthz")  # load balancers probe with HEAD too
     async def healthz(self):
         """Ready when an engine replica answers (no auth: load balancers probe it)."""
         try:
@@ -137,10 +129,9 @@ class Ingress:
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
 
-    async def _serve(self, kind: str, body, response: Response, auth):
+    async def _serve(self, kind: str, body, response: Response):
         """One deadline for the whole request: the embedding lookup, then the engine with the time left."""
         try:
-            self._authorize(auth)
             deadline = time.monotonic() + self.request_timeout_s
             await self._check_served(kind, deadline)
             request = body.to_request(await self._user_embedding(body, deadline))
@@ -165,13 +156,6 @@ class Ingress:
             self.info_at = time.monotonic()
         if kind not in self.info.serves:
             raise NotServed(kind, self.info.family, self.info.serves)
-
-    def _authorize(self, auth: HTTPAuthorizationCredentials | None) -> None:
-        if self.token is None:
-            return
-        given = auth.credentials.encode() if auth is not None else b""
-        if not hmac.compare_digest(given, self.token):  # constant time: the token does not leak by timing
-            raise Unauthorized("a valid 'Authorization: Bearer <token>' header is required")
 
     async def _user_embedding(self, body, deadline: float) -> list[float] | None:
         if getattr(body, "user_embedding", None) is not None or body.user_id is None or isinstance(body, RankBody):

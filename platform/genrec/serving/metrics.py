@@ -1,12 +1,24 @@
-"""Engine metrics exported through `ray.serve.metrics` (Prometheus at each node's metrics export port).
+"""Metrics exported through `ray.serve.metrics` (Prometheus at each node's metrics export port).
 
-Per request (kind, status): a counter and a latency histogram. Every second, the engine loop's state:
+Engine, per request (kind, status): a counter and a latency histogram. Every second, the engine loop's state:
 queue depth, running requests, KV bytes reserved, and recent rows and prefill tokens per step; and the prefix
 cache's: tokens reused and prompted, hits, evictions, spills (counters: Prometheus adds `_total`), bytes held
 and entries (gauges). Reuse rate = rate(..._tokens_reused_total) / rate(..._tokens_prompted_total).
+Ingress: every HTTP answer it gives (route, status), its own refusals included (401, 408, 413, 400/422 of the
+body's validation, 404...), which never reach the engine's counter. Both: whether the last `user_config` was
+refused (1) or applied (0).
+
+Series of a replaced replica: Ray's metrics agent (2.60) drops a gauge series that has not been set for two
+export intervals, so every gauge here is set again each second while its replica lives and disappears within
+seconds of it (checked); the agent keeps counters and histograms as they were until it restarts (a counter that
+vanished would read as a reset to Prometheus), and no API lets a replica remove them. They stay constant, so
+`rate()` and `sum()` over them remain right.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -30,6 +42,8 @@ class EngineMetricsExporter:
             "genrec_prefill_tokens_per_step_p50", description="median prefill tokens per step (recent)"
         )
         self.model_load_seconds = Gauge("genrec_model_load_s", description="seconds this replica took to load")
+        self.load_s = 0.0  # set by the replica once loaded; exported with the rest every second
+        self.user_config_refused = refused_gauge()
         self.prefix_cache = PrefixCacheExporter()
 
     def finished(self, kind: str, status: str, seconds: float) -> None:
@@ -37,7 +51,9 @@ class EngineMetricsExporter:
         if status == "ok":
             self.latency.observe(seconds, tags={"kind": kind})
 
-    def update(self, snapshot: dict) -> None:
+    def update(self, snapshot: dict, config_refused: bool = False) -> None:
+        self.model_load_seconds.set(self.load_s)
+        self.user_config_refused.set(int(config_refused))
         self.queue_depth.set(snapshot["queue_depth"])
         self.running.set(snapshot["running"])
         self.kv_bytes.set(snapshot["kv_bytes_reserved"])
@@ -45,6 +61,30 @@ class EngineMetricsExporter:
         self.prefill_per_step.set(snapshot["prefill_tokens_per_step"]["p50"] or 0)
         if "prefix_cache" in snapshot:
             self.prefix_cache.update(snapshot["prefix_cache"])
+
+
+def refused_gauge() -> Gauge:
+    return Gauge("genrec_user_config_refused", description="1: the last user_config was refused, old limits stay")
+
+
+class IngressMetrics:
+    """The ingress's answers, and its `user_config_refused` gauge set every `period_s` (see above)."""
+
+    def __init__(self, period_s: float = 1.0):
+        self.responses = Counter(
+            "genrec_http_requests", description="HTTP answers of the ingress", tag_keys=("route", "status")
+        )
+        self.user_config_refused = refused_gauge()
+        self.refused = False
+        threading.Thread(target=self._export, args=(period_s,), name="genrec-metrics", daemon=True).start()
+
+    def answered(self, route: str, status: int) -> None:
+        self.responses.inc(tags={"route": route, "status": str(status)})
+
+    def _export(self, period_s: float) -> None:
+        while True:
+            self.user_config_refused.set(int(self.refused))
+            time.sleep(period_s)
 
 
 # The engine's cumulative prefix-cache stats exported as counters: name -> (stats key, description).

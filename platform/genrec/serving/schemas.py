@@ -5,13 +5,29 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, Discriminator, Field, StrictInt, StrictStr, Tag
 
 from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest, Text
 
-# The cache keys integers as int64 (its two lowest values are reserved) and strings by their UTF-8 bytes.
+
+def _user_id_kind(value) -> str | None:
+    if isinstance(value, str):
+        return "string"
+    return "integer" if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# The cache keys integers as int64 (its two lowest values are reserved) and strings by their UTF-8 bytes. A
+# tagged union: a value is checked as the one kind it is, so a 422 says what is wrong with it (a plain union
+# reports both members' errors, under their validators' names). The length is checked before Text's own checks
+# (valid Unicode), so its message speaks of characters.
 UserId = Annotated[
-    Annotated[Text, Field(min_length=1, max_length=256)] | Annotated[StrictInt, Field(ge=-(2**63) + 2, lt=2**63)],
+    Annotated[StrictStr, Field(min_length=1, max_length=256), *Text.__metadata__, Tag("string")]
+    | Annotated[Annotated[StrictInt, Field(ge=-(2**63) + 2, lt=2**63)], Tag("integer")],
+    Discriminator(
+        _user_id_kind,
+        custom_error_type="user_id_type",
+        custom_error_message="must be a string (1 to 256 characters) or an integer",
+    ),
     Field(description="the user: requests of one user go to the engine replica that holds their K/V"),
 ]
 

@@ -1,0 +1,132 @@
+"""Check a Serve config before deploying it: `python -m genrec.serving.check deployments/gpu.yaml [--model]`.
+
+Serve accepts what this refuses, and finds out late or never: an unknown key is dropped silently (a typo
+deploys and does nothing), and a deployment's `user_config` is read only by the running replicas' `reconfigure`
+(Serve runs no builder for a change of `user_config` alone), which keeps the running limits when it does not
+validate (args.live_limits). This checks every key against Serve's schema, each app's `args` (AppArgs), each
+deployment's `user_config` (IngressLimits / EngineLimits) and that the deployments it names exist; with
+`--model`, also each app's model directory on this machine, as the builder does on the cluster (preflight.py).
+A KubeRay RayService file is read through its `serveConfigV2`. Exit 0: fine; 2: one `error:` line per problem.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from genrec.serving.args import AppArgs, EngineLimits, IngressLimits
+
+FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
+LIVE = {"Ingress": IngressLimits, "EngineServer": EngineLimits}  # the app's deployments and their user_config
+BUILDER = "genrec.serving.app:build_app"
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation may hold (through Optional, Union, list, dict values)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found = []
+    for arg in typing.get_args(annotation):
+        found += _models_in(arg)
+    return found
+
+
+def unknown_keys(value, model: type[BaseModel], path: str = "") -> list[str]:
+    """Where `value` (a config's dict) has keys `model` (a Serve schema) does not define."""
+    if isinstance(value, list):
+        return [bad for i, item in enumerate(value) for bad in unknown_keys(item, model, f"{path}[{i}]")]
+    if not isinstance(value, dict):
+        return []
+    fields = {f.alias or name: f for name, f in model.model_fields.items()} | dict(model.model_fields)
+    bad = []
+    for key, item in value.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            bad.append(where)
+        elif key not in FREE_FORM:
+            for sub in _models_in(fields[key].annotation):
+                bad += unknown_keys(item, sub, where)
+    return bad
+
+
+def problems(config: dict, check_model: bool = False) -> list[str]:
+    """Every problem of a Serve config (ServeDeploySchema as a dict), each naming where it is."""
+    from ray.serve.schema import ServeDeploySchema
+
+    dropped = unknown_keys(config, ServeDeploySchema)
+    found = [f"{where}: not a field of Serve's config (it would be dropped)" for where in dropped]
+    try:
+        ServeDeploySchema.model_validate(config)
+    except ValidationError as err:
+        found += [f"{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
+    for i, app in enumerate(config.get("applications") or []):
+        if isinstance(app, dict) and app.get("import_path") == BUILDER:
+            found += _app_problems(app, f"applications[{i}]", check_model)
+    return found
+
+
+def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
+    found = []
+    try:
+        args = AppArgs.model_validate(app.get("args") or {})
+    except ValidationError as err:
+        args = None
+        found += [f"{where}.args.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
+    for j, deployment in enumerate(app.get("deployments") or []):
+        name, at = deployment.get("name"), f"{where}.deployments[{j}]"
+        if name not in LIVE:
+            found.append(f"{at}.name: no deployment {name!r} in the app (it has {', '.join(LIVE)})")
+        elif "user_config" in deployment:
+            try:
+                LIVE[name].model_validate(deployment["user_config"])
+            except ValidationError as err:
+                found += [f"{at}.user_config.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
+    if check_model and args is not None:
+        from genrec.errors import GenrecError
+        from genrec.serving.preflight import DeployRefused, check_cache, check_model_dir
+
+        try:
+            check_cache(args.cache, check_model_dir(args.model_dir), args.model_dir)
+        except (GenrecError, DeployRefused) as err:
+            found.append(f"{where}.args.model_dir: {err}")
+    return found
+
+
+def _where(loc) -> str:
+    return ".".join(str(part) for part in loc) or "(top)"
+
+
+def load(path: Path) -> dict:
+    """A Serve config file; a KubeRay RayService file yields the Serve config it carries."""
+    document = yaml.safe_load(path.read_text())
+    if isinstance(document, dict) and document.get("kind") == "RayService":
+        return yaml.safe_load(document["spec"]["serveConfigV2"])
+    return document
+
+
+def main(argv: list[str]) -> int:
+    check_model = "--model" in argv
+    paths = [Path(a) for a in argv if a != "--model"]
+    if not paths:
+        print("usage: python -m genrec.serving.check CONFIG.yaml... [--model]", file=sys.stderr)
+        return 2
+    failed = False
+    for path in paths:
+        try:
+            found = problems(load(path), check_model)
+        except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
+            found = [f"cannot read it ({type(err).__name__}: {err})"]
+        for problem in found:
+            print(f"error: {path}: {problem}", file=sys.stderr)
+        failed |= bool(found)
+        if not found:
+            print(f"ok: {path}")
+    return 2 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,149 @@
+"""The ingress's HTTP edge: what is checked before a route reads a request's body, and while it does.
+
+In front of every route (an ASGI middleware around the FastAPI app):
+- auth first: a `/v1/` request without the bearer token is answered 401 before its body is read;
+- a body whose Content-Length is over the limit is answered 413 unread; a chunked body (no length) is counted as
+  it arrives and answered 413 the moment it passes the limit, without reading the rest;
+- the whole body must arrive within `body_timeout_s` of the request reaching the ingress, else 408: a client
+  trickling its body holds an ingress slot for that long at most;
+- every answer is counted by route and status (metrics.IngressMetrics).
+
+Serve's HTTP proxy (uvicorn inside, Ray 2.60) offers no connection limit, no header or body timeout and no
+body size limit of its own (`http_options` has `request_timeout_s`, 408 on the whole request, and
+`keep_alive_timeout_s` only), and it queues what a client sends while the ingress reads: a proxy or load
+balancer in front carries those (README, "The HTTP edge").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from genrec.serving.http_errors import (
+    TooLarge,
+    Unauthorized,
+    error_response,
+    http_error_handler,
+    validation_error_handler,
+)
+
+MAX_BODY_BYTES = 32 << 20  # far above any valid request (the longest prompt as token IDs is < 1 MiB)
+AUTH_PREFIX = "/v1/"  # routes that need the token (when auth is on); /healthz and the docs do not
+
+
+@dataclass
+class EdgeSettings:
+    """What the edge enforces. One Ingress replica per process sets it (`configure`) before its first request."""
+
+    token: bytes | None = None  # None: auth off
+    body_timeout_s: float = 10.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    routes: frozenset[str] = frozenset()  # the app's paths (for requests refused before routing; see _route)
+    answered: Callable[[str, int], None] = field(default=lambda route, status: None)
+
+
+SETTINGS = EdgeSettings()
+
+
+def configure(**settings) -> None:
+    global SETTINGS
+    SETTINGS = EdgeSettings(**settings)
+
+
+def install(app: FastAPI) -> None:
+    """genrec's error bodies and this edge on a FastAPI app (the ingress's; tests build bare ones)."""
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_middleware(Edge)
+
+
+class Edge:
+    """ASGI middleware: `api.add_middleware(Edge)`; reads the module's SETTINGS at each request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        settings, path = SETTINGS, _app_path(scope)
+        status = 500  # if nothing was sent: the client saw the connection fail
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = _refusal(scope, path, settings)
+            if refusal is not None:
+                await refusal(scope, receive, counted)
+            else:
+                await self.app(scope, _Body(receive, settings), counted)
+        finally:
+            settings.answered(_route(scope, path, settings), status)
+
+
+def _refusal(scope, path: str, settings: EdgeSettings):
+    """The answer to a request refused on its headers alone (None: let it in)."""
+    headers = dict(scope.get("headers", ()))
+    if settings.token is not None and path.startswith(AUTH_PREFIX):
+        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        # constant time: the token does not leak by timing
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("latin-1"), settings.token):
+            return error_response(Unauthorized("a valid 'Authorization: Bearer <token>' header is required"))
+    length = headers.get(b"content-length", b"").decode("latin-1")
+    if length.isdigit() and int(length) > settings.max_body_bytes:
+        return error_response(TooLarge(f"request body of {length} bytes exceeds {settings.max_body_bytes} bytes"))
+    return None
+
+
+class _Body:
+    """The app's `receive`: the body's bytes counted and its arrival timed (messages after the body's last one,
+    such as a disconnect, pass through untimed). A refusal is raised as an HTTPException, which FastAPI's body
+    reading passes on to the app's handler (http_errors.http_error_handler: the JSON error body)."""
+
+    def __init__(self, receive, settings: EdgeSettings):
+        self.receive, self.settings = receive, settings
+        self.deadline = time.monotonic() + settings.body_timeout_s
+        self.size, self.done = 0, False
+
+    async def __call__(self):
+        if self.done:
+            return await self.receive()
+        try:
+            message = await asyncio.wait_for(self.receive(), max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            limit = self.settings.body_timeout_s
+            raise HTTPException(408, f"the request body did not arrive within {limit:g} s") from None
+        if message["type"] == "http.request":
+            self.size += len(message.get("body", b""))
+            if self.size > self.settings.max_body_bytes:
+                raise HTTPException(413, f"request body exceeds {self.settings.max_body_bytes} bytes")
+            self.done = not message.get("more_body", False)
+        else:  # http.disconnect: the client is gone
+            self.done = True
+        return message
+
+
+def _route(scope, path: str, settings: EdgeSettings) -> str:
+    """The metrics' route tag: the route the app matched, else the path if it is one of the app's, else "other"
+    (a bounded set of values, whatever paths clients try)."""
+    matched = getattr(scope.get("route"), "path", None)
+    if isinstance(matched, str):
+        return matched
+    return path if path in settings.routes else "other"
+
+
+def _app_path(scope) -> str:
+    """The request's path within the app (Serve mounts an app under its route prefix, the scope's root_path)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path

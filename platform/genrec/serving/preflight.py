@@ -1,0 +1,165 @@
+"""Before Serve replaces anything: the app builder checks what the engine replicas will load.
+
+A redeploy whose replicas cannot start (a mistyped `model_dir`, a corrupt catalog, a truncated
+`model.safetensors`) would otherwise stop healthy replicas for ones that fail. The builder runs these checks
+first; a failure refuses the deploy with the file named (Serve marks the app DEPLOY_FAILED) and the running
+version keeps serving. Checked without building the model: config.json, the tokenizer (Qwen3), the catalog,
+each safetensors file's header against the file's size, the soft-token projector; and that a configured
+embedding cache's `dim` is what the projector takes.
+
+The directory must be checked where the engines read it (a GPU node's volume, not the head's), so the check
+runs on a node that can host an engine replica: in the builder's own process when its node can, else as a Ray
+task on one that can.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray.serve.exceptions import RayServeException
+from safetensors import SafetensorError, safe_open
+
+from genrec.catalog.catalog import Catalog
+from genrec.catalog.item_index import ItemIndex
+from genrec.errors import GenrecError, ModelDirectoryError
+from genrec.model.directory import GENREC_SUBDIR, ModelDirectory, directory_family
+from genrec.model.hstu_config import HSTUConfig
+from genrec.model.soft_token import SoftTokenProjector
+from genrec.model.tokenizer import check_token_ids, load_tokenizer, semantic_token_ranges
+from genrec.model.weights import _shards
+from genrec.serving.args import AppArgs
+
+log = logging.getLogger(__name__)
+
+CHECK_TIMEOUT_S = 300.0  # a hung volume refuses the deploy instead of stalling it
+
+
+class DeployRefused(RayServeException):
+    """The app cannot be built as configured. A RayServeException: Serve reports its message as the app's
+    DEPLOY_FAILED status (once, without the traceback or the three retries of any other builder error)."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the builder needs to know of a model directory that checked out."""
+
+    family: str  # "qwen3" | "hstu"
+    user_dim: int | None  # the soft-token projector's input width; None: no projector (or an HSTU model)
+
+
+def check_model_dir(path: str | Path) -> ModelFacts:
+    """Every file an engine replica reads at start, checked; a ModelDirectoryError names the first bad one."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelDirectoryError(path, "model directory does not exist")
+    if directory_family(path) == "hstu":
+        config = HSTUConfig.from_file(path / "config.json")
+        ItemIndex.load(path / GENREC_SUBDIR / "catalog.parquet", config.num_items)
+        check_weight_files(path)
+        return ModelFacts("hstu", None)
+    directory = ModelDirectory(path)  # config.json, and that the catalog is there
+    tokenizer = load_tokenizer(directory.path)
+    check_token_ids(tokenizer, directory.config.vocab_size, directory.path)
+    Catalog.load(directory.catalog_path, semantic_token_ranges(tokenizer))
+    check_weight_files(directory.path)
+    if not directory.soft_token_path.exists():
+        return ModelFacts("qwen3", None)
+    projector = SoftTokenProjector.load(directory.soft_token_path, directory.config.hidden_size)
+    return ModelFacts("qwen3", projector.user_dim)
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Each weight file's safetensors header parses and covers the file exactly (a truncated or padded copy
+    fails here), without reading the tensors."""
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if single.exists():
+        files = [single]
+    elif index.exists():
+        files = [model_dir / name for name in _shards(index)]
+    else:
+        raise ModelDirectoryError(model_dir, "no model.safetensors (nor model.safetensors.index.json) in the directory")
+    for file in files:
+        if not file.is_file():
+            raise ModelDirectoryError(file, "weight shard is missing")
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise ModelDirectoryError(
+                file, f"not a complete safetensors file ({file.stat().st_size} bytes: {err})"
+            ) from None
+
+
+def check_cache(cache, facts: ModelFacts, model_dir: str) -> None:
+    """A cache hands its vectors to the soft-token projector: its `dim` must be what the projector takes. A
+    mismatch would deploy and answer every `user_id` request with a 422 blaming the client."""
+    if cache is None:
+        return
+    if facts.family == "hstu":
+        raise DeployRefused(f"cache: {model_dir} is an HSTU ranking model, which takes no user vectors; remove cache")
+    if facts.user_dim is None:
+        raise DeployRefused(
+            f"cache: {model_dir} has no soft-token projector ({GENREC_SUBDIR}/soft_token.safetensors) to take the "
+            "cache's user vectors; remove cache or use a model with one"
+        )
+    if cache.dim != facts.user_dim:
+        raise DeployRefused(
+            f"cache.dim is {cache.dim} but the model's soft-token projector ({model_dir}) takes {facts.user_dim}-d "
+            f"user vectors: use a cache of {facts.user_dim}-d vectors"
+        )
+
+
+def preflight(args: AppArgs) -> ModelFacts | None:
+    """The builder's checks: the model directory where an engine would read it, then the cache against the
+    model. Raises DeployRefused. None: no node that could host an engine is up, so nothing was checked."""
+    try:
+        facts = _check_where_engines_run(args)
+    except GenrecError as err:
+        raise DeployRefused(f"model_dir: {err}") from None
+    if facts is not None:
+        check_cache(args.cache, facts, args.model_dir)
+    return facts
+
+
+def engine_nodes(nodes: list[dict], cpus: float, gpus: float) -> list[str]:
+    """IDs of the alive nodes whose resources could host one engine replica (`ray.nodes()` entries)."""
+    return [
+        node["NodeID"]
+        for node in nodes
+        if node.get("Alive")
+        and node.get("Resources", {}).get("CPU", 0) >= cpus
+        and node.get("Resources", {}).get("GPU", 0) >= gpus
+    ]
+
+
+def _check_where_engines_run(args: AppArgs) -> ModelFacts | None:
+    import ray
+
+    if not ray.is_initialized():  # a plain call outside a cluster: the directory is local
+        return check_model_dir(args.model_dir)
+    cpus, gpus = args.engine_resources()
+    nodes = engine_nodes(ray.nodes(), cpus, gpus)
+    if _this_node() in nodes:
+        return check_model_dir(args.model_dir)
+    if not nodes:  # e.g. GPU workers scaled to zero: no engine runs, so none can be lost; the replicas check
+        log.warning("no node that can host an engine replica is up: %s is checked by the replicas", args.model_dir)
+        return None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    on_node = NodeAffinitySchedulingStrategy(nodes[0], soft=False)
+    check = ray.remote(num_cpus=0, max_retries=0, scheduling_strategy=on_node)(check_model_dir)
+    try:
+        return ray.get(check.remote(args.model_dir), timeout=CHECK_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise DeployRefused(f"model_dir: checking {args.model_dir} took over {CHECK_TIMEOUT_S:g} s") from None
+    except ray.exceptions.RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        raise cause if isinstance(cause, GenrecError) else err from None
+
+
+def _this_node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()

@@ -19,6 +19,7 @@ OPTIONS = {
     "cuda_fast": True,
     "kv_budget_bytes": 1 << 20,
     "prefix_cache_bytes": 0,
+    "host_cache_bytes": 1 << 16,
     "torch_threads": 1,
 }
 
@@ -35,6 +36,7 @@ def test_engine_options_become_engine_kwargs_and_a_scheduler_config():
     config = options.scheduler_config(EngineLimits(max_queue=7))
     assert isinstance(config, SchedulerConfig)
     assert (config.kv_budget_bytes, config.prefix_cache_bytes, config.max_queue) == (1 << 20, 0, 7)
+    assert config.host_cache_bytes == 1 << 16
 
 
 def test_defaults_are_the_engines():
@@ -54,6 +56,7 @@ def test_defaults_are_the_engines():
     [
         ("kv_budget_bytes", 0),
         ("prefix_cache_bytes", -1),
+        ("host_cache_bytes", -1),
         ("score_max_tokens", 0),
         ("max_candidates", 0),
         ("dtype", "float64"),

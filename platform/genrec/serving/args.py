@@ -43,12 +43,15 @@ class ReplicaOptions(EngineOptions):
         description="prompts' K/V kept for reuse by later prompts with the same start (default: half "
         "the KV pool; 0: off)",
     )
+    host_cache_bytes: int = Field(
+        0, ge=0, description="host memory evicted prefixes spill to (CUDA; unverified on a GPU: 0, off, by default)"
+    )
     torch_threads: int | None = Field(None, ge=1, description="intra-op threads of an engine replica")
 
     def scheduler_config(self, limits: EngineLimits = EngineLimits()) -> SchedulerConfig:
         from genrec.engine import SchedulerConfig  # here: the ingress imports these arguments without torch
 
-        sizes = {"kv_budget_bytes": self.kv_budget_bytes, "prefix_cache_bytes": self.prefix_cache_bytes}
+        sizes = self.model_dump(include={"kv_budget_bytes", "prefix_cache_bytes", "host_cache_bytes"})
         return SchedulerConfig(**limits.model_dump(), **sizes)
 
 

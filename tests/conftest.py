@@ -5,6 +5,7 @@ import subprocess
 import pytest
 import torch
 
+from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
 from genrec.model.tiny import ModelSpec, write_model_dir
 
 TINY = ModelSpec(items=300, levels=3, codebook=8, user_dim=6, seed=1)
@@ -35,6 +36,23 @@ def engine(tiny_dir):
     from genrec.engine import Engine, SchedulerConfig
 
     return Engine.from_pretrained(tiny_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+
+
+# The tiny HSTU ranking model the ranking tests share.
+HSTU_TINY = HSTUSpec(items=120, hidden=32, layers=2, heads=2, head_dim=8, max_positions=512, actions=3, time_buckets=6)
+
+
+@pytest.fixture(scope="session")
+def hstu_dir(tmp_path_factory):
+    return write_hstu_dir(tmp_path_factory.mktemp("hstu") / "model", HSTU_TINY)
+
+
+@pytest.fixture(scope="session")
+def ranker(hstu_dir):
+    """An HSTU engine, keeping no prefixes between calls (like `engine`)."""
+    from genrec.engine import Engine, SchedulerConfig
+
+    return Engine.from_pretrained(hstu_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
 
 
 @pytest.fixture(scope="session")

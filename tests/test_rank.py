@@ -12,21 +12,10 @@ from genrec.api import Event, RankRequest, RetrieveRequest
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import InvalidRequestError
-from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
+from tests.conftest import HSTU_TINY as SPEC
 from tests.hstu_reference import reference_rank
 
 TOL = 1e-5
-SPEC = HSTUSpec(items=120, hidden=32, layers=2, heads=2, head_dim=8, max_positions=512, actions=3, time_buckets=6)
-
-
-@pytest.fixture(scope="module")
-def hstu_dir(tmp_path_factory):
-    return write_hstu_dir(tmp_path_factory.mktemp("hstu") / "model", SPEC)
-
-
-@pytest.fixture(scope="module")
-def ranker(hstu_dir):
-    return Engine.from_pretrained(hstu_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
 
 
 def history(rng: random.Random, n: int, start_time: float = 1e9) -> list[Event]:

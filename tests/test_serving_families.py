@@ -9,18 +9,11 @@ import pytest
 
 from genrec.api import Event, RankRequest, RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
-from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
 from genrec.serving.args import AppArgs
 from genrec.serving.engine_server import EngineServer, describe
 from genrec.serving.http_errors import NotServed, error_response
+from tests.conftest import HSTU_TINY as SPEC
 from tests.conftest import TINY
-
-SPEC = HSTUSpec(items=60, hidden=32, layers=1, heads=2, head_dim=8, max_positions=40, actions=2, time_buckets=4)
-
-
-@pytest.fixture(scope="module")
-def hstu_dir(tmp_path_factory):
-    return write_hstu_dir(tmp_path_factory.mktemp("hstu-families") / "model", SPEC)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,9 @@ import httpx
 import pytest
 
 from genrec.api import Event, RankRequest
-from genrec.engine import Engine, SchedulerConfig
 from genrec.model.directory import model_version
-from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
+from tests.conftest import HSTU_TINY as SPEC
 from tests.serve_apps import delete, deploy
-
-SPEC = HSTUSpec(items=120, hidden=32, layers=2, heads=2, head_dim=8, max_positions=64, actions=3, time_buckets=6)
-
-
-@pytest.fixture(scope="module")
-def hstu_dir(tmp_path_factory):
-    return write_hstu_dir(tmp_path_factory.mktemp("hstu-serve") / "model", SPEC)
-
-
-@pytest.fixture(scope="module")
-def ranker(hstu_dir):
-    return Engine.from_pretrained(hstu_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
 
 
 @pytest.fixture(scope="module")

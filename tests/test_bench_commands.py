@@ -53,6 +53,8 @@ def test_bench_returning(tiny_dir, tmp_path):
     assert runs["stable_cache_off"]["reuse_rate"] == 0 and runs["stable_cache_on"]["reuse_rate"] > 0.3
     assert runs["sliding_cache_on"]["reuse_rate"] < runs["stable_cache_on"]["reuse_rate"]
     assert report["ratios"]["returning_cold_over_warm"] > 0
+    admission = report["admission"]
+    assert 0 <= admission["plain_lru"]["reuse_rate"] <= 1 and admission["segmented_lru"]["evictions"] >= 0
 
 
 def test_bench_rank(tmp_path):

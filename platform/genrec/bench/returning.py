@@ -27,6 +27,7 @@ from genrec.api import RetrieveRequest
 from genrec.bench.common import machine, model_dir_for, synchronize
 from genrec.bench.load import burst_throughput, call_engine, open_loop
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.engine.scheduler import Scheduler
 
 
 class Workload:
@@ -126,6 +127,37 @@ def workload_run(engine, args, layout: str, cache_bytes: int | None) -> dict:
     }
 
 
+def admission(engine: Engine, events: int, k: int, users: int, requests: int = 60) -> dict:
+    """The cache's admission rule, measured: half the requests are one-off prompts (users never seen again) and
+    the cache holds about half the returning users' prompts. Reuse rate of the same request sequence under the
+    segmented LRU (probation, then protected once reused) and under a plain LRU."""
+    per_token = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=1 << 20)).per_token
+    capacity = per_token * events * engine.levels * max(users // 2, 1)
+    out = {}
+    for name, protected_share in (("segmented_lru", 0.8), ("plain_lru", 0.0)):
+        sync = Engine(
+            engine.model, engine.tokenizer, engine.catalog, engine.projector,
+            scheduler=SchedulerConfig(prefix_cache_bytes=capacity), model_version=engine.model_version,
+        )  # fmt: skip
+        cache = sync.scheduler.cache
+        cache.protected_limit = int(capacity * protected_share)
+        workload = Workload(sync, events, k, users, new_share=0.5, layout="stable", seed=2)
+        for user in range(users):
+            workload.first_visit(user)
+            sync.retrieve([workload.request(user)])
+        before = dict(cache.snapshot())
+        for _ in range(requests):
+            sync.retrieve([workload()])
+        after = cache.snapshot()
+        prompted = after["tokens_prompted"] - before["tokens_prompted"]
+        out[name] = {
+            "reuse_rate": (after["tokens_reused"] - before["tokens_reused"]) / prompted,
+            "evictions": after["evictions"] - before["evictions"],
+        }
+    out["capacity_bytes"] = capacity
+    return out
+
+
 def run(preset, model, device, events, k, users, new_share, burst, rate, duration, repeats, cuda_fast=False) -> dict:
     model_dir = model_dir_for(preset, model, None)
     engine = Engine.from_pretrained(model_dir, device=device, cuda_fast=cuda_fast)
@@ -139,6 +171,7 @@ def run(preset, model, device, events, k, users, new_share, burst, rate, duratio
         "sliding_cache_on": workload_run(engine, args, "sliding", None),
     }
     off, on = runs["stable_cache_off"], runs["stable_cache_on"]
+    admitted = admission(engine, events, k, users)
     return {
         "benchmark": "returning",
         "model": str(model_dir),
@@ -151,10 +184,14 @@ def run(preset, model, device, events, k, users, new_share, burst, rate, duratio
         "new_user_share": new_share,
         "single_user": single,
         "workload": runs,
+        "admission": admitted,
         "ratios": {
             "returning_cold_over_warm": single["cold_over_warm"],
             "saturation_cache_on_over_off": on["saturation"]["qps"] / off["saturation"]["qps"],
             "p50_cache_off_over_on": _ratio(off["at_rate"]["p50_s"], on["at_rate"]["p50_s"]),
+            "reuse_segmented_over_plain_lru": _ratio(
+                admitted["segmented_lru"]["reuse_rate"], admitted["plain_lru"]["reuse_rate"]
+            ),
         },
         "machine": machine(),
     }

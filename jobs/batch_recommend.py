@@ -12,6 +12,8 @@ or 2 for bad arguments (an --out that cannot be written, --num-gpus that the clu
 
 import argparse
 
+import _need_genrec  # noqa: F401  (first: one clear line when this python lacks genrec)
+
 from genrec.batch import BatchSpec, run_batch
 from genrec.batch.job_args import (
     add_cache_flags,

@@ -8,6 +8,8 @@
 import argparse
 import json
 
+import _need_genrec  # noqa: F401  (first: one clear line when this python lacks genrec)
+
 from genrec.batch.job_args import run_job
 from genrec.batch.semantic_ids import build_semantic_ids
 

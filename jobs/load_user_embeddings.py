@@ -9,6 +9,8 @@ Use the same --cache-* settings as the Serve config and jobs/batch_recommend.py,
 import argparse
 import json
 
+import _need_genrec  # noqa: F401  (first: one clear line when this python lacks genrec)
+
 from genrec.batch import load_user_embeddings
 from genrec.batch.job_args import add_cache_flags, cache_config, run_job
 

@@ -40,6 +40,12 @@ def add_shard_job_flags(parser: argparse.ArgumentParser, users_help: str) -> Non
     )
     parser.add_argument("--cpus-per-actor", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per actor")
+    parser.add_argument(
+        "--pin-threads",
+        action="store_true",
+        default=None,
+        help="bind each actor's threads to --threads cores of its node (Linux; needs --threads)",
+    )
     parser.add_argument("--kv-budget-bytes", type=int, default=None, help="each actor's KV pool (default: by device)")
     parser.add_argument("--max-error-fraction", type=float, default=0.01)
     parser.add_argument("--no-progress", action="store_true", help="no Ray Data progress bars")

@@ -116,6 +116,7 @@ def _run_shards(pending: list[Shard], worker: type[ShardWorker], worker_kwargs: 
         fn_constructor_kwargs={
             **worker_kwargs,
             "threads": execution.threads,
+            "pin_threads": execution.pin_threads,
             "kv_budget_bytes": execution.kv_budget_bytes,
         },
         batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call

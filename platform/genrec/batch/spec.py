@@ -108,8 +108,16 @@ class Execution(BaseModel):
     )
     cpus_per_actor: float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
     threads: int | None = Field(None, ge=1, description="torch threads per actor (default: Ray's, 1 per CPU)")
+    pin_threads: bool = Field(False, description="bind each actor's threads to `threads` cores (genrec.threads; Linux)")
     kv_budget_bytes: int | None = Field(
         None, ge=1, description="each actor's KV pool (default: 4 GiB on the CPU, half the free GPU memory)"
     )
     max_error_fraction: float = Field(0.01, ge=0, le=1, description="exit non-zero above this fraction of users")
     progress: bool = Field(True, description="Ray Data progress bars")
+
+    @model_validator(mode="after")
+    def _pin_needs_threads(self):
+        from genrec.threads import check_thread_settings
+
+        check_thread_settings(self.threads, self.pin_threads, threads_name="--threads", pin_name="--pin-threads")
+        return self

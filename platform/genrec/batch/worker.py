@@ -41,13 +41,13 @@ class ShardWorker:
         run_id: str,
         threads: int | None = None,
         kv_budget_bytes: int | None = None,
+        pin_threads: bool = False,
     ):
-        import torch
-
         from genrec.engine import Engine, SchedulerConfig
+        from genrec.threads import apply_threads
 
-        if threads:
-            torch.set_num_threads(threads)
+        # Before the model loads, so that torch's threads start on their cores.
+        self.threads = apply_threads(threads, pin_threads, threads_name="--threads", pin_name="--pin-threads")
         self.spec, self.model_version, self.run_id = spec, model_version, run_id
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
         scheduler = SchedulerConfig(kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=0)

@@ -2,12 +2,15 @@
 
 Per offered rate: achieved QPS, latency percentiles, errors. In the same run, the sequential baseline
 (1 / the time of one request alone) and the saturation throughput (a burst, served as fast as the loop can).
+`--threads N` sets torch's threads and `--pin` binds them to N cores (genrec.threads), as an engine replica's
+`torch_threads` / `pin_threads` do; the report gives the 1-minute load average around the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import random
 import statistics
 import time
@@ -18,6 +21,7 @@ from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.bench.common import check_rate, machine, model_dir_for, random_prompt, synchronize
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.errors import GenrecError, Overloaded
+from genrec.threads import apply_threads, check_thread_settings
 
 
 def run(
@@ -35,9 +39,14 @@ def run(
     plot,
     max_running: int | None = None,
     cuda_fast: bool = False,
+    threads: int | None = None,
+    pin: bool = False,
 ):
     rates = [check_rate(rate) for rate in rates]  # before minutes of model loading
+    check_thread_settings(threads, pin, threads_name="--threads", pin_name="--pin")
     model_dir = model_dir_for(preset, model, levels)
+    applied = apply_threads(threads, pin, threads_name="--threads", pin_name="--pin")  # before the model loads
+    load_before = _load_average()
     engine = Engine.from_pretrained(model_dir, device=device, cuda_fast=cuda_fast)
     maker = RequestMaker(engine, kind, prompt_len, beam_width, candidates)
     sequential_s = _sequential_seconds(engine, maker, device)
@@ -69,11 +78,21 @@ def run(
             "batch_rows_per_step": metrics["batch_rows_per_step"],
             "prefill_tokens_per_step": metrics["prefill_tokens_per_step"],
         },
+        "threads": {**applied.as_dict(), "pin": pin},
+        "load_average_1m": {"start": load_before, "end": _load_average()},
         "machine": machine(),
     }
     if plot:
         _plot(report, plot)
     return report
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none): how busy it was around the run."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 class RequestMaker:

@@ -47,6 +47,17 @@ class ReplicaOptions(EngineOptions):
         0, ge=0, description="host memory evicted prefixes spill to (CUDA; unverified on a GPU: 0, off, by default)"
     )
     torch_threads: int | None = Field(None, ge=1, description="intra-op threads of an engine replica")
+    pin_threads: bool = Field(
+        False, description="bind the replica's threads to torch_threads cores of its node (genrec.threads; Linux)"
+    )
+
+    @model_validator(mode="after")
+    def _pin_needs_threads(self):
+        from genrec.threads import check_thread_settings  # no torch import: the ingress validates these too
+
+        names = {"threads_name": "torch_threads", "pin_name": "pin_threads"}
+        check_thread_settings(self.torch_threads, self.pin_threads, **names)
+        return self
 
     def scheduler_config(self, limits: EngineLimits = EngineLimits()) -> SchedulerConfig:
         from genrec.engine import SchedulerConfig  # here: the ingress imports these arguments without torch

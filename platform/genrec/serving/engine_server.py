@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import zlib
 
 from ray import serve
 from ray.serve.exceptions import RayServeException
@@ -17,15 +18,20 @@ from genrec.serving.args import EngineLimits, ReplicaOptions, live_limits
 from genrec.serving.http_errors import NotServed
 from genrec.serving.metrics import EngineMetricsExporter
 from genrec.serving.schemas import ModelInfo
+from genrec.threads import apply_threads
 
 
 @serve.deployment(name="EngineServer", health_check_period_s=5, health_check_timeout_s=10)
 class EngineServer:
     def __init__(self, model_dir: str, device: str, options: ReplicaOptions, limits: EngineLimits = EngineLimits()):
-        if options.torch_threads:
-            import torch
-
-            torch.set_num_threads(options.torch_threads)
+        # Before the model loads, so that torch's threads start on their cores.
+        self.threads = apply_threads(
+            options.torch_threads,
+            options.pin_threads,
+            slot=_replica_slot(),
+            threads_name="torch_threads",
+            pin_name="pin_threads",
+        )
         started = time.perf_counter()
         engine = Engine.from_pretrained(model_dir, device=device, **options.engine_kwargs())
         # The builder's limits until reconfigure applies the config's (and if the config's are refused).
@@ -72,6 +78,7 @@ class EngineServer:
             "metrics": self.engine.metrics(),
             "limits": self.limits.model_dump(),
             "user_config_refused": self.config_refused,
+            "threads": self.threads.as_dict(),
         }
 
     def check_health(self) -> None:
@@ -155,3 +162,13 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except RayServeException:
         return "local"
+
+
+def _replica_slot() -> int | None:
+    """Where this replica's pinned cores start: from its Serve ID, so replicas on one node tend to differ (None
+    outside Serve: the process ID)."""
+    try:
+        unique = serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return None
+    return zlib.crc32(unique.encode())

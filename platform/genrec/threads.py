@@ -1,0 +1,107 @@
+"""An engine's CPU threads: how many intra-op threads torch runs, and, when asked, which cores they run on.
+
+On a busy machine unpinned torch threads migrate between cores and wait for each other at every parallel
+region's barrier: two threads on a loaded 2-core machine ran up to 10x slower than one. Binding the process's
+threads to as many cores as it has torch threads avoids most of it. The Serve engine replica
+(`torch_threads`, `pin_threads`), the batch job's actors (`--threads`, `--pin-threads`) and `genrec bench load`
+(`--threads`, `--pin`) all apply their settings here, before the engine is loaded.
+
+The cores are chosen among those the process may run on (`os.sched_getaffinity`: what Ray, a container or
+`taskset` left it; Ray itself reserves CPUs by count, not by core). Processes on one node start at different
+cores (`slot`, by default the process ID), so replicas that each pin fewer threads than the node has cores do
+not all land on the first ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What `apply_threads` did: torch's thread count and the cores the process's threads were bound to (None:
+    not bound)."""
+
+    threads: int
+    cores: tuple[int, ...] | None
+
+    def as_dict(self) -> dict:
+        return {"threads": self.threads, "pinned_cores": list(self.cores) if self.cores is not None else None}
+
+
+def check_thread_settings(
+    threads: int | None, pin: bool, *, threads_name: str = "threads", pin_name: str = "pin"
+) -> None:
+    """Refuse bad settings with the name of the setting at fault (the caller's: a config field or a flag)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"{threads_name}={threads!r}: a number of threads, 1 or more")
+    if not isinstance(pin, bool):
+        raise ValueError(f"{pin_name}={pin!r}: true or false")
+    if pin and threads is None:
+        raise ValueError(f"{pin_name} needs {threads_name}: the number of cores to bind the threads to")
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def choose_cores(count: int, available: list[int], slot: int = 0) -> list[int]:
+    """`count` of the `available` cores, consecutive (wrapping) from position `slot` modulo their number."""
+    if count > len(available):
+        raise ValueError(f"{count} threads pinned to distinct cores, but only {len(available)} are available")
+    start = slot % len(available)
+    return sorted(available[(start + i) % len(available)] for i in range(count))
+
+
+def apply_threads(
+    threads: int | None,
+    pin: bool = False,
+    *,
+    slot: int | None = None,
+    threads_name: str = "threads",
+    pin_name: str = "pin",
+) -> Applied:
+    """Set torch's intra-op threads to `threads` (None: leave torch's default) and, with `pin`, bind every thread
+    of this process (and those it starts later) to `threads` cores. Bind first, so that the threads torch starts
+    afterwards inherit the cores. Where the OS cannot bind threads (not Linux) a warning says so."""
+    import torch
+
+    check_thread_settings(threads, pin, threads_name=threads_name, pin_name=pin_name)
+    cores = None
+    if pin:
+        available = available_cores()
+        if threads > len(available):
+            raise ValueError(
+                f"{threads_name}={threads} with {pin_name}: only {len(available)} core(s) available to this process "
+                f"({available})"
+            )
+        if hasattr(os, "sched_setaffinity"):
+            cores = choose_cores(threads, available, os.getpid() if slot is None else slot)
+            _bind_all_threads(set(cores))
+        else:
+            log.warning("%s: this OS cannot bind threads to cores; only the thread count is set", pin_name)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return Applied(torch.get_num_threads(), tuple(cores) if cores is not None else None)
+
+
+def _bind_all_threads(cores: set[int]) -> None:
+    """Linux binds one thread at a time: the calling one (new threads inherit it), then every other one listed
+    in /proc/self/task (torch's pool if it already runs, Ray's and gRPC's threads)."""
+    os.sched_setaffinity(0, cores)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # a thread that ended meanwhile
+            continue

@@ -381,3 +381,32 @@ def test_each_async_entry_takes_only_its_own_kind_and_submit_takes_any(engine, a
     assert len(async_engine.submit(score).result(timeout=30).scores) == 1  # submit serves every kind
     with pytest.raises(InvalidRequestError, match="got dict"):
         async_engine.submit({"prompt": "user liked"})
+
+
+def exit_mid_step(model_dir: str) -> None:
+    """The child process: an engine whose loop is still inside a (held) step when the script returns."""
+    import torch
+
+    from genrec.engine import Engine
+
+    engine = Engine.from_pretrained(model_dir)
+    original = engine.runner.decode
+    busy = torch.randn(700, 700)
+
+    def held(*args, **kwargs):  # about a second inside torch kernels (outside the GIL), then the real pass
+        for _ in range(200):
+            busy @ busy
+        return original(*args, **kwargs)
+
+    engine.runner.decode = held
+    ae = AsyncEngine(engine)
+    ae.submit(RetrieveRequest(prompt_token_ids=list(range(3, 20)), beam_width=4))
+    time.sleep(0.2)
+    ae.shutdown(timeout_s=0.05)  # returns at once: the loop is still in its step
+    print("ok")
+
+
+def test_a_process_that_exits_while_the_loop_is_mid_step_exits_cleanly(tiny_dir):
+    from tests.test_engine_robustness import run_isolated
+
+    assert run_isolated("tests.test_async_engine:exit_mid_step", tiny_dir).strip() == "ok"  # no abort at exit

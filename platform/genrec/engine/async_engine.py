@@ -10,9 +10,11 @@ draining) before it returns, so no caller waits past it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
@@ -33,6 +35,20 @@ from genrec.errors import EngineStopped
 
 log = logging.getLogger(__name__)
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every AsyncEngine whose loop may still run
+
+
+@atexit.register
+def _stop_loops_at_exit() -> None:
+    """A loop thread still inside a step when the interpreter finalizes aborts the process (torch's C++ threads
+    are torn down under it): at exit, stop every loop and let its current step end first."""
+    engines = list(_LIVE)
+    for engine in engines:
+        engine._stop.set()
+        engine._wake.set()
+    for engine in engines:
+        engine._thread.join(30.0)
+
 
 class AsyncEngine:
     def __init__(
@@ -52,6 +68,7 @@ class AsyncEngine:
         self.stall_s = stall_s
         self._thread = threading.Thread(target=self._loop, name="genrec-engine-loop", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", config: SchedulerConfig | None = None, **kw):

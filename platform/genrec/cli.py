@@ -199,6 +199,8 @@ def bench_load(
         None, min=1, help="requests the engine runs at once (default: 8 on CUDA, 64 on CPU)"
     ),
     cuda_fast: bool = typer.Option(False, "--cuda-fast", help="CUDA: FA2 varlen + decode graphs (unverified)"),
+    threads: int = typer.Option(None, min=1, help="torch threads (default: torch's, one per core)"),
+    pin: bool = typer.Option(False, "--pin", help="bind the threads to --threads cores (Linux; needs --threads)"),
     json_out: Path = typer.Option(None, "--json"),
     plot: Path = typer.Option(None, help="PNG: latency against offered load"),
 ):
@@ -224,6 +226,8 @@ def bench_load(
         plot,
         max_running,
         cuda_fast,
+        threads,
+        pin,
     )
     _emit(report, json_out)
 
@@ -322,6 +326,48 @@ def bench_serve(
         raise typer.BadParameter("kind must be retrieve, score or mixed")
     parsed = parse_rates(rates)
     report = run(kind, parsed, duration, preset, model, levels, prompt_len, beam_width, candidates, burst, plot)
+    _emit(report, json_out)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    preset: str = typer.Option("tiny", help="a preset with a soft-token projector (recommend by user_id)"),
+    model: Path = typer.Option(None),
+    bursts: int = typer.Option(40, min=2, max=1000, help="bursts sent, one after another"),
+    burst: int = typer.Option(100, min=1, max=2000, help="requests per burst"),
+    concurrency: int = typer.Option(32, min=1, max=512, help="requests in flight within a burst"),
+    prompt_len: int = typer.Option(48, min=8),
+    beam_width: int = typer.Option(8, min=1),
+    candidates: int = typer.Option(16, min=1, help="item candidates per score request"),
+    kv_budget_bytes: int = typer.Option(64 << 20, min=1 << 20, help="the engine's KV pool (resident once written)"),
+    prefix_cache_bytes: int = typer.Option(16 << 20, min=0, help="the prefix cache's share of the pool"),
+    request_timeout_s: float = typer.Option(5.0, min=0.1, help="the app's deadline (504 past it)"),
+    settle_s: float = typer.Option(1.0, min=0.0, help="wait after each burst before reading RSS"),
+    max_seconds: float = typer.Option(900.0, min=10.0, max=7200.0, help="stop sending bursts after this long"),
+    plateau_mb_per_1k: float = typer.Option(1.0, min=0.0, help="slope under which a process has plateaued"),
+    json_out: Path = typer.Option(None, "--json"),
+):
+    """Memory under bursts: RSS of the ingress, engine, proxy and cache processes of a local Serve app after each
+    burst of mixed requests (valid, invalid, unknown users, hang-ups); the second half's growth per 1,000
+    requests and whether it plateaued. Bounded by --bursts and --max-seconds."""
+    from genrec.bench.soak import run
+
+    report = run(
+        preset,
+        model,
+        bursts,
+        burst,
+        concurrency,
+        prompt_len,
+        beam_width,
+        candidates,
+        kv_budget_bytes,
+        prefix_cache_bytes,
+        request_timeout_s,
+        settle_s,
+        max_seconds,
+        plateau_mb_per_1k,
+    )
     _emit(report, json_out)
 
 

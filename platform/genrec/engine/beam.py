@@ -10,6 +10,8 @@ until `results()`.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from itertools import groupby
 
 import numpy as np
@@ -180,7 +182,10 @@ def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
     request of each flat row and its rank within the request. Cached: layouts repeat from step to step.
     """
     key = (rows_per_req, str(device))
-    found = _LAYOUTS.get(key)
+    with _LAYOUTS_LOCK:  # engines in one process (tests, benches) each step in their own thread
+        found = _LAYOUTS.get(key)
+        if found is not None:
+            _LAYOUTS.move_to_end(key)
     if found is None:
         counts = np.asarray(rows_per_req)
         offsets = counts.cumsum() - counts
@@ -192,13 +197,36 @@ def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
             "row_req": to_device(row_req, device),
             "row_rank": to_device(np.arange(len(row_req)) - offsets[row_req], device),
         }
-        if len(_LAYOUTS) >= 4096:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = found
+        _remember_layout(key, found)
     return found
 
 
-_LAYOUTS: dict = {}
+# Layouts by (rows per request, device), least recently used first. Bounded in bytes, not only in entries: every
+# new mix of running requests makes a new layout (64 requests of beam 64: ~100 KB, resident memory on a CPU), so
+# the former cap of 4,096 entries let it grow for tens of thousands of requests, to ~400 MB at worst. Steps reuse
+# the last few layouts.
+_LAYOUTS: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+_LAYOUTS_LOCK = threading.Lock()
+LAYOUT_CACHE_BYTES = 8 << 20
+_layout_bytes = 0
+
+
+def _nbytes(layout: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in layout.values())
+
+
+def _remember_layout(key: tuple, layout: dict[str, torch.Tensor]) -> None:
+    """Keep the layout; forget the least recently used ones while the cache holds over LAYOUT_CACHE_BYTES."""
+    global _layout_bytes
+    with _LAYOUTS_LOCK:
+        old = _LAYOUTS.pop(key, None)  # another engine's thread may have built it meanwhile
+        if old is not None:
+            _layout_bytes -= _nbytes(old)
+        _LAYOUTS[key] = layout
+        _layout_bytes += _nbytes(layout)
+        while _layout_bytes > LAYOUT_CACHE_BYTES and len(_LAYOUTS) > 1:
+            _, old = _LAYOUTS.popitem(last=False)
+            _layout_bytes -= _nbytes(old)
 
 
 def _excluded(cohorts: list[BeamCohort], level: int, row_req: torch.Tensor, child: torch.Tensor) -> torch.Tensor:

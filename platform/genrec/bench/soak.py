@@ -1,0 +1,340 @@
+"""`genrec bench soak`: memory of the Serve app's processes under bursts of mixed requests, to a steady state.
+
+A local Serve app (its own Ray, HTTP on 127.0.0.1; an ingress, one engine replica, an embedding cache with no
+backing store) receives `bursts` bursts of `burst` requests each, every kind the API answers: retrieve (token
+IDs, text), score (item and text candidates), recommend and retrieve by a stored `user_id`, recommend by a
+never-seen `user_id` (404), malformed or invalid bodies (400 / 422), and requests whose client hangs up early
+(cancelled). Requests past the app's deadline come back 504 when a burst queues past it. After each burst has
+been answered (and `settle_s` more), the resident set (VmRSS) of the ingress, engine, proxy and cache actor
+processes is read from /proc (the replicas' PIDs from Ray's state API).
+
+Reported: RSS per burst, each process's growth over the second half of the bursts (least-squares slope, MB per
+1,000 requests) and whether it plateaued (slope under `plateau_mb_per_1k`). The engine's KV pool is allocated
+uninitialised: its pages become resident as requests first write them, up to the pool's size (and the prefix
+cache keeps up to `prefix_cache_bytes` of it by design), so the pool is sized small here and said in the report;
+growth that stops within it is not a leak. The run stops by itself after the bursts or `max_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections import Counter
+
+import httpx
+import numpy as np
+import torch
+
+from genrec.bench.common import machine, model_dir_for, random_prompt
+from genrec.engine import Engine
+from genrec.errors import GenrecError
+
+APP = "soak"
+WORDS = "user listened to comedy podcast episode news show jazz album movie thriller drama late night".split()
+KNOWN_USERS = 64  # users with a stored embedding (recommend / retrieve by user_id)
+PROCESSES = ("Ingress", "EngineServer", "ProxyActor", "EmbeddingCacheActor")
+# One request of each kind per cycle; weights by repetition: mostly valid traffic, some refusals and hang-ups.
+MIX = (
+    "retrieve_tokens",
+    "retrieve_text",
+    "score_items",
+    "score_text",
+    "recommend_user",
+    "retrieve_user",
+    "retrieve_tokens",
+    "score_items",
+    "recommend_inline",
+    "recommend_unknown_user",
+    "invalid_field",
+    "malformed_json",
+    "cancelled",
+    "recommend_user",
+)
+
+
+def run(
+    preset,
+    model,
+    bursts: int,
+    burst: int,
+    concurrency: int,
+    prompt_len: int,
+    beam_width: int,
+    candidates: int,
+    kv_budget_bytes: int,
+    prefix_cache_bytes: int,
+    request_timeout_s: float,
+    settle_s: float,
+    max_seconds: float,
+    plateau_mb_per_1k: float,
+    seed: int = 0,
+) -> dict:
+    model_dir = model_dir_for(preset, model, None)
+    engine = Engine.from_pretrained(model_dir)
+    if engine.family != "qwen3":
+        raise ValueError("the soak sends retrieve, score and recommend requests: use a Qwen3 model")
+    user_dim = engine.projector.user_dim if engine.projector is not None else None
+    maker = SoakRequests(engine, prompt_len, beam_width, candidates, user_dim, seed)
+    del engine
+    started = time.monotonic()
+    with _local_app(model_dir, kv_budget_bytes, prefix_cache_bytes, request_timeout_s, user_dim) as (url, pids):
+        samples = asyncio.run(_soak(url, pids, maker, bursts, burst, concurrency, settle_s, started + max_seconds))
+    report = summarize(samples, plateau_mb_per_1k)
+    return {
+        "benchmark": "soak",
+        "model": str(model_dir),
+        "preset": None if model else preset,
+        "bursts_planned": bursts,
+        "burst": burst,
+        "concurrency": concurrency,
+        "prompt_len": prompt_len,
+        "beam_width": beam_width,
+        "candidates": candidates,
+        "kv_budget_bytes": kv_budget_bytes,
+        "prefix_cache_bytes": prefix_cache_bytes,
+        "request_timeout_s": request_timeout_s,
+        "seconds": time.monotonic() - started,
+        "stopped_by_time": len(samples) - 1 < bursts,
+        "pids": pids,
+        **report,
+        "note": "RSS in MB (VmRSS) after each burst is answered; slope: least squares over the second half of the "
+        "bursts, MB per 1,000 requests; plateaued: slope < plateau_mb_per_1k. The engine's KV pool "
+        "(kv_budget_bytes) becomes resident as it is first written: growth within it is by design",
+        "machine": machine(),
+    }
+
+
+class SoakRequests:
+    """The i-th request of the soak: (kind, path, body, client timeout). Prompts are random (unique: the prefix
+    cache fills and evicts), user IDs of the unknown kind never repeat (per-key state would show)."""
+
+    def __init__(self, engine, prompt_len, beam_width, candidates, user_dim, seed):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.engine, self.prompt_len, self.beam_width, self.candidates = engine, prompt_len, beam_width, candidates
+        self.user_dim = user_dim
+        # What the requests need from the engine, kept without the engine itself (the driver drops it).
+        self.prompts = [random_prompt(engine, prompt_len, self.generator) for _ in range(256)]
+        self.item_ids = list(engine.catalog.item_ids[: min(len(engine.catalog), 4096)])
+        self.engine = None
+        self.count = 0
+
+    def _prompt_ids(self) -> list[int]:
+        base = self.rng.choice(self.prompts)
+        return [self.rng.choice(base) for _ in base]  # a fresh prompt from the base's tokens
+
+    def _text(self, words: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(words))
+
+    def _items(self) -> list[dict]:
+        return [{"item_id": self.rng.choice(self.item_ids)} for _ in range(self.candidates)]
+
+    def _user_prompt(self) -> str:
+        return f"user <|user|> {self._text(self.prompt_len // 2)}"
+
+    def __call__(self) -> tuple[str, str, object, float | None]:
+        self.count += 1
+        kind = MIX[self.count % len(MIX)]
+        if kind == "recommend_user" and self.user_dim is None:
+            kind = "retrieve_tokens"
+        known = f"soak-user-{self.rng.randrange(KNOWN_USERS)}"
+        width = self.beam_width
+        if kind == "retrieve_tokens":
+            return kind, "retrieve", {"prompt_token_ids": self._prompt_ids(), "beam_width": width}, None
+        if kind == "retrieve_text":
+            return kind, "retrieve", {"prompt": self._text(self.prompt_len // 2), "beam_width": width}, None
+        if kind == "score_items":
+            return kind, "score", {"prompt_token_ids": self._prompt_ids(), "candidates": self._items()}, None
+        if kind == "score_text":
+            texts = [{"text": self._text(4)} for _ in range(max(1, self.candidates // 4))]
+            return kind, "score", {"prompt": self._text(self.prompt_len // 2), "candidates": texts}, None
+        if kind in ("recommend_user", "retrieve_user") and self.user_dim is not None:
+            route = kind.split("_")[0]
+            body = {"prompt": self._user_prompt(), "user_id": known, "beam_width": width, "num_results": 5}
+            if route == "recommend":
+                body["candidates"] = self._items()[:4]
+            return kind, route, body, None
+        if kind == "recommend_inline" and self.user_dim is not None:
+            vector = [self.rng.uniform(-1, 1) for _ in range(self.user_dim)]
+            body = {"prompt": self._user_prompt(), "user_embedding": vector, "beam_width": width}
+            return kind, "recommend", body, None
+        if kind == "recommend_unknown_user":
+            body = {"prompt": self._user_prompt(), "user_id": f"soak-unknown-{self.count}", "beam_width": width}
+            return kind, "recommend", body, None
+        if kind == "invalid_field":
+            bad = self.rng.choice(
+                [{"beam_width": 0}, {"no_such_field": 1}, {"num_results": -1}, {"user_id": True}, {"prompt": ""}]
+            )
+            return kind, "retrieve", {"prompt_token_ids": self._prompt_ids()[:8], **bad}, None
+        if kind == "malformed_json":
+            return kind, "retrieve", b'{"prompt": "user listened to', None
+        if kind == "cancelled":  # the client hangs up before the answer: Serve cancels the request
+            body = {"prompt_token_ids": self._prompt_ids(), "beam_width": width * 2}
+            return kind, "retrieve", body, 0.005
+        return kind, "retrieve", {"prompt_token_ids": self._prompt_ids(), "beam_width": width}, None
+
+
+async def _soak(url, pids, maker, bursts, burst, concurrency, settle_s, deadline) -> list[dict]:
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    samples = [{"burst": 0, "requests": 0, "seconds": 0.0, "rss_mb": rss_mb(pids), "statuses": {}}]
+    sent = 0
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(kind, route, body, timeout_s) -> str:
+            async with slots:
+                try:
+                    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+                    if isinstance(body, bytes):
+                        kw["headers"] = {"content-type": "application/json"}
+                    response = await client.post(f"{url}/v1/{route}", timeout=timeout_s or 120, **kw)
+                    return str(response.status_code)
+                except httpx.TimeoutException:
+                    return "client_timeout" if timeout_s else "client_timeout_unexpected"
+                except httpx.HTTPError as err:
+                    return f"http_error:{type(err).__name__}"
+
+        for n in range(1, bursts + 1):
+            if time.monotonic() > deadline:
+                break
+            start = time.monotonic()
+            requests = [maker() for _ in range(burst)]
+            statuses = await asyncio.gather(*(one(*r) for r in requests))
+            sent += burst
+            await asyncio.sleep(settle_s)
+            by_kind = Counter(f"{r[0]}:{s}" for r, s in zip(requests, statuses, strict=True))
+            samples.append(
+                {
+                    "burst": n,
+                    "requests": sent,
+                    "seconds": time.monotonic() - start,
+                    "rss_mb": rss_mb(pids),
+                    "statuses": dict(sorted(Counter(statuses).items())),
+                    "by_kind": dict(sorted(by_kind.items())),
+                }
+            )
+    return samples
+
+
+def rss_mb(pids: dict[str, int]) -> dict[str, float | None]:
+    """Each process's VmRSS in MB (None once it is gone)."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                line = next(line for line in f if line.startswith("VmRSS:"))
+            out[name] = int(line.split()[1]) / 1024
+        except (OSError, StopIteration):
+            out[name] = None
+    return out
+
+
+def slope_per_1k(requests: list[int], values: list[float]) -> float | None:
+    """Least-squares slope of values against requests, per 1,000 requests (None under two points)."""
+    if len(values) < 2 or len(set(requests)) < 2:
+        return None
+    return float(np.polyfit(np.asarray(requests, float), np.asarray(values, float), 1)[0] * 1000)
+
+
+def summarize(samples: list[dict], plateau_mb_per_1k: float) -> dict:
+    """Per process: RSS at the start, after the first burst, the middle and the end; the slope over the second
+    half of the bursts; plateaued or not. Statuses over the whole run."""
+    after = samples[1:]
+    half = after[len(after) // 2 :] if len(after) >= 4 else after
+    processes = {}
+    for name in samples[0]["rss_mb"]:
+        series = [(s["requests"], s["rss_mb"][name]) for s in samples if s["rss_mb"][name] is not None]
+        second = [(r, v) for r, v in series if r >= (half[0]["requests"] if half else 0)]
+        slope = slope_per_1k([r for r, _ in second], [v for _, v in second])
+        values = [v for _, v in series]
+        processes[name] = {
+            "rss_start_mb": values[0] if values else None,
+            "rss_after_first_burst_mb": values[1] if len(values) > 1 else None,
+            "rss_mid_mb": values[len(values) // 2] if values else None,
+            "rss_end_mb": values[-1] if values else None,
+            "rss_max_mb": max(values) if values else None,
+            "second_half_mb_per_1k_requests": slope,
+            "plateaued": slope is not None and slope < plateau_mb_per_1k,
+        }
+    totals: Counter = Counter()
+    for s in after:
+        totals.update(s.get("by_kind", {}))
+    return {
+        "bursts": len(after),
+        "requests": after[-1]["requests"] if after else 0,
+        "plateau_mb_per_1k": plateau_mb_per_1k,
+        "processes": processes,
+        "plateaued": all(p["plateaued"] for p in processes.values() if p["rss_end_mb"] is not None),
+        "answers": dict(sorted(totals.items())),
+        "per_burst": [
+            {"burst": s["burst"], "requests": s["requests"], "seconds": round(s["seconds"], 2), **s["rss_mb"]}
+            for s in samples
+        ],
+    }
+
+
+def replica_pids(app: str) -> dict[str, int]:
+    """PIDs of the app's ingress and engine replica, Serve's proxy and the cache actor, from the GCS's actor
+    table of this Ray (the state API's list_actors needs the dashboard, which the bench does not start)."""
+    from ray._private import state
+
+    pids = {}
+    for actor in state.actors(actor_state_name="ALIVE").values():
+        cls, pid = actor.get("ActorClassName") or "", actor.get("Pid")
+        for name in PROCESSES:
+            if pid and cls.endswith(name) and (name in ("ProxyActor", "EmbeddingCacheActor") or f":{app}:" in cls):
+                pids.setdefault(_label(name), pid)
+    missing = [_label(n) for n in PROCESSES if _label(n) not in pids]
+    if missing:
+        raise GenrecError(f"no live process found for {missing} among this Ray's actors")
+    return pids
+
+
+def _label(name: str) -> str:
+    return {"Ingress": "ingress", "EngineServer": "engine", "ProxyActor": "proxy"}.get(name, "cache")
+
+
+class _local_app:  # noqa: N801 - used as a context manager
+    """The app on a local Ray of its own; yields (base URL, process IDs)."""
+
+    def __init__(self, model_dir, kv_budget_bytes, prefix_cache_bytes, request_timeout_s, user_dim):
+        self.args = (model_dir, kv_budget_bytes, prefix_cache_bytes, request_timeout_s, user_dim)
+        self.session = None
+
+    def __enter__(self):
+        from ray import serve
+
+        from genrec.bench.serve import local_serve_session
+        from genrec.cache.actor import EmbeddingCache
+        from genrec.cache.config import CacheConfig
+        from genrec.serving.app import build_app
+        from genrec.serving.args import AppArgs
+
+        model_dir, kv_budget_bytes, prefix_cache_bytes, request_timeout_s, user_dim = self.args
+        cache = CacheConfig(name=f"soak-{os.getpid()}", dim=user_dim or 1, store="none", capacity=10_000)
+        args = AppArgs(
+            model_dir=str(model_dir),
+            torch_threads=1,
+            engine_num_cpus=1,
+            ingress_num_cpus=0.1,
+            kv_budget_bytes=kv_budget_bytes,
+            prefix_cache_bytes=prefix_cache_bytes,
+            request_timeout_s=request_timeout_s,
+            cache=cache if user_dim else None,
+        )
+        self.session = local_serve_session()
+        base = self.session.__enter__()
+        try:
+            if user_dim:
+                vectors = np.random.default_rng(0).standard_normal((KNOWN_USERS, user_dim)).astype(np.float32)
+                EmbeddingCache.connect(cache).put([f"soak-user-{i}" for i in range(KNOWN_USERS)], vectors)
+            serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+            return f"{base}/{APP}", replica_pids(APP)
+        except BaseException:
+            self.session.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        return self.session.__exit__(*exc)

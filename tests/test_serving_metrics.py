@@ -61,3 +61,19 @@ def test_the_engine_snapshot_feeds_the_prefix_cache_exporter(monkeypatch, tiny_d
     assert counters["genrec_prefix_cache_tokens_reused"].value >= 96
     assert counters["genrec_prefix_cache_hits"].value == 1
     assert exporter.prefix_cache.gauges["genrec_prefix_cache_bytes_held"].value > 0
+
+
+def test_the_step_in_flight_is_exported(monkeypatch):
+    for name in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, name, Recorded)
+    exporter = metrics.EngineMetricsExporter()
+    snapshot = {
+        "queue_depth": 0,
+        "running": 1,
+        "kv_bytes_reserved": 0,
+        "batch_rows_per_step": {"p50": None},
+        "prefill_tokens_per_step": {"p50": None},
+        "step_in_flight_s": 42.5,
+    }
+    exporter.update(snapshot)
+    assert exporter.step_in_flight.value == 42.5

@@ -42,6 +42,9 @@ class EngineMetricsExporter:
             "genrec_prefill_tokens_per_step_p50", description="median prefill tokens per step (recent)"
         )
         self.model_load_seconds = Gauge("genrec_model_load_s", description="seconds this replica took to load")
+        self.step_in_flight = Gauge(
+            "genrec_step_in_flight_s", description="how long the engine's current step has run (0 between steps)"
+        )
         self.load_s = 0.0  # set by the replica once loaded; exported with the rest every second
         self.user_config_refused = refused_gauge()
         self.prefix_cache = PrefixCacheExporter()
@@ -57,6 +60,7 @@ class EngineMetricsExporter:
         self.queue_depth.set(snapshot["queue_depth"])
         self.running.set(snapshot["running"])
         self.kv_bytes.set(snapshot["kv_bytes_reserved"])
+        self.step_in_flight.set(snapshot.get("step_in_flight_s", 0.0))
         self.rows_per_step.set(snapshot["batch_rows_per_step"]["p50"] or 0)
         self.prefill_per_step.set(snapshot["prefill_tokens_per_step"]["p50"] or 0)
         if "prefix_cache" in snapshot:

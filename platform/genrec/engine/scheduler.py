@@ -339,6 +339,9 @@ class Scheduler:
             self.cache.trim()  # what it read or handed to the cache may be given back now
         job.cohort = job.last_logits = job.retrieved = job.work = None
         job.scored = []
+        # Counted before the caller can see the answer: metrics read right after it include this request.
+        self.metrics.finished(job.kind, status, time.monotonic() - job.submitted)
+        self.metrics.kv_bytes_reserved = self.budget.reserved
         try:
             if error is not None:
                 job.future.set_exception(error)
@@ -346,8 +349,6 @@ class Scheduler:
                 job.future.set_result(result)
         except InvalidStateError:
             pass  # the caller cancelled meanwhile: nobody waits for this result
-        self.metrics.finished(job.kind, status, time.monotonic() - job.submitted)
-        self.metrics.kv_bytes_reserved = self.budget.reserved
 
 
 def _by_device(config: SchedulerConfig, device: torch.device) -> SchedulerConfig:

@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from genrec.errors import ModelDirectoryError
 from genrec.model.hstu_config import HSTUConfig
-from genrec.model.weights import load_state_dict, model_weight
+from genrec.model.weights import assign_weights, load_state_dict
 
 # Prefill queries per attention call: bounds the [heads, chunk, keys] score matrix (1024 × 16k keys × 4 heads
 # in float32 is 256 MiB) without changing any result.
@@ -278,20 +277,5 @@ def load_hstu(model_dir: str | Path, device="cpu", dtype: torch.dtype = torch.fl
     tensors = load_state_dict(model_dir)
     with torch.device("meta"):
         model = HSTU(config)
-    expected = {name: p.shape for name, p in model.named_parameters()}
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ModelDirectoryError(model_dir, f"weights lack {len(missing)} tensors, e.g. {missing[:3]}")
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        raise ModelDirectoryError(
-            model_dir, f"weights hold {len(extra)} tensors the config does not imply, e.g. {extra[:3]}"
-        )
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != tuple(shape):
-            raise ModelDirectoryError(
-                model_dir, f"tensor {name} has shape {tuple(tensors[name].shape)}, config implies {tuple(shape)}"
-            )
-    state = {n: model_weight(n, tensors[n], device, dtype, model_dir) for n in expected}
-    model.load_state_dict(state, strict=True, assign=True)
+    assign_weights(model, tensors, model_dir, device, dtype, refuse_extra=True)
     return model.eval().requires_grad_(False)

@@ -37,6 +37,27 @@ def model_weight(name: str, tensor: torch.Tensor, device, dtype: torch.dtype, mo
     return weight
 
 
+def assign_weights(model, tensors: dict, model_dir: Path, device, dtype, refuse_extra: bool = False) -> None:
+    """Load `tensors` into `model` (built on the meta device), each checked by name and shape against its
+    parameters, and finite; `refuse_extra`: a tensor the model has no parameter for is an error too."""
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ModelDirectoryError(model_dir, f"weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+    extra = sorted(set(tensors) - set(expected)) if refuse_extra else []
+    if extra:
+        raise ModelDirectoryError(
+            model_dir, f"weights hold {len(extra)} tensors the config does not imply, e.g. {extra[:3]}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ModelDirectoryError(
+                model_dir, f"tensor {name} has shape {tuple(tensors[name].shape)}, config implies {tuple(shape)}"
+            )
+    state = {n: model_weight(n, tensors[n], device, dtype, model_dir) for n in expected}
+    model.load_state_dict(state, strict=True, assign=True)
+
+
 def _shards(index: Path) -> list[str]:
     """The index's shard file names. Each must be a relative path that stays inside the model directory.
     (Symbolic links are followed: the Hugging Face cache links every file to a blob outside the snapshot.)"""

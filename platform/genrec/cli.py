@@ -10,6 +10,8 @@ import typer
 
 from genrec.errors import GenrecError
 
+DEMO_STEPS = 2000  # genrec.demo.config.DemoConfig.max_steps (not imported here: the demo package loads torch)
+
 app = typer.Typer(
     help="genrec: generative recommendation with semantic IDs.", no_args_is_help=True, pretty_exceptions_enable=False
 )
@@ -107,9 +109,11 @@ def demo(
     model_dir: Path = typer.Option(Path("out/demo-model"), help="the trained model (deployments/local.yaml's)"),
     retrain: bool = typer.Option(False, "--retrain", help="train again even if a model of this recipe exists"),
     seed: int = typer.Option(0, help="training seed (reported with the figures)"),
-    budget_s: float = typer.Option(300.0, min=1.0, help="training budget in CPU-seconds of one thread"),
+    budget_s: float = typer.Option(
+        None, min=1.0, help="train for this many CPU-seconds of one thread instead of --steps (not reproducible)"
+    ),
     users: int = typer.Option(None, min=1, help="only the first N users (a quick look; figures are noisier)"),
-    steps: int = typer.Option(None, min=1, help="train exactly this many steps (reproducible) instead of the budget"),
+    steps: int = typer.Option(DEMO_STEPS, min=1, help="training steps (the same model on any machine)"),
     port: int = typer.Option(None, min=0, help="HTTP port (default: the Serve config's, or a free one if taken)"),
 ):
     """MovieLens-100k on the whole platform: train (or reuse) a model, load user embeddings into the cache,
@@ -117,7 +121,8 @@ def demo(
     most-popular."""
     from genrec.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(seed=seed, budget_cpu_s=budget_s, users=users, max_steps=steps)
+    by_budget = {"max_steps": None, "budget_cpu_s": budget_s} if budget_s is not None else {"max_steps": steps}
+    cfg = DemoConfig(seed=seed, users=users, **by_budget)
     try:
         run_demo(out, model_dir, cfg, retrain=retrain, port=port, say=typer.echo)
     except KeyboardInterrupt:

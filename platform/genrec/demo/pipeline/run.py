@@ -69,7 +69,8 @@ def prepare(model_dir: Path, cfg: DemoConfig, retrain: bool, say, progress: bool
         say(f"reusing the trained model in {model_dir} (--retrain trains it again)")
     else:
         why = "--retrain" if same else "no model of this recipe yet"
-        say(f"training the demo model ({why}): {cfg.budget_cpu_s:.0f} CPU-seconds of one thread, seed {cfg.seed}")
+        length = f"{cfg.max_steps} steps" if cfg.max_steps else f"{cfg.budget_cpu_s:.0f} CPU-seconds of one thread"
+        say(f"training the demo model ({why}): {length}, seed {cfg.seed}")
         (model_dir / GENREC_SUBDIR / RECIPE).unlink(missing_ok=True)  # an interrupted run must not look complete
         build_model(data, factors, model_dir, cfg, progress)
         recipe = read_recipe(model_dir)

@@ -308,6 +308,25 @@ def bench_rank(
     _emit(run(preset, model, device, events, candidates, repeats, fanout_sample, new_events, root), json_out)
 
 
+@bench_app.command("funnel")
+def bench_funnel(
+    model: Path = typer.Option(None, help="a Qwen3 model directory (default: a tiny one, hidden 64, 2 layers)"),
+    ranker: Path = typer.Option(None, help="an HSTU model directory (default: a tiny one, hidden 64, 2 layers)"),
+    prompt_len: int = typer.Option(150, min=1, help="prompt tokens"),
+    beam_width: int = typer.Option(50, min=1, help="retrieved items, all ranked"),
+    events: int = typer.Option(50, min=1, help="history events"),
+    requests: int = typer.Option(100, min=2, help="timed requests per route"),
+    users: int = typer.Option(20, min=1, help="distinct prompts and histories, cycled"),
+    warmup: int = typer.Option(5, min=0),
+    json_out: Path = typer.Option(None, "--json"),
+):
+    """Two-stage /v1/recommend (Qwen3 retrieval, then HSTU ranking) against /v1/retrieve alone, through a local
+    Serve app over HTTP: p50/p90 of each and their ratio."""
+    from genrec.bench.funnel import run
+
+    _emit(run(model, ranker, prompt_len, beam_width, events, requests, users, warmup), json_out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     kind: str = typer.Option("retrieve", help="retrieve | score | mixed"),
@@ -403,13 +422,31 @@ def bench_batch(
     beam_width: int = typer.Option(16, min=1),
     actors: str = typer.Option("1,2", help="actor counts to run the job with (the first is compared to the loop)"),
     threads: int = typer.Option(1, min=1, help="torch threads of each engine: the loop's and every actor's"),
+    ranker: Path = typer.Option(None, help="an HSTU directory: also the funnel (retrieve -> rank) against retrieve"),
+    history_len: int = typer.Option(50, min=1, help="with --ranker: history events per user"),
+    rank_actors: int = typer.Option(1, min=1, help="with --ranker: the funnel's ranking actors"),
     json_out: Path = typer.Option(None, "--json"),
 ):
-    """Users/s of the Ray Data batch job against a plain loop over the in-process Engine; scaling with actors."""
+    """Users/s of the Ray Data batch job against a plain loop over the in-process Engine; scaling with actors;
+    with --ranker, the two-stage funnel's users/s against retrieve alone."""
     from genrec.bench.batch import run
 
     counts = [int(a) for a in actors.split(",") if a.strip()]
-    _emit(run(users, batch_size, preset, model, levels, prompt_len, beam_width, counts, threads), json_out)
+    report = run(
+        users,
+        batch_size,
+        preset,
+        model,
+        levels,
+        prompt_len,
+        beam_width,
+        counts,
+        threads,
+        ranker,
+        history_len,
+        rank_actors,
+    )
+    _emit(report, json_out)
 
 
 @bench_app.command("suite")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ValidationError
 
+from genrec.batch.funnel_spec import RankingExecution
 from genrec.batch.pipeline import Summary
 from genrec.batch.spec import Execution, JobSpec
 from genrec.cache.config import CacheConfig
@@ -66,6 +67,26 @@ def finish(summary: Summary, run: Execution) -> int:
     """Print the summary line; the exit status: 1 when bad rows pass the allowed fraction, else 0."""
     print(summary.line(), flush=True)
     return 1 if summary.failed(run.max_error_fraction) else 0
+
+
+def add_ranker_flags(parser: argparse.ArgumentParser) -> None:
+    """The recommend job's funnel flags: with --ranker, a second stage ranks each user's items."""
+    group = parser.add_argument_group("ranking stage (with --ranker: retrieve -> rank, two Ray Data stages)")
+    group.add_argument("--ranker", metavar="HSTU_DIR", help="HSTU ranking model: ranks each user's items")
+    group.add_argument("--rank-task", metavar="TASK", help="a task of the ranker: the final order (default: its first)")
+    group.add_argument("--rank-actors", type=int, help=_default(RankingExecution, "rank_actors"))
+    group.add_argument(
+        "--rank-cpus-per-actor", type=float, help=f"fractional ({_default(RankingExecution, 'rank_cpus_per_actor')})"
+    )
+
+
+def ranking_execution(args: argparse.Namespace) -> RankingExecution:
+    """The ranking stage's pool; its flags without --ranker are refused."""
+    given = _given(args, RankingExecution.model_fields)
+    if args.ranker is None and (given or args.rank_task is not None):
+        flag = "--rank-task" if args.rank_task is not None else _flag((next(iter(given)),))
+        raise GenrecError(f"{flag} applies to the ranking stage: give --ranker too")
+    return RankingExecution(**given)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -63,8 +63,10 @@ class OutputDir:
         if text is not None:
             recorded = json.loads(text)
             changed = sorted(k for k in identity if recorded.get(k) != identity[k])
+            # Settings only the recorded run has (e.g. a funnel's ranker) make it another run, too.
+            changed += sorted(k for k in recorded.keys() - identity.keys() - {"run_id"} if recorded[k] is not None)
             if changed:
-                details = ", ".join(f"{k}: {recorded.get(k)!r} -> {identity[k]!r}" for k in changed)
+                details = ", ".join(f"{k}: {recorded.get(k)!r} -> {identity.get(k)!r}" for k in changed)
                 raise GenrecError(f"{self.uri} holds the output of another run ({details}); use a new output directory")
         return run_id_of(identity)
 

@@ -1,8 +1,10 @@
 """run_shards: a batch job as a Ray Data pipeline over input shards, resumable and idempotent. The recommend
-job (`recommend.run_batch`) and the rank job (`rank.run_rank`) are this pipeline with their own worker.
+job (`recommend.run_batch`) and the rank job (`rank.run_rank`) are this pipeline with their own worker; the
+funnel (`funnel.run_funnel`) chains two stages, each with its own actor pool (run_stages).
 
     plan shards, find repeated user_ids (driver)  ->  skip committed ones  ->  from_arrow(pending shards)
       -> map_batches(worker, ActorPoolStrategy): read shard, validate rows, one engine call, commit files
+         (with stages: every stage but the last hands each shard's results on, one row per shard)
       -> per-shard reports  ->  summary
 
 Why shards and not Ray Data's read_parquet/write_parquet: Ray Data's blocks have no stable identity, and its
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from genrec.batch.connect import check_gpus, ensure_ray
 from genrec.batch.output import OutputDir, ShardCounts
-from genrec.batch.shards import Shard, UsersInput, shards_table
+from genrec.batch.shards import InputLayout, Shard, UsersInput, shards_table
 from genrec.batch.spec import Execution, JobSpec
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
@@ -43,6 +45,7 @@ class Summary:
     run_id: str
     model_version: str
     out: str
+    ranker_version: str | None = None  # the funnel's ranking model
 
     def line(self) -> str:
         return "batch summary: " + json.dumps(asdict(self))
@@ -51,16 +54,32 @@ class Summary:
         return self.error_fraction > max_error_fraction
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One map_batches step of the pipeline: a callable class on an actor pool of its own."""
+
+    worker: type  # a ShardWorker, or a stage that hands its shards on to the next
+    execution: Execution
+    setup: Callable[[], dict] = dict  # the worker's further arguments that need Ray (called once it is up)
+
+
 def run_shards(
     spec: JobSpec, execution: Execution, worker: type[ShardWorker], setup: Callable[[], dict] = dict
 ) -> Summary:
     """Run `worker` over the input's shards that are not committed yet. `setup()` gives the worker's further
     arguments that need Ray (called once it is up)."""
+    return run_stages(spec, [Stage(worker, execution, setup)])
+
+
+def run_stages(spec: JobSpec, stages: list[Stage]) -> Summary:
+    """Run the stages, chained in one dataset, over the shards not committed yet; the last stage commits them
+    (its `results` folder is the output's) and reports. The input must hold every stage's columns."""
     start = time.perf_counter()
-    _check_device(spec, execution)
-    users = UsersInput(spec.users, worker.layout)
+    for stage in stages:
+        _check_device(spec, stage.execution)
+    users = UsersInput(spec.users, _layout(stages))
     version = model_version(spec.model)
-    out = OutputDir(spec.out, worker.results)
+    out = OutputDir(spec.out, stages[-1].worker.results)
     run_id = out.open_run(spec.identity(version, users.fingerprint()))
     out.remove_stale_tmp()
     shards = users.shards(spec.batch_size)
@@ -72,12 +91,13 @@ def run_shards(
         out.check_writable()
         ray = ensure_ray()  # only now: bad input fails fast, and a finished run needs no cluster
         try:
-            check_gpus(ray, execution.num_gpus, execution.gpu_wait_s)
+            for stage in stages:
+                check_gpus(ray, stage.execution.num_gpus, stage.execution.gpu_wait_s)
         except GenrecError:
             out.abandon_new_run()  # nothing ran: the rerun (e.g. with --num-gpus 0) is a new run
             raise
-        worker_kwargs = {"spec": spec, "model_version": version, "run_id": run_id, **setup()}
-        for report in _run_shards(pending, worker, worker_kwargs, execution):
+        common = {"spec": spec, "model_version": version, "run_id": run_id}
+        for report in _run_stages(pending, stages, common):
             first_shard_s = first_shard_s or round(time.perf_counter() - start, 3)
             if report["skipped"]:  # committed meanwhile by a late worker of a killed run
                 skipped += report["users"]
@@ -105,27 +125,39 @@ def run_shards(
     )
 
 
-def _run_shards(pending: list[Shard], worker: type[ShardWorker], worker_kwargs: dict, execution: Execution):
+def _run_stages(pending: list[Shard], stages: list[Stage], common: dict):
     ray = ensure_ray()
     from ray.data import ActorPoolStrategy
 
     dataset = ray.data.from_arrow([shards_table([s]) for s in pending])  # one block per shard
-    dataset.context.enable_progress_bars = execution.progress  # this dataset's copy of the context
-    reports = dataset.map_batches(
-        worker,
-        fn_constructor_kwargs={
-            **worker_kwargs,
-            "threads": execution.threads,
-            "pin_threads": execution.pin_threads,
-            "kv_budget_bytes": execution.kv_budget_bytes,
-        },
-        batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
-        batch_format="pyarrow",
-        compute=ActorPoolStrategy(size=min(execution.actors, len(pending))),
-        num_cpus=execution.cpus_per_actor,
-        num_gpus=execution.num_gpus or None,
+    dataset.context.enable_progress_bars = stages[0].execution.progress  # this dataset's copy of the context
+    for stage in stages:
+        run = stage.execution
+        dataset = dataset.map_batches(
+            stage.worker,
+            fn_constructor_kwargs={
+                **common,
+                **stage.setup(),
+                "threads": run.threads,
+                "pin_threads": run.pin_threads,
+                "kv_budget_bytes": run.kv_budget_bytes,
+            },
+            batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
+            batch_format="pyarrow",
+            compute=ActorPoolStrategy(size=min(run.actors, len(pending))),
+            num_cpus=run.cpus_per_actor,
+            num_gpus=run.num_gpus or None,
+        )
+    yield from dataset.iter_rows()
+
+
+def _layout(stages: list[Stage]) -> InputLayout:
+    """The input columns of all the stages together."""
+    layouts = [stage.worker.layout for stage in stages]
+    return InputLayout(
+        required=tuple(group for layout in layouts for group in layout.required),
+        optional=tuple(dict.fromkeys(c for layout in layouts for c in layout.optional)),
     )
-    yield from reports.iter_rows()
 
 
 def _check_device(spec: JobSpec, execution: Execution) -> None:

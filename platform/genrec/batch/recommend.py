@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from genrec.batch.pipeline import Summary, run_shards
 from genrec.batch.recommend_worker import RecommendWorker
 from genrec.batch.spec import BatchSpec, Execution
@@ -10,18 +12,29 @@ from genrec.model.directory import ModelDirectory, directory_family
 
 
 def run_batch(spec: BatchSpec, execution: Execution = Execution()) -> Summary:
-    if directory_family(spec.model) == "hstu":
+    check_generator(spec.model)
+    return run_shards(spec, execution, RecommendWorker, embedding_cache(spec))
+
+
+def check_generator(model: str) -> None:
+    """Refuse an HSTU ranking model where a Qwen3 semantic-ID model is needed (the model is checked further as
+    the engine loads it)."""
+    if directory_family(model) == "hstu":
         raise ModelDirectoryError(
-            spec.model,
+            model,
             "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
             "Qwen3 semantic-ID model",
         )
+
+
+def embedding_cache(spec: BatchSpec) -> Callable[[], dict]:
+    """The worker's further arguments, once Ray is up: with spec.cache, the EmbeddingCache actor's client."""
     directory = ModelDirectory(spec.model)
 
-    def cache() -> dict:  # once Ray is up: the EmbeddingCache actor's client
+    def cache() -> dict:
         return {"cache": _connect_cache(spec, directory)} if spec.cache else {}
 
-    return run_shards(spec, execution, RecommendWorker, cache)
+    return cache
 
 
 def _connect_cache(spec: BatchSpec, directory: ModelDirectory):

@@ -52,10 +52,14 @@ class ShardWorker:
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
         scheduler = SchedulerConfig(kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=0)
         self.engine = Engine.from_pretrained(
-            spec.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs()
+            self.model_dir(), device=spec.device, scheduler=scheduler, **spec.engine_kwargs()
         )
         self.reader = ShardReader(UsersInput(spec.users, self.layout))
         self.out = OutputDir(spec.out, self.results)
+
+    def model_dir(self) -> str:
+        """The model this worker's engine runs."""
+        return self.spec.model
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.Table.from_pylist([self.run(Shard.from_row(row)) for row in batch.to_pylist()], schema=REPORT)

@@ -3,6 +3,9 @@
 
 End to end includes model loading on both sides (and actor start, planning, Parquet I/O on the Ray side);
 steady excludes everything up to the first finished batch / committed shard.
+
+With a ranker (an HSTU directory), the users also get histories of its items, and the same run measures the
+funnel (retrieve -> rank, two Ray Data stages) between two retrieve-only jobs of the first actor count.
 """
 
 from __future__ import annotations
@@ -21,11 +24,25 @@ from genrec.bench.common import machine, model_dir_for, random_prompt
 from genrec.engine import Engine
 
 GOAL = 0.85
+FUNNEL_GOAL = 0.6
 
 
-def run(users, batch_size, preset, model, levels, prompt_len, beam_width, actors: list[int], threads) -> dict:
+def run(
+    users,
+    batch_size,
+    preset,
+    model,
+    levels,
+    prompt_len,
+    beam_width,
+    actors: list[int],
+    threads,
+    ranker: Path | None = None,
+    history_len: int = 50,
+    rank_actors: int = 1,
+) -> dict:
     """Loop, job, loop, job, ..., loop: each job is compared with the mean of the two loops around it, so a
-    machine whose load drifts during the run weighs on both sides alike."""
+    machine whose load drifts during the run weighs on both sides alike. With a ranker, then: funnel, job."""
     import ray
 
     from genrec.batch import ensure_ray
@@ -38,10 +55,19 @@ def run(users, batch_size, preset, model, levels, prompt_len, beam_width, actors
         loop, prompts = _plain_loop(model_dir, users, batch_size, prompt_len, beam_width, threads)
         loops, jobs = [loop], []
         users_path = work / "users.parquet"
-        pq.write_table(pa.table({"user_id": list(range(users)), "prompt_token_ids": prompts}), users_path)
+        columns = {"user_id": list(range(users)), "prompt_token_ids": prompts}
+        if ranker is not None:
+            columns["history"] = _histories(ranker, users, history_len)
+        pq.write_table(pa.table(columns), users_path)
         for n in actors:
             jobs.append(_ray_job(model_dir, users_path, work / f"out-{n}", batch_size, beam_width, n, threads))
             loops.append(_plain_loop(model_dir, users, batch_size, prompt_len, beam_width, threads)[0])
+        if ranker is not None:
+            ranking = (ranker, rank_actors)
+            funnel_job = _ray_job(
+                model_dir, users_path, work / "funnel", batch_size, beam_width, actors[0], threads, ranking
+            )
+            retrieve_after = _ray_job(model_dir, users_path, work / "after", batch_size, beam_width, actors[0], threads)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if started:
@@ -50,7 +76,7 @@ def run(users, batch_size, preset, model, levels, prompt_len, beam_width, actors
         for rate in ("users_per_s", "steady_users_per_s"):
             job[f"{rate}_over_loop"] = job[rate] / ((before[rate] + after[rate]) / 2)
     first = jobs[0]
-    return {
+    report = {
         "benchmark": "batch",
         "model": str(model_dir),
         "preset": None if model else preset,
@@ -73,6 +99,48 @@ def run(users, batch_size, preset, model, levels, prompt_len, beam_width, actors
         ],
         "machine": machine(),
     }
+    if ranker is not None:
+        report["funnel"] = _funnel_report(first, funnel_job, retrieve_after, ranker, history_len, rank_actors, threads)
+    return report
+
+
+def _funnel_report(before: dict, funnel: dict, after: dict, ranker, history_len, rank_actors, threads) -> dict:
+    """The funnel's users/s over the mean of the retrieve-only jobs run before and after it."""
+    ratios = {
+        f"funnel_over_retrieve{suffix}": funnel[rate] / ((before[rate] + after[rate]) / 2)
+        for rate, suffix in (("users_per_s", ""), ("steady_users_per_s", "_steady"))
+    }
+    return {
+        "ranker": str(ranker),
+        "history_len": history_len,
+        "rank_actors": rank_actors,
+        "retrieve_before": before,
+        "funnel": funnel,
+        "retrieve_after": after,
+        "ratios": ratios,
+        "goal": f"funnel_over_retrieve >= {FUNNEL_GOAL}: {before['actors']} retrieve actor(s) and {rank_actors} "
+        f"ranking actor(s) of {threads} thread(s) against {before['actors']} retrieve actor(s)",
+    }
+
+
+def _histories(ranker: Path, users: int, length: int) -> list[list[dict]]:
+    """`length` events per user, of the ranker's catalog items, a minute apart, actions drawn at random."""
+    from genrec.batch.rank import ranking_config
+    from genrec.catalog.item_index import ItemIndex
+    from genrec.model.directory import GENREC_SUBDIR
+
+    config = ranking_config(ranker)
+    items = ItemIndex.load(Path(ranker) / GENREC_SUBDIR / "catalog.parquet", config.num_items).item_ids
+    generator = torch.Generator().manual_seed(1)
+    picks = torch.randint(0, len(items), (users, length), generator=generator).tolist()
+    actions = torch.randint(0, config.num_actions, (users, length), generator=generator).tolist()
+    return [
+        [
+            {"item_id": items[i], "action": a, "timestamp": 1.7e9 + 60.0 * t}
+            for t, (i, a) in enumerate(zip(p, b, strict=True))
+        ]
+        for p, b in zip(picks, actions, strict=True)
+    ]
 
 
 def _plain_loop(model_dir, users, batch_size, prompt_len, beam_width, threads) -> tuple[dict, list]:
@@ -107,13 +175,17 @@ def _timed_loop(model_dir, users, batch_size, prompt_len, beam_width) -> tuple[d
     return report, prompts
 
 
-def _ray_job(model_dir, users_path, out, batch_size, beam_width, actors, threads) -> dict:
-    from genrec.batch import BatchSpec, Execution, run_batch
+def _ray_job(model_dir, users_path, out, batch_size, beam_width, actors, threads, ranking=None) -> dict:
+    """The retrieve job, or with `ranking` (ranker directory, ranking actors) the funnel."""
+    from genrec.batch import BatchSpec, Execution, FunnelSpec, RankingExecution, run_batch, run_funnel
 
-    spec = BatchSpec(
-        model=str(model_dir), users=str(users_path), out=str(out), beam_width=beam_width, batch_size=batch_size
-    )
-    summary = run_batch(spec, Execution(actors=actors, threads=threads, progress=False))
+    settings = dict(model=str(model_dir), users=str(users_path), out=str(out), beam_width=beam_width)
+    run = Execution(actors=actors, threads=threads, progress=False)
+    if ranking is None:
+        summary = run_batch(BatchSpec(**settings, batch_size=batch_size), run)
+    else:
+        spec = FunnelSpec(**settings, batch_size=batch_size, ranker=str(ranking[0]))
+        summary = run_funnel(spec, run, RankingExecution(rank_actors=ranking[1]))
     return {
         "actors": actors,
         "seconds": summary.seconds,

@@ -15,11 +15,27 @@ def deploy(name: str, deployments: list[dict] | None = None, **args) -> None:
     deploy_many({name: (deployments, args)})
 
 
-def deploy_many(apps: dict[str, tuple[list[dict] | None, dict]]) -> None:
-    """Several apps in one config: Serve starts them side by side."""
+def deploy_many(apps: dict[str, tuple[list[dict] | None, dict]], timeout_s: float | None = None) -> None:
+    """Several apps in one config: Serve starts them side by side. `timeout_s`: wait this long for them to run
+    (default: Serve's own wait, 60 s; apps of many replicas start slower on a loaded 2-core machine)."""
     for name, (deployments, args) in apps.items():
         _record(name, deployments, args)
-    _apply(blocking=True)
+    if timeout_s is None:
+        _apply(blocking=True)
+        return
+    _apply(blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while (statuses := _statuses(list(apps))) and set(statuses.values()) != {"RUNNING"}:
+        assert "DEPLOY_FAILED" not in statuses.values(), statuses
+        assert time.monotonic() < deadline, f"not running after {timeout_s:g} s: {statuses}"
+        time.sleep(0.5)
+
+
+def _statuses(names: list[str]) -> dict[str, str | None]:
+    from ray import serve
+
+    found = serve.status().applications
+    return {name: found[name].status if name in found else None for name in names}
 
 
 def deploy_refused(name: str, deployments: list[dict] | None = None, timeout_s: float = 60, **args) -> str:

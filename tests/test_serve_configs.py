@@ -9,10 +9,12 @@ from ray.serve.schema import ServeDeploySchema
 
 from genrec.serving.app import application
 from genrec.serving.args import AppArgs, EngineLimits, IngressLimits
-from genrec.serving.check import LIVE, main, problems, unknown_keys
+from genrec.serving.check import deployments_of, main, problems, unknown_keys
 
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
-CONFIGS = [DEPLOYMENTS / "local.yaml", DEPLOYMENTS / "gpu.yaml", DEPLOYMENTS / "hstu-local.yaml"]
+FUNNELS = [DEPLOYMENTS / "funnel-local.yaml", DEPLOYMENTS / "funnel-gpu.yaml"]
+CONFIGS = [DEPLOYMENTS / "local.yaml", DEPLOYMENTS / "gpu.yaml", DEPLOYMENTS / "hstu-local.yaml", *FUNNELS]
+ENGINES = ("EngineServer", "RankerServer")
 
 
 def deployment_names(app) -> set[str]:
@@ -35,9 +37,10 @@ def test_args_and_deployment_names_match_the_app(path):
         assert app["import_path"] == "genrec.serving.app:build_app"
         args = AppArgs.model_validate(app["args"])
         names = deployment_names(application(args))
-        assert names == {"Ingress", "EngineServer"} == set(LIVE)  # what the config check knows
+        funnel = {"RankerServer"} if args.ranker is not None else set()
+        assert names == {"Ingress", "EngineServer"} | funnel == set(deployments_of(app["args"]))  # the check's
         assert {d["name"] for d in app.get("deployments", [])} <= names
-        live = {"Ingress": IngressLimits, "EngineServer": EngineLimits}
+        live = {"Ingress": IngressLimits, "EngineServer": EngineLimits, "RankerServer": EngineLimits}
         for deployment in app.get("deployments", []):
             if "user_config" in deployment:  # what reconfigure() will be handed
                 live[deployment["name"]].model_validate(deployment["user_config"])
@@ -53,11 +56,13 @@ def test_the_engine_deployment_routes_by_user(path):
     from genrec.serving.router import USER_ROUTER, UserRouter
 
     for app in yaml.safe_load(path.read_text())["applications"]:
-        (engine,) = [d for d in app["deployments"] if d["name"] == "EngineServer"]
-        config = RequestRouterConfig(**engine["request_router_config"])  # imports the class
-        assert config.request_router_class == USER_ROUTER
-        assert issubclass(UserRouter, RequestRouter)
-        UserRouter.__new__(UserRouter).initialize_state(**config.request_router_kwargs)
+        engines = [d for d in app["deployments"] if d["name"] in ENGINES]
+        assert len(engines) == (2 if "ranker" in app["args"] else 1)  # a funnel's ranker routes by user too
+        for engine in engines:
+            config = RequestRouterConfig(**engine["request_router_config"])  # imports the class
+            assert config.request_router_class == USER_ROUTER
+            assert issubclass(UserRouter, RequestRouter)
+            UserRouter.__new__(UserRouter).initialize_state(**config.request_router_kwargs)
 
 
 def test_the_gpu_app_keeps_two_engine_replicas_and_their_caches_through_a_dip():
@@ -97,11 +102,11 @@ def test_app_args_refuse_unknown_keys_and_bad_values():
     assert AppArgs.model_validate({"model_dir": "relative/dir"}).model_dir == str(Path("relative/dir").resolve())
 
 
-def test_rayservice_carries_the_gpu_app_and_autoscales():
+def test_rayservice_carries_the_gpu_funnel_and_autoscales():
     service = yaml.safe_load((DEPLOYMENTS / "rayservice.yaml").read_text())
     assert (service["apiVersion"], service["kind"]) == ("ray.io/v1", "RayService")
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
-    assert serve_config == yaml.safe_load((DEPLOYMENTS / "gpu.yaml").read_text())
+    assert serve_config == yaml.safe_load((DEPLOYMENTS / "funnel-gpu.yaml").read_text())
     assert unknown_keys(serve_config, ServeDeploySchema) == []
     cluster = service["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True
@@ -148,3 +153,36 @@ def test_the_config_check_can_check_the_model_directory(tiny_dir, tmp_path):
     config["applications"][0]["args"]["model_dir"] = str(tmp_path / "no-such-model")
     (problem,) = problems(config, check_model=True)
     assert problem.startswith("applications[0].args.model_dir: ") and "does not exist" in problem
+
+
+@pytest.mark.parametrize("path", FUNNELS, ids=lambda p: p.name)
+def test_a_funnels_ranker_is_a_second_engine_deployment_scaled_on_its_own(path):
+    from genrec.serving.app import engine_deployment
+
+    (app,) = yaml.safe_load(path.read_text())["applications"]
+    args = AppArgs.model_validate(app["args"])
+    retriever, ranker = engine_deployment(args), engine_deployment(args, args.ranker)
+    assert ranker["autoscaling_config"]["max_replicas"] == args.ranker.max_replicas
+    assert ranker["ray_actor_options"]["num_cpus"] == args.ranker.engine_num_cpus
+    assert ranker["request_router_config"] == retriever["request_router_config"]
+    if args.device == "cuda":  # a GPU node hosts a replica of each
+        assert retriever["ray_actor_options"]["num_gpus"] + ranker["ray_actor_options"]["num_gpus"] <= 1
+    else:  # fractions: a 2-core laptop runs both engines, the ingress and the proxy
+        assert retriever["ray_actor_options"]["num_cpus"] + ranker["ray_actor_options"]["num_cpus"] < 1
+
+
+def test_the_config_check_knows_the_ranker(tiny_dir, hstu_dir):
+    config = yaml.safe_load((DEPLOYMENTS / "funnel-local.yaml").read_text())
+    (app,) = config["applications"]
+    app["args"]["model_dir"], app["args"]["ranker"]["model_dir"] = str(tiny_dir), str(hstu_dir)
+    assert problems(config, check_model=True) == []
+    app["args"]["model_dir"], app["args"]["ranker"]["model_dir"] = str(hstu_dir), str(hstu_dir)
+    (problem,) = problems(config, check_model=True)
+    assert problem.startswith("applications[0].args.model_dir: ") and "Qwen3" in problem
+    app["args"]["model_dir"], app["args"]["ranker"]["model_dir"] = str(tiny_dir), str(tiny_dir)
+    (problem,) = problems(config, check_model=True)
+    assert problem.startswith("applications[0].args.ranker.model_dir: ") and "HSTU" in problem
+    app["args"]["ranker"]["max_replicaz"] = 2
+    assert any(p.startswith("applications[0].args.ranker.max_replicaz:") for p in problems(config))
+    del app["args"]["ranker"]  # without a ranker, a RankerServer block names no deployment of the app
+    assert any("deployments[1].name: no deployment 'RankerServer'" in p for p in problems(config))

@@ -187,16 +187,28 @@ class RecommendedItem(BaseModel):
         description="log P(item's tokens | prompt): the beam logprob of a retrieved item; for a given "
         "candidate computed in the scoring pass under rank_by='joint', else None",
     )
-    score_logprob: float
-    prob: float
+    score_logprob: float | None = Field(
+        None,
+        description="log P(positive label | prompt, item); None in a two-stage recommend (the ranker orders it)"
+    )
+    prob: float | None = Field(None, description="P(positive | either label); None where score_logprob is")
     source: str = Field(description="'retrieved', 'given', or 'retrieved+given' (retrieved and also given)")
+    ranker_scores: dict[str, float] | None = Field(
+        None,
+        description="two-stage recommend (a `history` sent to an app with a ranker): the ranker's probability per "
+        "task; None when the item was not ranked (unknown to the ranker's catalog), or without a ranking stage",
+    )
 
 
 class RecommendResult(BaseModel):
     request_id: str | None = None
-    items: list[RecommendedItem] = Field(description="ranked by the request's rank_by, best first")
+    items: list[RecommendedItem] = Field(
+        description="ranked by the request's rank_by, best first; two-stage: by the ranker's rank_task probability"
+    )
     prompt_tokens: int
     unknown_exclusions: int = 0
+    rank_task: str | None = Field(None, description="two-stage: the ranker's task the items are ordered by")
+    ranker_version: str | None = Field(None, description="two-stage: the ranking model's version")
 
 
 # -- ranking (the HSTU family): a user's event history, then candidates scored per task -----------------------

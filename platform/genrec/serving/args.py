@@ -85,7 +85,10 @@ class IngressLimits(_Args):
     request_timeout_s: float = Field(30.0, gt=0, description="deadline of a request (504 past it)")
 
 
-class AppArgs(IngressSettings, IngressLimits, ReplicaOptions):
+class EngineArgs(ReplicaOptions):
+    """One engine deployment: its model, replicas' options and limits, resources, scaling and router. The app's
+    own fields for its main engine (EngineServer), and its `ranker` section for the funnel's ranker."""
+
     model_dir: str = Field(description="a genrec model directory, present on every node that runs an engine")
     device: Literal["cpu", "cuda"] = "cpu"
     limits: EngineLimits = EngineLimits()
@@ -105,24 +108,12 @@ class AppArgs(IngressSettings, IngressLimits, ReplicaOptions):
     )
     max_ongoing_requests: int = Field(256, ge=1, description="per engine replica: they meet in its batching loop")
     max_queued_requests: int = Field(512, ge=1, description="per engine deployment handle; beyond: 503")
-    ingress_num_cpus: float = Field(0.25, ge=0)
-    ingress_replicas: int = Field(1, ge=1)
-    ingress_max_ongoing_requests: int = Field(
-        1024, ge=1, description="requests one ingress replica holds at once (a slow body holds one <= body_timeout_s)"
-    )
-    ingress_max_queued_requests: int = Field(2048, ge=1, description="per ingress deployment; beyond: 503")
 
     @field_validator("model_dir")
     @classmethod
     def _absolute(cls, value: str) -> str:
         """Relative to where the app is built (`serve run`'s directory), so every replica finds it."""
         return str(Path(value).expanduser().resolve())
-
-    def ingress_settings(self) -> IngressSettings:
-        return IngressSettings.model_validate(self.model_dump(include=set(IngressSettings.model_fields)))
-
-    def ingress_limits(self) -> IngressLimits:
-        return IngressLimits.model_validate(self.model_dump(include=set(IngressLimits.model_fields)))
 
     def replica_options(self) -> ReplicaOptions:
         return ReplicaOptions.model_validate(self.model_dump(include=set(ReplicaOptions.model_fields)))
@@ -137,6 +128,29 @@ class AppArgs(IngressSettings, IngressLimits, ReplicaOptions):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
         return self
+
+
+class AppArgs(IngressSettings, IngressLimits, EngineArgs):
+    """The main engine's fields (a Qwen3 retriever, or any one model) and the ingress's; with `ranker`, the
+    funnel: the main engine retrieves, a second engine deployment (RankerServer, an HSTU model) ranks."""
+
+    ranker: EngineArgs | None = Field(
+        None,
+        description="an HSTU ranking model in a second engine deployment, scaled on its own: /v1/recommend with "
+        "a `history` ranks the retrieved items with it, /v1/rank goes to it",
+    )
+    ingress_num_cpus: float = Field(0.25, ge=0)
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_max_ongoing_requests: int = Field(
+        1024, ge=1, description="requests one ingress replica holds at once (a slow body holds one <= body_timeout_s)"
+    )
+    ingress_max_queued_requests: int = Field(2048, ge=1, description="per ingress deployment; beyond: 503")
+
+    def ingress_settings(self) -> IngressSettings:
+        return IngressSettings.model_validate(self.model_dump(include=set(IngressSettings.model_fields)))
+
+    def ingress_limits(self) -> IngressLimits:
+        return IngressLimits.model_validate(self.model_dump(include=set(IngressLimits.model_fields)))
 
     @model_validator(mode="after")
     def _cache_dim(self):

@@ -22,6 +22,7 @@ from genrec.serving.args import AppArgs, EngineLimits, IngressLimits
 
 FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
 LIVE = {"Ingress": IngressLimits, "EngineServer": EngineLimits}  # the app's deployments and their user_config
+RANKER_LIVE = {"RankerServer": EngineLimits}  # and with `args.ranker`, the funnel's ranker (app.RANKER)
 BUILDER = "genrec.serving.app:build_app"
 
 
@@ -76,24 +77,49 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
     except ValidationError as err:
         args = None
         found += [f"{where}.args.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
+    live = deployments_of(app.get("args") or {})
     for j, deployment in enumerate(app.get("deployments") or []):
         name, at = deployment.get("name"), f"{where}.deployments[{j}]"
-        if name not in LIVE:
-            found.append(f"{at}.name: no deployment {name!r} in the app (it has {', '.join(LIVE)})")
+        if name not in live:
+            found.append(f"{at}.name: no deployment {name!r} in the app (it has {', '.join(live)})")
         elif "user_config" in deployment:
             try:
-                LIVE[name].model_validate(deployment["user_config"])
+                live[name].model_validate(deployment["user_config"])
             except ValidationError as err:
                 found += [f"{at}.user_config.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
     if check_model and args is not None:
-        from genrec.errors import GenrecError
-        from genrec.serving.preflight import DeployRefused, check_cache, check_model_dir
-
-        try:
-            check_cache(args.cache, check_model_dir(args.model_dir), args.model_dir)
-        except (GenrecError, DeployRefused) as err:
-            found.append(f"{where}.args.model_dir: {err}")
+        found += _model_problems(args, where)
     return found
+
+
+def deployments_of(args: dict) -> dict[str, type[BaseModel]]:
+    """The app's deployments (by name) and what their user_config validates into."""
+    return LIVE | (RANKER_LIVE if isinstance(args, dict) and args.get("ranker") is not None else {})
+
+
+def _model_problems(args: AppArgs, where: str) -> list[str]:
+    """The builder's checks (preflight.py), here on this machine."""
+    from genrec.errors import GenrecError
+    from genrec.serving.preflight import DeployRefused, check_cache, check_funnel, check_model_dir
+
+    checked = {}
+    for name, engine in (("model_dir", args), ("ranker.model_dir", args.ranker)):
+        if engine is None:
+            continue
+        try:
+            checked[name] = check_model_dir(engine.model_dir)
+        except GenrecError as err:
+            return [f"{where}.args.{name}: {err}"]
+    try:
+        check_cache(args.cache, checked["model_dir"], args.model_dir)
+    except DeployRefused as err:
+        return [f"{where}.args.model_dir: {err}"]
+    try:
+        if args.ranker is not None:
+            check_funnel(checked["model_dir"], checked["ranker.model_dir"], args)
+    except DeployRefused as err:
+        return [f"{where}.args.{err}"]  # its message starts with the field it is about
+    return []
 
 
 def _where(loc) -> str:

@@ -10,11 +10,12 @@ import zlib
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from genrec.api import MAX_BEAM_WIDTH
+from genrec.api import MAX_BEAM_WIDTH, RankResult
 from genrec.engine import AsyncEngine, Engine
 from genrec.engine.prepared import FAMILY_KINDS, check_kind
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving.args import EngineLimits, ReplicaOptions, live_limits
+from genrec.serving.funnel import known_candidates
 from genrec.serving.http_errors import NotServed
 from genrec.serving.metrics import EngineMetricsExporter
 from genrec.serving.schemas import ModelInfo
@@ -38,6 +39,7 @@ class EngineServer:
         self.limits, self.config_refused = limits, None
         self.engine = AsyncEngine(engine, options.scheduler_config(limits))
         self.info = describe(engine, model_dir, device)
+        self.catalog = engine.catalog
         self.replica = _replica_id()
         self.metrics = EngineMetricsExporter()
         self.metrics.load_s = time.perf_counter() - started
@@ -64,6 +66,17 @@ class EngineServer:
         return await self._run("recommend", request, timeout_s)
 
     async def rank(self, request, timeout_s: float, routing_key: str | None = None):
+        return await self._run("rank", request, timeout_s)
+
+    async def rank_known(self, request, timeout_s: float, routing_key: str | None = None):
+        """A two-stage recommend's ranking (funnel.py): the retrieved items this model's catalog holds are
+        ranked, the rest left out (the retriever's catalog may hold items the ranker's does not)."""
+        if "rank" in self.info.serves:  # else _run refuses it as not served
+            kept = known_candidates(request, lambda item: self.catalog.row_of(item) is not None)
+            if kept is None:
+                empty = RankResult(request_id=request.request_id, items=[], history_events=len(request.history))
+                return empty, self.info.version
+            request = kept
         return await self._run("rank", request, timeout_s)
 
     def model_info(self, routing_key: str | None = None) -> ModelInfo:

@@ -6,6 +6,11 @@ route), resolves the user's embedding through the shared cache (Qwen3 only; awai
 the event loop), calls the engine deployment by handle under the request's deadline, with the request's routing
 key (the user, see routing_key.py) for the engine deployment's request router, and turns every failure into the
 status the client can act on (see http_errors).
+
+With a ranker (args `ranker`: a second engine deployment, RankerServer, serving an HSTU model), /v1/rank goes
+to the ranker, and a /v1/recommend whose body has `history` runs two stages under the request's one deadline:
+the retriever's beam search, then the ranker's rank of the retrieved items (funnel.py), both calls with the
+user's routing key, so that each user stays on one replica of each deployment.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures' real types.
@@ -22,7 +27,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from genrec.api import RankResult, RecommendResult, RetrieveResult, ScoreResult
 from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
-from genrec.serving import edge
+from genrec.serving import edge, funnel
 from genrec.serving.args import IngressLimits, IngressSettings, live_limits
 from genrec.serving.http_errors import EngineUnavailable, NotServed, UnknownUser, error_response
 from genrec.serving.metrics import IngressMetrics
@@ -33,12 +38,16 @@ from genrec.serving.schemas import ErrorBody, ModelInfo, RankBody, RecommendBody
 # Past the engine's own deadline, how long the ingress still waits for its answer before it gives up.
 DEADLINE_GRACE_S = 2.0
 MODEL_VERSION_HEADER = "X-Model-Version"
+RANKER_VERSION_HEADER = "X-Ranker-Version"  # a two-stage recommend: the ranking model's version
+# What the messages call each engine deployment: (its queues' owner, its replica).
+NAMES = {"engine": ("the engines'", "the engine replica"), "ranker": ("the ranker's", "the ranker replica")}
 MODEL_INFO_TTL_S = 30.0  # how long the ingress trusts what it learnt of the engines' model (its family)
 
 api = FastAPI(
     title="genrec",
     description="Generative recommendation: retrieve, score, recommend (a semantic-ID decoder, Qwen3) or rank "
-    "(HSTU); one model family per deployment (GET /v1/model says which).",
+    "(HSTU); one model family per engine deployment (GET /v1/model says which). An app with a ranker also ranks: "
+    "/v1/rank goes to it, and /v1/recommend with a `history` ranks the retrieved items with it (two stages).",
     responses={code: {"model": ErrorBody} for code in (400, 401, 404, 408, 413, 422, 503, 504)},
 )
 edge.install(api)  # error bodies; auth, body size and body timeout before a route reads the body; answers counted
@@ -69,8 +78,9 @@ def _connect_cache(cache_args):
 @serve.deployment(name="Ingress", max_ongoing_requests=1024)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, engine, settings: IngressSettings, limits: IngressLimits = IngressLimits()):
-        self.engine = engine
+    def __init__(self, engine, settings: IngressSettings, limits: IngressLimits = IngressLimits(), ranker=None):
+        self.engine, self.ranker = engine, ranker
+        self.handles = {"engine": engine, "ranker": ranker}
         self.retry_after_s = settings.retry_after_s
         self.metrics = IngressMetrics()
         edge.configure(
@@ -82,8 +92,9 @@ class Ingress:
         self.cache_args = settings.cache
         self.cache = _connect_cache(settings.cache)
         self.limits = limits  # the builder's, until reconfigure (Serve calls it before the first request)
-        self.info: ModelInfo | None = None  # the engines' model, learnt on first use (see _check_served)
-        self.info_at = 0.0
+        # Each deployment's model ("engine", "ranker"), learnt on first use (see _check_served).
+        self.info: dict[str, ModelInfo] = {}
+        self.info_at: dict[str, float] = {}
 
     @property
     def request_timeout_s(self) -> float:
@@ -105,7 +116,9 @@ class Ingress:
 
     @api.post("/v1/recommend", response_model=RecommendResult)
     async def recommend(self, body: RecommendBody, response: Response, auth=Depends(bearer)):
-        return await self._serve("recommend", body, response)
+        if body.history is not None:
+            return await self._two_stage(body, response)
+        return await self._serve("recommend", body, response)  # without history: the retriever's alone
 
     @api.post("/v1/rank", response_model=RankResult)
     async def rank(self, body: RankBody, response: Response, auth=Depends(bearer)):
@@ -113,19 +126,29 @@ class Ingress:
 
     @api.get("/v1/model", response_model=ModelInfo)
     async def model(self, auth=Depends(bearer)):
+        """The main engine's model; with a ranker, the ranker's under `ranker`."""
         try:
             deadline = time.monotonic() + self.request_timeout_s
-            return await self._engine_call(self.engine.model_info.remote(), deadline)
+            info = await self._engine_call(self.engine.model_info.remote(), deadline)
+            if self.ranker is not None:
+                ranker = await self._engine_call(self.ranker.model_info.remote(), deadline, "ranker")
+                info = info.model_copy(update={"ranker": ranker})
+            return info
         except Exception as err:  # noqa: BLE001 - every failure becomes its status (see http_errors)
             return error_response(err, self.retry_after_s)
 
     @api.get("/healthz")
     @api.head("/healthz")  # load balancers probe with HEAD too
     async def healthz(self):
-        """Ready when an engine replica answers (no auth: load balancers probe it)."""
+        """Ready when an engine replica answers, and a ranker replica in an app with a ranker (no auth: load
+        balancers probe it)."""
         try:
-            info = await self._engine_call(self.engine.model_info.remote(), time.monotonic() + 5.0)
-            return {"status": "ok", "model_version": info.version}
+            deadline = time.monotonic() + 5.0
+            info = await self._engine_call(self.engine.model_info.remote(), deadline)
+            if self.ranker is None:
+                return {"status": "ok", "model_version": info.version}
+            ranker = await self._engine_call(self.ranker.model_info.remote(), deadline, "ranker")
+            return {"status": "ok", "model_version": info.version, "ranker_version": ranker.version}
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
 
@@ -133,29 +156,59 @@ class Ingress:
         """One deadline for the whole request: the embedding lookup, then the engine with the time left."""
         try:
             deadline = time.monotonic() + self.request_timeout_s
-            await self._check_served(kind, deadline)
+            target = "ranker" if kind == "rank" and self.ranker is not None else "engine"
+            await self._check_served(target, kind, deadline)
             request = body.to_request(await self._user_embedding(body, deadline))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s (the embedding lookup)")
-            call = getattr(self.engine, kind).remote(request, remaining, **{ROUTING_KEY: routing_key(body)})
-            try:
-                result, version = await self._engine_call(call, deadline)
-            except NotServed:
-                self.info = None  # the engines' model is not the one learnt (a new model): ask again next time
-                raise
+            result, version = await self._call(target, kind, request, deadline, routing_key(body))
             response.headers[MODEL_VERSION_HEADER] = version
             return result
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
 
-    async def _check_served(self, kind: str, deadline: float) -> None:
+    async def _two_stage(self, body: RecommendBody, response: Response):
+        """The retriever's beam search, then the ranker's rank of what it found, under one deadline (funnel.py)."""
+        try:
+            deadline = time.monotonic() + self.request_timeout_s
+            if self.ranker is None:
+                raise InvalidRequestError("history", "this deployment has no ranker to rank by a history: leave it out")
+            await self._check_served("engine", "retrieve", deadline)
+            ranker = await self._check_served("ranker", "rank", deadline)
+            task = funnel.check_body(body, ranker)
+            request = body.to_request(await self._user_embedding(body, deadline))
+            first = funnel.stage1(request)
+            retrieved, version = await self._call("engine", "retrieve", first, deadline, routing_key(body, first))
+            items = funnel.candidates(request, retrieved)
+            ranking, ranked, ranker_version = funnel.stage2(body, items), None, ranker.version
+            if ranking is not None:
+                key = routing_key(body, ranking)
+                ranked, ranker_version = await self._call("ranker", "rank_known", ranking, deadline, key)
+            response.headers[MODEL_VERSION_HEADER] = version
+            response.headers[RANKER_VERSION_HEADER] = ranker_version
+            return funnel.merge(items, retrieved, ranked, task, body.num_results, ranker_version)
+        except Exception as err:  # noqa: BLE001
+            return error_response(err, self.retry_after_s)
+
+    async def _call(self, target: str, method: str, request, deadline: float, key: str):
+        """(result, model version) of one engine deployment's method, with the time left of the deadline."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s ({target} not reached)")
+        call = getattr(self.handles[target], method).remote(request, remaining, **{ROUTING_KEY: key})
+        try:
+            return await self._engine_call(call, deadline, target)
+        except NotServed:
+            self.info.pop(target, None)  # the deployment's model is not the one learnt (a new model): ask again
+            raise
+
+    async def _check_served(self, target: str, kind: str, deadline: float) -> ModelInfo:
         """A route of the other model family is refused here, before any embedding lookup (404 not_served)."""
-        if self.info is None or time.monotonic() - self.info_at > MODEL_INFO_TTL_S:
-            self.info = await self._engine_call(self.engine.model_info.remote(), deadline)
-            self.info_at = time.monotonic()
-        if kind not in self.info.serves:
-            raise NotServed(kind, self.info.family, self.info.serves)
+        info = self.info.get(target)
+        if info is None or time.monotonic() - self.info_at[target] > MODEL_INFO_TTL_S:
+            info = await self._engine_call(self.handles[target].model_info.remote(), deadline, target)
+            self.info[target], self.info_at[target] = info, time.monotonic()
+        if kind not in info.serves:
+            raise NotServed(kind, info.family, info.serves)
+        return info
 
     async def _user_embedding(self, body, deadline: float) -> list[float] | None:
         if getattr(body, "user_embedding", None) is not None or body.user_id is None or isinstance(body, RankBody):
@@ -178,8 +231,9 @@ class Ingress:
             raise UnknownUser(body.user_id)
         return vectors[0].tolist()
 
-    async def _engine_call(self, response, deadline: float):
+    async def _engine_call(self, response, deadline: float, target: str = "engine"):
         """The engine's answer; past the deadline (+ grace for the engine's own 504), give up and cancel."""
+        queues, replica = NAMES[target]
         try:
             return await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S)
         except RayTaskError as err:  # first: a RayTaskError wrapping the engine's RequestTimeout is a TimeoutError
@@ -188,6 +242,6 @@ class Ingress:
             response.cancel()  # the engine drops the request at its next step
             raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s") from None
         except BackPressureError as err:
-            raise Overloaded(f"the engines' queues are full ({err})", self.retry_after_s) from None
+            raise Overloaded(f"{queues} queues are full ({err})", self.retry_after_s) from None
         except (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError) as err:
-            raise EngineUnavailable(f"the engine replica is unavailable ({type(err).__name__}); retry") from None
+            raise EngineUnavailable(f"{replica} is unavailable ({type(err).__name__}); retry") from None

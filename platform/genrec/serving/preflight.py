@@ -5,7 +5,8 @@ A redeploy whose replicas cannot start (a mistyped `model_dir`, a corrupt catalo
 first; a failure refuses the deploy with the file named (Serve marks the app DEPLOY_FAILED) and the running
 version keeps serving. Checked without building the model: config.json, the tokenizer (Qwen3), the catalog,
 each safetensors file's header against the file's size, the soft-token projector; and that a configured
-embedding cache's `dim` is what the projector takes.
+embedding cache's `dim` is what the projector takes. An app with a ranker (the two-stage funnel) has its
+`ranker.model_dir` checked the same way, and each model's family: model_dir a Qwen3 one, the ranker's an HSTU one.
 
 The directory must be checked where the engines read it (a GPU node's volume, not the head's), so the check
 runs on a node that can host an engine replica: in the builder's own process when its node can, else as a Ray
@@ -29,7 +30,7 @@ from genrec.model.hstu_config import HSTUConfig
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import check_token_ids, load_tokenizer, semantic_token_ranges
 from genrec.model.weights import _shards
-from genrec.serving.args import AppArgs
+from genrec.serving.args import AppArgs, EngineArgs
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +114,32 @@ def check_cache(cache, facts: ModelFacts, model_dir: str) -> None:
 
 def preflight(args: AppArgs) -> ModelFacts | None:
     """The builder's checks: the model directory where an engine would read it, then the cache against the
-    model. Raises DeployRefused. None: no node that could host an engine is up, so nothing was checked."""
-    try:
-        facts = _check_where_engines_run(args)
-    except GenrecError as err:
-        raise DeployRefused(f"model_dir: {err}") from None
+    model; with a ranker, its directory too and each model's family (a Qwen3 retriever, an HSTU ranker). Raises
+    DeployRefused. None: no node that could host an engine is up, so nothing was checked."""
+    facts = _checked("model_dir", args)
     if facts is not None:
         check_cache(args.cache, facts, args.model_dir)
+    if args.ranker is not None:
+        check_funnel(facts, _checked("ranker.model_dir", args.ranker), args)
     return facts
+
+
+def check_funnel(retriever: ModelFacts | None, ranker: ModelFacts | None, args: AppArgs) -> None:
+    """A funnel retrieves with a Qwen3 model and ranks with an HSTU one (None: that one was not checked)."""
+    if retriever is not None and retriever.family != "qwen3":
+        raise DeployRefused(
+            f"model_dir: {args.model_dir} is an HSTU ranking model; with a ranker, model_dir must be a Qwen3 "
+            "retrieval model (or remove ranker)"
+        )
+    if ranker is not None and ranker.family != "hstu":
+        raise DeployRefused(f"ranker.model_dir: {args.ranker.model_dir} is a Qwen3 model, not an HSTU ranking model")
+
+
+def _checked(where: str, engine: EngineArgs) -> ModelFacts | None:
+    try:
+        return _check_where_engines_run(engine)
+    except GenrecError as err:
+        raise DeployRefused(f"{where}: {err}") from None
 
 
 def engine_nodes(nodes: list[dict], cpus: float, gpus: float) -> list[str]:
@@ -134,7 +153,7 @@ def engine_nodes(nodes: list[dict], cpus: float, gpus: float) -> list[str]:
     ]
 
 
-def _check_where_engines_run(args: AppArgs) -> ModelFacts | None:
+def _check_where_engines_run(args: EngineArgs) -> ModelFacts | None:
     import ray
 
     if not ray.is_initialized():  # a plain call outside a cluster: the directory is local

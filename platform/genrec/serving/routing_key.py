@@ -4,6 +4,9 @@ The user ID when the request has one. Without one, a digest of the prompt's firs
 prompt starts like their last one (history first, oldest first: README, "Prompt layouts that reuse"), so it
 still finds the replica that holds it. The ingress has no tokenizer, so a text prompt's first block is
 approximated by its first characters.
+
+A two-stage recommend calls two deployments: both get the user's key; without a user, each the digest of what
+it is sent (the retriever the prompt, the ranker the history), so each lands where that input's K/V is.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ FIRST_BLOCK = 16  # tokens (or history events) of one prefix-cache block (genrec
 FIRST_TEXT_CHARS = 64  # a text prompt's first characters: roughly its first block
 
 
-def routing_key(body) -> str:
+def routing_key(body, sent=None) -> str:
+    """`sent`: the request the engine gets, when its first block is not the body's (default: the body)."""
     user_id = getattr(body, "user_id", None)
     if user_id is not None:
         return f"user:{user_id!r}"  # repr: the user 42 and the user "42" are two keys, as in the cache
-    return "first-block:" + hashlib.blake2b(_first_block(body).encode(), digest_size=16).hexdigest()
+    first = _first_block(body if sent is None else sent)
+    return "first-block:" + hashlib.blake2b(first.encode(), digest_size=16).hexdigest()
 
 
 def _first_block(body) -> str:

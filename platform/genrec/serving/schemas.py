@@ -1,13 +1,14 @@
 """HTTP bodies: the genrec.api requests plus an optional `user_id` (the ingress looks up its embedding for a
-Qwen3 model and routes by it), what /v1/model describes, and the error body."""
+Qwen3 model and routes by it) and, for /v1/recommend, the ranker's `history` (a two-stage recommend, see
+funnel.py), what /v1/model describes, and the error body."""
 
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, Discriminator, Field, StrictInt, StrictStr, Tag
+from pydantic import BaseModel, Discriminator, Field, StrictInt, StrictStr, Tag, model_validator
 
-from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest, Text
+from genrec.api import Event, RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest, Text
 
 
 def _user_id_kind(value) -> str | None:
@@ -34,6 +35,7 @@ UserId = Annotated[
 
 class _ByUser(BaseModel):
     api_model: ClassVar[type[BaseModel]]
+    ingress_fields: ClassVar[set[str]] = {"user_id"}  # what the ingress reads and the engine's request lacks
     user_id: UserId | None = Field(
         None,
         description="fills user_embedding from the embedding cache (an inline user_embedding wins), and routes "
@@ -42,7 +44,7 @@ class _ByUser(BaseModel):
 
     def to_request(self, user_embedding: list[float] | None):
         """The engine's request: the same fields without user_id, with the resolved embedding."""
-        fields = self.model_dump(exclude={"user_id"})
+        fields = self.model_dump(exclude=self.ingress_fields)
         if user_embedding is not None:
             fields["user_embedding"] = user_embedding
         return self.api_model.model_validate(fields)
@@ -57,7 +59,26 @@ class ScoreBody(ScoreRequest, _ByUser):
 
 
 class RecommendBody(RecommendRequest, _ByUser):
+    """Without `history`: the retrieval model's recommend, as ever. With it (an app with a ranker): two stages,
+    the retrieved items then ranked by the ranker after the history (funnel.py)."""
+
     api_model: ClassVar[type[BaseModel]] = RecommendRequest
+    ingress_fields: ClassVar[set[str]] = {"user_id", "history", "rank_task"}
+    history: list[Event] | None = Field(
+        None,
+        min_length=1,
+        description="the user's events, oldest first, in the ranker's form (the prompt stays the retriever's): "
+        "ranks every retrieved item by the app's ranker; refused (422) by an app without one",
+    )
+    rank_task: Text | None = Field(
+        None, description="with history: the ranker's task whose probability orders the items (default: its first)"
+    )
+
+    @model_validator(mode="after")
+    def _task_with_history(self):
+        if self.rank_task is not None and self.history is None:
+            raise ValueError("'rank_task' applies to a two-stage recommend only: send 'history' with it")
+        return self
 
 
 class RankBody(RankRequest):
@@ -86,6 +107,9 @@ class ModelInfo(BaseModel):
     user_dim: int | None = Field(description="qwen3: soft-token input size; None: the model has no projector")
     tasks: list[str] | None = Field(None, description="hstu: the head's tasks (scores per candidate)")
     max_history_events: int | None = Field(None, description="hstu: events a history may hold")
+    ranker: ModelInfo | None = Field(
+        None, description="an app with a ranker: its model (POST /v1/rank and a two-stage /v1/recommend use it)"
+    )
 
 
 class ErrorDetail(BaseModel):

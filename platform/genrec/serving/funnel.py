@@ -1,0 +1,129 @@
+"""The two-stage recommend (an app with a ranker, a body with `history`): what each stage is sent, and the merge.
+
+Stage 1, the retrieval model's beam search (retrieve) with every beam returned; stage 2, the ranker's rank of
+those items, then of the given item_id candidates that were not retrieved, after the user's history; the answer,
+those items ordered by the ranker's probability for `rank_task` (ties in stage-1 order, given ones after the
+retrieved), each with the ranker's per-task probabilities. Items the ranker could not rank (not in its catalog:
+the two models' catalogs may differ) follow the ranked ones, in that order, with `ranker_scores` None.
+
+The ranker, not a label, orders the items: stage 1 scores no label (score_logprob and prob are None), and the
+label's fields (labels, rank_by, score_weight) are refused. Candidates given as text or token IDs have no item
+the ranker knows: refused too.
+
+No Ray here: the ingress makes the calls (ingress.py), under one deadline.
+"""
+
+from __future__ import annotations
+
+from genrec.api import (
+    RankRequest,
+    RankResult,
+    RecommendedItem,
+    RecommendRequest,
+    RecommendResult,
+    RetrieveRequest,
+    RetrieveResult,
+)
+from genrec.errors import InvalidRequestError
+from genrec.serving.schemas import ModelInfo, RecommendBody
+
+LABEL_FIELDS = ("labels", "rank_by", "score_weight")  # recommend's label ranking: not a two-stage request's
+
+
+def check_body(body: RecommendBody, ranker: ModelInfo) -> str:
+    """What the ranker would refuse, refused before stage 1 runs; returns the task the items are ordered by."""
+    for name in LABEL_FIELDS:
+        if name in body.model_fields_set:
+            raise InvalidRequestError(name, "a two-stage recommend (with history) is ranked by the ranker: omit it")
+    for i, candidate in enumerate(body.candidates):
+        for form in ("text", "token_ids"):
+            if getattr(candidate, form) is not None:
+                raise InvalidRequestError(
+                    f"candidates[{i}].{form}",
+                    "a two-stage recommend (with history) ranks catalog items only: give candidates as item_id",
+                )
+    if ranker.max_history_events is not None and len(body.history) > ranker.max_history_events:
+        raise InvalidRequestError(
+            "history", f"{len(body.history)} events exceed the ranker's limit of {ranker.max_history_events}"
+        )
+    ranked = body.beam_width + len(body.candidates)  # at most: a given item may also be retrieved
+    if ranked > ranker.max_candidates:
+        raise InvalidRequestError(
+            "beam_width",
+            f"beam_width + candidates ({ranked}) exceed the ranker's limit of {ranker.max_candidates} items",
+        )
+    tasks = ranker.tasks or []
+    if body.rank_task is None:
+        return tasks[0]
+    if body.rank_task not in tasks:
+        raise InvalidRequestError("rank_task", f"{body.rank_task!r} is not a task of the ranker {tasks}")
+    return body.rank_task
+
+
+def stage1(request: RecommendRequest) -> RetrieveRequest:
+    """The retrieval request with every beam kept: the ranker, not the beam order, decides which are returned."""
+    fields = request.model_dump(include=set(RetrieveRequest.model_fields))
+    return RetrieveRequest.model_validate(fields | {"num_results": request.beam_width})
+
+
+def candidates(request: RecommendRequest, retrieved: RetrieveResult) -> list[RecommendedItem]:
+    """What the ranker ranks, in stage-1 order: the retrieved items, then the given item_ids neither retrieved
+    nor excluded (each once), with their stage-1 fields."""
+    given = {c.item_id for c in request.candidates} - set(request.exclude_item_ids)
+    items = [
+        RecommendedItem(
+            item_id=r.item_id,
+            semantic_id=r.semantic_id,
+            retrieval_logprob=r.logprob,
+            code_logprob=r.logprob,
+            source="retrieved+given" if r.item_id in given else "retrieved",
+        )
+        for r in retrieved.items
+    ]
+    seen = {r.item_id for r in retrieved.items}
+    for c in request.candidates:
+        if c.item_id in given and c.item_id not in seen:
+            seen.add(c.item_id)
+            items.append(RecommendedItem(item_id=c.item_id, source="given"))
+    return items
+
+
+def stage2(body: RecommendBody, items: list[RecommendedItem]) -> RankRequest | None:
+    """The rank request of the items (None: there are none)."""
+    if not items:
+        return None
+    return RankRequest(history=body.history, candidates=[i.item_id for i in items], request_id=body.request_id)
+
+
+def merge(
+    items: list[RecommendedItem],
+    retrieved: RetrieveResult,
+    ranked: RankResult | None,
+    task: str,
+    num_results: int,
+    version: str,
+) -> RecommendResult:
+    """The items by the ranker's probability for `task`, best first, ties and unranked items in stage-1 order
+    (unranked after ranked), the first `num_results`."""
+    scores = {item.item_id: item.scores for item in (ranked.items if ranked is not None else [])}
+
+    def order(position: int) -> tuple[bool, float, int]:
+        found = scores.get(items[position].item_id)
+        return (found is None, -found[task] if found is not None else 0.0, position)
+
+    kept = [items[k] for k in sorted(range(len(items)), key=order)[:num_results]]
+    return RecommendResult(
+        request_id=retrieved.request_id,
+        items=[item.model_copy(update={"ranker_scores": scores.get(item.item_id)}) for item in kept],
+        prompt_tokens=retrieved.prompt_tokens,
+        unknown_exclusions=retrieved.unknown_exclusions,
+        rank_task=task,
+        ranker_version=version,
+    )
+
+
+def known_candidates(request: RankRequest, known) -> RankRequest | None:
+    """The ranker's side: the request with only the candidates `known(item_id)` says its catalog holds (None:
+    none is)."""
+    candidates = [item for item in request.candidates if known(item)]
+    return request.model_copy(update={"candidates": candidates}) if candidates else None

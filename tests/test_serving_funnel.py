@@ -1,0 +1,293 @@
+"""The two-stage funnel in one Serve app (a Qwen3 retriever, an HSTU ranker): the merge of the stages without Ray;
+then over real HTTP, the answer equal to Engine.recommend then Engine.rank in process, each user on one replica of
+both deployments, client mistakes a 422 naming the field, the one deadline, and without `history` the
+retriever's recommend as ever."""
+
+import random
+
+import httpx
+import numpy as np
+import pytest
+
+from genrec.api import (
+    Event,
+    RankedItem,
+    RankRequest,
+    RankResult,
+    RecommendRequest,
+    RecommendResult,
+    RetrievedItem,
+    RetrieveRequest,
+    RetrieveResult,
+)
+from genrec.errors import InvalidRequestError
+from genrec.model.directory import model_version
+from genrec.serving import funnel
+from genrec.serving.router import ROUTING_KEY, rendezvous_order
+from genrec.serving.schemas import ModelInfo, RecommendBody
+from tests.conftest import HSTU_TINY, TINY
+from tests.serve_apps import delete, deploy, deploy_many, replica_actor_names
+
+PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
+RANKER_LIMIT = 64  # the ranker's max_candidates in the funnel app
+TWO = {"min_replicas": 2, "max_replicas": 2, "kv_budget_bytes": 32 << 20}
+
+
+def item(i: int) -> str:
+    return f"item-{i:06d}"
+
+
+def history(seed: int, n: int = 30) -> list[dict]:
+    rng, t, events = random.Random(seed), 1e9, []
+    for _ in range(n):
+        t += rng.choice([5.0, 300.0, 86400.0])
+        events.append(
+            {"item_id": item(rng.randrange(HSTU_TINY.items)), "action": rng.choice([0, 1, 2]), "timestamp": t}
+        )
+    return events
+
+
+def vector(seed: int) -> list[float]:
+    return np.random.default_rng(seed).normal(size=TINY.user_dim).round(4).tolist()
+
+
+# -- the merge, without Ray -------------------------------------------------------------------------
+
+
+def retrieved(*ids) -> RetrieveResult:
+    items = [RetrievedItem(item_id=i, semantic_id=[k], logprob=-k) for k, i in enumerate(ids)]
+    return RetrieveResult(items=items, prompt_tokens=7)
+
+
+def ranked(**probs) -> RankResult:
+    return RankResult(items=[RankedItem(item_id=i, scores={"click": p, "like": 1 - p}) for i, p in probs.items()],
+                      history_events=3)  # fmt: skip
+
+
+def merged(stage1: RetrieveResult, ranking: RankResult | None, task: str, n: int, given=()) -> RecommendResult:
+    request = RecommendRequest(prompt="p", candidates=[{"item_id": g} for g in given])
+    return funnel.merge(funnel.candidates(request, stage1), stage1, ranking, task, n, "v-1")
+
+
+def test_the_merge_orders_by_the_task_ties_and_unranked_in_stage1_order():
+    stage1 = retrieved("a", "b", "c", "d", "e")
+    answer = merged(stage1, ranked(a=0.2, b=0.9, d=0.2, e=0.5), "click", 5)
+    assert [i.item_id for i in answer.items] == ["b", "e", "a", "d", "c"]  # a and d tie: stage-1 order; c unranked
+    assert answer.items[0].ranker_scores == {"click": 0.9, "like": pytest.approx(0.1)}
+    last = answer.items[-1]
+    assert last.ranker_scores is None and last.retrieval_logprob == last.code_logprob == -2  # stage-1 fields
+    assert last.score_logprob is None and last.prob is None  # no label in a two-stage recommend
+    assert (answer.rank_task, answer.ranker_version, answer.prompt_tokens) == ("click", "v-1", 7)
+    by_like = merged(stage1, ranked(a=0.2, b=0.9, d=0.2, e=0.5), "like", 2)
+    assert [i.item_id for i in by_like.items] == ["a", "d"]  # truncated to num_results
+    assert [i.item_id for i in merged(stage1, None, "click", 3).items] == ["a", "b", "c"]
+
+
+def test_given_items_join_the_retrieved_once_and_are_ranked_with_them():
+    answer = merged(retrieved("a", "b"), ranked(a=0.1, b=0.2, x=0.9), "click", 5, given=("b", "x", "x"))
+    want = [("x", "given"), ("b", "retrieved+given"), ("a", "retrieved")]
+    assert [(i.item_id, i.source) for i in answer.items] == want
+    assert answer.items[0].retrieval_logprob is None
+
+
+def test_what_the_stages_are_sent():
+    body = RecommendBody(prompt="p", beam_width=8, num_results=3, history=[Event(item_id="x")], request_id="r",
+                         candidates=[{"item_id": "c"}], exclude_item_ids=["e"])  # fmt: skip
+    request = body.to_request(None)
+    first = funnel.stage1(request)
+    assert isinstance(first, RetrieveRequest) and first.num_results == 8  # every beam goes to the ranker
+    assert (first.exclude_item_ids, first.request_id) == (["e"], "r")
+    rank = funnel.stage2(body, funnel.candidates(request, retrieved("a", "b")))
+    assert (rank.candidates, rank.history, rank.request_id) == (["a", "b", "c"], body.history, "r")
+    assert funnel.stage2(body, []) is None
+    kept = funnel.known_candidates(rank, lambda i: i == "b")
+    assert kept.candidates == ["b"] and funnel.known_candidates(rank, lambda i: False) is None
+
+
+def ranker_info(**fields) -> ModelInfo:
+    unset = dict.fromkeys(("levels", "max_beam_width", "max_prompt_tokens", "user_dim"))
+    base = {"version": "v", "model_dir": "/r", "device": "cpu", "family": "hstu", "serves": ["rank"],
+            "catalog_items": 5, "max_candidates": 10, "tasks": ["click", "like"], "max_history_events": 4}  # fmt: skip
+    return ModelInfo(**base | unset | fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"rank_task": "buy"}, "rank_task"),
+        ({"candidates": [{"item_id": "a"}, {"text": "a show"}]}, "candidates[1].text"),
+        ({"candidates": [{"token_ids": [5]}]}, "candidates[0].token_ids"),
+        ({"history": [{"item_id": "x"}] * 5}, "history"),
+        ({"beam_width": 9, "candidates": [{"item_id": "a"}, {"item_id": "b"}]}, "beam_width"),
+        ({"rank_by": "joint"}, "rank_by"),
+        ({"labels": ["yes", "no"]}, "labels"),
+    ],
+)
+def test_what_the_ranker_would_refuse_is_refused_before_stage1(fields, field):
+    body = RecommendBody(**{"prompt": "p", "beam_width": 4, "history": [{"item_id": "x"}]} | fields)
+    with pytest.raises(InvalidRequestError) as error:
+        funnel.check_body(body, ranker_info())
+    assert error.value.field == field
+    assert (
+        funnel.check_body(RecommendBody(prompt="p", beam_width=4, history=[{"item_id": "x"}]), ranker_info()) == "click"
+    )
+
+
+# -- over HTTP ----------------------------------------------------------------------------------------
+
+
+FUNNEL = {"request_timeout_s": 20, "torch_threads": 1, **TWO}
+
+
+@pytest.fixture(scope="module")
+def funnel_args(tiny_dir, hstu_dir):
+    ranker = {"model_dir": str(hstu_dir), "max_candidates": RANKER_LIMIT, "engine_num_cpus": 0.15, **TWO}
+    return {"model_dir": str(tiny_dir), "ranker": ranker, **FUNNEL}
+
+
+@pytest.fixture(scope="module")
+def urls(serve_url, tiny_dir, funnel_args):
+    """A funnel app (two replicas of each engine deployment) and a plain one (no ranker), started side by side
+    (slow on a loaded 2-core machine: given longer than Serve's own 60 s)."""
+    plain = {"model_dir": str(tiny_dir), "engine_num_cpus": 0.1, "torch_threads": 1}
+    deploy_many({"funnel": (None, funnel_args), "plain": (None, plain)}, timeout_s=180)
+    yield {"funnel": f"{serve_url}/funnel", "plain": f"{serve_url}/plain"}
+    delete("funnel")
+    delete("plain")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client(timeout=60) as c:
+        yield c
+
+
+def in_process(engine, ranker, body: dict) -> list[tuple[str, dict | None]]:
+    """Stage 1 and stage 2 with Engine.retrieve then Engine.rank, merged as the funnel documents it."""
+    fields = {k: v for k, v in body.items() if k not in ("history", "rank_task", "user_id", "candidates")}
+    (stage1,) = engine.retrieve([RetrieveRequest(**fields | {"num_results": body["beam_width"]})])
+    given = [c["item_id"] for c in body.get("candidates", [])]
+    items = [i.item_id for i in stage1.items] + [g for g in given if g not in {i.item_id for i in stage1.items}]
+    known = [i for i in items if ranker.catalog.row_of(i) is not None]
+    (stage2,) = ranker.rank([RankRequest(history=body["history"], candidates=known)])
+    scores = {i.item_id: i.scores for i in stage2.items}
+    task = body.get("rank_task", HSTU_TINY.tasks[0])
+    order = sorted(
+        range(len(items)), key=lambda k: (items[k] not in scores, -scores.get(items[k], {task: 0})[task], k)
+    )
+    return [(items[k], scores.get(items[k])) for k in order][: body["num_results"]]
+
+
+def test_the_answer_is_stage1_then_stage2(urls, client, engine, ranker, tiny_dir, hstu_dir):
+    bodies = [
+        {"prompt": PROMPT, "user_embedding": vector(1), "beam_width": 40, "num_results": 25, "history": history(1)},
+        {"prompt": PROMPT, "user_embedding": vector(2), "beam_width": 16, "num_results": 16, "history": history(2, 5),
+         "rank_task": HSTU_TINY.tasks[1], "candidates": [{"item_id": item(7)}, {"item_id": item(250)}]},
+    ]  # fmt: skip
+    unranked = 0
+    for body in bodies:
+        response = client.post(f"{urls['funnel']}/v1/recommend", json=body)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-model-version"] == model_version(tiny_dir)
+        assert response.headers["x-ranker-version"] == model_version(hstu_dir)
+        got = response.json()
+        assert (got["ranker_version"], got["rank_task"]) == (model_version(hstu_dir), body.get("rank_task", "click"))
+        want = in_process(engine, ranker, body)
+        assert [i["item_id"] for i in got["items"]] == [item_id for item_id, _ in want]
+        for got_item, (_, scores) in zip(got["items"], want, strict=True):
+            assert got_item["retrieval_logprob"] is not None or got_item["source"] == "given"
+            if scores is None:  # the retriever's catalog (300 items) holds items the ranker's (120) does not
+                unranked += 1
+                assert got_item["ranker_scores"] is None
+            else:
+                assert got_item["ranker_scores"] == pytest.approx(scores, abs=1e-4)
+    assert unranked > 0
+
+
+def replica_counts(app: str, deployment: str, kind: str) -> dict[str, int]:
+    """Requests of `kind` each of the deployment's two replicas has served, asked of each through a handle."""
+    from ray import serve
+
+    handle, counts = serve.get_deployment_handle(deployment, app_name=app), {}
+    for i in range(200):  # a random routing key reaches each replica in a few tries
+        stats = handle.stats.remote(**{ROUTING_KEY: f"probe-{random.random()}-{i}"}).result(timeout_s=30)
+        counts[stats["replica"]] = stats["metrics"]["requests"].get(kind, 0)
+        if len(counts) == 2:
+            return counts
+    raise AssertionError(f"reached only {sorted(counts)} of {deployment}'s 2 replicas")
+
+
+def test_each_user_stays_on_one_replica_of_both_deployments(urls, client):
+    for user in ("alice", "bob", "carol"):
+        before = {d: replica_counts("funnel", d, k) for d, k in (("EngineServer", "retrieve:ok"),
+                                                                  ("RankerServer", "rank:ok"))}  # fmt: skip
+        for visit in range(3):  # a returning user: a longer prompt and history each time
+            body = {"prompt": f"{user} {PROMPT}" + " news" * visit, "user_embedding": vector(3), "beam_width": 8,
+                    "history": history(hash(user) % 100, 10 + visit), "user_id": user}  # fmt: skip
+            assert client.post(f"{urls['funnel']}/v1/recommend", json=body).status_code == 200
+        for deployment, counts in before.items():
+            kind = "retrieve:ok" if deployment == "EngineServer" else "rank:ok"
+            after = replica_counts("funnel", deployment, kind)
+            served = {rid: after[rid] - counts.get(rid, 0) for rid in after if after[rid] > counts.get(rid, 0)}
+            assert served == {rendezvous_order(f"user:{user!r}", list(after))[0]: 3}, (deployment, user, served)
+
+
+def test_without_history_recommend_is_the_retrievers_alone(urls, client, engine):
+    request = RecommendRequest(prompt=PROMPT, user_embedding=vector(4), beam_width=8, num_results=5)
+    (want,) = engine.recommend([request])
+    for app in ("funnel", "plain"):
+        response = client.post(f"{urls[app]}/v1/recommend", json=request.model_dump(exclude_none=True))
+        assert response.status_code == 200, response.text
+        got = response.json()
+        assert "x-ranker-version" not in response.headers and got["ranker_version"] is got["rank_task"] is None
+        assert [i["item_id"] for i in got["items"]] == [i.item_id for i in want.items]
+        assert [i["score_logprob"] for i in got["items"]] == pytest.approx(
+            [i.score_logprob for i in want.items], abs=1e-4
+        )
+        assert all(i["ranker_scores"] is None for i in got["items"])
+
+
+GOOD = {"prompt": "user listened to comedy podcast", "beam_width": 8, "history": history(5, 3)}
+BAD = [
+    ("funnel", {**GOOD, "rank_task": "purchase"}, "rank_task"),
+    ("funnel", {**GOOD, "candidates": [{"text": "a science show"}]}, "candidates[0].text"),
+    ("funnel", {**GOOD, "history": [{"item_id": "no-such-item"}]}, "history[0].item_id"),
+    ("funnel", {**GOOD, "history": [{"item_id": item(1), "action": HSTU_TINY.actions}]}, "history[0].action"),
+    ("funnel", {**GOOD, "history": []}, "history"),
+    ("funnel", {**GOOD, "history": [{"item_id": item(1)}] * HSTU_TINY.max_positions}, "history"),
+    ("funnel", {**GOOD, "beam_width": RANKER_LIMIT + 1}, "beam_width"),
+    ("funnel", {**GOOD, "history": None, "rank_task": "click"}, "rank_task"),
+    ("plain", GOOD, "history"),
+]
+
+
+@pytest.mark.parametrize(("app", "body", "field"), BAD, ids=[str(i) for i in range(len(BAD))])
+def test_client_mistakes_are_422_naming_the_field(urls, client, app, body, field):
+    response = client.post(f"{urls[app]}/v1/recommend", json=body)
+    assert response.status_code == 422, response.text[:2000]
+    assert response.json()["code"] == "invalid_request" and field in response.text
+
+
+def test_rank_model_and_health_account_for_the_ranker(urls, client, hstu_dir, tiny_dir):
+    rank = {"history": history(6, 4), "candidates": [item(3), item(4)]}
+    response = client.post(f"{urls['funnel']}/v1/rank", json=rank)
+    assert response.status_code == 200 and response.headers["x-model-version"] == model_version(hstu_dir)
+    info = client.get(f"{urls['funnel']}/v1/model").json()
+    assert (info["family"], info["version"]) == ("qwen3", model_version(tiny_dir))
+    assert (info["ranker"]["family"], info["ranker"]["tasks"]) == ("hstu", list(HSTU_TINY.tasks))
+    assert client.get(f"{urls['plain']}/v1/model").json()["ranker"] is None
+    health = client.get(f"{urls['funnel']}/healthz").json()
+    assert health == {"status": "ok", "model_version": info["version"], "ranker_version": model_version(hstu_dir)}
+
+
+def test_both_stages_share_one_deadline(urls, client, funnel_args):
+    """A deadline too short for the two stages is a 504; the deadline changes live (the Ingress's user_config)."""
+    before = replica_actor_names("funnel", "RankerServer")
+    deploy("funnel", deployments=[{"name": "Ingress", "user_config": {"request_timeout_s": 0.001}}], **funnel_args)
+    try:
+        late = client.post(f"{urls['funnel']}/v1/recommend", json=GOOD)
+        assert late.status_code == 504 and late.json()["code"] == "timeout"
+        assert replica_actor_names("funnel", "RankerServer") == before
+    finally:
+        deploy("funnel", **funnel_args)
+    assert client.post(f"{urls['funnel']}/v1/recommend", json=GOOD).status_code == 200

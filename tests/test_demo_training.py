@@ -89,6 +89,12 @@ def test_learning_rate_warms_up_then_anneals_to_zero_at_the_budget():
     assert scales == pytest.approx([0.0, 1.0, 0.5, 0.0], abs=0.06)
 
 
+def test_the_demo_trains_a_fixed_number_of_steps_by_default_and_the_cli_says_the_same_number():
+    from genrec.cli import DEMO_STEPS
+
+    assert DemoConfig().max_steps == DEMO_STEPS > 0  # reproducible: no CPU-time budget decides the model
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A random model written the demo's way, with the engine that serves it."""

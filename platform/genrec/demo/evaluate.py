@@ -1,7 +1,9 @@
-"""Rank every user's held-out item with the model and with the most-popular baseline, on unseen items only.
+"""Rank every user's held-out item with the models and with the most-popular baseline, on unseen items only.
 
-The model's rankings come from recommend results (the batch job's output rows): each user's items by score
-are recommend's order; the same items by beam-search log-probability are retrieve's order.
+The models' rankings come from the batch job's output rows. Recommend rows: each user's items by score are
+recommend's order; the same items by beam-search log-probability are retrieve's order. Two-stage rows (with a
+`retrieval_rank` column, stage 1's order): `rank` is the HSTU ranker's order ("ranker"), stage 1's is
+recommend's, and the beam log-probability gives retrieve's again.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pyarrow as pa
 from genrec.demo.data import MovieLens
 from genrec.demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
 
-METHODS = ("retrieve", "recommend", "popularity")
+METHODS = ("retrieve", "recommend", "ranker", "popularity")
 
 
 @dataclass
@@ -42,21 +44,31 @@ def retrieve_order(items: list[str], retrieval_logprobs: list[float | None]) -> 
 
 
 def rankings_from_rows(rows: pa.Table, data: MovieLens, depth: int) -> dict[str, np.ndarray]:
-    """Recommend output rows (user_id, rank, item_id, retrieval_logprob) -> {"retrieve", "recommend"}:
-    [users, depth] item indices, -1 where a user has fewer (or no) rows."""
+    """Output rows (user_id, rank, item_id, retrieval_logprob, and retrieval_rank when two-stage) ->
+    {"retrieve", "recommend"(, "ranker")}: [users, depth] item indices, -1 where a user has fewer (or no) rows."""
+    two_stage = "retrieval_rank" in rows.column_names
     rows = rows.sort_by([("user_id", "ascending"), ("rank", "ascending")])
     users, items, logprobs = (rows.column(c).to_pylist() for c in ("user_id", "item_id", "retrieval_logprob"))
+    stage1 = rows.column("retrieval_rank").to_pylist() if two_stage else None
     user_index = {u: i for i, u in enumerate(data.user_ids)}
     item_index = {item: i for i, item in enumerate(data.item_ids)}
-    out = {kind: np.full((len(data.user_ids), depth), -1, dtype=np.int64) for kind in METHODS[:2]}
+    kinds = METHODS[:3] if two_stage else METHODS[:2]
+    out = {kind: np.full((len(data.user_ids), depth), -1, dtype=np.int64) for kind in kinds}
     bounds = [0, *(i for i in range(1, len(users)) if users[i] != users[i - 1]), len(users)]
     for start, stop in zip(bounds[:-1], bounds[1:], strict=False):
         if start == stop:
             continue
-        u = user_index[str(users[start])]
-        by_score = items[start:stop][:depth]
-        orders = {"recommend": by_score, "retrieve": retrieve_order(by_score, logprobs[start:stop][:depth])}
+        u, ranked = user_index[str(users[start])], items[start:stop]
+        orders = {"retrieve": retrieve_order(ranked, logprobs[start:stop])}
+        if two_stage:
+            orders |= {
+                "ranker": ranked,
+                "recommend": [ranked[i] for i in np.argsort(stage1[start:stop], kind="stable")],
+            }
+        else:
+            orders["recommend"] = ranked
         for kind, order in orders.items():
+            order = order[:depth]
             out[kind][u, : len(order)] = [item_index[i] for i in order]
     return out
 

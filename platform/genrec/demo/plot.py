@@ -10,6 +10,7 @@ from genrec.errors import GenrecError
 LABELS = {
     "retrieve": "genrec retrieve (beam search)",
     "recommend": "genrec recommend (retrieve, then score)",
+    "ranker": "genrec funnel (retrieve, then the HSTU ranker)",
     "popularity": "most popular (unseen)",
 }
 

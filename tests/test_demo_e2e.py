@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(900)  # the whole demo, training included (the 
 
 def demo(tmp: Path, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "genrec.cli", "demo", "--users", str(USERS), "--steps", "3", "--port", "0"]
-    command += ["--out", str(tmp / "out"), "--model-dir", str(tmp / "model"), *extra]
+    command += ["--ranker-steps", "3", "--out", str(tmp / "out"), "--model-dir", str(tmp / "model")]
+    command += ["--ranker-dir", str(tmp / "ranker"), *extra]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     return subprocess.Popen(  # its own process group, as a terminal's foreground job
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -69,20 +70,24 @@ def test_demo_runs_the_platform_end_to_end(workdir):
             started = descendants(process.pid)  # Ray's processes, the cache actor, the job runner's
     assert process.wait(timeout=600) == 0, "\n".join(lines[-40:])
     output = "\n".join(lines)
-    assert "training the demo model" in output and "user 1, last watched" in output
-    for route in ("retrieve", "recommend", "score"):
-        assert f"POST /v1/{route}" in output
+    assert "training the demo model" in output and "training the HSTU ranker" in output
+    assert "user 1, last watched" in output and "funnel    (HSTU, P(watch))" in output
+    for route in ("retrieve", "recommend", "recommend (two-stage)", "score"):
+        assert f"POST /v1/{route}:" in output or f"POST /v1/{route} " in output
     report = json.loads((workdir / "out" / "metrics.json").read_text())
     assert report["users"] == USERS and report["embeddings_loaded"]["loaded"] == USERS
     assert report["batch"]["processed"] == USERS and report["batch"]["errors"] == 0
     recommendations = pq.read_table(workdir / "out" / "batch" / "recommendations")
     assert set(recommendations.column("user_id").to_pylist()) == set(report_users(workdir))
     assert recommendations.num_rows == USERS * 50
-    weight = report["ranking"]["score_weight"]  # chosen on validation items; the batch job ranked by it
+    assert set(report["quality@10"]) == {"retrieve", "recommend", "ranker", "popularity"}
+    weight = report["ranking"]["score_weight"]  # chosen on validation items; stage 1 ranked by it
     for user in set(report_users(workdir)):
         rows = [r for r in recommendations.to_pylist() if r["user_id"] == user]
-        keys = [r["code_logprob"] + weight * r["score"] for r in sorted(rows, key=lambda r: r["rank"])]
+        keys = [r["code_logprob"] + weight * r["score"] for r in sorted(rows, key=lambda r: r["retrieval_rank"])]
         assert keys == sorted(keys, reverse=True)
+        watch = [r["prob_watch"] for r in sorted(rows, key=lambda r: r["rank"])]  # the ranker's final order
+        assert watch == sorted(watch, reverse=True)
     assert (workdir / "out" / "recall_at_k.png").stat().st_size > 10_000
     assert started and "Serve and Ray are stopped" in output
     assert_all_gone(started)
@@ -104,7 +109,7 @@ def test_ctrl_c_stops_serve_the_jobs_and_ray(workdir):
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     rest, _ = process.communicate(timeout=180)
     output = "\n".join(lines) + rest
-    assert "reusing the trained model" in output
+    assert "reusing the trained model" in output and "reusing the trained ranker" in output
     assert process.returncode == 130, output[-3000:]
     assert "interrupted" in rest
     assert_all_gone(started | {process.pid})

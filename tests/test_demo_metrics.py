@@ -3,11 +3,13 @@
 import math
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from genrec.api import RecommendedItem
 from genrec.demo.calibrate import best_weight, measure_weights
-from genrec.demo.evaluate import retrieve_order
+from genrec.demo.data import MovieLens
+from genrec.demo.evaluate import rankings_from_rows, retrieve_order
 from genrec.demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
 
 
@@ -33,6 +35,25 @@ def test_popularity_ranks_unseen_items_most_popular_first():
 def test_retrieve_order_sorts_retrieved_items_by_beam_logprob_and_drops_given_ones():
     items = ["a", "b", "c", "d"]  # recommend's order (by score)
     assert retrieve_order(items, [-2.0, None, -1.0, -2.0]) == ["c", "a", "d"]  # ties keep the score order
+
+
+def test_two_stage_rows_give_the_ranker_the_label_rerank_and_the_beam_order():
+    data = MovieLens(["u1", "u2"], ["a", "b", "c", "d"], ["A", "B", "C", "D"], [np.array([0, 1, 2])] * 2)
+    rows = pa.table(
+        {
+            "user_id": ["u1"] * 3 + ["u2"],
+            "rank": [1, 2, 3, 1],  # the ranker's order
+            "retrieval_rank": [3, 1, 2, 1],  # stage 1's (the label rerank)
+            "item_id": ["c", "a", "d", "b"],
+            "retrieval_logprob": [-0.5, -3.0, -1.0, -2.0],  # the beam order
+        }
+    )
+    out = rankings_from_rows(rows, data, depth=3)
+    index = {"a": 0, "b": 1, "c": 2, "d": 3}
+    assert out["ranker"][0].tolist() == [index[i] for i in "cad"]
+    assert out["recommend"][0].tolist() == [index[i] for i in "adc"]
+    assert out["retrieve"][0].tolist() == [index[i] for i in "cda"]
+    assert out["ranker"][1].tolist() == [index["b"], -1, -1]
 
 
 def test_score_weights_measured_on_a_hand_computed_example():

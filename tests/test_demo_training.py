@@ -90,9 +90,11 @@ def test_learning_rate_warms_up_then_anneals_to_zero_at_the_budget():
 
 
 def test_the_demo_trains_a_fixed_number_of_steps_by_default_and_the_cli_says_the_same_number():
-    from genrec.cli import DEMO_STEPS
+    from genrec.cli import DEMO_STEPS, RANKER_STEPS
+    from genrec.demo.ranker.config import RankerConfig
 
     assert DemoConfig().max_steps == DEMO_STEPS > 0  # reproducible: no CPU-time budget decides the model
+    assert RankerConfig().steps == RANKER_STEPS > 0
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 MovieLens' terms forbid redistributing the data, so the demo reads it where pip put it. Each user's ratings,
 sorted stably by time (415 users rate their last two movies in the same second: file order decides), are
 split leave-last-out: the last one is the test item, the one before it validation, the rest training.
+Each rating (1..5) and timestamp is kept aligned with `histories`: the ranker's history events.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class MovieLens:
     item_ids: list[str]
     titles: list[str]
     histories: list[np.ndarray]
+    ratings: list[np.ndarray] | None = None  # aligned with histories: 1..5
+    timestamps: list[np.ndarray] | None = None  # aligned with histories: seconds
 
     @property
     def num_items(self) -> int:
@@ -63,7 +66,22 @@ class MovieLens:
 
     def head(self, users: int) -> MovieLens:
         """The first `users` users (all items stay in the catalog): a fast slice for tests."""
-        return MovieLens(self.user_ids[:users], self.item_ids, self.titles, self.histories[:users])
+        ratings = None if self.ratings is None else self.ratings[:users]
+        timestamps = None if self.timestamps is None else self.timestamps[:users]
+        return MovieLens(self.user_ids[:users], self.item_ids, self.titles, self.histories[:users], ratings, timestamps)
+
+    def events(self, u: int, end: int, window: int) -> list[dict]:
+        """User u's events before index `end` of their history, the last `window` at most, oldest first, as a
+        ranking request's history: {"item_id", "action" (rating - 1, 0..4), "timestamp"}."""
+        if self.ratings is None or self.timestamps is None:
+            raise GenrecError("this MovieLens has no ratings and timestamps (load it with load_movielens)")
+        start = max(0, end - window)
+        return [
+            {"item_id": self.item_ids[i], "action": int(r) - 1, "timestamp": float(t)}
+            for i, r, t in zip(
+                self.histories[u][start:end], self.ratings[u][start:end], self.timestamps[u][start:end], strict=True
+            )
+        ]
 
 
 def load_movielens(path: Path | None = None) -> MovieLens:
@@ -79,14 +97,18 @@ def load_movielens(path: Path | None = None) -> MovieLens:
     except KeyError as err:
         raise GenrecError(f"{path / 'ml-100k.inter'}: item {err} is not in ml-100k.item") from None
     time = np.array([float(row["timestamp:float"]) for row in inter])
+    rating = np.array([int(float(row["rating:float"])) for row in inter])
     user_ids, user = np.unique(users, return_inverse=True)
     order = np.lexsort((time, user))  # by user, then time; lexsort is stable, so file order breaks ties
     bounds = np.searchsorted(user[order], np.arange(len(user_ids) + 1))
-    histories = [item[order[a:b]] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    histories = [item[order[a:b]] for a, b in spans]
     short = [user_ids[u] for u, h in enumerate(histories) if len(h) < 3]
     if short:
         raise GenrecError(f"{path}: users {short[:5]} have fewer than 3 ratings (need train, validation and test)")
-    return MovieLens(user_ids.tolist(), item_ids, titles, histories)
+    ratings = [rating[order[a:b]] for a, b in spans]
+    timestamps = [time[order[a:b]] for a, b in spans]
+    return MovieLens(user_ids.tolist(), item_ids, titles, histories, ratings, timestamps)
 
 
 def _read_tsv(path: Path) -> list[dict[str, str]]:

@@ -1,4 +1,5 @@
-"""A few real HTTP requests to the Serve app (retrieve, score, recommend by user_id), shown as movie titles."""
+"""A few real HTTP requests to the Serve app (retrieve, score, recommend by user_id, and the two-stage recommend
+with the user's history), shown as movie titles."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from genrec.errors import GenrecError
 SHOW = 5  # titles per list
 
 
+@dataclass(frozen=True)
+class Funnel:
+    window: int  # the ranker's history: the user's last events
+    task: str  # the ranker's task that orders the items
+
+
 @dataclass
 class Latencies:
     ms: dict[str, list[float]] = field(default_factory=dict)
@@ -32,23 +39,27 @@ class Latencies:
         }
 
 
-def post(base_url: str, route: str, body: dict, latencies: Latencies, timeout_s: float = 120.0) -> dict:
+def post(base_url: str, path: str, body: dict, latencies: Latencies, timeout_s: float = 120.0, route=None) -> dict:
+    """POST /v1/<path>; its latency is counted under `route` (default: the path)."""
     request = urllib.request.Request(
-        f"{base_url}/v1/{route}", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+        f"{base_url}/v1/{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
     )
     started = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             answer = json.loads(response.read())
     except urllib.error.HTTPError as err:
-        raise GenrecError(f"POST /v1/{route} answered {err.code}: {err.read().decode(errors='replace')}") from None
-    latencies.add(route, time.perf_counter() - started)
+        raise GenrecError(f"POST /v1/{path} answered {err.code}: {err.read().decode(errors='replace')}") from None
+    latencies.add(route or path, time.perf_counter() - started)
     return answer
 
 
-def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str], u: int, latencies, say, ranking):
+def show_user(
+    base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str], u: int, latencies, say, ranking, funnel: Funnel
+):
     """The user's last watched titles, then what retrieve, recommend (ranked as `ranking` says: rank_by and
-    score_weight) and score answer for them (by user_id)."""
+    score_weight), the two-stage recommend (the same beams ordered by the HSTU ranker) and score answer for
+    them (by user_id)."""
     seen = data.seen_before_test(u)
     user = {
         "user_id": data.user_ids[u],  # the ingress looks the soft-token vector up in the EmbeddingCache actor
@@ -61,6 +72,10 @@ def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str
     say("  retrieve  (beam log-prob):   " + _titles(retrieved["items"], titles, "logprob"))
     recommended = post(base_url, "recommend", {**user, **ranking, "beam_width": 50, "num_results": 50}, latencies)
     say("  recommend (reranked, P(yes)):" + _titles(recommended["items"][:SHOW], titles, "score_logprob", _percent))
+    events = data.events(u, len(seen), funnel.window)
+    two_stage = {**user, "beam_width": 50, "num_results": SHOW, "history": events, "rank_task": funnel.task}
+    ranked = post(base_url, "recommend", two_stage, latencies, route="recommend (two-stage)")
+    say(f"  funnel    (HSTU, P({funnel.task})): " + "; ".join(_ranked(ranked["items"], titles, funnel.task)))
     held_out = data.item_ids[data.test(u)]
     popular = [data.item_ids[i] for i in np.argsort(-data.popularity, kind="stable") if i not in set(seen)][:3]
     candidates = [held_out, *[p for p in popular if p != held_out]][:4]
@@ -73,6 +88,10 @@ def show_user(base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str
 
 def _titles(items: list[dict], titles: dict[str, str], value: str, shown=lambda v: f"{v:.2f}") -> str:
     return "; ".join(f"{titles[i['item_id']]} ({shown(i[value])})" for i in items)
+
+
+def _ranked(items: list[dict], titles: dict[str, str], task: str) -> list[str]:
+    return [f"{titles[i['item_id']]} ({100 * i['ranker_scores'][task]:.2g}%)" for i in items if i["ranker_scores"]]
 
 
 def _percent(logprob: float) -> str:

@@ -1,6 +1,7 @@
 """What the platform's jobs read: every user's prompt and exclusions, and the user embeddings (the soft token).
 
-    users.parquet            user_id, prompt, exclude_item_ids   (jobs/batch_recommend.py --users)
+    users.parquet            user_id, prompt, exclude_item_ids,  (jobs/batch_recommend.py --users)
+                             history (the ranker's events)
     user_embeddings.parquet  user_id, embedding                  (jobs/load_user_embeddings.py --embeddings)
 
 Derived from MovieLens: they live under the git-ignored output directory and are never committed.
@@ -18,6 +19,7 @@ import pyarrow.parquet as pq
 from genrec.catalog import Catalog
 from genrec.demo.data import MovieLens
 from genrec.demo.prompts import prompt_text, prompt_token_ids
+from genrec.demo.ranker.events import histories_before, history_array
 from genrec.model.directory import ModelDirectory
 from genrec.model.tokenizer import USER_TOKEN, load_tokenizer, semantic_token_ranges
 
@@ -49,8 +51,9 @@ class Inputs:
     embeddings: Path
 
 
-def write_inputs(out: Path, data: MovieLens, prompts: Prompts, user_vectors: np.ndarray) -> Inputs:
-    """Each user's request for their next item: the history before the held-out test item, all of it excluded."""
+def write_inputs(out: Path, data: MovieLens, prompts: Prompts, user_vectors: np.ndarray, window: int) -> Inputs:
+    """Each user's request for their next item: the history before the held-out test item, all of it excluded;
+    the ranker's form of it (its last `window` events) beside the retriever's prompt."""
     out.mkdir(parents=True, exist_ok=True)
     seen = [data.seen_before_test(u) for u in range(len(data.user_ids))]
     users = pa.table(
@@ -58,6 +61,7 @@ def write_inputs(out: Path, data: MovieLens, prompts: Prompts, user_vectors: np.
             "user_id": pa.array(data.user_ids, pa.string()),
             "prompt": [prompts.text(items) for items in seen],
             "exclude_item_ids": [[data.item_ids[i] for i in items] for items in seen],
+            "history": history_array(histories_before(data, [len(items) for items in seen], window)),
         }
     )
     embeddings = pa.table(

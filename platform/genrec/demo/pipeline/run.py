@@ -1,16 +1,21 @@
 """`genrec demo` (`make demo`): the whole platform on one machine, on MovieLens-100k, with a trained model.
 
 1. MovieLens from the recbole wheel -> SVD factors -> semantic IDs -> a trained model directory (reused while
-   its recipe matches; `--retrain` trains it again) -> recommend's ranking chosen on the validation items.
+   its recipe matches; `--retrain` trains it again) -> recommend's ranking chosen on the validation items; then
+   an HSTU ranker trained on the same training items (genrec.demo.ranker), reused the same way.
 2. A local Ray. jobs/load_user_embeddings.py loads every user's vector into the EmbeddingCache actor.
-3. The Serve app of deployments/local.yaml, pointed at the trained model and the cache; a few real HTTP
-   requests (retrieve, score, recommend by user_id) shown as movie titles.
-4. jobs/batch_recommend.py recommends for every user (retrieve, then rank) to Parquet.
-5. From that output: Recall@10 / NDCG@10 of retrieve and recommend on each user's held-out last item, against
-   most-popular; a recall@K plot. Serve and Ray are stopped on the way out, Ctrl-C included.
+3. The Serve app of deployments/funnel-local.yaml (the Qwen3 retriever and the HSTU ranker), pointed at both
+   models and the cache; a few real HTTP requests (retrieve, score, recommend, and the two-stage recommend with
+   the user's history) shown as movie titles.
+4. jobs/batch_recommend.py --ranker: for every user, recommend (retrieve, then the label), then the HSTU
+   ranker's order, to Parquet.
+5. From that output: Recall@10 / NDCG@10 on each user's held-out last item of the beam order (retrieve), the
+   label rerank (recommend) and the ranker's order over the same top-50, against most-popular; a recall@K plot.
+   Serve and Ray are stopped on the way out, Ctrl-C included.
 
-Outputs (git-ignored: MovieLens may not be redistributed, nor anything derived from it): the model in
-`model_dir` (default out/demo-model, where deployments/local.yaml looks), the rest under `out` (out/demo).
+Outputs (git-ignored: MovieLens may not be redistributed, nor anything derived from it): the models in
+`model_dir` and `ranker_dir` (default out/demo-model and out/demo-ranker, where deployments/funnel-local.yaml
+looks), the rest under `out` (out/demo).
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ from genrec.demo.data import MovieLens, load_movielens
 from genrec.demo.evaluate import measure, rankings_from_rows
 from genrec.demo.factors import Factors, svd_factors
 from genrec.demo.model_dir import RECIPE, read_recipe, read_titles, write_recipe
-from genrec.demo.pipeline.client import Latencies, show_user
+from genrec.demo.pipeline.client import Funnel, Latencies, show_user
 from genrec.demo.pipeline.cluster import app_config, local_ray, port_or_free, start_serve_app
 from genrec.demo.pipeline.inputs import Prompts, write_inputs
 from genrec.demo.pipeline.jobs import REPO_ROOT, JobResult, run_job
 from genrec.demo.plot import plot_recall
+from genrec.demo.ranker.config import RankerConfig
+from genrec.demo.ranker.model_dir import prepare_ranker
 from genrec.demo.summary import key_values, quality_table
 from genrec.model.directory import GENREC_SUBDIR
 
-SERVE_CONFIG = REPO_ROOT / "deployments" / "local.yaml"
+SERVE_CONFIG = REPO_ROOT / "deployments" / "funnel-local.yaml"
+RANK_TASK = "watch"  # the ranker's task that orders the funnel: P(the user watches the item next)
 CACHE_NAME = "demo-users"
 BATCH_SIZE = 64  # users per engine call and per output file of the batch job
 SHOW_USERS = 2  # users whose HTTP answers are shown
@@ -53,6 +61,18 @@ class Prepared:
     factors: Factors
     recipe: dict
     reused: bool
+    ranker: dict | None = None  # the ranker's recipe (prepare_models)
+    ranker_reused: bool = False
+
+
+def prepare_models(model_dir: Path, ranker_dir: Path, cfg: DemoConfig, ranker_cfg: RankerConfig, retrain: bool, say,
+                   progress: bool = True, beam: int = BEAM) -> Prepared:  # fmt: skip
+    """`prepare`, then the HSTU ranker in `ranker_dir` (reused the same way) on the same data."""
+    prepared = prepare(model_dir, cfg, retrain, say, progress, beam)
+    prepared.ranker, prepared.ranker_reused = prepare_ranker(
+        ranker_dir, prepared.data, prepared.factors, ranker_cfg, retrain, say
+    )
+    return prepared
 
 
 def prepare(model_dir: Path, cfg: DemoConfig, retrain: bool, say, progress: bool = True, beam: int = BEAM) -> Prepared:
@@ -86,6 +106,8 @@ def run_demo(
     model_dir: Path = Path("out/demo-model"),
     cfg: DemoConfig = DemoConfig(),
     retrain: bool = False,
+    ranker_dir: Path = Path("out/demo-ranker"),
+    ranker_cfg: RankerConfig | None = None,
     serve_config: Path = SERVE_CONFIG,
     port: int | None = None,
     beam: int = BEAM,
@@ -93,12 +115,14 @@ def run_demo(
     say=print,
 ) -> dict:
     started = time.perf_counter()
-    out, model_dir = out.resolve(), model_dir.resolve()
-    prepared = prepare(model_dir, cfg, retrain, say, progress, beam)
+    out, model_dir, ranker_dir = out.resolve(), model_dir.resolve(), ranker_dir.resolve()
+    ranker_cfg = ranker_cfg or RankerConfig(seed=cfg.seed)
+    prepared = prepare_models(model_dir, ranker_dir, cfg, ranker_cfg, retrain, say, progress, beam)
     data = prepared.data
     if port is None:
         port = app_config(serve_config)["http_options"].get("port", 8000)
-    run = run_platform(out, model_dir, prepared, cfg, serve_config, port_or_free(port), beam, say)
+    models = Models(model_dir, ranker_dir, ranker_cfg.window)
+    run = run_platform(out, models, prepared, cfg, serve_config, port_or_free(port), beam, say)
     evaluation = measure(rankings_from_rows(pq.read_table(run.recommendations), data, beam), data, beam)
     table = evaluation.table(10)
     title = f"MovieLens-100k, {len(data.user_ids)} users, held-out last item, seed {cfg.seed}"
@@ -109,13 +133,15 @@ def run_demo(
         "model_reused": prepared.reused,
         "training": prepared.recipe["training"],
         "ranking": prepared.recipe["ranking"],
+        "ranker": {"reused": prepared.ranker_reused, "training": prepared.ranker["training"], "task": RANK_TASK},
         "quality@10": table,
-        "recall@10 / popularity": {m: _ratio(table, m) for m in ("retrieve", "recommend")},
+        "recall@10 / popularity": {m: _ratio(table, m) for m in table if m != "popularity"},
         "latency": run.latencies.summary(),
         "embeddings_loaded": run.loaded.summary,
         "batch": run.batch.summary | {"seconds": run.batch.seconds},
         "outputs": {
             "model": str(model_dir),
+            "ranker": str(ranker_dir),
             "recommendations": str(run.recommendations),
             "recall@K plot": str(plot),
             "metrics": str(out / "metrics.json"),
@@ -128,6 +154,13 @@ def run_demo(
 
 
 @dataclass
+class Models:
+    retriever: Path
+    ranker: Path
+    window: int  # the ranker's history: each request's last events
+
+
+@dataclass
 class PlatformRun:
     loaded: JobResult
     batch: JobResult
@@ -135,12 +168,12 @@ class PlatformRun:
     recommendations: Path
 
 
-def run_platform(out, model_dir, prepared: Prepared, cfg, serve_config: Path, port: int, beam: int, say):
+def run_platform(out, models: Models, prepared: Prepared, cfg, serve_config: Path, port: int, beam: int, say):
     """Steps 2-4 on a local Ray that is gone when this returns (or raises, Ctrl-C included)."""
     data = prepared.data
-    prompts = Prompts.of(model_dir, data, cfg.history)
-    inputs = write_inputs(out, data, prompts, prepared.factors.users)
-    titles = read_titles(model_dir)
+    prompts = Prompts.of(models.retriever, data, cfg.history)
+    inputs = write_inputs(out, data, prompts, prepared.factors.users, models.window)
+    titles = read_titles(models.retriever)
     cache = CacheConfig(name=CACHE_NAME, store="sqlite", store_path=str(out / "embeddings.sqlite"))
     batch_out = out / "batch"
     Path(cache.store_path).unlink(missing_ok=True)  # ours, from an earlier run: start clean
@@ -151,16 +184,25 @@ def run_platform(out, model_dir, prepared: Prepared, cfg, serve_config: Path, po
         load_flags = ["--embeddings", str(inputs.embeddings), *_cache_flags(cache)]
         loaded = run_job("load_user_embeddings.py", load_flags, address, say)
         say(f"starting the Serve app of {_shown(serve_config)} on port {port} ...")
-        app_args = {"model_dir": str(model_dir), "cache": {**cache.model_dump(), "dim": cfg.rank}}
-        base_url = start_serve_app(serve_config, app_args, port)
+        base_url = start_serve_app(serve_config, _app_args(serve_config, models, cache, cfg), port)
         ranking = {k: prepared.recipe["ranking"][k] for k in ("rank_by", "score_weight")}
         for u in range(min(SHOW_USERS, len(data.user_ids))):
-            show_user(base_url, data, prompts, titles, u, latencies, say, ranking)
+            show_user(base_url, data, prompts, titles, u, latencies, say, ranking, Funnel(models.window, RANK_TASK))
         say("")
-        batch_flags = _batch_flags(model_dir, inputs.users, batch_out, beam, cache, ranking)
+        batch_flags = _batch_flags(models, inputs.users, batch_out, beam, cache, ranking)
         batch = run_job("batch_recommend.py", batch_flags, address, say)
     say("Serve and Ray are stopped")
     return PlatformRun(loaded, batch, latencies, batch_out / "recommendations")
+
+
+def _app_args(serve_config: Path, models: Models, cache: CacheConfig, cfg: DemoConfig) -> dict:
+    """The config's args pointed at the demo's models and cache (the ranker's other settings kept)."""
+    ranker = app_config(serve_config).get("args", {}).get("ranker") or {}
+    return {
+        "model_dir": str(models.retriever),
+        "ranker": {**ranker, "model_dir": str(models.ranker)},
+        "cache": {**cache.model_dump(), "dim": cfg.rank},
+    }
 
 
 def _shown(path: Path) -> str:
@@ -171,11 +213,12 @@ def _cache_flags(cache: CacheConfig) -> list[str]:
     return ["--cache", cache.name, "--cache-store", cache.store, "--cache-store-path", cache.store_path]
 
 
-def _batch_flags(model_dir: Path, users: Path, out: Path, beam: int, cache: CacheConfig, ranking: dict):
+def _batch_flags(models: Models, users: Path, out: Path, beam: int, cache: CacheConfig, ranking: dict):
     return [
-        *("--model", str(model_dir), "--users", str(users), "--out", str(out)),
+        *("--model", str(models.retriever), "--users", str(users), "--out", str(out)),
         *("--beam-width", str(beam), "--num-results", str(beam), "--rank"),
         *("--rank-by", ranking["rank_by"], "--score-weight", str(ranking["score_weight"])),
+        *("--ranker", str(models.ranker), "--rank-task", RANK_TASK),
         *("--batch-size", str(BATCH_SIZE), "--threads", "1", "--no-progress"),
         *_cache_flags(cache),
     ]
@@ -187,7 +230,7 @@ def _ratio(table: dict, method: str) -> float | None:
 
 
 def _summary(report: dict) -> str:
-    training, ranking, batch = report["training"], report["ranking"], report["batch"]
+    training, ranking, batch, ranker = report["training"], report["ranking"], report["batch"], report["ranker"]
     return "\n\n".join(
         [
             f"quality on {report['users']} users (each one's held-out last movie, unseen items only):",
@@ -199,6 +242,10 @@ def _summary(report: dict) -> str:
                     f"{training['cpu_s']} CPU-s" + (" (reused)" if report["model_reused"] else ""),
                     "recommend's ranking": f"beam log-prob + {ranking['score_weight']} x label log-prob, the "
                     f"weight chosen on the validation items (Recall@10 by weight: {ranking['validation recall@10']})",
+                    "ranker": f"HSTU, seed {ranker['training']['seed']}, {ranker['training']['steps']} steps, "
+                    f"{ranker['training']['cpu_s']} CPU-s"
+                    + (" (reused)" if ranker["reused"] else "")
+                    + f"; orders the top-50 by P({ranker['task']})",
                 },
             ),
             key_values(

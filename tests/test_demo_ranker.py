@@ -103,6 +103,16 @@ def test_same_seed_same_steps_same_weights(small):
     assert not torch.equal(other.item_embedding.weight, first["item_embedding.weight"])
 
 
+def test_item_embeddings_start_from_the_svd_item_factors(small):
+    data, factors = small
+    model = ranker_train.new_model(TINY, data.num_items, factors.items)
+    rank = factors.items.shape[1]
+    assert torch.equal(model.item_embedding.weight[:, :rank], torch.as_tensor(factors.items))
+    assert model.item_embedding.weight[:, rank:].abs().max() < 1.0  # the other dims: small noise
+    plain = ranker_train.new_model(TINY, data.num_items)
+    assert not torch.allclose(plain.item_embedding.weight[:, :rank], torch.as_tensor(factors.items), atol=0.1)
+
+
 @pytest.fixture(scope="module")
 def ranker_dir(small, tmp_path_factory):
     data, factors = small

@@ -6,7 +6,9 @@ with the log-Q correction (logit - log q(item), q the sampler's exact probabilit
 history) whatever the negatives are: the retrieved items it reorders are mostly popular and close to the user's
 taste, and without the correction the popularity-drawn negatives taught it to push exactly those down. The
 negatives are mostly (near_weight) the user's unseen items of highest SVD affinity: the hard cases, like the
-retrieved ones. "like" is rating >= 4 on the target.
+retrieved ones. "like" is rating >= 4 on the target. The item embeddings start from the SVD item factors (the
+space the retriever's semantic IDs come from): measured on the validation items of the three demo seeds, the
+HSTU order's NDCG@10 over the retrieved top-50 rose from 0.1066 to 0.1189 (seed 0), about +0.02 over the beam's.
 """
 
 from __future__ import annotations
@@ -48,12 +50,16 @@ def negative_sampler(data: MovieLens, factors: Factors, cfg: RankerConfig) -> Ne
     return NegativeSampler(counts, cfg.negative_power, near, cfg.near_weight)
 
 
-def new_model(cfg: RankerConfig, num_items: int) -> HSTU:
+def new_model(cfg: RankerConfig, num_items: int, item_factors: np.ndarray | None = None) -> HSTU:
+    """item_factors [items, rank] (unit rows): the item embeddings start from them (rank <= hidden dims; the
+    rest small noise), so items rated by few users start near the ones like them."""
     model = HSTU(cfg.hstu_config(num_items))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "embedding" in name:
                 p.normal_(0.0, 0.1)
+        if item_factors is not None:
+            model.item_embedding.weight[:, : item_factors.shape[1]] = torch.as_tensor(item_factors)
     return model
 
 
@@ -61,7 +67,7 @@ def train_ranker(data: MovieLens, factors: Factors, cfg: RankerConfig) -> Traine
     with one_thread():
         torch.manual_seed(cfg.seed)
         rng = np.random.default_rng(cfg.seed)
-        model = new_model(cfg, data.num_items).train()
+        model = new_model(cfg, data.num_items, factors.items if cfg.svd_init else None).train()
         events = user_events(data, model.config)
         sampler = negative_sampler(data, factors, cfg)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)

@@ -9,10 +9,12 @@ from transformers import AutoModelForCausalLM
 from genrec.api import RecommendRequest, RetrieveRequest
 from genrec.demo import DemoConfig
 from genrec.demo.calibrate import WEIGHTS
+from genrec.demo.data import load_movielens
 from genrec.demo.evaluate import measure, rankings_from_rows, retrieve_order
+from genrec.demo.factors import svd_factors
 from genrec.demo.model_dir import read_titles
 from genrec.demo.pipeline.inputs import Prompts
-from genrec.demo.pipeline.run import prepare
+from genrec.demo.pipeline.run import demo_factors, prepare
 from genrec.engine import Engine
 
 SLICE = DemoConfig(users=24, max_steps=3, batch=8, history=10, codebook=16, rank=8, negatives=2, near=20, seed=3)
@@ -34,6 +36,20 @@ def test_prepare_trains_a_model_that_loads_as_genrec_and_as_transformers(prepare
     assert read_titles(model_dir)["1"] == "Toy Story (1995)"
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # a standard directory
     assert hf.config.model_type == "qwen3"
+
+
+def test_the_demos_factors_do_not_depend_on_the_callers_threads():
+    """Two threads change the SVD's last bits (measured: 2.5e-5), and through the semantic IDs the whole model."""
+    data, before = load_movielens(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = svd_factors(data, 32)
+        torch.set_num_threads(2)
+        demo = demo_factors(data, 32)
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(demo.items, single.items) and np.array_equal(demo.users, single.users)
 
 
 def test_prepare_reuses_the_model_unless_asked_to_retrain(prepared):

@@ -45,6 +45,7 @@ from genrec.demo.plot import plot_recall
 from genrec.demo.ranker.config import RankerConfig
 from genrec.demo.ranker.model_dir import prepare_ranker
 from genrec.demo.summary import key_values, quality_table
+from genrec.demo.train import one_thread
 from genrec.model.directory import GENREC_SUBDIR
 
 SERVE_CONFIG = REPO_ROOT / "deployments" / "funnel-local.yaml"
@@ -81,7 +82,7 @@ def prepare(model_dir: Path, cfg: DemoConfig, retrain: bool, say, progress: bool
     data = load_movielens()
     if cfg.users is not None:
         data = data.head(cfg.users)
-    factors = svd_factors(data, cfg.rank)
+    factors = demo_factors(data, cfg.rank)
     recipe = read_recipe(model_dir)
     same = recipe is not None and recipe["config"] == cfg.to_dict()
     reused = same and not retrain
@@ -92,13 +93,21 @@ def prepare(model_dir: Path, cfg: DemoConfig, retrain: bool, say, progress: bool
         length = f"{cfg.max_steps} steps" if cfg.max_steps else f"{cfg.budget_cpu_s:.0f} CPU-seconds of one thread"
         say(f"training the demo model ({why}): {length}, seed {cfg.seed}")
         (model_dir / GENREC_SUBDIR / RECIPE).unlink(missing_ok=True)  # an interrupted run must not look complete
-        build_model(data, factors, model_dir, cfg, progress)
+        with one_thread():  # build-ids' k-means too
+            build_model(data, factors, model_dir, cfg, progress)
         recipe = read_recipe(model_dir)
     if not is_current(recipe.get("ranking"), beam):
         say(f"choosing recommend's ranking on the validation items (beam {beam}) ...")
         recipe["ranking"] = choose_ranking(model_dir, data, factors.users, cfg.history, beam)
         write_recipe(model_dir, recipe)
     return Prepared(data, factors, recipe, reused)
+
+
+def demo_factors(data: MovieLens, rank: int) -> Factors:
+    """The SVD on one thread: its last bits depend on the thread count, and through the semantic IDs so would the
+    whole model; on one thread a recipe gives the same model on any machine."""
+    with one_thread():
+        return svd_factors(data, rank)
 
 
 def run_demo(

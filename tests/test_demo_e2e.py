@@ -23,8 +23,21 @@ def demo(tmp: Path, *extra: str) -> subprocess.Popen:
     command += ["--ranker-dir", str(tmp / "ranker"), *extra]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     return subprocess.Popen(  # its own process group, as a terminal's foreground job
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_interruptible,
     )
+
+
+def _interruptible() -> None:
+    """SIGINT as a terminal gives it: a suite started in the background by a non-interactive shell (`cmd &`)
+    inherits it ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def descendants(pid: int) -> set[int]:

@@ -172,9 +172,7 @@ def in_process(engine, ranker, body: dict) -> list[tuple[str, dict | None]]:
     (stage2,) = ranker.rank([RankRequest(history=body["history"], candidates=known)])
     scores = {i.item_id: i.scores for i in stage2.items}
     task = body.get("rank_task", HSTU_TINY.tasks[0])
-    order = sorted(
-        range(len(items)), key=lambda k: (items[k] not in scores, -scores.get(items[k], {task: 0})[task], k)
-    )
+    order = sorted(range(len(items)), key=lambda k: (items[k] not in scores, -scores.get(items[k], {task: 0})[task], k))
     return [(items[k], scores.get(items[k])) for k in order][: body["num_results"]]
 
 
@@ -204,32 +202,36 @@ def test_the_answer_is_stage1_then_stage2(urls, client, engine, ranker, tiny_dir
     assert unranked > 0
 
 
-def replica_counts(app: str, deployment: str, kind: str) -> dict[str, int]:
-    """Requests of `kind` each of the deployment's two replicas has served, asked of each through a handle."""
+def replica_counts(app: str, deployment: str, kind: str) -> dict[str, tuple[int, int]]:
+    """(requests of `kind` served, prompt tokens or events read from the prefix cache) of each of the deployment's
+    two replicas, asked of each through a handle."""
     from ray import serve
 
     handle, counts = serve.get_deployment_handle(deployment, app_name=app), {}
     for i in range(200):  # a random routing key reaches each replica in a few tries
         stats = handle.stats.remote(**{ROUTING_KEY: f"probe-{random.random()}-{i}"}).result(timeout_s=30)
-        counts[stats["replica"]] = stats["metrics"]["requests"].get(kind, 0)
+        metrics = stats["metrics"]
+        counts[stats["replica"]] = (metrics["requests"].get(kind, 0), metrics["prefix_cache"]["tokens_reused"])
         if len(counts) == 2:
             return counts
     raise AssertionError(f"reached only {sorted(counts)} of {deployment}'s 2 replicas")
 
 
-def test_each_user_stays_on_one_replica_of_both_deployments(urls, client):
+def test_each_user_stays_on_one_replica_of_both_deployments_which_keeps_their_context(urls, client):
+    kinds = {"EngineServer": "retrieve:ok", "RankerServer": "rank:ok"}
     for user in ("alice", "bob", "carol"):
-        before = {d: replica_counts("funnel", d, k) for d, k in (("EngineServer", "retrieve:ok"),
-                                                                  ("RankerServer", "rank:ok"))}  # fmt: skip
-        for visit in range(3):  # a returning user: a longer prompt and history each time
-            body = {"prompt": f"{user} {PROMPT}" + " news" * visit, "user_embedding": vector(3), "beam_width": 8,
-                    "history": history(hash(user) % 100, 10 + visit), "user_id": user}  # fmt: skip
+        before = {d: replica_counts("funnel", d, k) for d, k in kinds.items()}
+        for visit in range(3):  # a returning user: the same start of prompt and history, more of each every time
+            body = {"prompt": f"{user} {PROMPT} {PROMPT}" + " news" * visit, "user_embedding": vector(3),
+                    "beam_width": 8, "history": history(hash(user) % 100, 20 + visit), "user_id": user}  # fmt: skip
             assert client.post(f"{urls['funnel']}/v1/recommend", json=body).status_code == 200
         for deployment, counts in before.items():
-            kind = "retrieve:ok" if deployment == "EngineServer" else "rank:ok"
-            after = replica_counts("funnel", deployment, kind)
-            served = {rid: after[rid] - counts.get(rid, 0) for rid in after if after[rid] > counts.get(rid, 0)}
-            assert served == {rendezvous_order(f"user:{user!r}", list(after))[0]: 3}, (deployment, user, served)
+            after = replica_counts("funnel", deployment, kinds[deployment])
+            home = rendezvous_order(f"user:{user!r}", list(after))[0]
+            served = {r: after[r][0] - counts[r][0] for r in after if after[r][0] > counts[r][0]}
+            assert served == {home: 3}, (deployment, user, served)
+            # visits 2 and 3 read at least the first 16-token (16-event) block of the first from its cache
+            assert after[home][1] - counts[home][1] >= 2 * 16, (deployment, user, counts[home], after[home])
 
 
 def test_without_history_recommend_is_the_retrievers_alone(urls, client, engine):

@@ -65,6 +65,17 @@ class Budget:
     def progress(self) -> float:
         return min(1.0, self.steps / self.max_steps if self.max_steps else self.used_cpu_s / self.cpu_s)
 
+    def stats(self, seed: int, epochs: float, losses: dict) -> dict:
+        """The training figures kept with a model."""
+        return {
+            "seed": seed,
+            "steps": self.steps,
+            "epochs": round(epochs, 2),
+            "cpu_s": round(self.used_cpu_s, 1),
+            "wall_s": round(time.perf_counter() - self.start_wall, 1),
+            "final_loss": losses,
+        }
+
     def lr_scale(self) -> float:
         """Linear warm-up, then cosine annealing to zero at the end of the budget."""
         p = self.progress
@@ -128,15 +139,7 @@ def train(
                 if budget.progress >= 1.0:
                     break
         bar.close()
-    stats = {
-        "seed": cfg.seed,
-        "steps": budget.steps,
-        "epochs": round(epochs, 2),
-        "cpu_s": round(budget.used_cpu_s, 1),
-        "wall_s": round(time.perf_counter() - budget.start_wall, 1),
-        "final_loss": losses,
-    }
-    return Trained(model.eval(), projector.eval(), stats)
+    return Trained(model.eval(), projector.eval(), budget.stats(cfg.seed, epochs, losses))
 
 
 def forward_logits(model, projector, batch: Batch, users: torch.Tensor, user_token: int) -> torch.Tensor:

@@ -13,7 +13,6 @@ HSTU order's NDCG@10 over the retrieved top-50 rose from 0.1066 to 0.1189 (seed 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,15 +86,7 @@ def train_ranker(data: MovieLens, factors: Factors, cfg: RankerConfig) -> Traine
                 epochs += len(chunk) / len(rows)
                 if budget.progress >= 1.0:
                     break
-    stats = {
-        "seed": cfg.seed,
-        "steps": budget.steps,
-        "epochs": round(epochs, 2),
-        "cpu_s": round(budget.used_cpu_s, 1),
-        "wall_s": round(time.perf_counter() - budget.start_wall, 1),
-        "final_loss": losses,
-    }
-    return TrainedRanker(model.eval().requires_grad_(False), stats)
+    return TrainedRanker(model.eval().requires_grad_(False), budget.stats(cfg.seed, epochs, losses))
 
 
 def _loss(model: HSTU, events: UserEvents, chunk, sampler: NegativeSampler, cfg: RankerConfig, rng):

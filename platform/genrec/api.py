@@ -188,8 +188,7 @@ class RecommendedItem(BaseModel):
         "candidate computed in the scoring pass under rank_by='joint', else None",
     )
     score_logprob: float | None = Field(
-        None,
-        description="log P(positive label | prompt, item); None in a two-stage recommend (the ranker orders it)"
+        None, description="log P(positive label | prompt, item); None in a two-stage recommend (the ranker orders it)"
     )
     prob: float | None = Field(None, description="P(positive | either label); None where score_logprob is")
     source: str = Field(description="'retrieved', 'given', or 'retrieved+given' (retrieved and also given)")
@@ -198,6 +197,20 @@ class RecommendedItem(BaseModel):
         description="two-stage recommend (a `history` sent to an app with a ranker): the ranker's probability per "
         "task; None when the item was not ranked (unknown to the ranker's catalog), or without a ranking stage",
     )
+
+    @classmethod
+    def retrieved(cls, item: RetrievedItem, given: set[str], **scores) -> RecommendedItem:
+        """A retrieved item as recommend returns it: its beam logprob is its code logprob, its source
+        "retrieved+given" when it was also among the `given` item IDs; `scores`: score_logprob and prob."""
+        source = "retrieved+given" if item.item_id in given else "retrieved"
+        return cls(
+            item_id=item.item_id,
+            semantic_id=item.semantic_id,
+            retrieval_logprob=item.logprob,
+            code_logprob=item.logprob,
+            source=source,
+            **scores,
+        )
 
 
 class RecommendResult(BaseModel):

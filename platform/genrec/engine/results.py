@@ -61,15 +61,7 @@ def recommend_result(
     given_code = check_finite(sequence[offset:]) if joint else [None] * (len(sequence) - offset)
     given_ids = {c.item_id for c in prepared.given if c.item_id is not None}
     items = [
-        RecommendedItem(
-            item_id=i.item_id,
-            semantic_id=i.semantic_id,
-            retrieval_logprob=i.logprob,
-            code_logprob=i.logprob,
-            score_logprob=lp,
-            prob=pr,
-            source="retrieved+given" if i.item_id in given_ids else "retrieved",
-        )
+        RecommendedItem.retrieved(i, given_ids, score_logprob=lp, prob=pr)
         for i, lp, pr in zip(retrieved.items, logprobs, probs, strict=False)
     ]
     given = [prepared.given[k] for k in not_retrieved(prepared, retrieved)]

@@ -70,16 +70,7 @@ def candidates(request: RecommendRequest, retrieved: RetrieveResult) -> list[Rec
     """What the ranker ranks, in stage-1 order: the retrieved items, then the given item_ids neither retrieved
     nor excluded (each once), with their stage-1 fields."""
     given = {c.item_id for c in request.candidates} - set(request.exclude_item_ids)
-    items = [
-        RecommendedItem(
-            item_id=r.item_id,
-            semantic_id=r.semantic_id,
-            retrieval_logprob=r.logprob,
-            code_logprob=r.logprob,
-            source="retrieved+given" if r.item_id in given else "retrieved",
-        )
-        for r in retrieved.items
-    ]
+    items = [RecommendedItem.retrieved(r, given) for r in retrieved.items]
     seen = {r.item_id for r in retrieved.items}
     for c in request.candidates:
         if c.item_id in given and c.item_id not in seen:

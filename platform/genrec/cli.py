@@ -243,6 +243,30 @@ def bench_load(
     _emit(report, json_out)
 
 
+@bench_app.command("threads")
+def bench_threads(
+    background: int = typer.Option(None, min=0, help="busy processes kept running (default: one per core)"),
+    rounds: int = typer.Option(3, min=1, help="runs of every setting, in alternating order"),
+    rate: float = typer.Option(2.0, help="offered load of each run's latency point, requests per second"),
+    duration: float = typer.Option(8.0, min=0.1, help="seconds of arrivals per run"),
+    burst: int = typer.Option(16, min=1, help="requests sent at once for each run's saturation throughput"),
+    settle_s: float = typer.Option(60.0, min=0.0, help="seconds of background load before the first run"),
+    prompt_len: int = typer.Option(2000, min=1),
+    beam_width: int = typer.Option(30, min=1),
+    preset: str = typer.Option("tiny"),
+    model: Path = typer.Option(None, help="a model directory instead of the preset's"),
+    json_out: Path = typer.Option(None, "--json"),
+):
+    """Engine thread settings on a contended machine: one thread and one per core, pinned (genrec.threads) and
+    unpinned, each `bench load` in its own process while busy processes load every core."""
+    from genrec.bench.common import check_rate
+    from genrec.bench.threads import run
+
+    load_args = ["--prompt-len", str(prompt_len), "--beam-width", str(beam_width)]
+    load_args += ["--model", str(model)] if model else ["--preset", preset]
+    _emit(run(background, rounds, check_rate(rate), duration, burst, load_args, settle_s), json_out)
+
+
 @bench_app.command("returning")
 def bench_returning(
     preset: str = typer.Option(

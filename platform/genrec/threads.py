@@ -1,10 +1,11 @@
 """An engine's CPU threads: how many intra-op threads torch runs, and, when asked, which cores they run on.
 
-On a busy machine unpinned torch threads migrate between cores and wait for each other at every parallel
-region's barrier: two threads on a loaded 2-core machine ran up to 10x slower than one. Binding the process's
-threads to as many cores as it has torch threads avoids most of it. The Serve engine replica
-(`torch_threads`, `pin_threads`), the batch job's actors (`--threads`, `--pin-threads`) and `genrec bench load`
-(`--threads`, `--pin`) all apply their settings here, before the engine is loaded.
+Without a setting an engine under Ray runs as many threads as its CPU reservation (Ray sets OMP_NUM_THREADS).
+Binding is for cores a process has to itself: on a contended machine a thread bound to a busy core cannot move
+to an idle one (`genrec bench threads`: one thread bound to one of 2 busy cores took 1.5x as long and had 3.4x
+the p99 of the same thread unbound; two threads bound to both cores were level with unbound). The Serve engine
+replica (`torch_threads`, `pin_threads`), the batch job's actors (`--threads`, `--pin-threads`) and `genrec bench
+load` (`--threads`, `--pin`) all apply their settings here, before the engine is loaded.
 
 The cores are chosen among those the process may run on (`os.sched_getaffinity`: what Ray, a container or
 `taskset` left it; Ray itself reserves CPUs by count, not by core). Processes on one node start at different

@@ -1,19 +1,12 @@
 """The jobs as a cluster runs them: semantic IDs through Ray Data, and real `ray job submit`s of the batch jobs
 (recommend, rank) against a `ray start --head` cluster that this test starts (and stops) on ports and a temp dir
-of its own."""
+of its own (tests/dashboard_cluster.py)."""
 
 import json
-import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,6 +17,7 @@ from genrec.catalog import Catalog
 from genrec.catalog.build_ids import build_catalog
 from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
 from tests import rank_inputs
+from tests.dashboard_cluster import RAY_BIN, dashboard_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,51 +47,16 @@ def test_a_bad_embedding_block_names_its_item(bad):
     assert problem.startswith("item 'b' has a null, empty or differently sized embedding")
 
 
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def test_ray_job_submit_runs_the_batch_jobs(tiny_dir, tmp_path):
     users = tmp_path / "users.parquet"
     pq.write_table(
         pa.table({"user_id": list(range(6)), "prompt": [f"user {i} likes podcasts" for i in range(6)]}), users
     )
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
-    gcs, dashboard, agent_http, agent_grpc, metrics, node_manager, objects, runtime_env, client = free_ports(9)
-    temp = tempfile.mkdtemp(prefix="gr-", dir="/tmp")  # short: Ray's socket paths live under it
-    head_cmd = [ray_bin, "start", "--head", "--block", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"]
-    head_cmd += [f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
-    head_cmd += [f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}"]
-    head_cmd += [f"--metrics-export-port={metrics}", f"--node-manager-port={node_manager}"]
-    head_cmd += [f"--object-manager-port={objects}", f"--runtime-env-agent-port={runtime_env}"]
-    head_cmd += [f"--ray-client-server-port={client}"]
-    # Its own session: every process of this cluster can be ended by this group id, and only those.
-    head = subprocess.Popen(
-        head_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert head.poll() is None, "ray start --head exited"
-            try:
-                if httpx.get(f"{address}/api/version", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the dashboard did not come up"
-            time.sleep(0.5)
+    with dashboard_cluster() as (address, env):
 
         def submit(script: str, *flags: str) -> dict:
             job = [sys.executable, f"jobs/{script}", *flags, "--batch-size", "4", "--no-progress"]
-            command = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", *job]
+            command = [RAY_BIN, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", *job]
             done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
             line = next(x for x in done.stdout.splitlines() if x.startswith("batch summary: "))
@@ -117,32 +76,3 @@ def test_ray_job_submit_runs_the_batch_jobs(tiny_dir, tmp_path):
         assert (summary["users"], summary["processed"], summary["errors"]) == (5, 5, 0)
         output = pq.read_table(tmp_path / "ranked" / "rankings")
         assert output.num_rows == summary["rows_written"] == sum(len(r["candidates"]) for r in rows)
-    finally:
-        stop_cluster(head, temp)
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def stop_cluster(head: subprocess.Popen, temp: str) -> None:
-    """End every process of the cluster: they share the head's process group (and no other process does)."""
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(head.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait_s
-        while cluster_processes(temp) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    head.wait()
-    assert not cluster_processes(temp), "processes of the test's cluster survived"
-
-
-def cluster_processes(temp: str) -> list[int]:
-    """Processes whose command line names the cluster's temp dir (all of its Ray processes do)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and temp.encode() in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            pass
-    return found

@@ -1,4 +1,4 @@
-"""`genrec ...` commands: tiny-model, build-ids, demo, bench."""
+"""`genrec ...` commands: tiny-model, build-ids, model-version, demo, deploy, bench."""
 
 from __future__ import annotations
 
@@ -134,6 +134,21 @@ def demo(
     except KeyboardInterrupt:
         typer.echo("interrupted: the demo's Serve app, jobs and Ray are stopped", err=True)
         raise typer.Exit(130) from None
+
+
+@app.command("deploy")
+def deploy(
+    config: Path = typer.Argument(..., help="a Serve config file (deployments/*.yaml)"),
+    address: str = typer.Option(
+        None, "--address", "-a", help="the Ray dashboard, http://<head>:8265 (default: serve deploy's)"
+    ),
+    check_model: bool = typer.Option(False, "--model", help="also check each app's model directory on this machine"),
+):
+    """`serve deploy`, sent only if the config passes `genrec.serving.check` (Serve would accept a `user_config`
+    that does not validate and leave the replicas to refuse it): otherwise one `error:` line each, exit 2."""
+    from genrec.serving.deploy import deploy as deploy_config
+
+    raise typer.Exit(deploy_config(config, address, check_model))
 
 
 @bench_app.command("retrieve")

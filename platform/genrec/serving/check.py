@@ -134,6 +134,14 @@ def load(path: Path) -> dict:
     return document
 
 
+def file_problems(path: Path, check_model: bool = False) -> list[str]:
+    """`problems` of a config file, or why it cannot be read."""
+    try:
+        return problems(load(path), check_model)
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
+        return [f"cannot read it ({type(err).__name__}: {err})"]
+
+
 def main(argv: list[str]) -> int:
     check_model = "--model" in argv
     paths = [Path(a) for a in argv if a != "--model"]
@@ -142,10 +150,7 @@ def main(argv: list[str]) -> int:
         return 2
     failed = False
     for path in paths:
-        try:
-            found = problems(load(path), check_model)
-        except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
-            found = [f"cannot read it ({type(err).__name__}: {err})"]
+        found = file_problems(path, check_model)
         for problem in found:
             print(f"error: {path}: {problem}", file=sys.stderr)
         failed |= bool(found)

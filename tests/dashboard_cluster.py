@@ -1,0 +1,88 @@
+"""A `ray start --head` cluster with its dashboard, as `ray job submit` and `serve deploy` talk to one, on ports and
+a temp dir of its own (apart from the tests' session Ray, which runs without a dashboard); every process of it
+ends with the block."""
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+RAY_BIN = str(Path(sys.executable).parent / "ray")
+
+
+@contextlib.contextmanager
+def dashboard_cluster(num_cpus: int = 2):
+    """Yields (dashboard address, the environment its clients run with)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+    gcs, dashboard, agent_http, agent_grpc, metrics, node_manager, objects, runtime_env, client = free_ports(9)
+    temp = tempfile.mkdtemp(prefix="gr-", dir="/tmp")  # short: Ray's socket paths live under it
+    head_cmd = [RAY_BIN, "start", "--head", "--block", f"--num-cpus={num_cpus}", "--disable-usage-stats"]
+    head_cmd += [f"--temp-dir={temp}", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
+    head_cmd += [f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}"]
+    head_cmd += [f"--metrics-export-port={metrics}", f"--node-manager-port={node_manager}"]
+    head_cmd += [f"--object-manager-port={objects}", f"--runtime-env-agent-port={runtime_env}"]
+    head_cmd += [f"--ray-client-server-port={client}"]
+    # Its own session: every process of this cluster can be ended by this group id, and only those.
+    head = subprocess.Popen(
+        head_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert head.poll() is None, "ray start --head exited"
+            try:
+                if httpx.get(f"{address}/api/version", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(0.5)
+        yield address, env
+    finally:
+        stop_cluster(head, temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def stop_cluster(head: subprocess.Popen, temp: str) -> None:
+    """End every process of the cluster: they share the head's process group (and no other process does)."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while cluster_processes(temp) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    head.wait()
+    assert not cluster_processes(temp), "processes of the test's cluster survived"
+
+
+def cluster_processes(temp: str) -> list[int]:
+    """Processes whose command line names the cluster's temp dir (all of its Ray processes do)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and temp.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found

@@ -1,0 +1,87 @@
+"""`genrec deploy`: a config that does not pass `genrec.serving.check` (here a live `user_config` Serve would hand to
+the replicas unchecked) is refused before anything is sent; one that passes goes through a real `serve deploy` to a
+`ray start --head` cluster with its dashboard (tests/dashboard_cluster.py), and a refused redeploy leaves the
+running app and its config as they were."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.dashboard_cluster import dashboard_cluster, free_ports
+
+GENREC = [sys.executable, "-m", "genrec.cli", "deploy"]
+
+
+def serve_config(model_dir, port: int, max_queue) -> dict:
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": "genrec",
+                "route_prefix": "/",
+                "import_path": "genrec.serving.app:build_app",
+                "args": {"model_dir": str(model_dir), "engine_num_cpus": 0.5, "ingress_num_cpus": 0.1},
+                "deployments": [{"name": "EngineServer", "user_config": {"max_queue": max_queue}}],
+            }
+        ],
+    }
+
+
+def write(path, config: dict):
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_config_that_fails_the_check_is_refused_and_nothing_is_sent(tiny_dir, tmp_path):
+    listener = socket.create_server(("127.0.0.1", 0))  # where a deploy would go: it must see no connection
+    address = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    config = write(tmp_path / "bad.yaml", serve_config(tiny_dir, 8000, max_queue=0))
+    done = subprocess.run([*GENREC, str(config), "-a", address], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "applications[0].deployments[0].user_config.max_queue" in done.stderr and "not deployed" in done.stderr
+    listener.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        listener.accept()
+    listener.close()
+
+
+def test_a_rayservice_file_is_checked_not_deployed(tmp_path):
+    config = serve_config("/nonexistent", 8000, max_queue=4)
+    service = {"kind": "RayService", "spec": {"serveConfigV2": yaml.safe_dump(config)}}
+    done = subprocess.run([*GENREC, str(write(tmp_path / "svc.yaml", service))], capture_output=True, text=True)
+    assert done.returncode == 2 and "apply it with kubectl" in done.stderr, done.stderr
+
+
+@pytest.mark.integration
+def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_path):
+    (port,) = free_ports(1)
+    with dashboard_cluster() as (address, env):
+        good = write(tmp_path / "good.yaml", serve_config(tiny_dir, port, max_queue=7))
+        done = subprocess.run([*GENREC, str(good), "-a", address], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        url = f"http://127.0.0.1:{port}"
+        retrieve = {"prompt_token_ids": [1, 2, 3], "beam_width": 2}
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.post(f"{url}/v1/retrieve", json=retrieve, timeout=30).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the deployed app did not answer"
+            time.sleep(1)
+
+        bad = write(tmp_path / "bad.yaml", serve_config(tiny_dir, port, max_queue=0))
+        done = subprocess.run([*GENREC, str(bad), "-a", address], env=env, capture_output=True, text=True)
+        assert done.returncode == 2 and "user_config.max_queue" in done.stderr, done.stderr
+        assert httpx.post(f"{url}/v1/retrieve", json=retrieve, timeout=30).status_code == 200
+        serve_bin = [sys.executable, "-m", "ray.serve.scripts"]
+        running = subprocess.run([*serve_bin, "config", "-a", address], env=env, capture_output=True, text=True)
+        (app,) = [a for a in yaml.safe_load_all(running.stdout) if a]  # the cluster's: still the good config
+        assert app["deployments"][0]["user_config"] == {"max_queue": 7}, running.stdout

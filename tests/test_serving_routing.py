@@ -148,6 +148,24 @@ def test_the_key_is_the_user_else_the_prompts_first_block():
     assert routing_key(RetrieveBody(prompt="x" + text)) != routing_key(RetrieveBody(prompt=text))
 
 
+def test_more_prefix_blocks_tell_apart_prompts_that_open_with_one_template():
+    template = list(range(3, 3 + FIRST_BLOCK))  # every prompt opens with it
+    alice, bob = template + list(range(50, 70)), template + list(range(80, 100))
+    one = [routing_key(RetrieveBody(prompt_token_ids=p)) for p in (alice, bob)]
+    two = [routing_key(RetrieveBody(prompt_token_ids=p), blocks=2) for p in (alice, bob)]
+    assert one[0] == one[1] and two[0] != two[1]
+    returning = RetrieveBody(prompt_token_ids=alice + [7, 8, 9])  # alice again: her prompt plus new events
+    assert routing_key(returning, blocks=2) == two[0]
+    text = "you recommend movies. " * 3  # 66 characters: past one text block
+    keys = {routing_key(RetrieveBody(prompt=text + who), blocks=b) for who in ("alice", "bob") for b in (1, 2)}
+    assert len(keys) == 3  # one key for both at one block, one each at two
+    events = [Event(item_id=f"item-{i:06d}") for i in range(40)]
+    edited = events[:FIRST_BLOCK] + [Event(item_id="item-000099")] + events[FIRST_BLOCK + 1 :]
+    ranked = [RankBody(history=h, candidates=["item-000001"]) for h in (events, edited)]
+    assert routing_key(ranked[0]) == routing_key(ranked[1])
+    assert routing_key(ranked[0], blocks=2) != routing_key(ranked[1], blocks=2)
+
+
 def test_a_rank_requests_key_is_the_user_else_its_first_events():
     events = [Event(item_id=f"item-{i:06d}", action=i % 3, timestamp=1e9 + i) for i in range(30)]
     body = RankBody(history=events, candidates=["item-000001"])
@@ -167,7 +185,8 @@ TWO_REPLICAS = {"min_replicas": 2, "max_replicas": 2, "kv_budget_bytes": 64 << 2
 @pytest.fixture(scope="module")
 def two_replica_urls(serve_url, tiny_dir):
     args = {"model_dir": str(tiny_dir), **TWO_REPLICAS}
-    deploy_many({"routed": (None, args), "spread": (None, {**args, "engine_router": "serve_default"})})
+    routed = {**args, "routing_prefix_blocks": 2}  # keyless prompts: past a one-block template (test below)
+    deploy_many({"routed": (None, routed), "spread": (None, {**args, "engine_router": "serve_default"})})
     yield {app: f"{serve_url}/{app}" for app in ("routed", "spread")}
     delete("routed")
     delete("spread")
@@ -213,3 +232,23 @@ def test_the_user_router_sends_a_users_requests_to_its_primary_and_the_default_s
         assert routed[user] == {rendezvous_order(f"user:{user!r}", ids)[0]}  # the key's primary, every time
     # Serve's default picks between the two at random: 18 requests of 3 users all stuck is a 3e-5 chance.
     assert any(len(replicas) == 2 for replicas in spread.values()), spread
+
+
+def test_keyless_prompts_after_one_template_route_by_their_first_two_blocks(two_replica_urls):
+    """The app's routing_prefix_blocks reaches the ingress: keyless prompts that open with one 16-token template
+    each go to the primary of their two-block key (not all to the template's), so both replicas get some."""
+    template = list(range(3, 3 + FIRST_BLOCK))
+    ids = list(replica_requests("routed"))
+    expected, hit = {}, {}
+    with httpx.Client(timeout=60) as client:
+        for user in range(16):
+            prompt = template + [40 + user] * FIRST_BLOCK
+            key = routing_key(RetrieveBody(prompt_token_ids=prompt), blocks=2)
+            expected[user] = rendezvous_order(key, ids)[0]
+            before = replica_requests("routed")
+            response = client.post(f"{two_replica_urls['routed']}/v1/retrieve", json={"prompt_token_ids": prompt})
+            assert response.status_code == 200, response.text
+            after = replica_requests("routed")
+            hit[user] = {rid for rid in after if after[rid] > before.get(rid, 0)}
+    assert all(hit[user] == {expected[user]} for user in hit), (hit, expected)
+    assert len(set(expected.values())) == 2, expected  # 16 keys all on one of 2 replicas: 2 ** -15

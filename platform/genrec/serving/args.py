@@ -77,6 +77,13 @@ class IngressSettings(_Args):
     body_timeout_s: float = Field(
         10.0, gt=0, description="a request's whole body must arrive within this; 408 past it (frees the slot)"
     )
+    routing_prefix_blocks: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="first blocks of a prompt (16 tokens or history events, 64 text characters) whose digest "
+        "routes a request without user_id: more than a template every prompt opens with",
+    )
 
 
 class IngressLimits(_Args):

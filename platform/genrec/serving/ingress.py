@@ -89,6 +89,7 @@ class Ingress:
             routes=frozenset(api.openapi()["paths"]),
             answered=self.metrics.answered,
         )
+        self.routing_blocks = settings.routing_prefix_blocks
         self.cache_args = settings.cache
         self.cache = _connect_cache(settings.cache)
         self.limits = limits  # the builder's, until reconfigure (Serve calls it before the first request)
@@ -159,7 +160,8 @@ class Ingress:
             target = "ranker" if kind == "rank" and self.ranker is not None else "engine"
             await self._check_served(target, kind, deadline)
             request = body.to_request(await self._user_embedding(body, deadline))
-            result, version = await self._call(target, kind, request, deadline, routing_key(body))
+            key = routing_key(body, blocks=self.routing_blocks)
+            result, version = await self._call(target, kind, request, deadline, key)
             response.headers[MODEL_VERSION_HEADER] = version
             return result
         except Exception as err:  # noqa: BLE001
@@ -176,11 +178,12 @@ class Ingress:
             task = funnel.check_body(body, ranker)
             request = body.to_request(await self._user_embedding(body, deadline))
             first = funnel.stage1(request)
-            retrieved, version = await self._call("engine", "retrieve", first, deadline, routing_key(body, first))
+            key = routing_key(body, first, self.routing_blocks)
+            retrieved, version = await self._call("engine", "retrieve", first, deadline, key)
             items = funnel.candidates(request, retrieved)
             ranking, ranked, ranker_version = funnel.stage2(body, items), None, ranker.version
             if ranking is not None:
-                key = routing_key(body, ranking)
+                key = routing_key(body, ranking, self.routing_blocks)
                 ranked, ranker_version = await self._call("ranker", "rank_known", ranking, deadline, key)
             response.headers[MODEL_VERSION_HEADER] = version
             response.headers[RANKER_VERSION_HEADER] = ranker_version

@@ -8,11 +8,15 @@ never-seen `user_id` (404), malformed or invalid bodies (400 / 422), and request
 been answered (and `settle_s` more), the resident set (VmRSS) of the ingress, engine, proxy and cache actor
 processes is read from /proc (the replicas' PIDs from Ray's state API).
 
-Reported: RSS per burst, each process's growth over the second half of the bursts (least-squares slope, MB per
-1,000 requests) and whether it plateaued (slope under `plateau_mb_per_1k`). The engine's KV pool is allocated
-uninitialised: its pages become resident as requests first write them, up to the pool's size (and the prefix
-cache keeps up to `prefix_cache_bytes` of it by design), so the pool is sized small here and said in the report;
-growth that stops within it is not a leak. The run stops by itself after the bursts or `max_seconds`.
+Reported: RSS per burst, each process's growth over the second half of the bursts and over each third of them
+(least-squares slopes, MB per 1,000 requests), whether it plateaued (second half's slope under `plateau_mb_per_1k`)
+and a steady-state verdict: steady (the last third under it), slowing (the last third at under half the first
+third's rate: a curve that flattens, warm-up or allocator fragmentation) or growing (a straight line: a leak).
+The engine's KV pool is allocated uninitialised: its pages become resident as requests first write them, up to
+the pool's size (and the prefix cache keeps up to `prefix_cache_bytes` of it by design), so the pool is sized
+small here and said in the report; growth that stops within it is not a leak. The run stops by itself after the
+bursts or `max_seconds`. The Ray it starts inherits the command's environment: `MALLOC_ARENA_MAX=2 genrec bench
+soak` caps glibc's malloc arenas in every process (the ingress's and proxy's residual growth is arena retention).
 """
 
 from __future__ import annotations
@@ -100,8 +104,10 @@ def run(
         "pids": pids,
         **report,
         "note": "RSS in MB (VmRSS) after each burst is answered; slope: least squares over the second half of the "
-        "bursts, MB per 1,000 requests; plateaued: slope < plateau_mb_per_1k. The engine's KV pool "
-        "(kv_budget_bytes) becomes resident as it is first written: growth within it is by design",
+        "bursts, MB per 1,000 requests (also per third of the bursts); plateaued: slope < plateau_mb_per_1k; "
+        "steady_state: steady (last third < plateau_mb_per_1k), slowing (last third < half the first third), "
+        "growing (a straight line). The engine's KV pool (kv_budget_bytes) becomes resident as it is first "
+        "written: growth within it is by design",
         "machine": machine(),
     }
 
@@ -240,7 +246,7 @@ def slope_per_1k(requests: list[int], values: list[float]) -> float | None:
 
 def summarize(samples: list[dict], plateau_mb_per_1k: float) -> dict:
     """Per process: RSS at the start, after the first burst, the middle and the end; the slope over the second
-    half of the bursts; plateaued or not. Statuses over the whole run."""
+    half of the bursts and over each third; plateaued or not, and a steady-state verdict. Statuses over the run."""
     after = samples[1:]
     half = after[len(after) // 2 :] if len(after) >= 4 else after
     processes = {}
@@ -248,6 +254,7 @@ def summarize(samples: list[dict], plateau_mb_per_1k: float) -> dict:
         series = [(s["requests"], s["rss_mb"][name]) for s in samples if s["rss_mb"][name] is not None]
         second = [(r, v) for r, v in series if r >= (half[0]["requests"] if half else 0)]
         slope = slope_per_1k([r for r, _ in second], [v for _, v in second])
+        thirds = slopes_by_third([(r, v) for r, v in series if r > 0])
         values = [v for _, v in series]
         processes[name] = {
             "rss_start_mb": values[0] if values else None,
@@ -256,7 +263,9 @@ def summarize(samples: list[dict], plateau_mb_per_1k: float) -> dict:
             "rss_end_mb": values[-1] if values else None,
             "rss_max_mb": max(values) if values else None,
             "second_half_mb_per_1k_requests": slope,
+            "thirds_mb_per_1k_requests": thirds,
             "plateaued": slope is not None and slope < plateau_mb_per_1k,
+            "steady_state": steady_state(thirds, plateau_mb_per_1k),
         }
     totals: Counter = Counter()
     for s in after:
@@ -267,12 +276,37 @@ def summarize(samples: list[dict], plateau_mb_per_1k: float) -> dict:
         "plateau_mb_per_1k": plateau_mb_per_1k,
         "processes": processes,
         "plateaued": all(p["plateaued"] for p in processes.values() if p["rss_end_mb"] is not None),
+        "steady_state": {name: p["steady_state"] for name, p in processes.items()},
         "answers": dict(sorted(totals.items())),
         "per_burst": [
             {"burst": s["burst"], "requests": s["requests"], "seconds": round(s["seconds"], 2), **s["rss_mb"]}
             for s in samples
         ],
     }
+
+
+def slopes_by_third(series: list[tuple[int, float]]) -> list[float | None]:
+    """The least-squares slope (MB per 1,000 requests) over the first, middle and last third of the bursts (each
+    third shares its first point with the previous one's last); [] under six bursts."""
+    if len(series) < 6:
+        return []
+    cuts = [round(i * (len(series) - 1) / 3) for i in range(4)]
+    return [
+        slope_per_1k([r for r, _ in series[a : b + 1]], [v for _, v in series[a : b + 1]])
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+
+
+def steady_state(thirds: list[float | None], plateau_mb_per_1k: float) -> str:
+    """ "steady": the last third grows under `plateau_mb_per_1k`; "slowing": it still grows, at under half the
+    first third's rate (warm-up or fragmentation settling); "growing": steadily (a leak's straight line);
+    "too_short": under six bursts."""
+    if len(thirds) < 3 or any(t is None for t in thirds):
+        return "too_short"
+    first, last = thirds[0], thirds[-1]
+    if last < plateau_mb_per_1k:
+        return "steady"
+    return "slowing" if last < 0.5 * first else "growing"
 
 
 def replica_pids(app: str) -> dict[str, int]:

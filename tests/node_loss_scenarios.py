@@ -330,7 +330,7 @@ def serve_scenario(work: Path) -> dict:
         cluster.close()
 
 
-def _engine_replicas(ray, deployment: str = "EngineServer") -> dict[str, str]:
+def _replicas(ray, deployment: str = "EngineServer") -> dict[str, str]:
     """Alive replica actors of a deployment: actor id -> node id (test-only use of a private accessor)."""
     actors = ray._private.state.actors().values()
     return {
@@ -369,10 +369,10 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     )
     serve.run(build_app(args), name="nodeloss", route_prefix="/", blocking=False)
     deadline = time.monotonic() + 60
-    while len(_engine_replicas(ray)) < 2 or serve.status().applications["nodeloss"].status != "RUNNING":
+    while len(_replicas(ray)) < 2 or serve.status().applications["nodeloss"].status != "RUNNING":
         assert time.monotonic() < deadline, f"app not running: {serve.status()}"
         time.sleep(0.2)
-    before = _engine_replicas(ray)
+    before = _replicas(ray)
     url = f"http://127.0.0.1:{port}/v1/retrieve"
     body = {"prompt": "user listened to jazz", "beam_width": 4}
     with httpx.Client(timeout=120) as http:  # first calls warm the path (ingress, both replicas): not under test
@@ -407,11 +407,10 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     # on other nodes, no proxy request timeout), not the one under test.
     assert len(set(before.values())) == 2, f"both engine replicas on one node: {before}"
     head_id = cluster.cluster.head_node.node_id
-    ingress_nodes = set(_engine_replicas(ray, "Ingress").values())
+    ingress_nodes = set(_replicas(ray, "Ingress").values())
     victim_replica, victim_node_id = min((n in ingress_nodes, r, n) for r, n in before.items())[1:]
     assert victim_node_id not in ingress_nodes, (before, ingress_nodes)
-    roles = {head_id: "head", victim_node_id: "victim"}
-    ingress_on = sorted(roles.get(n, "survivor") for n in ingress_nodes)
+    ingress_on = sorted("head" if n == head_id else "survivor" for n in ingress_nodes)
     killed_at = time.monotonic() - t0
     killed_processes = cluster.kill(cluster.node_of(victim_node_id))
     time.sleep(3.0)  # full load on the survivor through the loss, then less: on 2 cores it starves the new replica
@@ -419,7 +418,7 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     # The replica is replaced (on the surviving worker node) and the app serves again.
     deadline = time.monotonic() + 150
     while True:
-        now = _engine_replicas(ray)
+        now = _replicas(ray)
         if len(now) == 2 and set(now) != set(before) and serve.status().applications["nodeloss"].status == "RUNNING":
             break
         assert time.monotonic() < deadline, (
@@ -446,8 +445,8 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
         statuses[str(o[2])] = statuses.get(str(o[2]), 0) + 1
     unexpected = set(statuses) - {"200", "503", "504"}
     assert not unexpected, statuses
-    after = _engine_replicas(ray)
-    survivor = cluster.workers[0].node_id
+    after = _replicas(ray)
+    survivor = cluster.workers[0].node_id  # Cluster.kill took the victim out of the list
     assert victim_node_id not in after.values() and set(after.values()) == {survivor}, (after, survivor)
     serve.delete("nodeloss")
     return {

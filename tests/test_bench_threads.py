@@ -37,11 +37,12 @@ def test_figures_are_medians_over_rounds_and_ratios_name_their_baseline():
     }
     summary = summarize(runs)
     assert summary["1 thread"]["sequential_s"] == 0.3 and summary["1 thread"]["saturation_qps"] == 3.0
-    assert summary["1 thread"]["runnable_threads_mean"] is None and summary["1 thread, pinned"]["pinned_cores"] == [0]
+    assert summary["1 thread"]["runnable_threads_mean"] is None
+    assert summary["1 thread, pinned"]["pinned_cores"] == [[0]] * 3  # each round's
     settings = [Setting("1 thread", 1), Setting("1 thread, pinned", 1, pin=True), Setting("2 threads", 2)]
     result = ratios(summary, settings, default="2 threads")
     pinned = result["1 thread, pinned"]["vs_unpinned"]
     assert pinned["baseline"] == "1 thread" and pinned["sequential_s"] == pytest.approx(2.0)
     assert pinned["saturation_qps"] == pytest.approx(0.5) and pinned["p99_s"] == pytest.approx(1.5)
-    assert "vs_unpinned" not in result["1 thread"]
+    assert "vs_unpinned" not in result["1 thread"] and result["2 threads"] == {}  # the default, against nothing
     assert result["1 thread"]["vs_torch_default"]["sequential_s"] == pytest.approx(0.6)

@@ -55,6 +55,8 @@ def test_autoscaling_dashboard_and_metrics_port_are_on(config):
     assert head["metrics-export-port"].isdigit()
     for command in (head_start, worker_start):
         assert "RAY_max_direct_call_object_size=4194304" in command  # cache replies travel inline
+        # `ray up` exports OMP_NUM_THREADS=1: unset, each actor gets threads for the CPUs it reserves
+        assert command.index("unset OMP_NUM_THREADS") < command.index("ray start")
 
 
 def test_every_node_installs_this_project(raw, config):

@@ -12,7 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.dashboard_cluster import dashboard_cluster, free_ports
+from genrec.bench.common import free_port
+from tests.dashboard_cluster import dashboard_cluster
 
 GENREC = [sys.executable, "-m", "genrec.cli", "deploy"]
 
@@ -38,32 +39,43 @@ def write(path, config: dict):
     return path
 
 
-def test_a_config_that_fails_the_check_is_refused_and_nothing_is_sent(tiny_dir, tmp_path):
+def refused(path, expected: str) -> None:
+    """`genrec deploy path` exits 2 saying `expected`, and sends nothing to the address it is given."""
     listener = socket.create_server(("127.0.0.1", 0))  # where a deploy would go: it must see no connection
     address = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    config = write(tmp_path / "bad.yaml", serve_config(tiny_dir, 8000, max_queue=0))
-    done = subprocess.run([*GENREC, str(config), "-a", address], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2, done.stderr
-    assert "applications[0].deployments[0].user_config.max_queue" in done.stderr and "not deployed" in done.stderr
+    done = subprocess.run([*GENREC, str(path), "-a", address], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and expected in done.stderr and "not deployed" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
     listener.settimeout(0.5)
     with pytest.raises(TimeoutError):
         listener.accept()
     listener.close()
 
 
+def test_a_config_that_fails_the_check_is_refused_and_nothing_is_sent(tiny_dir, tmp_path):
+    config = write(tmp_path / "bad.yaml", serve_config(tiny_dir, 8000, max_queue=0))
+    refused(config, "applications[0].deployments[0].user_config.max_queue")
+
+
 def test_a_rayservice_file_is_checked_not_deployed(tmp_path):
     config = serve_config("/nonexistent", 8000, max_queue=4)
     service = {"kind": "RayService", "spec": {"serveConfigV2": yaml.safe_dump(config)}}
-    done = subprocess.run([*GENREC, str(write(tmp_path / "svc.yaml", service))], capture_output=True, text=True)
-    assert done.returncode == 2 and "apply it with kubectl" in done.stderr, done.stderr
+    refused(write(tmp_path / "svc.yaml", service), "apply it with kubectl")
+
+
+@pytest.mark.parametrize("text", ["", "- a\n- b\n", "applications: [{name: x, deployments: oops}]\n"])
+def test_a_file_that_is_no_serve_config_is_refused_in_one_line_each(tmp_path, text):
+    path = tmp_path / "odd.yaml"
+    path.write_text(text)
+    refused(path, "error: ")
 
 
 @pytest.mark.integration
 def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_path):
-    (port,) = free_ports(1)
+    port = free_port()
     with dashboard_cluster() as (address, env):
         good = write(tmp_path / "good.yaml", serve_config(tiny_dir, port, max_queue=7))
-        done = subprocess.run([*GENREC, str(good), "-a", address], env=env, capture_output=True, text=True)
+        done = subprocess.run([*GENREC, str(good), "-a", address], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         url = f"http://127.0.0.1:{port}"
         retrieve = {"prompt_token_ids": [1, 2, 3], "beam_width": 2}
@@ -78,10 +90,13 @@ def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_pat
             time.sleep(1)
 
         bad = write(tmp_path / "bad.yaml", serve_config(tiny_dir, port, max_queue=0))
-        done = subprocess.run([*GENREC, str(bad), "-a", address], env=env, capture_output=True, text=True)
+        done = subprocess.run([*GENREC, str(bad), "-a", address], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "user_config.max_queue" in done.stderr, done.stderr
         assert httpx.post(f"{url}/v1/retrieve", json=retrieve, timeout=30).status_code == 200
         serve_bin = [sys.executable, "-m", "ray.serve.scripts"]
-        running = subprocess.run([*serve_bin, "config", "-a", address], env=env, capture_output=True, text=True)
+        running = subprocess.run(
+            [*serve_bin, "config", "-a", address], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert running.returncode == 0, running.stderr
         (app,) = [a for a in yaml.safe_load_all(running.stdout) if a]  # the cluster's: still the good config
         assert app["deployments"][0]["user_config"] == {"max_queue": 7}, running.stdout

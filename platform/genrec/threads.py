@@ -2,8 +2,8 @@
 
 Without a setting an engine under Ray runs as many threads as its CPU reservation (Ray sets OMP_NUM_THREADS).
 Binding is for cores a process has to itself: on a contended machine a thread bound to a busy core cannot move
-to an idle one (`genrec bench threads`: one thread bound to one of 2 busy cores took 1.5x as long and had 3.4x
-the p99 of the same thread unbound; two threads bound to both cores were level with unbound). The Serve engine
+to an idle moment of another (`genrec bench threads`, 2 cores: at a load of 3 one bound thread took 1.5x as long
+as unbound, at a load of 4 it was level; the thread count mattered more than binding). The Serve engine
 replica (`torch_threads`, `pin_threads`), the batch job's actors (`--threads`, `--pin-threads`) and `genrec bench
 load` (`--threads`, `--pin`) all apply their settings here, before the engine is loaded.
 

@@ -1,14 +1,17 @@
 """`genrec bench threads`: an engine's thread settings on a busy machine, pinned against unpinned.
 
 Each setting (torch threads, bound to cores or not) runs `genrec bench load` in its own process (a process's
-binding cannot be undone), while `--background` busy processes keep the cores contended: with one per core the
-load average sits near cores + the engine's threads (~4 on 2 cores). Settings alternate round by round so drifts
-in the machine's load fall on all of them alike. The report gives, per setting, the medians over rounds of one
-request alone, the saturation throughput and the latency at `--rate`, the load seen during its runs, and ratios
-against the unpinned setting with as many threads (and against torch's default: one thread per core, unpinned).
+binding cannot be undone), while `--background` busy processes keep the cores contended: with one per core about
+cores + the engine's threads are runnable (3-4 on 2 cores). Settings alternate round by round so drifts in the
+machine's load fall on all of them alike. The report gives, per setting, the medians over rounds of one request
+alone, the saturation throughput and the latency at `--rate` (a setting that saturates below it queues: its
+latencies grow with the run), the load seen during its runs, and ratios against the unpinned setting with as
+many threads (and against torch's default: one thread per core, unpinned).
 
-"bound per thread" is not an engine option: it sets libgomp's OMP_PROC_BIND/OMP_PLACES (one core per thread,
-fixed at process start), measured here to see whether it is worth one.
+Binding as many threads as the machine has cores binds them to every core: that setting is a control (any
+difference from unbound is noise). "bound per thread" is not an engine option: it sets libgomp's
+OMP_PROC_BIND/OMP_PLACES (one core per thread, fixed at process start), measured here to see whether it is
+worth one.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from genrec.bench.common import machine
+from genrec.threads import available_cores
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,10 @@ class Setting:
     name: str
     threads: int
     pin: bool = False
-    env: dict = field(default_factory=dict)
+    env: tuple[tuple[str, str], ...] = ()  # set at the process's start
+
+
+PER_THREAD_BINDING = (("OMP_PROC_BIND", "close"), ("OMP_PLACES", "cores"))  # libgomp: thread i on core i
 
 
 def settings_for(cores: int) -> list[Setting]:
@@ -42,7 +49,7 @@ def settings_for(cores: int) -> list[Setting]:
         chosen += [
             Setting(f"{cores} threads", cores),
             Setting(f"{cores} threads, pinned", cores, pin=True),
-            Setting(f"{cores} threads, bound per thread", cores, env={"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}),
+            Setting(f"{cores} threads, bound per thread", cores, env=PER_THREAD_BINDING),
         ]
     return chosen
 
@@ -56,7 +63,12 @@ class BackgroundLoad:
 
     def __enter__(self) -> BackgroundLoad:
         spin = "while True:\n    pass\n"
-        self.processes = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(self.count)]
+        try:
+            for _ in range(self.count):
+                self.processes.append(subprocess.Popen([sys.executable, "-c", spin]))
+        except BaseException:
+            self.__exit__()  # those already spinning end here too
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -100,15 +112,18 @@ class LoadSampler:
 
 
 def read_loadavg() -> tuple[float, int] | None:
-    """(1-minute load average, runnable threads now) from /proc/loadavg; None where there is none."""
+    """(1-minute load average, runnable threads now besides the reader) from /proc/loadavg (whose count includes
+    the thread reading it); None where there is none."""
     try:
         fields = Path("/proc/loadavg").read_text().split()
     except OSError:
         return None
-    return float(fields[0]), int(fields[3].split("/")[0])
+    return float(fields[0]), int(fields[3].split("/")[0]) - 1
 
 
-def load_command(setting: Setting, out: Path, rate: float, duration: float, burst: int, load_args: list[str]) -> list:
+def load_command(
+    setting: Setting, out: Path, rate: float, duration: float, burst: int, load_args: list[str]
+) -> list[str]:
     command = [sys.executable, "-m", "genrec.cli", "bench", "load", "--rates", str(rate), "--duration", str(duration)]
     command += ["--burst", str(burst), "--threads", str(setting.threads), "--json", str(out), *load_args]
     return command + (["--pin"] if setting.pin else [])
@@ -116,7 +131,7 @@ def load_command(setting: Setting, out: Path, rate: float, duration: float, burs
 
 def run_setting(setting: Setting, rate: float, duration: float, burst: int, load_args: list[str]) -> dict:
     """One `genrec bench load` run of `setting` in a fresh process; its figures and the load seen meanwhile."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(setting.threads), **setting.env}
+    env = {**os.environ, "OMP_NUM_THREADS": str(setting.threads), **dict(setting.env)}
     with tempfile.TemporaryDirectory() as tmp, LoadSampler() as sampler:
         out = Path(tmp) / "load.json"
         done = subprocess.run(
@@ -141,7 +156,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     figures = ("sequential_s", "saturation_qps", "p50_s", "p99_s", "load_average_1m_mean", "runnable_threads_mean")
     summary = {}
     for name, rounds in runs.items():
-        summary[name] = {"rounds": len(rounds), "pinned_cores": rounds[-1]["pinned_cores"]}
+        pinned = [r["pinned_cores"] for r in rounds if r["pinned_cores"] is not None]
+        summary[name] = {"rounds": len(rounds), "pinned_cores": pinned or None}  # per round: the slot is the PID
         for figure in figures:
             values = [r[figure] for r in rounds if r[figure] is not None]
             summary[name][figure] = statistics.median(values) if values else None
@@ -154,8 +170,8 @@ def ratios(summary: dict[str, dict], settings: list[Setting], default: str) -> d
 
     def against(name: str, base: str) -> dict:
         mine, theirs = summary[name], summary[base]
-        out = {"baseline": base, "saturation_qps": mine["saturation_qps"] / theirs["saturation_qps"]}
-        for figure in ("sequential_s", "p50_s", "p99_s"):
+        out = {"baseline": base}
+        for figure in ("saturation_qps", "sequential_s", "p50_s", "p99_s"):
             if mine[figure] is not None and theirs[figure]:
                 out[figure] = mine[figure] / theirs[figure]
         return out
@@ -163,7 +179,7 @@ def ratios(summary: dict[str, dict], settings: list[Setting], default: str) -> d
     unpinned = {s.threads: s.name for s in settings if not s.pin and not s.env}
     result = {}
     for setting in settings:
-        entry = {"vs_torch_default": against(setting.name, default)}
+        entry = {"vs_torch_default": against(setting.name, default)} if setting.name != default else {}
         if setting.name != unpinned[setting.threads]:
             entry["vs_unpinned"] = against(setting.name, unpinned[setting.threads])
         result[setting.name] = entry
@@ -179,7 +195,7 @@ def run(
     load_args: list[str],
     settle_s: float = 60.0,
 ) -> dict:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(available_cores())
     background = cores if background is None else background
     settings = settings_for(cores)
     runs: dict[str, list[dict]] = {s.name: [] for s in settings}

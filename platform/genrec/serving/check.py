@@ -58,13 +58,15 @@ def problems(config: dict, check_model: bool = False) -> list[str]:
     """Every problem of a Serve config (ServeDeploySchema as a dict), each naming where it is."""
     from ray.serve.schema import ServeDeploySchema
 
+    if not isinstance(config, dict):
+        return [f"(top): a Serve config is a mapping (applications, http_options, ...), not {type(config).__name__}"]
     dropped = unknown_keys(config, ServeDeploySchema)
     found = [f"{where}: not a field of Serve's config (it would be dropped)" for where in dropped]
     try:
         ServeDeploySchema.model_validate(config)
     except ValidationError as err:
         found += [f"{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
-    for i, app in enumerate(config.get("applications") or []):
+    for i, app in enumerate(_list(config.get("applications"))):
         if isinstance(app, dict) and app.get("import_path") == BUILDER:
             found += _app_problems(app, f"applications[{i}]", check_model)
     return found
@@ -78,7 +80,9 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
         args = None
         found += [f"{where}.args.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
     live = deployments_of(app.get("args") or {})
-    for j, deployment in enumerate(app.get("deployments") or []):
+    for j, deployment in enumerate(_list(app.get("deployments"))):
+        if not isinstance(deployment, dict):
+            continue  # Serve's schema has said what it is instead
         name, at = deployment.get("name"), f"{where}.deployments[{j}]"
         if name not in live:
             found.append(f"{at}.name: no deployment {name!r} in the app (it has {', '.join(live)})")
@@ -122,6 +126,11 @@ def _model_problems(args: AppArgs, where: str) -> list[str]:
     return []
 
 
+def _list(value) -> list:
+    """A list field as a list ([] for anything else: Serve's schema reports that)."""
+    return value if isinstance(value, list) else []
+
+
 def _where(loc) -> str:
     return ".".join(str(part) for part in loc) or "(top)"
 
@@ -129,9 +138,13 @@ def _where(loc) -> str:
 def load(path: Path) -> dict:
     """A Serve config file; a KubeRay RayService file yields the Serve config it carries."""
     document = yaml.safe_load(path.read_text())
-    if isinstance(document, dict) and document.get("kind") == "RayService":
+    if is_rayservice(document):
         return yaml.safe_load(document["spec"]["serveConfigV2"])
     return document
+
+
+def is_rayservice(document) -> bool:
+    return isinstance(document, dict) and document.get("kind") == "RayService"
 
 
 def file_problems(path: Path, check_model: bool = False) -> list[str]:

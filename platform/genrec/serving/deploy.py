@@ -17,12 +17,14 @@ from pathlib import Path
 
 import yaml
 
-from genrec.serving.check import file_problems
+from genrec.serving.check import file_problems, is_rayservice
 
 
 def deploy(path: Path, address: str | None, check_model: bool) -> int:
     """The exit status: 2 when the config was refused here (nothing sent), else `serve deploy`'s."""
-    found = file_problems(path, check_model) or _not_a_serve_config(path)
+    found = file_problems(path, check_model)
+    if not found and is_rayservice(yaml.safe_load(path.read_text())):
+        found = ["a KubeRay RayService: apply it with kubectl (it is checked, not deployed, here)"]
     for problem in found:
         print(f"error: {path}: {problem}", file=sys.stderr)
     if found:
@@ -30,10 +32,3 @@ def deploy(path: Path, address: str | None, check_model: bool) -> int:
         return 2
     command = [sys.executable, "-m", "ray.serve.scripts", "deploy", str(path)]
     return subprocess.run(command + (["--address", address] if address else [])).returncode
-
-
-def _not_a_serve_config(path: Path) -> list[str]:
-    document = yaml.safe_load(path.read_text())
-    if isinstance(document, dict) and document.get("kind") == "RayService":
-        return ["a KubeRay RayService: apply it with kubectl (it is checked, not deployed, here)"]
-    return []

@@ -1,6 +1,6 @@
 """Route each user's requests to the engine replica that holds their prompts' K/V: rendezvous hashing.
 
-The ingress passes a routing key (the user ID, else a digest of the prompt's first block; see routing_key.py)
+The ingress passes a routing key (the user ID, else a digest of the prompt's first blocks; see routing_key.py)
 as a keyword argument of its handle call. Every replica gets a score hash(key, replica ID); the highest is the
 key's primary, the next its one fallback, then the rest. No state is shared: every caller (each ingress
 replica) agrees, and when replicas come or go only the keys whose primary came or went move (about 1/N).

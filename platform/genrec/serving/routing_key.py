@@ -1,11 +1,11 @@
 """A request's routing key: what sends it to the engine replica that already holds its K/V (see router.py).
 
-The user ID when the request has one. Without one, a digest of the prompt's first block: a returning user's
-prompt starts like their last one (history first, oldest first: README, "Prompt layouts that reuse"), so it
-still finds the replica that holds it. The ingress has no tokenizer, so a text prompt's first block is
-approximated by its first characters. Prompts that all open with the same template would all share that key
-(one replica's traffic): `blocks` (the app's `routing_prefix_blocks`) takes the digest of the first blocks
-past the template instead.
+The user ID when the request has one. Without one, a digest of the prompt's first block (by default): a
+returning user's prompt starts like their last one (history first, oldest first: README, "Prompt layouts that
+reuse"), so it still finds the replica that holds it. The ingress has no tokenizer, so a text prompt's first
+block is approximated by its first characters. Prompts that all open with the same template would all share
+that key (one replica's traffic): with `blocks` (the app's `routing_prefix_blocks`) the digest covers the first
+`blocks` blocks, template included, so prompts that differ after it get their own keys.
 
 A two-stage recommend calls two deployments: both get the user's key; without a user, each the digest of what
 it is sent (the retriever the prompt, the ranker the history), so each lands where that input's K/V is.
@@ -27,7 +27,7 @@ def routing_key(body, sent=None, blocks: int = 1) -> str:
     if user_id is not None:
         return f"user:{user_id!r}"  # repr: the user 42 and the user "42" are two keys, as in the cache
     first = _first_blocks(body if sent is None else sent, blocks)
-    return "first-block:" + hashlib.blake2b(first.encode(), digest_size=16).hexdigest()
+    return "prefix:" + hashlib.blake2b(first.encode(), digest_size=16).hexdigest()
 
 
 def _first_blocks(body, blocks: int) -> str:

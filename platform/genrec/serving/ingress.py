@@ -129,12 +129,8 @@ class Ingress:
     async def model(self, auth=Depends(bearer)):
         """The main engine's model; with a ranker, the ranker's under `ranker`."""
         try:
-            deadline = time.monotonic() + self.request_timeout_s
-            info = await self._engine_call(self.engine.model_info.remote(), deadline)
-            if self.ranker is not None:
-                ranker = await self._engine_call(self.ranker.model_info.remote(), deadline, "ranker")
-                info = info.model_copy(update={"ranker": ranker})
-            return info
+            info, ranker = await self._models(time.monotonic() + self.request_timeout_s)
+            return info if ranker is None else info.model_copy(update={"ranker": ranker})
         except Exception as err:  # noqa: BLE001 - every failure becomes its status (see http_errors)
             return error_response(err, self.retry_after_s)
 
@@ -144,14 +140,18 @@ class Ingress:
         """Ready when an engine replica answers, and a ranker replica in an app with a ranker (no auth: load
         balancers probe it)."""
         try:
-            deadline = time.monotonic() + 5.0
-            info = await self._engine_call(self.engine.model_info.remote(), deadline)
-            if self.ranker is None:
-                return {"status": "ok", "model_version": info.version}
-            ranker = await self._engine_call(self.ranker.model_info.remote(), deadline, "ranker")
-            return {"status": "ok", "model_version": info.version, "ranker_version": ranker.version}
+            info, ranker = await self._models(time.monotonic() + 5.0)
+            versions = {"model_version": info.version} | ({"ranker_version": ranker.version} if ranker else {})
+            return {"status": "ok", **versions}
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
+
+    async def _models(self, deadline: float) -> tuple[ModelInfo, ModelInfo | None]:
+        """The main engine's model and, in an app with a ranker, the ranker's, each asked of a replica."""
+        info = await self._engine_call(self.engine.model_info.remote(), deadline)
+        if self.ranker is None:
+            return info, None
+        return info, await self._engine_call(self.ranker.model_info.remote(), deadline, "ranker")
 
     async def _serve(self, kind: str, body, response: Response):
         """One deadline for the whole request: the embedding lookup, then the engine with the time left."""

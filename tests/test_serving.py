@@ -17,7 +17,7 @@ from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreReques
 from genrec.model.directory import model_version
 from genrec.model.tiny import write_model_dir
 from tests.conftest import API_TOKEN_ENV, TINY
-from tests.serve_apps import delete, deploy, deploy_refused, replica_actor_names
+from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 
@@ -384,28 +384,30 @@ def test_rollout_to_a_new_model_fails_no_request(guarded_url, tiny_dir, tmp_path
 
 
 def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
-    """Four requests reach the replica (one runs, one waits in the engine, two find its queue full), two more
-    wait in Serve's handle queue, the rest are refused there: both refusals are 503 + the configured Retry-After."""
-    deploy(
-        "tight",
-        model_dir=str(tiny_dir),
-        limits={"max_queue": 1, "max_running": 1},
-        max_ongoing_requests=4,
-        max_queued_requests=2,
-        retry_after_s=3,
+    """Both refusals are 503 + the configured Retry-After. One app lets all 24 requests reach its replica (one
+    runs, one waits in the engine, the rest find the engine's queue full); the other admits one request to its
+    replica and queues one in Serve's handle, so the rest are refused there. Two apps, not one: with a single
+    one, how many requests reach the engine before the handle queue fills is a race."""
+    tight = {"model_dir": str(tiny_dir), "limits": {"max_queue": 1, "max_running": 1}, "retry_after_s": 3}
+    deploy_many(
+        {
+            "tight-engine": (None, tight | {"max_ongoing_requests": 24, "max_queued_requests": 24}),
+            "tight-handle": (None, tight | {"max_ongoing_requests": 1, "max_queued_requests": 1}),
+        }
     )
     try:
         body = {"prompt_token_ids": list(range(3, 400)), "beam_width": 64}
-        with ThreadPoolExecutor(24) as pool, httpx.Client(timeout=60) as c:
-            responses = list(pool.map(lambda _: c.post(f"{serve_url}/tight/v1/retrieve", json=body), range(24)))
-        assert {r.status_code for r in responses} <= {200, 503}, [r.text for r in responses if r.status_code >= 500]
-        shed = [r for r in responses if r.status_code == 503]
-        assert shed and any(r.status_code == 200 for r in responses)
-        assert all(r.headers["retry-after"] == "3" and r.json()["code"] == "overloaded" for r in shed)
-        messages = {r.json()["message"].split(" (")[0] for r in shed}
-        assert messages == {"engine queue is full", "the engines' queues are full"}
+        for app, refusal in (("tight-engine", "engine queue is full"), ("tight-handle", "the engines' queues are full")):
+            with ThreadPoolExecutor(24) as pool, httpx.Client(timeout=60) as c:
+                responses = list(pool.map(lambda _: c.post(f"{serve_url}/{app}/v1/retrieve", json=body), range(24)))
+            assert {r.status_code for r in responses} <= {200, 503}, [r.text for r in responses if r.status_code >= 500]
+            shed = [r for r in responses if r.status_code == 503]
+            assert shed and any(r.status_code == 200 for r in responses), app
+            assert all(r.headers["retry-after"] == "3" and r.json()["code"] == "overloaded" for r in shed)
+            assert {r.json()["message"].split(" (")[0] for r in shed} == {refusal}, app
     finally:
-        delete("tight")
+        delete("tight-engine")
+        delete("tight-handle")
 
 
 # -- metrics -------------------------------------------------------------------------------------

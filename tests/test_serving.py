@@ -397,9 +397,11 @@ def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
     )
     try:
         body = {"prompt_token_ids": list(range(3, 400)), "beam_width": 64}
-        for app, refusal in (("tight-engine", "engine queue is full"), ("tight-handle", "the engines' queues are full")):
+        refusals = {"tight-engine": "engine queue is full", "tight-handle": "the engines' queues are full"}
+        for app, refusal in refusals.items():
+            url = f"{serve_url}/{app}/v1/retrieve"
             with ThreadPoolExecutor(24) as pool, httpx.Client(timeout=60) as c:
-                responses = list(pool.map(lambda _: c.post(f"{serve_url}/{app}/v1/retrieve", json=body), range(24)))
+                responses = list(pool.map(lambda _, url=url: c.post(url, json=body), range(24)))
             assert {r.status_code for r in responses} <= {200, 503}, [r.text for r in responses if r.status_code >= 500]
             shed = [r for r in responses if r.status_code == 503]
             assert shed and any(r.status_code == 200 for r in responses), app

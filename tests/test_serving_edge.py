@@ -89,7 +89,7 @@ def test_a_trickled_body_is_refused_at_its_deadline(answered):
     started = time.monotonic()
     status, body, read = call("/v1/retrieve", [b'{"prompt": "user', b" listened"], stall_after=1)
     assert (status, body["code"]) == (408, "timeout") and "0.3 s" in body["message"]
-    assert 0.3 <= time.monotonic() - started < 2 and read == 1
+    assert 0.3 <= time.monotonic() - started < 10 and read == 1
     status, _, _ = call("/v1/retrieve", [b'{"prompt": "user', b' listened"}'])  # in time: served
     assert status == 200 and answered == [("/v1/retrieve", 408), ("/v1/retrieve", 200)]
 

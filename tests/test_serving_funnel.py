@@ -26,7 +26,7 @@ from genrec.serving import funnel
 from genrec.serving.router import ROUTING_KEY, rendezvous_order
 from genrec.serving.schemas import ModelInfo, RecommendBody
 from tests.conftest import HSTU_TINY, TINY
-from tests.serve_apps import delete, deploy, deploy_many, replica_actor_names
+from tests.serve_apps import delete, deploy, deploy_many, replica_actor_names, sticky
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 RANKER_LIMIT = 64  # the ranker's max_candidates in the funnel app
@@ -139,6 +139,9 @@ def test_what_the_ranker_would_refuse_is_refused_before_stage1(fields, field):
 FUNNEL = {"request_timeout_s": 20, "torch_threads": 1, **TWO}
 
 
+STICKY = sticky("EngineServer", "RankerServer")  # the funnel's engines: see the user-stickiness test
+
+
 @pytest.fixture(scope="module")
 def funnel_args(tiny_dir, hstu_dir):
     ranker = {"model_dir": str(hstu_dir), "max_candidates": RANKER_LIMIT, "engine_num_cpus": 0.15, **TWO}
@@ -150,7 +153,7 @@ def urls(serve_url, tiny_dir, funnel_args):
     """A funnel app (two replicas of each engine deployment) and a plain one (no ranker), started side by side
     (slow on a loaded 2-core machine: given longer than Serve's own 60 s)."""
     plain = {"model_dir": str(tiny_dir), "engine_num_cpus": 0.1, "torch_threads": 1}
-    deploy_many({"funnel": (None, funnel_args), "plain": (None, plain)}, timeout_s=180)
+    deploy_many({"funnel": (STICKY, funnel_args), "plain": (None, plain)})
     yield {"funnel": f"{serve_url}/funnel", "plain": f"{serve_url}/plain"}
     delete("funnel")
     delete("plain")
@@ -285,11 +288,11 @@ def test_rank_model_and_health_account_for_the_ranker(urls, client, hstu_dir, ti
 def test_both_stages_share_one_deadline(urls, client, funnel_args):
     """A deadline too short for the two stages is a 504; the deadline changes live (the Ingress's user_config)."""
     before = replica_actor_names("funnel", "RankerServer")
-    deploy("funnel", deployments=[{"name": "Ingress", "user_config": {"request_timeout_s": 0.001}}], **funnel_args)
+    deploy("funnel", [*STICKY, {"name": "Ingress", "user_config": {"request_timeout_s": 0.001}}], **funnel_args)
     try:
         late = client.post(f"{urls['funnel']}/v1/recommend", json=GOOD)
         assert late.status_code == 504 and late.json()["code"] == "timeout"
         assert replica_actor_names("funnel", "RankerServer") == before
     finally:
-        deploy("funnel", **funnel_args)
+        deploy("funnel", STICKY, **funnel_args)
     assert client.post(f"{urls['funnel']}/v1/recommend", json=GOOD).status_code == 200

@@ -18,7 +18,7 @@ from genrec.serving.router import ROUTING_KEY, UserRouter, ranks, rendezvous_ord
 from genrec.serving.routing_key import FIRST_BLOCK, routing_key
 from genrec.serving.schemas import RankBody, RetrieveBody
 from tests.conftest import TINY
-from tests.serve_apps import delete, deploy_many
+from tests.serve_apps import delete, deploy_many, sticky
 
 KEYS = [f"user:{i!r}" for i in range(1000)]
 
@@ -186,7 +186,8 @@ TWO_REPLICAS = {"min_replicas": 2, "max_replicas": 2, "kv_budget_bytes": 64 << 2
 def two_replica_urls(serve_url, tiny_dir):
     args = {"model_dir": str(tiny_dir), **TWO_REPLICAS}
     routed = {**args, "routing_prefix_blocks": 2}  # keyless prompts: past a one-block template (test below)
-    deploy_many({"routed": (None, routed), "spread": (None, {**args, "engine_router": "serve_default"})})
+    spread = {**args, "engine_router": "serve_default"}
+    deploy_many({"routed": (sticky("EngineServer"), routed), "spread": (None, spread)})
     yield {app: f"{serve_url}/{app}" for app in ("routed", "spread")}
     delete("routed")
     delete("spread")

@@ -433,6 +433,7 @@ def test_engine_metrics_reach_prometheus(open_url, client):
         "ray_genrec_prefix_cache_tokens_prompted_total",
         "ray_genrec_prefix_cache_hits_total",
         "ray_genrec_prefix_cache_bytes_held",
+        "ray_genrec_prefix_cache_spills_total",  # no host tier here: it never moves, and is there at 0
     )
     deadline = time.monotonic() + 60
     while True:
@@ -454,6 +455,15 @@ def test_engine_metrics_reach_prometheus(open_url, client):
     assert refused and float(refused[0].rsplit(" ", 1)[1]) >= 1  # never reached the engine, counted all the same
     reused = [ln for ln in lines if ln.startswith("ray_genrec_prefix_cache_tokens_reused_total")]
     assert reused and float(reused[0].rsplit(" ", 1)[1]) >= 96  # six whole blocks of the repeated prompt
+    # Every kind served with every status starts at 0: an error ratio reads 0 before the first error.
+    stopped = [
+        ln
+        for ln in lines
+        if ln.startswith("ray_genrec_requests_total") and 'kind="score"' in ln and 'status="stopped"' in ln
+    ]
+    assert stopped and float(stopped[0].rsplit(" ", 1)[1]) == 0, stopped
+    spills = [ln for ln in lines if ln.startswith("ray_genrec_prefix_cache_spills_total")]
+    assert float(spills[0].rsplit(" ", 1)[1]) == 0
 
 
 # -- a killed engine replica (its own app: the other tests' replicas stay as they are) -------------

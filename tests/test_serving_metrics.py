@@ -7,10 +7,16 @@ from genrec.serving import metrics
 class Recorded:
     def __init__(self, name, description="", **_):
         self.name, self.value = name, 0
+        self.series: dict[tuple, float] = {}  # what the exporter would publish: tags -> value
 
     def inc(self, value=1.0, tags=None):
         assert value > 0  # as ray.util.metrics.Counter requires
         self.value += value
+        self._record(value, tags)
+
+    def _record(self, value, tags=None):
+        key = tuple(sorted((tags or {}).items()))
+        self.series[key] = self.series.get(key, 0) + value
 
     def set(self, value, tags=None):
         self.value = value
@@ -77,3 +83,17 @@ def test_the_step_in_flight_is_exported(monkeypatch):
     }
     exporter.update(snapshot)
     assert exporter.step_in_flight.value == 42.5
+
+
+def test_the_engines_counters_start_at_zero(monkeypatch):
+    """Before anything happens, every kind served with every status, and every prefix-cache counter, is
+    published at 0; the first request then moves its own series only."""
+    for name in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, name, Recorded)
+    exporter = metrics.EngineMetricsExporter(["retrieve", "score"])
+    series = exporter.requests.series
+    expected = {(("kind", k), ("status", s)) for k in ("retrieve", "score") for s in metrics.REQUEST_STATUSES}
+    assert set(series) == expected and set(series.values()) == {0}
+    assert all(c.series == {(): 0} for c in exporter.prefix_cache.counters.values())
+    exporter.finished("score", "timeout", 0.5)
+    assert {key: n for key, n in series.items() if n} == {(("kind", "score"), ("status", "timeout")): 1}

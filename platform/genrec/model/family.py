@@ -46,5 +46,5 @@ class ContextModel(Protocol):
 
 
 def family_of(model) -> str:
-    """"hstu" for a ranking model (history in, task probabilities per candidate out), else "qwen3"."""
+    """The family: "hstu" for a ranking model (history in, task probabilities per candidate out), else "qwen3"."""
     return "hstu" if hasattr(model, "candidates_over") else "qwen3"

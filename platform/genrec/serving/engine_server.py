@@ -41,7 +41,7 @@ class EngineServer:
         self.info = describe(engine, model_dir, device)
         self.catalog = engine.catalog
         self.replica = _replica_id()
-        self.metrics = EngineMetricsExporter()
+        self.metrics = EngineMetricsExporter(self.info.serves)
         self.metrics.load_s = time.perf_counter() - started
         self._stopped = threading.Event()
         threading.Thread(target=self._export_until_stopped, name="genrec-metrics", daemon=True).start()

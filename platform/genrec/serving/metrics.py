@@ -3,7 +3,9 @@
 Engine, per request (kind, status): a counter and a latency histogram. Every second, the engine loop's state:
 queue depth, running requests, KV bytes reserved, and recent rows and prefill tokens per step; and the prefix
 cache's: tokens reused and prompted, hits, evictions, spills (counters: Prometheus adds `_total`), bytes held
-and entries (gauges). Reuse rate = rate(..._tokens_reused_total) / rate(..._tokens_prompted_total).
+and entries (gauges). Reuse rate = rate(..._tokens_reused_total) / rate(..._tokens_prompted_total). The engine's
+counters start at 0 (every kind it serves with every status): an error ratio reads 0, not "no data", before
+the first error.
 Ingress: every HTTP answer it gives (route, status), its own refusals included (401, 408, 413, 400/422 of the
 body's validation, 404...), which never reach the engine's counter. Both: whether the last `user_config` was
 refused (1) or applied (0).
@@ -19,15 +21,28 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from genrec.engine.metrics import LATENCY_BUCKETS
 
+# How an engine request ends (engine_server.py): the `status` tag of genrec_requests.
+REQUEST_STATUSES = ("ok", "invalid", "overloaded", "timeout", "stopped", "cancelled", "error")
+
+
+def start_at_zero(counter: Counter, tag_sets: Iterable[dict[str, str]] = ({},)) -> None:
+    """Publish each series at 0 before it first moves. Counter.inc refuses 0; the recording it wraps does not,
+    and Ray's agent exports the series at 0 (checked on Ray 2.60)."""
+    for tags in tag_sets:
+        counter._record(0, tags=tags or None)
+
 
 class EngineMetricsExporter:
-    def __init__(self):
+    def __init__(self, kinds: Iterable[str] = ()):
+        """`kinds`: the request kinds the replica serves, whose counters start at 0."""
         self.requests = Counter("genrec_requests", description="finished engine requests", tag_keys=("kind", "status"))
+        start_at_zero(self.requests, ({"kind": k, "status": s} for k in kinds for s in REQUEST_STATUSES))
         self.latency = Histogram(
             "genrec_request_latency_s",
             description="engine request latency, seconds",
@@ -110,6 +125,8 @@ class PrefixCacheExporter:
 
     def __init__(self):
         self.counters = {name: Counter(name, description=text) for name, (_, text) in PREFIX_COUNTERS.items()}
+        for counter in self.counters.values():
+            start_at_zero(counter)
         self.gauges = {name: Gauge(name, description=text) for name, (_, text) in PREFIX_GAUGES.items()}
         self.last = dict.fromkeys(PREFIX_COUNTERS, 0)
 

@@ -391,7 +391,7 @@ def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
     tight = {"model_dir": str(tiny_dir), "limits": {"max_queue": 1, "max_running": 1}, "retry_after_s": 3}
     deploy_many(
         {
-            "tight-engine": (None, tight | {"max_ongoing_requests": 24, "max_queued_requests": 24}),
+            "tight-engine": (None, tight | {"max_ongoing_requests": 24, "max_queued_requests": 100}),
             "tight-handle": (None, tight | {"max_ongoing_requests": 1, "max_queued_requests": 1}),
         }
     )
@@ -408,8 +408,8 @@ def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
             assert all(r.headers["retry-after"] == "3" and r.json()["code"] == "overloaded" for r in shed)
             assert {r.json()["message"].split(" (")[0] for r in shed} == {refusal}, app
     finally:
-        delete("tight-engine")
-        delete("tight-handle")
+        for app in ("tight-engine", "tight-handle"):
+            delete(app)
 
 
 # -- metrics -------------------------------------------------------------------------------------
@@ -469,7 +469,7 @@ def test_engine_metrics_reach_prometheus(open_url, client):
 # -- a killed engine replica (its own app: the other tests' replicas stay as they are) -------------
 
 
-def held_by_replica(handle, at_least: int, wait_s: float = 60) -> None:
+def wait_until_replica_holds(handle, at_least: int, wait_s: float = 60) -> None:
     """Wait until the (only) replica behind the handle holds this many requests, running or waiting."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -494,7 +494,7 @@ def test_killed_engine_replica_is_replaced_and_requests_end(serve_url, tiny_dir)
             (name,) = replica_actor_names("victim", "EngineServer")
             with ThreadPoolExecutor(8) as pool:
                 futures = [pool.submit(c.post, url, json=body) for _ in range(8)]
-                held_by_replica(serve.get_deployment_handle("EngineServer", app_name="victim"), at_least=2)
+                wait_until_replica_holds(serve.get_deployment_handle("EngineServer", app_name="victim"), at_least=2)
                 ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
                 responses = [f.result() for f in futures]
             # Every request ended with an answer (a hung one would raise the client's timeout instead).

@@ -100,6 +100,9 @@ class RecordingEngine:
 
 
 class QuietMetrics:
+    def __init__(self, kinds=()):
+        self.kinds = list(kinds)
+
     def update(self, _, **__):
         pass
 

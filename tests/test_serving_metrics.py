@@ -1,7 +1,11 @@
 """The prefix cache's stats reach the Prometheus exporter: the engine's cumulative totals become counter
 increments (a counter only goes up), bytes held and entries gauges. No Ray cluster: the metric classes are fakes."""
 
+import asyncio
+
+from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving import metrics
+from genrec.serving.http_errors import NotServed
 
 
 class Recorded:
@@ -97,3 +101,20 @@ def test_the_engines_counters_start_at_zero(monkeypatch):
     assert all(c.series == {(): 0} for c in exporter.prefix_cache.counters.values())
     exporter.finished("score", "timeout", 0.5)
     assert {key: n for key, n in series.items() if n} == {(("kind", "score"), ("status", "timeout")): 1}
+
+
+def test_every_way_an_engine_request_ends_has_its_status():
+    """The replica tags a failed request by status_of (engine_server._run); each status starts at 0 above."""
+    ends = {
+        asyncio.CancelledError(): "cancelled",
+        InvalidRequestError("beam_width", "too wide"): "invalid",
+        NotServed("rank", "qwen3", ["retrieve"]): "invalid",
+        Overloaded("engine queue is full"): "overloaded",
+        RequestTimeout("late"): "timeout",
+        EngineStopped("stopped"): "stopped",
+        RuntimeError("a bug"): "error",
+    }
+    assert {type(err).__name__: metrics.status_of(err) for err in ends} == {
+        type(err).__name__: status for err, status in ends.items()
+    }
+    assert set(ends.values()) | {"ok"} == set(metrics.REQUEST_STATUSES)

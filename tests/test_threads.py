@@ -62,14 +62,14 @@ def test_as_many_cores_as_threads_from_the_available_ones_with_a_warning(restore
     applied = apply_threads(len(available), pin=True)
     assert set(applied.cores) == set(available) == os.sched_getaffinity(0)
     assert applied.as_dict() == {"threads": len(available), "pinned_cores": available}
-    assert "binds to every core this process may use" in caplog.text  # a binding that changes nothing
+    assert "is every core this process may use" in caplog.text  # a binding that changes nothing
 
 
 @linux_only
 @pytest.mark.skipif(len(available_cores()) < 2, reason="needs a core left unbound")
 def test_binding_fewer_threads_than_cores_does_not_warn(restored, caplog):
     apply_threads(1, pin=True)
-    assert "binds to every core" not in caplog.text
+    assert "is every core" not in caplog.text
 
 
 def test_cores_are_chosen_consecutively_from_the_slot_wrapping():

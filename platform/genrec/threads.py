@@ -83,12 +83,12 @@ def apply_threads(
                 f"{threads_name}={threads} with {pin_name}: only {len(available)} core(s) available to this process "
                 f"({available})"
             )
-        if threads == len(available):
-            log.warning(
-                "%s with %s=%d binds to every core this process may use (%s): no effect but the cores listed",
-                pin_name, threads_name, threads, available,
-            )  # fmt: skip
         if hasattr(os, "sched_setaffinity"):
+            if threads == len(available):
+                log.warning(
+                    "%s: %s=%d is every core this process may use (%s); binding to them changes nothing",
+                    pin_name, threads_name, threads, available,
+                )  # fmt: skip
             cores = choose_cores(threads, available, os.getpid() if slot is None else slot)
             _bind_all_threads(set(cores))
         else:

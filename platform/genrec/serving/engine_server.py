@@ -13,11 +13,10 @@ from ray.serve.exceptions import RayServeException
 from genrec.api import MAX_BEAM_WIDTH, RankResult
 from genrec.engine import AsyncEngine, Engine
 from genrec.engine.prepared import FAMILY_KINDS, check_kind
-from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving.args import EngineLimits, ReplicaOptions, live_limits
 from genrec.serving.funnel import known_candidates
 from genrec.serving.http_errors import NotServed
-from genrec.serving.metrics import EngineMetricsExporter
+from genrec.serving.metrics import EngineMetricsExporter, status_of
 from genrec.serving.schemas import ModelInfo
 from genrec.threads import apply_threads
 
@@ -115,20 +114,8 @@ class EngineServer:
             result = await asyncio.wrap_future(future)  # cancelling this cancels the request in the engine
             status = "ok"
             return result, self.info.version
-        except asyncio.CancelledError:
-            status = "cancelled"
-            raise
-        except (InvalidRequestError, NotServed):
-            status = "invalid"
-            raise
-        except Overloaded:
-            status = "overloaded"
-            raise
-        except RequestTimeout:
-            status = "timeout"
-            raise
-        except EngineStopped:
-            status = "stopped"
+        except BaseException as err:  # CancelledError included
+            status = status_of(err)
             raise
         finally:
             self.metrics.finished(kind, status, time.perf_counter() - started)

@@ -19,6 +19,7 @@ vanished would read as a reset to Prometheus), and no API lets a replica remove 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterable
@@ -26,16 +27,29 @@ from collections.abc import Iterable
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from genrec.engine.metrics import LATENCY_BUCKETS
+from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
+from genrec.serving.http_errors import NotServed
 
-# How an engine request ends (engine_server.py): the `status` tag of genrec_requests.
-REQUEST_STATUSES = ("ok", "invalid", "overloaded", "timeout", "stopped", "cancelled", "error")
+# How an engine request that failed ends: the `status` tag of genrec_requests (the first type that matches).
+ERROR_STATUSES = (
+    (asyncio.CancelledError, "cancelled"),
+    ((InvalidRequestError, NotServed), "invalid"),
+    (Overloaded, "overloaded"),
+    (RequestTimeout, "timeout"),
+    (EngineStopped, "stopped"),
+)
+REQUEST_STATUSES = ("ok", *(status for _, status in ERROR_STATUSES), "error")
+
+
+def status_of(err: BaseException) -> str:
+    return next((status for types, status in ERROR_STATUSES if isinstance(err, types)), "error")
 
 
 def start_at_zero(counter: Counter, tag_sets: Iterable[dict[str, str]] = ({},)) -> None:
     """Publish each series at 0 before it first moves. Counter.inc refuses 0; the recording it wraps does not,
-    and Ray's agent exports the series at 0 (checked on Ray 2.60)."""
+    and Ray's agent exports the series at 0 (checked on Ray 2.60). The replica's default tags are added alike."""
     for tags in tag_sets:
-        counter._record(0, tags=tags or None)
+        counter._record(0, tags)
 
 
 class EngineMetricsExporter:

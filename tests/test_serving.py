@@ -435,35 +435,32 @@ def test_engine_metrics_reach_prometheus(open_url, client):
         "ray_genrec_prefix_cache_bytes_held",
         "ray_genrec_prefix_cache_spills_total",  # no host tier here: it never moves, and is there at 0
     )
+    moved = {  # series that must have moved: (name, tags) -> at least
+        ("ray_genrec_requests_total", 'kind="retrieve"', 'status="ok"'): 1,
+        ("ray_genrec_http_requests_total", 'route="/v1/retrieve"', 'status="422"'): 1,  # never reached the engine
+        ("ray_genrec_prefix_cache_tokens_reused_total",): 96,  # six whole blocks of the repeated prompt
+    }
     deadline = time.monotonic() + 60
-    while True:
+    while True:  # counters start at 0 and Ray exports every few seconds: wait for the values, not the names
         text = client.get(f"http://127.0.0.1:{port}/metrics").text
         lines = [line for line in text.splitlines() if 'application="open"' in line]
-        if all(any(line.startswith(name) for line in lines) for name in wanted):
+        values = {series: exported(lines, *series) for series in moved}
+        present = all(any(line.startswith(name) for line in lines) for name in wanted)
+        if present and all((values[k] or 0) >= least for k, least in moved.items()):
             break
-        assert time.monotonic() < deadline, f"missing engine metrics; have {sorted({ln.split('{')[0] for ln in lines})}"
+        assert time.monotonic() < deadline, (values, sorted({ln.split("{")[0] for ln in lines}))
         time.sleep(2)
-    ok = [
-        ln for ln in lines if ln.startswith("ray_genrec_requests") and 'kind="retrieve"' in ln and 'status="ok"' in ln
-    ]
-    assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 1
-    refused = [
-        ln
-        for ln in lines
-        if ln.startswith("ray_genrec_http_requests_total") and 'route="/v1/retrieve"' in ln and 'status="422"' in ln
-    ]
-    assert refused and float(refused[0].rsplit(" ", 1)[1]) >= 1  # never reached the engine, counted all the same
-    reused = [ln for ln in lines if ln.startswith("ray_genrec_prefix_cache_tokens_reused_total")]
-    assert reused and float(reused[0].rsplit(" ", 1)[1]) >= 96  # six whole blocks of the repeated prompt
     # Every kind served with every status starts at 0: an error ratio reads 0 before the first error.
-    stopped = [
-        ln
-        for ln in lines
-        if ln.startswith("ray_genrec_requests_total") and 'kind="score"' in ln and 'status="stopped"' in ln
-    ]
-    assert stopped and float(stopped[0].rsplit(" ", 1)[1]) == 0, stopped
-    spills = [ln for ln in lines if ln.startswith("ray_genrec_prefix_cache_spills_total")]
-    assert float(spills[0].rsplit(" ", 1)[1]) == 0
+    assert exported(lines, "ray_genrec_requests_total", 'kind="score"', 'status="stopped"') == 0
+    assert exported(lines, "ray_genrec_prefix_cache_spills_total") == 0
+
+
+def exported(lines: list[str], name: str, *tags: str) -> float | None:
+    """The value of the first exported series of this metric carrying these tags (None: none)."""
+    for line in lines:
+        if line.split("{", 1)[0] == name and all(tag in line for tag in tags):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 # -- a killed engine replica (its own app: the other tests' replicas stay as they are) -------------

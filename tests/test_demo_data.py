@@ -5,8 +5,8 @@ import csv
 import numpy as np
 import pytest
 
-from genrec.demo.data import load_movielens, movielens_dir
-from genrec.demo.factors import svd_factors
+from genrec_demo.data import load_movielens, movielens_dir
+from genrec_demo.factors import svd_factors
 
 
 @pytest.fixture(scope="module")

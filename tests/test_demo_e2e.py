@@ -1,4 +1,4 @@
-"""`genrec demo` end to end on a slice of MovieLens, as a user runs it: training, the embedding-loading job,
+"""`python -m genrec_demo` end to end on a slice of MovieLens, as a user runs it: training, the embedding-loading job,
 the Serve app over HTTP, the batch job, the metrics; and Ctrl-C, which must leave nothing running."""
 
 import json
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(900)  # the whole demo, training included (the 
 
 
 def demo(tmp: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "genrec.cli", "demo", "--users", str(USERS), "--steps", "3", "--port", "0"]
+    command = [sys.executable, "-m", "genrec_demo", "--users", str(USERS), "--steps", "3", "--port", "0"]
     command += ["--ranker-steps", "3", "--out", str(tmp / "out"), "--model-dir", str(tmp / "model")]
     command += ["--ranker-dir", str(tmp / "ranker"), *extra]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}

@@ -7,10 +7,10 @@ import pyarrow as pa
 import pytest
 
 from genrec.api import RecommendedItem
-from genrec.demo.calibrate import best_weight, measure_weights
-from genrec.demo.data import MovieLens
-from genrec.demo.evaluate import rankings_from_rows, retrieve_order
-from genrec.demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
+from genrec_demo.calibrate import best_weight, measure_weights
+from genrec_demo.data import MovieLens
+from genrec_demo.evaluate import rankings_from_rows, retrieve_order
+from genrec_demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
 
 
 def test_ranks_recall_and_ndcg_by_hand():

@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from genrec.api import Event, RankRequest
-from genrec.demo.data import MovieLens, load_movielens
-from genrec.demo.factors import svd_factors
-from genrec.demo.ranker import evaluate as ranker_evaluate
-from genrec.demo.ranker import train as ranker_train
-from genrec.demo.ranker.config import RankerConfig
-from genrec.demo.ranker.events import HISTORY_TYPE, histories_before, history_array, make_rank_batch, user_events
-from genrec.demo.ranker.forward import rank_logits
-from genrec.demo.ranker.model_dir import prepare_ranker, read_ranker_recipe
 from genrec.engine import Engine
+from genrec_demo.data import MovieLens, load_movielens
+from genrec_demo.factors import svd_factors
+from genrec_demo.ranker import evaluate as ranker_evaluate
+from genrec_demo.ranker import train as ranker_train
+from genrec_demo.ranker.config import RankerConfig
+from genrec_demo.ranker.events import HISTORY_TYPE, histories_before, history_array, make_rank_batch, user_events
+from genrec_demo.ranker.forward import rank_logits
+from genrec_demo.ranker.model_dir import prepare_ranker, read_ranker_recipe
 
 TINY = RankerConfig(
     window=8, hidden=16, heads=2, head_dim=8, head_hidden=16, steps=4, batch=16, negatives=4, near=10, time_buckets=8

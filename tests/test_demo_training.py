@@ -7,13 +7,13 @@ import transformers
 
 from genrec.api import Candidate, ScoreRequest
 from genrec.catalog import Catalog
-from genrec.demo.batches import IGNORE, NegativeSampler, Vocab, epoch_windows, make_batch
-from genrec.demo.config import DemoConfig
-from genrec.demo.prompts import prompt_text, prompt_token_ids
-from genrec.demo.train import Budget, forward_logits, hf_config
 from genrec.engine import Engine
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer, semantic_token_ranges
+from genrec_demo.batches import IGNORE, NegativeSampler, Vocab, epoch_windows, make_batch
+from genrec_demo.config import DemoConfig
+from genrec_demo.prompts import prompt_text, prompt_token_ids
+from genrec_demo.train import Budget, forward_logits, hf_config
 
 CODES = np.array([[10, 20], [11, 21], [12, 22], [13, 23]])
 
@@ -90,8 +90,8 @@ def test_learning_rate_warms_up_then_anneals_to_zero_at_the_budget():
 
 
 def test_the_demo_trains_a_fixed_number_of_steps_by_default_and_the_cli_says_the_same_number():
-    from genrec.cli import DEMO_STEPS, RANKER_STEPS
-    from genrec.demo.ranker.config import RankerConfig
+    from genrec_demo.cli import DEMO_STEPS, RANKER_STEPS
+    from genrec_demo.ranker.config import RankerConfig
 
     assert DemoConfig().max_steps == DEMO_STEPS > 0  # reproducible: no CPU-time budget decides the model
     assert RankerConfig().steps == RANKER_STEPS > 0

@@ -1,4 +1,4 @@
-"""`genrec ...` commands: tiny-model, build-ids, model-version, demo, deploy, bench."""
+"""`genrec ...` commands: tiny-model, build-ids, model-version, deploy, bench."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ import typer
 
 from genrec.bench.cli import bench_app
 from genrec.errors import GenrecError
-
-# genrec.demo's DemoConfig.max_steps and RankerConfig.steps (not imported here: the demo package loads torch)
-DEMO_STEPS = 2000
-RANKER_STEPS = 1300
 
 app = typer.Typer(
     help="genrec: generative recommendation with semantic IDs.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -94,37 +90,6 @@ def model_version_command(model: Path = typer.Argument(..., help="model director
 
     ModelDirectory(model)
     typer.echo(model_version(model))
-
-
-@app.command()
-def demo(
-    out: Path = typer.Option(Path("out/demo"), help="where the plot, the metrics and the batch output go"),
-    model_dir: Path = typer.Option(Path("out/demo-model"), help="the trained retriever (deployments/local.yaml's)"),
-    ranker_dir: Path = typer.Option(Path("out/demo-ranker"), help="the trained HSTU ranker (funnel-local.yaml's)"),
-    retrain: bool = typer.Option(False, "--retrain", help="train again even if a model of this recipe exists"),
-    seed: int = typer.Option(0, help="training seed (reported with the figures)"),
-    budget_s: float = typer.Option(
-        None, min=1.0, help="train for this many CPU-seconds of one thread instead of --steps (not reproducible)"
-    ),
-    users: int = typer.Option(None, min=1, help="only the first N users (a quick look; figures are noisier)"),
-    steps: int = typer.Option(DEMO_STEPS, min=1, help="training steps (the same model on any machine)"),
-    ranker_steps: int = typer.Option(RANKER_STEPS, min=1, help="the HSTU ranker's training steps"),
-    port: int = typer.Option(None, min=0, help="HTTP port (default: the Serve config's, or a free one if taken)"),
-):
-    """MovieLens-100k on the whole platform: train (or reuse) a model, load user embeddings into the cache,
-    serve it on a local Ray and query it over HTTP, run the batch job over all users, measure it against
-    most-popular."""
-    from genrec.demo import DemoConfig, run_demo
-    from genrec.demo.ranker.config import RankerConfig
-
-    by_budget = {"max_steps": None, "budget_cpu_s": budget_s} if budget_s is not None else {"max_steps": steps}
-    cfg = DemoConfig(seed=seed, users=users, **by_budget)
-    try:
-        ranker = RankerConfig(seed=seed, steps=ranker_steps)
-        run_demo(out, model_dir, cfg, retrain, ranker_dir, ranker, port=port, say=typer.echo)
-    except KeyboardInterrupt:
-        typer.echo("interrupted: the demo's Serve app, jobs and Ray are stopped", err=True)
-        raise typer.Exit(130) from None
 
 
 @app.command("deploy")

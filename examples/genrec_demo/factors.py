@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from genrec.demo.data import MovieLens
+from genrec_demo.data import MovieLens
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from genrec.demo.data import MovieLens
-from genrec.demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
+from genrec_demo.data import MovieLens
+from genrec_demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
 
 METHODS = ("retrieve", "recommend", "ranker", "popularity")
 

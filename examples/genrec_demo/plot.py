@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from genrec.demo.evaluate import Evaluation
 from genrec.errors import GenrecError
+from genrec_demo.evaluate import Evaluation
 
 LABELS = {
     "retrieve": "genrec retrieve (beam search)",

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from genrec.api import Event, RankRequest
-from genrec.demo.metrics import ndcg_at, recall_at
-from genrec.demo.train import one_thread
 from genrec.engine import Engine
+from genrec_demo.metrics import ndcg_at, recall_at
+from genrec_demo.train import one_thread
 
 BATCH = 64  # requests per engine call
 TASK = "watch"  # the order: the probability the user watches the item next

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from genrec.demo.data import MovieLens
-from genrec.demo.factors import Factors
-from genrec.demo.ranker.config import RankerConfig
-from genrec.demo.ranker.train import TrainedRanker, train_ranker
 from genrec.model.directory import GENREC_SUBDIR
 from genrec.model.hstu_tiny import write_catalog
+from genrec_demo.data import MovieLens
+from genrec_demo.factors import Factors
+from genrec_demo.ranker.config import RankerConfig
+from genrec_demo.ranker.train import TrainedRanker, train_ranker
 
 DEFAULT_DIR = Path("out/demo-ranker")
 RECIPE = "ranker.json"

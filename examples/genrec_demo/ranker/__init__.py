@@ -8,8 +8,8 @@ model_dir.py  the model directory (genrec's HSTU layout + the recipe), reused wh
 evaluate.py   rank retrieved lists with the served Engine
 """
 
-from genrec.demo.ranker.config import RankerConfig
-from genrec.demo.ranker.evaluate import rank_retrieved
-from genrec.demo.ranker.model_dir import DEFAULT_DIR, prepare_ranker
+from genrec_demo.ranker.config import RankerConfig
+from genrec_demo.ranker.evaluate import rank_retrieved
+from genrec_demo.ranker.model_dir import DEFAULT_DIR, prepare_ranker
 
 __all__ = ["DEFAULT_DIR", "RankerConfig", "prepare_ranker", "rank_retrieved"]

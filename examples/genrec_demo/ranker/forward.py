@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from genrec.demo.ranker.events import RankBatch
 from genrec.model.hstu import HSTU
+from genrec_demo.ranker.events import RankBatch
 
 
 def rank_logits(model: HSTU, batch: RankBatch, dropout: float = 0.0) -> torch.Tensor:

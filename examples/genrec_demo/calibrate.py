@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from genrec.api import RecommendedItem, RecommendRequest
-from genrec.demo.data import MovieLens
-from genrec.demo.metrics import ndcg_at, recall_at
-from genrec.demo.pipeline.inputs import Prompts
-from genrec.demo.train import one_thread
 from genrec.engine import Engine
+from genrec_demo.data import MovieLens
+from genrec_demo.metrics import ndcg_at, recall_at
+from genrec_demo.pipeline.inputs import Prompts
+from genrec_demo.train import one_thread
 
 WEIGHTS = (0.0, 0.1, 0.25)  # 0 keeps the generator's order
 K = 10

@@ -19,14 +19,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from genrec.demo.batches import NegativeSampler, near_items
-from genrec.demo.data import MovieLens
-from genrec.demo.factors import Factors
-from genrec.demo.ranker.config import RankerConfig
-from genrec.demo.ranker.events import UserEvents, make_rank_batch, user_events
-from genrec.demo.ranker.forward import hidden_states
-from genrec.demo.train import Budget, one_thread
 from genrec.model.hstu import HSTU
+from genrec_demo.batches import NegativeSampler, near_items
+from genrec_demo.data import MovieLens
+from genrec_demo.factors import Factors
+from genrec_demo.ranker.config import RankerConfig
+from genrec_demo.ranker.events import UserEvents, make_rank_batch, user_events
+from genrec_demo.ranker.forward import hidden_states
+from genrec_demo.train import Budget, one_thread
 
 LIKE = 4  # a rating of 4 or 5 is a like
 

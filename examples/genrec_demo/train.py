@@ -17,9 +17,9 @@ import torch.nn.functional as F
 import transformers
 from tqdm.auto import tqdm
 
-from genrec.demo.batches import IGNORE, Batch, NegativeSampler, Vocab, epoch_windows, make_batch
-from genrec.demo.config import DemoConfig
 from genrec.model.soft_token import SoftTokenProjector
+from genrec_demo.batches import IGNORE, Batch, NegativeSampler, Vocab, epoch_windows, make_batch
+from genrec_demo.config import DemoConfig
 
 WARMUP = 0.03  # share of the budget
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genrec.demo.prompts import prompt_token_ids
+from genrec_demo.prompts import prompt_token_ids
 
 IGNORE = -100
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from genrec.demo.data import MovieLens
-from genrec.demo.pipeline.inputs import Prompts
 from genrec.errors import GenrecError
+from genrec_demo.data import MovieLens
+from genrec_demo.pipeline.inputs import Prompts
 
 SHOW = 5  # titles per list
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from genrec.catalog.build_ids import catalog_from_embeddings
-from genrec.demo.batches import Vocab, near_items
-from genrec.demo.config import DemoConfig
-from genrec.demo.data import MovieLens
-from genrec.demo.factors import Factors
-from genrec.demo.model_dir import write_demo_model
-from genrec.demo.train import train
 from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer, semantic_token_ranges
+from genrec_demo.batches import Vocab, near_items
+from genrec_demo.config import DemoConfig
+from genrec_demo.data import MovieLens
+from genrec_demo.factors import Factors
+from genrec_demo.model_dir import write_demo_model
+from genrec_demo.train import train
 
 
 def build_model(data: MovieLens, factors: Factors, out: Path, cfg: DemoConfig, progress: bool = True) -> dict:

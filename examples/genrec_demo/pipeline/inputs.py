@@ -17,11 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from genrec.catalog import Catalog
-from genrec.demo.data import MovieLens
-from genrec.demo.prompts import prompt_text, prompt_token_ids
-from genrec.demo.ranker.events import histories_before, history_array
 from genrec.model.directory import ModelDirectory
 from genrec.model.tokenizer import USER_TOKEN, load_tokenizer, semantic_token_ranges
+from genrec_demo.data import MovieLens
+from genrec_demo.prompts import prompt_text, prompt_token_ids
+from genrec_demo.ranker.events import histories_before, history_array
 
 
 @dataclass

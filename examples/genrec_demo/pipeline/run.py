@@ -1,8 +1,8 @@
-"""`genrec demo` (`make demo`): the whole platform on one machine, on MovieLens-100k, with a trained model.
+"""`python -m genrec_demo` (`make demo`): the whole platform on one machine, on MovieLens-100k, with a trained model.
 
 1. MovieLens from the recbole wheel -> SVD factors -> semantic IDs -> a trained model directory (reused while
    its recipe matches; `--retrain` trains it again) -> recommend's ranking chosen on the validation items; then
-   an HSTU ranker trained on the same training items (genrec.demo.ranker), reused the same way.
+   an HSTU ranker trained on the same training items (genrec_demo.ranker), reused the same way.
 2. A local Ray. jobs/load_user_embeddings.py loads every user's vector into the EmbeddingCache actor.
 3. The Serve app of deployments/funnel-local.yaml (the Qwen3 retriever and the HSTU ranker), pointed at both
    models and the cache; a few real HTTP requests (retrieve, score, recommend, and the two-stage recommend with
@@ -30,23 +30,23 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from genrec.cache.config import CacheConfig
-from genrec.demo.build import build_model
-from genrec.demo.calibrate import choose_ranking, is_current
-from genrec.demo.config import DemoConfig
-from genrec.demo.data import MovieLens, load_movielens
-from genrec.demo.evaluate import measure, rankings_from_rows
-from genrec.demo.factors import Factors, svd_factors
-from genrec.demo.model_dir import RECIPE, read_recipe, read_titles, write_recipe
-from genrec.demo.pipeline.client import Funnel, Latencies, show_user
-from genrec.demo.pipeline.cluster import app_config, local_ray, port_or_free, start_serve_app
-from genrec.demo.pipeline.inputs import Prompts, write_inputs
-from genrec.demo.pipeline.jobs import REPO_ROOT, JobResult, run_job
-from genrec.demo.plot import plot_recall
-from genrec.demo.ranker.config import RankerConfig
-from genrec.demo.ranker.model_dir import prepare_ranker
-from genrec.demo.summary import key_values, quality_table
-from genrec.demo.train import one_thread
 from genrec.model.directory import GENREC_SUBDIR
+from genrec_demo.build import build_model
+from genrec_demo.calibrate import choose_ranking, is_current
+from genrec_demo.config import DemoConfig
+from genrec_demo.data import MovieLens, load_movielens
+from genrec_demo.evaluate import measure, rankings_from_rows
+from genrec_demo.factors import Factors, svd_factors
+from genrec_demo.model_dir import RECIPE, read_recipe, read_titles, write_recipe
+from genrec_demo.pipeline.client import Funnel, Latencies, show_user
+from genrec_demo.pipeline.cluster import app_config, local_ray, port_or_free, start_serve_app
+from genrec_demo.pipeline.inputs import Prompts, write_inputs
+from genrec_demo.pipeline.jobs import REPO_ROOT, JobResult, run_job
+from genrec_demo.plot import plot_recall
+from genrec_demo.ranker.config import RankerConfig
+from genrec_demo.ranker.model_dir import prepare_ranker
+from genrec_demo.summary import key_values, quality_table
+from genrec_demo.train import one_thread
 
 SERVE_CONFIG = REPO_ROOT / "deployments" / "funnel-local.yaml"
 RANK_TASK = "watch"  # the ranker's task that orders the funnel: P(the user watches the item next)

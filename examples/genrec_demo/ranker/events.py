@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from genrec.demo.data import MovieLens
 from genrec.model.hstu_config import HSTUConfig
+from genrec_demo.data import MovieLens
 
 # A batch job's `history` column: each row the request's events, oldest first (`MovieLens.events`).
 HISTORY_TYPE = pa.list_(pa.struct([("item_id", pa.string()), ("action", pa.int64()), ("timestamp", pa.float64())]))

@@ -12,7 +12,7 @@ class DemoConfig:
     codebook: int = 32
     rank: int = 32
     history: int = 50  # items in a prompt at most (training windows and requests alike)
-    prompt_layout: str = "history-first"  # see genrec.demo.prompts (a model trained on another layout retrains)
+    prompt_layout: str = "history-first"  # see genrec_demo.prompts (a model trained on another layout retrains)
     # The Qwen3: small enough that 5 CPU minutes are many epochs (quality here is bound by epochs).
     hidden: int = 64  # measured: 128 finished half the epochs and lost (0.155 vs 0.178 recall@10)
     layers: int = 2

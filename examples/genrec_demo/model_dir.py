@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 from transformers.utils import logging as hf_logging
 
 from genrec.catalog import Catalog
-from genrec.demo.config import DemoConfig
-from genrec.demo.train import Trained
 from genrec.model.directory import GENREC_SUBDIR
+from genrec_demo.config import DemoConfig
+from genrec_demo.train import Trained
 
 RECIPE = "demo.json"
 ITEMS = "items.parquet"

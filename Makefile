@@ -25,10 +25,10 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not integration" tests
 
 demo: $(STAMP)
-	$(VENV)/bin/genrec demo
+	$(PY) -m genrec_demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check platform tests deployments jobs
+	$(VENV)/bin/ruff check platform examples tests deployments jobs
 
 # vLLM, the peer that `genrec bench retrieve|score --peer vllm` runs side by side; its own venv, not part of `make test`.
 PEERS ?= .venv-peers

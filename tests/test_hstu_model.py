@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from genrec.errors import ModelDirectoryError
 from genrec.model import hstu
-from genrec.model.hstu import HSTU, HistoryRows, HistorySegment, load_hstu
+from genrec.model.directory import ModelDir
+from genrec.model.hstu import HSTU, HistoryRows, HistorySegment
 from genrec.model.hstu_config import HSTUConfig
 from genrec.model.hstu_tiny import HSTUSpec, random_hstu, write_hstu_dir
 from genrec.model.kv_pool import KVPool
@@ -265,7 +266,7 @@ def test_model_directory_round_trip(tmp_path):
     assert catalog.column("item_index").to_pylist() == list(range(40))
     assert str(catalog.schema.field("item_id").type) == "string"
 
-    loaded = load_hstu(out)
+    loaded = ModelDir.open(out).load_model()
     original = random_hstu(spec.config(), spec.seed)
     items, actions, buckets = random_events(loaded.config, 8, random.Random(3))
     for model in (loaded, original):
@@ -278,7 +279,7 @@ def test_model_directory_round_trip(tmp_path):
 def test_save_load_keeps_outputs_identical(tmp_path):
     config = make_config(num_time_buckets=0)
     model = random_hstu(config, 21)
-    loaded = load_hstu(model.save(tmp_path / "m"))
+    loaded = ModelDir.open(model.save(tmp_path / "m")).load_model()
     for name, p in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], p)
     embeds = embed(model, [1, 2], [0, None], [0, 0], None)
@@ -292,13 +293,13 @@ def test_load_refuses_weights_that_do_not_fit_the_config(tmp_path):
     del tensors["bucket_embedding.weight"]
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ModelDirectoryError, match="lack 1 tensors"):
-        load_hstu(out)
+        ModelDir.open(out).load_model()
     body = json.loads((out / "config.json").read_text())
     body["num_time_buckets"] = 0
     body["hidden_size"] = 30
     (out / "config.json").write_text(json.dumps(body))
     with pytest.raises(ModelDirectoryError, match="shape"):
-        load_hstu(out)
+        ModelDir.open(out).load_model()
 
 
 def test_config_round_trip_and_validation():

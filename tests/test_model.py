@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genrec.attention import ContextGroup, ContextRows
-from genrec.model import ContextKV, load_qwen3
+from genrec.model import ContextKV, ModelDir
 from genrec.model.tiny import ModelSpec, write_model_dir
 
 TOL = 1e-4
@@ -15,7 +15,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def ours(tiny_dir):
-    return load_qwen3(tiny_dir)
+    return ModelDir.open(tiny_dir).load_model()
 
 
 def full_prefill(model, ids):
@@ -84,7 +84,7 @@ def test_tied_embeddings_and_sharded_weights(tmp_path, rng):
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     (model_dir / "model.safetensors").unlink()
 
-    ours = load_qwen3(model_dir)
+    ours = ModelDir.open(model_dir).load_model()
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = torch.randint(0, ours.config.vocab_size, (17,), generator=rng)
     with torch.no_grad():
@@ -93,7 +93,7 @@ def test_tied_embeddings_and_sharded_weights(tmp_path, rng):
 
 
 def test_bfloat16_runs_on_the_same_code(tiny_dir, ours, rng):
-    half = load_qwen3(tiny_dir, dtype=torch.bfloat16)
+    half = ModelDir.open(tiny_dir).load_model(dtype=torch.bfloat16)
     ids = torch.randint(0, half.config.vocab_size, (20,), generator=rng)
     ctx = ContextKV.allocate(half.config, 20, "cpu", torch.bfloat16)
     logits = half.prefill(half.embed(ids), ctx)

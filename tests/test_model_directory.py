@@ -294,7 +294,7 @@ def test_max_positions_must_hold_a_prompt_token_and_a_code(broken):
     edit_config(broken, max_position_embeddings=3)  # the tiny model's codes have 3 levels
     expect_error(broken, ModelDirectoryError, "config.json", "max_position_embeddings 3", "needs at least 4")
     edit_config(broken, max_position_embeddings=4)
-    assert Engine.from_pretrained(broken).max_prompt_tokens == 1
+    assert Engine.from_pretrained(broken).family.max_prompt_tokens == 1
 
 
 def test_catalog_path_that_is_a_directory(broken):

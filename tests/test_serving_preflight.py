@@ -12,7 +12,7 @@ from genrec.model.hstu_tiny import write_hstu_dir
 from genrec.serving import preflight
 from genrec.serving.app import build_app
 from genrec.serving.args import AppArgs
-from genrec.serving.preflight import DeployRefused, ModelFacts, check_model_dir, engine_nodes
+from genrec.serving.preflight import DeployRefused, check_model_dir, engine_nodes
 from tests.conftest import TINY
 from tests.test_serving_families import SPEC
 
@@ -36,8 +36,9 @@ def broken(source, tmp_path, name: str, how: str):
 
 
 def test_good_directories_of_both_families(tiny_dir, hstu_dir):
-    assert check_model_dir(tiny_dir) == ModelFacts("qwen3", TINY.user_dim)
-    assert check_model_dir(hstu_dir) == ModelFacts("hstu", None)
+    qwen3, hstu = check_model_dir(tiny_dir), check_model_dir(hstu_dir)
+    assert (qwen3.family, qwen3.user_dim) == ("qwen3", TINY.user_dim)
+    assert (hstu.family, hstu.user_dim) == ("hstu", None)
 
 
 QWEN3_BREAKS = [

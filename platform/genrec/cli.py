@@ -73,9 +73,10 @@ def build_ids(
 ):
     """Semantic IDs by residual k-means per level plus a last, disambiguating level."""
     from genrec.catalog.build_ids import build_catalog
-    from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
+    from genrec.model.directory import ModelDir
+    from genrec.model.tokenizer import semantic_token_ranges
 
-    ranges = semantic_token_ranges(load_tokenizer(model))
+    ranges = semantic_token_ranges(ModelDir.open(model).load_tokenizer())
     catalog = build_catalog(embeddings, ranges, iters=iters, seed=seed)
     target = out or model / "genrec" / "catalog.parquet"
     catalog.save(target)
@@ -86,10 +87,9 @@ def build_ids(
 def model_version_command(model: Path = typer.Argument(..., help="model directory")):
     """Print the model's version and record its weights' digests in MODEL/genrec/digests.json, so replicas do
     not hash the weights at start (run it before the directory becomes read-only, e.g. in an image build)."""
-    from genrec.model.directory import ModelDirectory, model_version
+    from genrec.model.directory import ModelDir
 
-    ModelDirectory(model)
-    typer.echo(model_version(model))
+    typer.echo(ModelDir.open(model).version)
 
 
 @app.command("deploy")

@@ -16,9 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from genrec.catalog import Catalog
-from genrec.model.directory import ModelDirectory
-from genrec.model.tokenizer import USER_TOKEN, load_tokenizer, semantic_token_ranges
+from genrec.model.directory import ModelDir
+from genrec.model.tokenizer import USER_TOKEN
 from genrec_demo.data import MovieLens
 from genrec_demo.prompts import prompt_text, prompt_token_ids
 from genrec_demo.ranker.events import histories_before, history_array
@@ -35,9 +34,9 @@ class Prompts:
 
     @classmethod
     def of(cls, model_dir: Path, data: MovieLens, history: int) -> Prompts:
-        directory = ModelDirectory(model_dir)
-        tokenizer = load_tokenizer(directory.path)
-        catalog = Catalog.load(directory.catalog_path, semantic_token_ranges(tokenizer))
+        directory = ModelDir.open(model_dir)
+        tokenizer = directory.load_tokenizer()
+        catalog = directory.load_catalog(tokenizer)
         codes = catalog.codes[[catalog.index_of(item) for item in data.item_ids]]
         return cls(tokenizer, codes, tokenizer.convert_tokens_to_ids(USER_TOKEN), history)
 

@@ -10,14 +10,14 @@ from genrec.batch.funnel_worker import RankStage, RetrieveStage
 from genrec.batch.pipeline import Stage, Summary, run_stages
 from genrec.batch.recommend import check_generator, embedding_cache
 from genrec.batch.spec import Execution
-from genrec.model.directory import model_version
+from genrec.model.directory import ModelDir
 
 
 def run_funnel(
     spec: FunnelSpec, execution: Execution = Execution(), ranking: RankingExecution = RankingExecution()
 ) -> Summary:
     check_generator(spec.model)
-    ranker_version = model_version(spec.ranker)
+    ranker_version = ModelDir.open(spec.ranker).version
     stages = [
         Stage(RetrieveStage, execution, embedding_cache(spec)),
         Stage(RankStage, ranking.over(execution), lambda: {"ranker_version": ranker_version}),

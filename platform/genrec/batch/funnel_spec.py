@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from genrec.batch.rank import ranking_config
 from genrec.batch.spec import BatchSpec, Execution
 from genrec.errors import GenrecError
-from genrec.model.directory import model_version
+from genrec.model.directory import ModelDir
 
 
 class FunnelSpec(BatchSpec):
@@ -47,7 +47,7 @@ class FunnelSpec(BatchSpec):
         return {
             **super().identity(model_version_, input_fingerprint),
             "job": "funnel",
-            "ranker_version": model_version(self.ranker),
+            "ranker_version": ModelDir.open(self.ranker).version,
             "rank_task": self.rank_task,
         }
 

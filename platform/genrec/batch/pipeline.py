@@ -26,7 +26,7 @@ from genrec.batch.shards import InputLayout, Shard, UsersInput, shards_table
 from genrec.batch.spec import Execution, JobSpec
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
-from genrec.model.directory import model_version
+from genrec.model.directory import ModelDir
 
 
 @dataclass
@@ -78,7 +78,7 @@ def run_stages(spec: JobSpec, stages: list[Stage]) -> Summary:
     for stage in stages:
         _check_device(spec, stage.execution)
     users = UsersInput(spec.users, _layout(stages))
-    version = model_version(spec.model)
+    version = ModelDir.open(spec.model).version
     out = OutputDir(spec.out, stages[-1].worker.results)
     run_id = out.open_run(spec.identity(version, users.fingerprint()))
     out.remove_stale_tmp()

@@ -1,54 +1,189 @@
-"""The model directory: a plain Hugging Face directory plus genrec's own files under `genrec/`."""
+"""The one reader of a model directory: `ModelDir.open(path)`.
+
+A model directory is a plain Hugging Face directory (config.json, weights, tokenizer files) plus genrec's own
+files under `genrec/` (the catalog; a Qwen3 model's soft-token projector). `open` reads config.json and returns
+the family's directory object (Qwen3Dir, HSTUDir), which knows its family, the request kinds its engine answers,
+its config, version, catalog, files and user-vector width, loads each part for the engine, and checks everything
+an engine replica would read without building the model (`check`, the deploy's preflight). Nothing else in
+genrec opens a model's files.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from functools import cached_property
 from pathlib import Path
+from typing import ClassVar
+
+import torch
 
 from genrec.errors import ModelDirectoryError
 from genrec.model.config import Qwen3Config
 from genrec.model.digests import RECORD, DigestRecord
+from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
+from genrec.model.weights import check_weight_file, load_state_dict, weight_files
 
 GENREC_SUBDIR = "genrec"
 
 
-class ModelDirectory:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise ModelDirectoryError(self.path, "model directory does not exist")
-        for name in ("config.json",):
-            if not (self.path / name).exists():
-                raise ModelDirectoryError(self.path, f"{name} is missing")
-        # Validated first: the tokenizer reads config.json too and would report a bad one as its own failure.
-        self.config = Qwen3Config.from_file(self.path / "config.json")
-        if not self.catalog_path.exists():
-            raise ModelDirectoryError(self.path, f"{GENREC_SUBDIR}/catalog.parquet is missing (the item catalog)")
+class ModelDir:
+    family: ClassVar[str]  # "qwen3" | "hstu"
+    kinds: ClassVar[tuple[str, ...]]  # the request kinds an engine of this family answers
 
-    @property
-    def genrec_dir(self) -> Path:
-        return self.path / GENREC_SUBDIR
+    def __init__(self, path: Path, raw_config: dict):
+        self.path = path
+        self.config = self._config(raw_config)
+
+    @staticmethod
+    def open(path: str | Path) -> Qwen3Dir | HSTUDir:
+        """The directory's family object, its config.json validated; raises ModelDirectoryError naming the file."""
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelDirectoryError(path, "model directory does not exist")
+        raw = _read_config(path / "config.json")
+        family = HSTUDir if isinstance(raw, dict) and raw.get("model_type") == HSTU_MODEL_TYPE else Qwen3Dir
+        return family(path, raw)
+
+    def _config(self, raw):
+        raise NotImplementedError
 
     @property
     def catalog_path(self) -> Path:
-        return self.genrec_dir / "catalog.parquet"
+        return self.path / GENREC_SUBDIR / "catalog.parquet"
+
+    @cached_property
+    def version(self) -> str:
+        """A content hash of every file in the directory (see `model_version`)."""
+        return model_version(self.path)
+
+    @property
+    def user_dim(self) -> int | None:
+        """The width of the user vectors the model takes as a soft token; None: it takes none."""
+        return None
+
+    def weight_files(self) -> list[Path]:
+        return weight_files(self.path)
+
+    def load_weights(self) -> dict[str, torch.Tensor]:
+        return load_state_dict(self.path)
+
+    def check(self) -> None:
+        """Every file an engine replica reads at start, checked without building the model (the deploy's
+        preflight): the catalog, each weight file's safetensors header against the file's size, and the
+        family's own files. A ModelDirectoryError names the first bad one."""
+        self.load_catalog()
+        for file in self.weight_files():
+            check_weight_file(file)
+
+    def load_catalog(self):
+        raise NotImplementedError
+
+    def load_model(self, device="cpu", dtype: torch.dtype = torch.float32):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+    def __eq__(self, other) -> bool:  # two readers of one directory (e.g. one checked on another node)
+        return type(other) is type(self) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.path))
+
+
+class Qwen3Dir(ModelDir):
+    """A Qwen3 semantic-ID decoder: tokenizer files, the catalog of item codes, optionally a soft-token projector."""
+
+    family = "qwen3"
+    kinds = ("retrieve", "score", "recommend")
+
+    def _config(self, raw) -> Qwen3Config:
+        return Qwen3Config.from_dict(raw, self.path / "config.json")
 
     @property
     def soft_token_path(self) -> Path:
-        return self.genrec_dir / "soft_token.safetensors"
+        return self.path / GENREC_SUBDIR / "soft_token.safetensors"
+
+    @cached_property
+    def user_dim(self) -> int | None:
+        """The projector's input width, from its header (no tensor read)."""
+        if not self.soft_token_path.exists():
+            return None
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(self.soft_token_path), "pt") as tensors:
+                shape = tensors.get_slice("weight").get_shape()
+        except (SafetensorError, OSError) as err:
+            raise ModelDirectoryError(self.soft_token_path, f"cannot read soft-token projector ({err})") from None
+        if len(shape) != 2:
+            raise ModelDirectoryError(self.soft_token_path, f"soft-token weight has shape {shape}, not [hidden, user]")
+        return shape[1]
+
+    def load_tokenizer(self):
+        """The tokenizer, checked to produce only token IDs the model's embedding has."""
+        from genrec.model.tokenizer import check_token_ids, load_tokenizer
+
+        tokenizer = load_tokenizer(self.path)
+        check_token_ids(tokenizer, self.config.vocab_size, self.path)
+        return tokenizer
+
+    def load_catalog(self, tokenizer=None):
+        """The item catalog, its codes checked against the tokenizer's semantic-ID levels."""
+        from genrec.catalog.catalog import Catalog
+        from genrec.model.tokenizer import semantic_token_ranges
+
+        tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
+        return Catalog.load(self.catalog_path, semantic_token_ranges(tokenizer))
+
+    def load_projector(self):
+        """The soft-token projector, or None when the model has none."""
+        from genrec.model.soft_token import SoftTokenProjector
+
+        if not self.soft_token_path.exists():
+            return None
+        return SoftTokenProjector.load(self.soft_token_path, self.config.hidden_size)
+
+    def load_model(self, device="cpu", dtype: torch.dtype = torch.float32):
+        from genrec.model.qwen3 import load_qwen3
+
+        return load_qwen3(self.config, self.load_weights(), self.path, device, dtype)
+
+    def check(self) -> None:
+        super().check()  # the tokenizer and the catalog, then the weights
+        self.load_projector()
 
 
-def directory_family(path: str | Path) -> str:
-    """Which model family a directory holds, from its config.json's model_type: "hstu" or "qwen3" (anything else
-    is left to the Qwen3 loader to refuse with its own message)."""
-    from genrec.model.hstu_config import HSTU_MODEL_TYPE
+class HSTUDir(ModelDir):
+    """An HSTU ranker: its catalog maps item IDs to rows of the model's item-embedding table."""
 
+    family = "hstu"
+    kinds = ("rank",)
+
+    def _config(self, raw) -> HSTUConfig:
+        return HSTUConfig.from_dict(raw, self.path / "config.json")
+
+    def load_catalog(self):
+        from genrec.catalog.item_index import ItemIndex
+
+        return ItemIndex.load(self.catalog_path, self.config.num_items)
+
+    def load_model(self, device="cpu", dtype: torch.dtype = torch.float32):
+        from genrec.model.hstu import load_hstu
+
+        return load_hstu(self.config, self.load_weights(), self.path, device, dtype)
+
+
+def _read_config(path: Path):
     try:
-        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return "qwen3"
-    return "hstu" if model_type == HSTU_MODEL_TYPE else "qwen3"
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelDirectoryError(path.parent, "config.json is missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelDirectoryError(path, f"config.json cannot be read ({err})") from None
+    except json.JSONDecodeError as err:
+        raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
 
 
 def model_version(path: str | Path) -> str:

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from genrec.model.hstu_config import HSTUConfig
-from genrec.model.weights import assign_weights, load_state_dict
+from genrec.model.weights import assign_weights
 
 # Prefill queries per attention call: bounds the [heads, chunk, keys] score matrix (1024 × 16k keys × 4 heads
 # in float32 is 256 MiB) without changing any result.
@@ -269,12 +269,9 @@ def _prefix(ctx) -> tuple[KeySpan, ...]:
     )
 
 
-def load_hstu(model_dir: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> HSTU:
-    """Build an HSTU from a model directory (config.json + model.safetensors), every tensor checked by name and
-    shape against the config."""
-    model_dir = Path(model_dir)
-    config = HSTUConfig.from_file(model_dir / "config.json")
-    tensors = load_state_dict(model_dir)
+def load_hstu(config: HSTUConfig, tensors: dict, model_dir, device="cpu", dtype: torch.dtype = torch.float32) -> HSTU:
+    """An HSTU from a checkpoint's tensors (`genrec.model.directory.HSTUDir.load_model` reads them), every
+    tensor checked by name and shape against the config."""
     with torch.device("meta"):
         model = HSTU(config)
     assign_weights(model, tensors, model_dir, device, dtype, refuse_extra=True)

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from genrec.model.family import KVShape
+
+class KVShape(Protocol):
+    """What a pool needs of a model's config to hold its K/V (both families' configs have it)."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+
 
 # The most spans a context has: up to MAX_SPANS - 1 reused prefix pieces, then its own part. A fixed number, so
 # a decode pass captured as a graph has one shape whatever its contexts (see genrec.engine.prefix_cache).

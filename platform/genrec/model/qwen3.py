@@ -18,6 +18,7 @@ from torch import nn
 from genrec.attention import PrefillRows, shared_context_attention
 from genrec.model.config import Qwen3Config
 from genrec.model.kv_pool import ContextKV
+from genrec.model.weights import assign_weights
 from genrec.staging import to_device
 
 
@@ -253,3 +254,17 @@ class Qwen3(nn.Module):
             attn = shared_context_attention(q, context.at_layer(i), k, v, mask, layer.self_attn.scale)
             x = layer.finish(x, attn)
         return x, torch.stack(new_k), torch.stack(new_v)
+
+
+def load_qwen3(
+    config: Qwen3Config, tensors: dict, model_dir, device="cpu", dtype: torch.dtype = torch.float32
+) -> Qwen3:
+    """Our Qwen3 from a checkpoint's tensors (`genrec.model.directory.Qwen3Dir.load_model` reads them), each
+    checked by name and shape against the config; projections fused for inference."""
+    if "lm_head.weight" not in tensors and config.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+    with torch.device("meta"):
+        model = Qwen3(config)
+    assign_weights(model, tensors, model_dir, device, dtype)
+    model.rotary = Rotary(config.head_dim, config.rope_theta).to(device)
+    return model.eval().requires_grad_(False).fuse()

@@ -6,23 +6,42 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from genrec.errors import ModelDirectoryError
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files: `model.safetensors`, or the shards a `model.safetensors.index.json` names."""
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if single.exists():
-        return _read(single)
+        return [single]
     if index.exists():
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in _shards(index):
-            tensors.update(_read(model_dir / shard))
-        return tensors
+        return [model_dir / shard for shard in _shards(index)]
     raise ModelDirectoryError(model_dir, "no model.safetensors (nor model.safetensors.index.json) in the directory")
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(model_dir):
+        tensors.update(_read(file))
+    return tensors
+
+
+def check_weight_file(file: Path) -> None:
+    """The file's safetensors header parses and covers the file exactly (a truncated or padded copy fails here),
+    without reading the tensors."""
+    if not file.is_file():
+        raise ModelDirectoryError(file, "weight shard is missing")
+    try:
+        with safe_open(str(file), "pt"):
+            pass
+    except (SafetensorError, OSError) as err:
+        raise ModelDirectoryError(
+            file, f"not a complete safetensors file ({file.stat().st_size} bytes: {err})"
+        ) from None
 
 
 def model_weight(name: str, tensor: torch.Tensor, device, dtype: torch.dtype, model_dir: Path) -> torch.Tensor:

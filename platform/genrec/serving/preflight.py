@@ -16,20 +16,12 @@ task on one that can.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from ray.serve.exceptions import RayServeException
-from safetensors import SafetensorError, safe_open
 
-from genrec.catalog.catalog import Catalog
-from genrec.catalog.item_index import ItemIndex
-from genrec.errors import GenrecError, ModelDirectoryError
-from genrec.model.directory import GENREC_SUBDIR, ModelDirectory, directory_family
-from genrec.model.hstu_config import HSTUConfig
-from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import check_token_ids, load_tokenizer, semantic_token_ranges
-from genrec.model.weights import _shards
+from genrec.errors import GenrecError
+from genrec.model.directory import GENREC_SUBDIR, ModelDir
 from genrec.serving.args import AppArgs, EngineArgs
 
 log = logging.getLogger(__name__)
@@ -42,58 +34,15 @@ class DeployRefused(RayServeException):
     DEPLOY_FAILED status (once, without the traceback or the three retries of any other builder error)."""
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the builder needs to know of a model directory that checked out."""
-
-    family: str  # "qwen3" | "hstu"
-    user_dim: int | None  # the soft-token projector's input width; None: no projector (or an HSTU model)
-
-
-def check_model_dir(path: str | Path) -> ModelFacts:
-    """Every file an engine replica reads at start, checked; a ModelDirectoryError names the first bad one."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelDirectoryError(path, "model directory does not exist")
-    if directory_family(path) == "hstu":
-        config = HSTUConfig.from_file(path / "config.json")
-        ItemIndex.load(path / GENREC_SUBDIR / "catalog.parquet", config.num_items)
-        check_weight_files(path)
-        return ModelFacts("hstu", None)
-    directory = ModelDirectory(path)  # config.json, and that the catalog is there
-    tokenizer = load_tokenizer(directory.path)
-    check_token_ids(tokenizer, directory.config.vocab_size, directory.path)
-    Catalog.load(directory.catalog_path, semantic_token_ranges(tokenizer))
-    check_weight_files(directory.path)
-    if not directory.soft_token_path.exists():
-        return ModelFacts("qwen3", None)
-    projector = SoftTokenProjector.load(directory.soft_token_path, directory.config.hidden_size)
-    return ModelFacts("qwen3", projector.user_dim)
+def check_model_dir(path: str | Path) -> ModelDir:
+    """Every file an engine replica reads at start, checked (`ModelDir.check`); a ModelDirectoryError names the
+    first bad one. The directory object that checked out says its family and user-vector width."""
+    directory = ModelDir.open(path)
+    directory.check()
+    return directory
 
 
-def check_weight_files(model_dir: Path) -> None:
-    """Each weight file's safetensors header parses and covers the file exactly (a truncated or padded copy
-    fails here), without reading the tensors."""
-    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
-    if single.exists():
-        files = [single]
-    elif index.exists():
-        files = [model_dir / name for name in _shards(index)]
-    else:
-        raise ModelDirectoryError(model_dir, "no model.safetensors (nor model.safetensors.index.json) in the directory")
-    for file in files:
-        if not file.is_file():
-            raise ModelDirectoryError(file, "weight shard is missing")
-        try:
-            with safe_open(str(file), "pt"):
-                pass
-        except (SafetensorError, OSError) as err:
-            raise ModelDirectoryError(
-                file, f"not a complete safetensors file ({file.stat().st_size} bytes: {err})"
-            ) from None
-
-
-def check_cache(cache, facts: ModelFacts, model_dir: str) -> None:
+def check_cache(cache, facts: ModelDir, model_dir: str) -> None:
     """A cache hands its vectors to the soft-token projector: its `dim` must be what the projector takes. A
     mismatch would deploy and answer every `user_id` request with a 422 blaming the client."""
     if cache is None:
@@ -112,7 +61,7 @@ def check_cache(cache, facts: ModelFacts, model_dir: str) -> None:
         )
 
 
-def preflight(args: AppArgs) -> ModelFacts | None:
+def preflight(args: AppArgs) -> ModelDir | None:
     """The builder's checks: the model directory where an engine would read it, then the cache against the
     model; with a ranker, its directory too and each model's family (a Qwen3 retriever, an HSTU ranker). Raises
     DeployRefused. None: no node that could host an engine is up, so nothing was checked."""
@@ -124,7 +73,7 @@ def preflight(args: AppArgs) -> ModelFacts | None:
     return facts
 
 
-def check_funnel(retriever: ModelFacts | None, ranker: ModelFacts | None, args: AppArgs) -> None:
+def check_funnel(retriever: ModelDir | None, ranker: ModelDir | None, args: AppArgs) -> None:
     """A funnel retrieves with a Qwen3 model and ranks with an HSTU one (None: that one was not checked)."""
     if retriever is not None and retriever.family != "qwen3":
         raise DeployRefused(
@@ -135,7 +84,7 @@ def check_funnel(retriever: ModelFacts | None, ranker: ModelFacts | None, args: 
         raise DeployRefused(f"ranker.model_dir: {args.ranker.model_dir} is a Qwen3 model, not an HSTU ranking model")
 
 
-def _checked(where: str, engine: EngineArgs) -> ModelFacts | None:
+def _checked(where: str, engine: EngineArgs) -> ModelDir | None:
     try:
         return _check_where_engines_run(engine)
     except GenrecError as err:
@@ -153,7 +102,7 @@ def engine_nodes(nodes: list[dict], cpus: float, gpus: float) -> list[str]:
     ]
 
 
-def _check_where_engines_run(args: EngineArgs) -> ModelFacts | None:
+def _check_where_engines_run(args: EngineArgs) -> ModelDir | None:
     import ray
 
     if not ray.is_initialized():  # a plain call outside a cluster: the directory is local

@@ -62,6 +62,19 @@ def hf_model(tiny_dir):
     return AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
 
 
+class ManualClock:
+    """A scheduler's clock that moves only when told: deadline tests are exact and take no real time."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)
@@ -69,8 +82,8 @@ def rng():
 
 def random_prompt(engine, length, generator):
     """Ordinary tokens (below the semantic-ID range, no special tokens)."""
-    first_semantic = int(engine.trie.token[0].min())
-    specials = set(engine.tokenizer.all_special_ids)
+    first_semantic = int(engine.family.trie.token[0].min())
+    specials = set(engine.family.tokenizer.all_special_ids)
     pool = torch.tensor([t for t in range(first_semantic) if t not in specials])
     return pool[torch.randint(0, len(pool), (length,), generator=generator)].tolist()
 

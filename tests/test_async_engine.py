@@ -6,12 +6,11 @@ import time
 import pytest
 
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
-from genrec.engine import AsyncEngine, SchedulerConfig
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.engine.job import JobState
-from genrec.engine.kv_budget import request_kv_tokens
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
-from tests.conftest import random_prompt
+from tests.conftest import ManualClock, random_prompt
 
 
 def mixed_requests(engine, rng, n):
@@ -65,7 +64,7 @@ async def call(async_engine, request, **kw):
 
 @pytest.fixture
 def async_engine(engine):
-    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=64, max_running=16))
+    ae = AsyncEngine(Engine(engine.family, SchedulerConfig(prefill_tokens_per_step=64, max_running=16)))
     yield ae
     ae.shutdown()
 
@@ -112,7 +111,7 @@ def test_cancellation_frees_kv_at_once(engine, rng):
 
 
 def test_cancelled_await_frees_kv(engine, rng):
-    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=4))
+    ae = AsyncEngine(Engine(engine.family, SchedulerConfig(prefill_tokens_per_step=4)))
 
     async def cancel_midway():
         task = asyncio.ensure_future(ae.retrieve(RetrieveRequest(prompt_token_ids=random_prompt(engine, 300, rng))))
@@ -130,10 +129,12 @@ def test_cancelled_await_frees_kv(engine, rng):
 
 
 def test_timeout_fails_the_request_and_frees_kv(engine, rng):
-    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=4))
+    clock = ManualClock()
+    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=4), clock)
     future = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 100, rng))), 0.01)
     scheduler.step()
-    time.sleep(0.02)
+    assert not future.done()
+    clock.advance(0.02)
     scheduler.step()
     with pytest.raises(RequestTimeout):
         future.result(timeout=1)
@@ -153,7 +154,7 @@ def test_overload_is_refused_fast(engine, rng):
 
 def test_a_request_that_does_not_fit_waits_for_memory(engine, rng):
     request = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 30, rng), beam_width=8))
-    one = Scheduler(engine).per_token * request_kv_tokens(request, engine.catalog.levels)
+    one = Scheduler(engine).per_token * request.kv_tokens
     scheduler = Scheduler(engine, SchedulerConfig(kv_budget_bytes=one))
     first, second = scheduler.submit(request), scheduler.submit(request)
     scheduler.step()
@@ -166,14 +167,14 @@ def test_a_request_that_does_not_fit_waits_for_memory(engine, rng):
 
 
 def test_a_failing_request_fails_alone_and_the_loop_keeps_serving(engine, async_engine, rng, monkeypatch):
-    original = engine.runner.prompt_embeds
+    original = engine.family.context_embeds
 
     def sabotaged(prepared, *span):
         if prepared.request.request_id == "boom":
             raise RuntimeError("injected failure")
         return original(prepared, *span)
 
-    monkeypatch.setattr(engine.runner, "prompt_embeds", sabotaged)
+    monkeypatch.setattr(engine.family, "context_embeds", sabotaged)
     requests = mixed_requests(engine, rng, 9)
     bad = RetrieveRequest(prompt_token_ids=random_prompt(engine, 12, rng), request_id="boom")
 
@@ -184,7 +185,7 @@ def test_a_failing_request_fails_alone_and_the_loop_keeps_serving(engine, async_
     assert isinstance(results[0], RuntimeError) and "injected" in str(results[0])
     for request, result in zip(requests, results[1:], strict=True):
         assert_same(result, run_alone(engine, request))
-    monkeypatch.setattr(engine.runner, "prompt_embeds", original)
+    monkeypatch.setattr(engine.family, "context_embeds", original)
     after = asyncio.run(asyncio.wait_for(call(async_engine, requests[0]), 30))
     assert_same(after, run_alone(engine, requests[0]))
 
@@ -197,8 +198,8 @@ def test_invalid_requests_raise_before_queueing(engine, async_engine):
 
 def test_a_repeated_prompt_prefills_only_past_its_cached_blocks(engine, rng, monkeypatch):
     spans = []
-    original = engine.runner.prompt_embeds
-    monkeypatch.setattr(engine.runner, "prompt_embeds", lambda p, *span: spans.append(span) or original(p, *span))
+    original = engine.family.context_embeds
+    monkeypatch.setattr(engine.family, "context_embeds", lambda p, *span: spans.append(span) or original(p, *span))
     scheduler = Scheduler(engine)
     prompt = random_prompt(engine, 40, rng)
     retrieve = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=5)))
@@ -254,8 +255,9 @@ async def submit_then_shutdown(ae, requests, wait_s, **shutdown):
 
 
 def test_shutdown_fails_every_queued_and_running_request_promptly(engine, rng, monkeypatch):
-    held_decode(engine, monkeypatch)
-    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=16, max_running=4))
+    held = Engine(engine.family, SchedulerConfig(prefill_tokens_per_step=16, max_running=4))
+    held_decode(held, monkeypatch)
+    ae = AsyncEngine(held)
     outcomes, took = asyncio.run(submit_then_shutdown(ae, slow_requests(engine, rng), 0.2, timeout_s=10.0))
     stopped = [o for o in outcomes if isinstance(o, EngineStopped)]
     assert len(stopped) >= 10 and all(isinstance(o, EngineStopped) or o.items for o in outcomes)
@@ -267,7 +269,7 @@ def test_shutdown_fails_every_queued_and_running_request_promptly(engine, rng, m
 
 
 def test_shutdown_with_drain_finishes_what_it_holds_and_refuses_new_requests(engine, rng):
-    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=64, max_running=8))
+    ae = AsyncEngine(Engine(engine.family, SchedulerConfig(prefill_tokens_per_step=64, max_running=8)))
     requests = slow_requests(engine, rng)[:6]
 
     async def drain_while_submitting():
@@ -288,8 +290,9 @@ def test_shutdown_with_drain_finishes_what_it_holds_and_refuses_new_requests(eng
 
 
 def test_a_drain_that_runs_out_of_time_fails_the_rest(engine, rng, monkeypatch):
-    held_decode(engine, monkeypatch)
-    ae = AsyncEngine(engine, SchedulerConfig(prefill_tokens_per_step=8, max_running=2))
+    held = Engine(engine.family, SchedulerConfig(prefill_tokens_per_step=8, max_running=2))
+    held_decode(held, monkeypatch)
+    ae = AsyncEngine(held)
     outcomes, took = asyncio.run(submit_then_shutdown(ae, slow_requests(engine, rng), 0.05, timeout_s=0.3, drain=True))
     assert took < 3.0
     assert sum(isinstance(o, EngineStopped) for o in outcomes) >= 10

@@ -161,9 +161,9 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
     from genrec.cache.actor import EmbeddingCache
     from genrec.model.tokenizer import USER_TOKEN
 
-    placeholder = engine.tokenizer.convert_tokens_to_ids(USER_TOKEN)
+    placeholder = engine.family.tokenizer.convert_tokens_to_ids(USER_TOKEN)
     gen = torch.Generator().manual_seed(3)
-    n, dim = 6, engine.projector.user_dim
+    n, dim = 6, engine.family.projector.user_dim
     vectors = torch.randn(n, dim, generator=gen).tolist()
     prompts = [[placeholder, *random_prompt(engine, 20, gen)] for _ in range(n)]
     candidates = [["item-000001", "item-000002"]] * n

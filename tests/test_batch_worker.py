@@ -35,8 +35,8 @@ SCHEMA = pa.schema(
 
 def test_every_kind_of_bad_row_becomes_an_error_naming_its_field(engine, tiny_dir, tmp_path):
     gen = torch.Generator().manual_seed(5)
-    placeholder = engine.tokenizer.convert_tokens_to_ids(USER_TOKEN)
-    dim, vocab = engine.projector.user_dim, engine.model.config.vocab_size
+    placeholder = engine.family.tokenizer.convert_tokens_to_ids(USER_TOKEN)
+    dim, vocab = engine.family.projector.user_dim, engine.model.config.vocab_size
     ok = random_prompt(engine, 12, gen)
     cases = [  # (row fields, the field its error names; None: a good row)
         ({"prompt_token_ids": ok}, None),
@@ -45,7 +45,7 @@ def test_every_kind_of_bad_row_becomes_an_error_naming_its_field(engine, tiny_di
         ({}, "prompt"),
         ({"prompt_token_ids": [3, -1]}, "prompt_token_ids[1]"),
         ({"prompt_token_ids": [vocab + 5]}, "prompt_token_ids"),
-        ({"prompt_token_ids": [3] * (engine.max_prompt_tokens + 1)}, "prompt_token_ids"),
+        ({"prompt_token_ids": [3] * (engine.family.max_prompt_tokens + 1)}, "prompt_token_ids"),
         ({"prompt_token_ids": [placeholder, *ok], "user_embedding": [0.5] * (dim + 1)}, "user_embedding"),
         ({"prompt_token_ids": [placeholder, *ok], "user_embedding": [math.nan] * dim}, "user_embedding"),
         ({"prompt_token_ids": [placeholder, *ok]}, "user_embedding"),

@@ -91,7 +91,7 @@ def write_catalog(path, semantic_id, item_id=None):
     ],
 )
 def test_bad_semantic_id_column_names_file_and_column(engine, tmp_path, name, column, fragment):
-    ranges = semantic_token_ranges(engine.tokenizer)
+    ranges = semantic_token_ranges(engine.family.tokenizer)
     path = write_catalog(tmp_path / "catalog.parquet", column(engine.catalog.codes[:4]))
     with pytest.raises(CatalogError) as info:
         Catalog.load(path, ranges)
@@ -103,13 +103,15 @@ def test_bad_semantic_id_column_names_file_and_column(engine, tmp_path, name, co
 def test_bad_item_id_column_names_file_and_column(engine, tmp_path, item_id):
     path = write_catalog(tmp_path / "catalog.parquet", pa.array(engine.catalog.codes[:4].tolist()), item_id)
     with pytest.raises(CatalogError, match=r"catalog\.parquet: column 'item_id'"):
-        Catalog.load(path, semantic_token_ranges(engine.tokenizer))
+        Catalog.load(path, semantic_token_ranges(engine.family.tokenizer))
 
 
 def test_catalog_of_any_integer_list_type_loads(engine, tmp_path):
     codes = engine.catalog.codes[:4]
     column = pa.array(codes.tolist(), pa.list_(pa.uint16(), 3))  # fixed-size list of unsigned ints
-    catalog = Catalog.load(write_catalog(tmp_path / "catalog.parquet", column), semantic_token_ranges(engine.tokenizer))
+    catalog = Catalog.load(
+        write_catalog(tmp_path / "catalog.parquet", column), semantic_token_ranges(engine.family.tokenizer)
+    )
     assert catalog.codes.dtype == np.int64 and (catalog.codes == codes).all()
 
 

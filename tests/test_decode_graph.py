@@ -106,8 +106,8 @@ def test_contexts_with_reused_prefix_pieces_decode_the_same_bucketed_and_sized_t
             prefix = [Piece(shared.extent.retain(), shared.extent.start + a, n) for a, n in pieces]
             ctx = ContextKV(pool.reserve(len(tokens) - sum(n for _, n in pieces)), prefix)
             logits = engine.runner.prefill([(p, ctx, ctx.prefix_length, len(tokens) - ctx.prefix_length)])
-            slots = pool.reserve(slots_needed(engine.trie, [5]))
-            out.append(start_cohort(engine.trie, [p], [ctx], logits, slots=slots))
+            slots = pool.reserve(slots_needed(engine.family.trie, [5]))
+            out.append(start_cohort(engine.family.trie, [p], [ctx], logits, slots=slots))
         return out
 
     bucketed, exact = cohorts(engine.runner.new_pool(2048)), cohorts(engine.runner.new_pool(2048))

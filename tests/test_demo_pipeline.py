@@ -32,7 +32,7 @@ def test_prepare_trains_a_model_that_loads_as_genrec_and_as_transformers(prepare
     assert not first.reused and "training the demo model" in lines[0]
     assert first.recipe["training"]["steps"] == 3 and first.recipe["training"]["seed"] == 3
     engine = Engine.from_pretrained(model_dir)  # the user-facing path
-    assert len(engine.catalog) == 1682 and engine.projector.user_dim == 8
+    assert len(engine.catalog) == 1682 and engine.family.projector.user_dim == 8
     assert read_titles(model_dir)["1"] == "Toy Story (1995)"
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # a standard directory
     assert hf.config.model_type == "qwen3"

@@ -131,7 +131,7 @@ def test_training_scores_equal_the_engine_scores(served):
     for b, (u, end) in enumerate(rows):
         prompt = prompt_token_ids(vocab.codes, histories[u][:end], vocab.user, 3)
         request = ScoreRequest(
-            prompt=prompt_text(engine.tokenizer, prompt),
+            prompt=prompt_text(engine.family.tokenizer, prompt),
             user_embedding=users[u].tolist(),
             candidates=[Candidate(item_id=f"m{i}") for i in [histories[u][end], *candidates[b]]],
         )

@@ -99,8 +99,8 @@ def random_fields(rng, engine) -> tuple[str, dict]:
     """One request's kind and fields. Most draws are valid for the model but extreme for the engine (huge prompts
     and beams, excluded-everything, duplicate, unknown and excluded candidates, overflowing embeddings); about a
     third are "wild" and may also hold what the model itself must refuse (bools, strings, surrogates, ...)."""
-    items, dim = list(engine.catalog.item_ids), engine.projector.user_dim
-    vocab, room = engine.model.config.vocab_size, engine.max_prompt_tokens
+    items, dim = list(engine.catalog.item_ids), engine.family.projector.user_dim
+    vocab, room = engine.model.config.vocab_size, engine.family.max_prompt_tokens
     wild = rng.random() < 0.3
 
     def pick(edges, invalid=()):
@@ -151,7 +151,7 @@ def random_fields(rng, engine) -> tuple[str, dict]:
             "duplicates": [items[3]] * 5,
         }[exclude]
     if kind != "retrieve":
-        count = pick([1, 3, 50] + ([0] if kind == "recommend" else []), [0, engine.max_candidates + 1])
+        count = pick([1, 3, 50] + ([0] if kind == "recommend" else []), [0, engine.family.max_candidates + 1])
         excluded = fields.get("exclude_item_ids") or items
         fields["candidates"] = [random_candidate(rng, items, excluded, vocab, pick) for _ in range(count)]
         if rng.random() < 0.15:
@@ -209,7 +209,9 @@ def fuzz(engine, rng, count: int) -> dict:
             continue
         entry = kind if rng.random() < 0.85 else rng.choice(list(classes))  # sometimes the wrong entry
         cases.append((entry, request))
-    at_the_limit = [1] * engine.max_prompt_tokens  # the longest prompt, the widest beam: the last positions decode
+    at_the_limit = [
+        1
+    ] * engine.family.max_prompt_tokens  # the longest prompt, the widest beam: the last positions decode
     cases.append(("recommend", RecommendRequest(prompt_token_ids=at_the_limit, beam_width=1024, num_results=3)))
 
     def alone(entry, request):

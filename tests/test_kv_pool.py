@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.engine.kv_budget import request_kv_tokens
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
 from genrec.model.kv_pool import ContextKV, ExtentAllocator, KVPool
 from tests.conftest import random_prompt
@@ -58,7 +57,7 @@ def test_pooled_prefill_writes_the_same_kv_as_a_private_context(engine, rng):
 def test_admission_takes_real_pool_space_and_everything_comes_back(engine, rng):
     requests = [RetrieveRequest(prompt_token_ids=random_prompt(engine, n, rng), beam_width=8) for n in (30, 12, 40)]
     prepared = [engine.prepare(r) for r in requests]
-    tokens = [request_kv_tokens(p, engine.catalog.levels) for p in prepared]
+    tokens = [p.kv_tokens for p in prepared]
     scheduler = Scheduler(
         engine, SchedulerConfig(kv_budget_bytes=Scheduler(engine).per_token * (tokens[0] + tokens[1]))
     )
@@ -78,7 +77,7 @@ def test_admission_takes_real_pool_space_and_everything_comes_back(engine, rng):
 def test_cached_prompts_hold_pool_space_until_evicted_for_a_request_that_does_not_fit(engine, rng):
     small = RetrieveRequest(prompt_token_ids=random_prompt(engine, 20, rng), beam_width=4)
     big = RetrieveRequest(prompt_token_ids=random_prompt(engine, 60, rng), beam_width=4)
-    need = request_kv_tokens(engine.prepare(big), engine.catalog.levels)
+    need = engine.prepare(big).kv_tokens
     per_token = Scheduler(engine).per_token
     budget = per_token * need
     scheduler = Scheduler(engine, SchedulerConfig(kv_budget_bytes=budget, prefix_cache_bytes=budget))

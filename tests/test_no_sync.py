@@ -33,9 +33,9 @@ def test_the_guard_catches_what_would_sync():
 def requests(engine, rng):
     items = engine.catalog.item_ids
     cands = [Candidate(item_id=i) for i in items[:5]] + [Candidate(token_ids=[3, 4, 5])]
-    embedding = [0.1] * engine.projector.user_dim if engine.projector is not None else None
+    embedding = [0.1] * engine.family.projector.user_dim if engine.family.projector is not None else None
     user_prompt = (
-        [engine.placeholder_id] + random_prompt(engine, 20, rng) if embedding else random_prompt(engine, 20, rng)
+        [engine.family.placeholder_id] + random_prompt(engine, 20, rng) if embedding else random_prompt(engine, 20, rng)
     )
     return [
         RetrieveRequest(prompt_token_ids=random_prompt(engine, 30, rng), beam_width=7, exclude_item_ids=items[:4]),

@@ -98,10 +98,10 @@ def test_warm_equals_cold_with_evictions_in_between(engine, rng):
 
 def test_a_soft_token_ties_later_blocks_to_its_embedding(engine, rng):
     scheduler = Scheduler(engine)
-    user = engine.tokenizer.convert_tokens_to_ids(USER_TOKEN)
+    user = engine.family.tokenizer.convert_tokens_to_ids(USER_TOKEN)
     prompt = random_prompt(engine, 60, rng)
     prompt[20] = user  # in block 1: block 0 is shared by every embedding, blocks 1.. are not
-    a, b = (torch.randn(engine.projector.user_dim, generator=rng).tolist() for _ in range(2))
+    a, b = (torch.randn(engine.family.projector.user_dim, generator=rng).tolist() for _ in range(2))
     longer = prompt + random_prompt(engine, 10, rng)
     request = lambda p, v: RetrieveRequest(prompt_token_ids=p, user_embedding=v, beam_width=6)  # noqa: E731
     for tokens, vector, reused in ((prompt, a, 0), (longer, b, BLOCK), (longer, a, 48)):
@@ -115,7 +115,7 @@ def test_an_edit_in_the_middle_reuses_only_the_blocks_before_it(engine, rng):
     prompt = random_prompt(engine, 90, rng)
     run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=4))
     edited = list(prompt)
-    edited[40] = (edited[40] + 1) % int(engine.trie.token[0].min())  # block 2 (tokens 32-47) changes
+    edited[40] = (edited[40] + 1) % int(engine.family.trie.token[0].min())  # block 2 (tokens 32-47) changes
     request = RetrieveRequest(prompt_token_ids=edited + random_prompt(engine, 5, rng), beam_width=4)
     before = scheduler.cache.stats.tokens_reused
     assert_equal(run(scheduler, engine, request), cold(engine, request))

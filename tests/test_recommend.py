@@ -121,7 +121,7 @@ def test_joint_ranking_adds_each_items_code_logprob_to_its_score(engine, hf_mode
         if item.source == "retrieved":
             assert item.code_logprob == item.retrieval_logprob
         else:  # computed in the scoring pass: equal to transformers over prompt + the candidate's tokens
-            cand = item.semantic_id or engine.tokenizer("news daily", add_special_tokens=False)["input_ids"]
+            cand = item.semantic_id or engine.family.tokenizer("news daily", add_special_tokens=False)["input_ids"]
             assert item.code_logprob == pytest.approx(hf_sequence_logprob(hf_model, tokens, cand), abs=1e-4)
     joint = [i.code_logprob + i.score_logprob for i in rec.items]
     assert joint == sorted(joint, reverse=True)
@@ -184,7 +184,9 @@ def test_ranking_options_are_checked(field, value):
 
 def test_a_non_finite_code_logprob_fails_the_request_clearly(engine, rng, monkeypatch):
     _, request = joint_request(engine, rng, rank_by="joint")
-    monkeypatch.setattr(engine.runner, "_token_logprobs", lambda hidden, tokens, rows=512: hidden[:, 0] * torch.nan)
+    monkeypatch.setattr(
+        engine.family.scorer, "_token_logprobs", lambda hidden, tokens, rows=512: hidden[:, 0] * torch.nan
+    )
     with pytest.raises(InvalidRequestError, match="not finite"):
         engine.recommend([request])
     (by_score,) = engine.recommend([request.model_copy(update={"rank_by": "score"})])  # asks for none: unaffected

@@ -37,7 +37,7 @@ def test_narrow_beam_equals_transformers_beam_search(engine, hf_model, rng, beam
     prompt = random_prompt(engine, 30, rng)
     (result,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=beam_width)])
     codes, scores = hf_constrained_beams(
-        hf_model, prompt, engine.catalog.codes, beam_width, engine.tokenizer.pad_token_id
+        hf_model, prompt, engine.catalog.codes, beam_width, engine.family.tokenizer.pad_token_id
     )
     assert [i.semantic_id for i in result.items] == codes
     assert np.allclose([i.logprob for i in result.items], scores, atol=TOL)
@@ -67,7 +67,9 @@ def test_exclusions_never_come_back_and_take_no_beams(engine, hf_model, rng):
     assert not {i.item_id for i in result.items} & set(excluded)
     # Same beams as transformers' beam search over the catalog without the excluded items.
     keep = [i for i in range(len(engine.catalog)) if engine.catalog.item_ids[i] not in set(excluded)]
-    codes, scores = hf_constrained_beams(hf_model, prompt, engine.catalog.codes[keep], 5, engine.tokenizer.pad_token_id)
+    codes, scores = hf_constrained_beams(
+        hf_model, prompt, engine.catalog.codes[keep], 5, engine.family.tokenizer.pad_token_id
+    )
     assert [i.semantic_id for i in result.items] == codes
     # With a full-width beam, exactly the exhaustive ranking of the remaining items.
     full = RetrieveRequest(prompt_token_ids=prompt, beam_width=1024, exclude_item_ids=excluded)
@@ -179,7 +181,7 @@ def test_what_json_and_ray_data_send_is_still_accepted():
 
 
 def test_prompt_too_long_and_unknown_tokens(engine):
-    too_long = RetrieveRequest(prompt_token_ids=[1] * (engine.max_prompt_tokens + 1))
+    too_long = RetrieveRequest(prompt_token_ids=[1] * (engine.family.max_prompt_tokens + 1))
     with pytest.raises(InvalidRequestError, match="at most"):
         engine.retrieve([too_long])
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):

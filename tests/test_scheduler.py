@@ -10,7 +10,7 @@ from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.engine import results
 from genrec.engine.job import Job, JobState
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
-from tests.conftest import random_prompt
+from tests.conftest import ManualClock, random_prompt
 
 
 def run(scheduler):
@@ -129,18 +129,19 @@ def test_a_request_of_many_candidates_scores_in_bounded_passes_and_others_run_be
 
 
 def test_a_deadline_is_checked_between_scoring_passes(tiny_dir, rng):
-    import time
-
     from genrec.engine import Engine
     from genrec.errors import RequestTimeout
 
-    engine = Engine.from_pretrained(tiny_dir, score_max_tokens=32, scheduler=SchedulerConfig(prefix_cache_bytes=0))
-    scheduler = engine.scheduler
-    future = scheduler.submit(engine.prepare(big_score(engine, rng)), timeout_s=2)  # room for a slow prefill
+    engine = Engine.from_pretrained(tiny_dir, score_max_tokens=32)
+    clock = ManualClock()
+    scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0), clock)
+    future = scheduler.submit(engine.prepare(big_score(engine, rng)), timeout_s=2)
     while not scheduler.in_state(JobState.SCORING):
         assert not future.done(), future.exception()
         scheduler.step()
-    time.sleep(2.05)  # past its deadline, mid-scoring
+    scheduler.step()  # one scoring pass within its deadline
+    assert not future.done()
+    clock.advance(2.05)  # past its deadline, mid-scoring
     scheduler.step()
     with pytest.raises(RequestTimeout):
         future.result(timeout=0)

@@ -28,7 +28,7 @@ def hf_label_scores(hf_model, prompt, candidate_tokens, pos, neg, inputs_embeds=
 
 
 def label_ids(engine):
-    return [engine.tokenizer.convert_tokens_to_ids(t) for t in ("yes", "no")]
+    return [engine.family.tokenizer.convert_tokens_to_ids(t) for t in ("yes", "no")]
 
 
 def test_each_candidate_equals_scoring_it_alone(engine, hf_model, rng):
@@ -43,7 +43,7 @@ def test_each_candidate_equals_scoring_it_alone(engine, hf_model, rng):
     (result,) = engine.score([ScoreRequest(prompt_token_ids=prompt, candidates=candidates)])
     tokens = [
         engine.catalog.codes[4].tolist(),
-        engine.tokenizer("comedy podcast episode", add_special_tokens=False)["input_ids"],
+        engine.family.tokenizer("comedy podcast episode", add_special_tokens=False)["input_ids"],
         [7],
         candidates[3].token_ids,
         engine.catalog.codes[250].tolist(),
@@ -61,7 +61,7 @@ def test_many_candidates_and_chunked_passes_agree(engine, rng):
     ctx = engine.runner.prefill_alone(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=candidates))).ctx
     codes = [c.tolist() for c in engine.catalog.codes[:200]]
     yes, no = label_ids(engine)
-    (chunked,) = engine.runner.score([ScoreJob(ctx, codes, (yes, no))], max_tokens=7)  # 2 candidates a pass
+    (chunked,) = engine.family.scorer.score([ScoreJob(ctx, codes, (yes, no))], max_tokens=7)  # 2 candidates a pass
     assert torch.allclose(chunked.logprob, torch.tensor([s.logprob for s in one_pass.scores]), atol=1e-5)
 
 
@@ -131,6 +131,6 @@ def test_engine_rejects_unknown_items_bad_labels_and_too_many(engine):
         score(candidates=[{"token_ids": [1]}], labels=("yes", ""))
     with pytest.raises(InvalidRequestError, match=r"candidates\[0\].token_ids.*outside"):
         score(candidates=[{"token_ids": [10**6]}])
-    too_many = [{"token_ids": [1]}] * (engine.max_candidates + 1)
+    too_many = [{"token_ids": [1]}] * (engine.family.max_candidates + 1)
     with pytest.raises(InvalidRequestError, match="exceed this engine's limit"):
         score(candidates=too_many)

@@ -1,8 +1,6 @@
 """The Serve app's arguments reach the engine: build-time options as Engine kwargs and a SchedulerConfig, live
 limits through `reconfigure` (a limit the config no longer names reverts to its default). No Ray cluster."""
 
-from types import SimpleNamespace
-
 import pytest
 from pydantic import ValidationError
 
@@ -76,17 +74,15 @@ def test_a_cache_without_dim_is_refused():
 
 
 class RecordingEngine:
-    """Stands in for Engine and AsyncEngine: records what EngineServer builds them with and sets live."""
+    """An engine factory standing in for the replica's AsyncEngine: records what EngineServer builds it with (the
+    Engine's keyword arguments and its SchedulerConfig) and what it sets live."""
 
     def __init__(self, tiny):
-        self.tiny, self.built, self.config, self.live = tiny, None, None, []
+        self.engine, self.built, self.config, self.live = tiny, None, None, []
 
-    def from_pretrained(self, model_dir, device, **kwargs):
-        self.built = {"device": device, **kwargs}
-        return self.tiny
-
-    def async_engine(self, engine, config):
-        self.config = config
+    def __call__(self, model_dir, device, options, limits):
+        self.built = {"device": device, **options.engine_kwargs()}
+        self.config = options.scheduler_config(limits)
         return self
 
     def reconfigure(self, **fields):
@@ -109,16 +105,15 @@ class QuietMetrics:
 
 @pytest.fixture
 def recorded(monkeypatch, engine):
-    recording = RecordingEngine(engine)
-    monkeypatch.setattr(engine_server, "Engine", SimpleNamespace(from_pretrained=recording.from_pretrained))
-    monkeypatch.setattr(engine_server, "AsyncEngine", recording.async_engine)
     monkeypatch.setattr(engine_server, "EngineMetricsExporter", QuietMetrics)
-    return recording
+    return RecordingEngine(engine)
 
 
 def test_engine_server_builds_the_engine_with_the_options(recorded, tiny_dir):
     args = AppArgs(model_dir=str(tiny_dir), **OPTIONS)
-    server = engine_server.EngineServer.func_or_class(args.model_dir, args.device, args.replica_options())
+    server = engine_server.EngineServer.func_or_class(
+        args.model_dir, args.device, args.replica_options(), engine_factory=recorded
+    )
     try:
         assert recorded.built == {"device": "cpu", **args.replica_options().engine_kwargs()}
         assert (recorded.config.kv_budget_bytes, recorded.config.prefix_cache_bytes) == (1 << 20, 0)
@@ -128,7 +123,8 @@ def test_engine_server_builds_the_engine_with_the_options(recorded, tiny_dir):
 
 
 def test_reconfigure_sets_every_limit_and_a_removed_one_reverts(recorded, tiny_dir):
-    server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", AppArgs(model_dir="/m").replica_options())
+    options = AppArgs(model_dir="/m").replica_options()
+    server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", options, engine_factory=recorded)
     try:
         server.reconfigure({"max_queue": 5, "max_running": 2})
         server.reconfigure({"max_running": 2})  # max_queue removed from the config's user_config
@@ -148,7 +144,9 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(recorded,
     user_config is refused, the limits in force stay, and the replica says why. At start, the builder's limits
     are in force."""
     options = AppArgs(model_dir="/m").replica_options()
-    server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", options, EngineLimits(max_queue=9))
+    server = engine_server.EngineServer.func_or_class(
+        str(tiny_dir), "cpu", options, EngineLimits(max_queue=9), engine_factory=recorded
+    )
     try:
         assert recorded.config.max_queue == 9
         server.reconfigure({"max_queue": 0})  # the first user_config, at start: the builder's limits stay

@@ -16,7 +16,7 @@ TOL = 1e-4
 
 def prompt_with_placeholders(engine, rng, count=1):
     tokens = random_prompt(engine, 24, rng)
-    user = engine.tokenizer.convert_tokens_to_ids(USER_TOKEN)
+    user = engine.family.tokenizer.convert_tokens_to_ids(USER_TOKEN)
     for position in (3, 15)[:count]:
         tokens[position] = user
     return tokens
@@ -26,15 +26,15 @@ def reference_embeds(engine, hf_model, tokens, vector):
     """transformers' input embeddings with every placeholder row replaced by weight @ v + bias."""
     with torch.no_grad():
         embeds = hf_model.get_input_embeddings()(torch.tensor(tokens)).clone()
-        projected = engine.projector.weight @ torch.tensor(vector) + engine.projector.bias
-        embeds[torch.tensor(tokens) == engine.placeholder_id] = projected
+        projected = engine.family.projector.weight @ torch.tensor(vector) + engine.family.projector.bias
+        embeds[torch.tensor(tokens) == engine.family.placeholder_id] = projected
     return embeds
 
 
 @pytest.mark.parametrize("placeholders", [1, 2])
 def test_retrieve_with_user_embedding_equals_transformers(engine, hf_model, rng, placeholders):
     tokens = prompt_with_placeholders(engine, rng, placeholders)
-    vector = torch.randn(engine.projector.user_dim, generator=rng).tolist()
+    vector = torch.randn(engine.family.projector.user_dim, generator=rng).tolist()
     request = RetrieveRequest(prompt_token_ids=tokens, user_embedding=vector, beam_width=len(engine.catalog))
     (result,) = engine.retrieve([request])
     embeds = reference_embeds(engine, hf_model, tokens, vector)
@@ -46,7 +46,7 @@ def test_retrieve_with_user_embedding_equals_transformers(engine, hf_model, rng,
 
 def test_score_with_user_embedding_equals_transformers(engine, hf_model, rng):
     tokens = prompt_with_placeholders(engine, rng)
-    vector = torch.randn(engine.projector.user_dim, generator=rng).tolist()
+    vector = torch.randn(engine.family.projector.user_dim, generator=rng).tolist()
     candidates = [[engine.catalog.codes[i].tolist()] for i in (0, 9, 77)]
     request = ScoreRequest(
         prompt_token_ids=tokens, user_embedding=vector, candidates=[Candidate(token_ids=c[0]) for c in candidates]
@@ -59,7 +59,7 @@ def test_score_with_user_embedding_equals_transformers(engine, hf_model, rng):
 
 def test_a_different_user_vector_changes_the_result(engine, rng):
     tokens = prompt_with_placeholders(engine, rng)
-    a, b = (torch.randn(engine.projector.user_dim, generator=rng).tolist() for _ in range(2))
+    a, b = (torch.randn(engine.family.projector.user_dim, generator=rng).tolist() for _ in range(2))
     (ra, rb) = engine.retrieve(
         [RetrieveRequest(prompt_token_ids=tokens, user_embedding=v, beam_width=10) for v in (a, b)]
     )
@@ -69,7 +69,7 @@ def test_a_different_user_vector_changes_the_result(engine, rng):
 def test_user_embedding_errors(engine, rng):
     tokens = prompt_with_placeholders(engine, rng)
     plain = random_prompt(engine, 10, rng)
-    dim = engine.projector.user_dim
+    dim = engine.family.projector.user_dim
     with pytest.raises(InvalidRequestError, match="no <|user|> placeholder"):
         engine.retrieve([RetrieveRequest(prompt_token_ids=plain, user_embedding=[0.0] * dim)])
     with pytest.raises(InvalidRequestError, match=f"expects {dim}"):
@@ -83,18 +83,18 @@ def test_user_embedding_errors(engine, rng):
 
 
 def test_projector_is_a_trainable_linear_layer(engine):
-    assert isinstance(engine.projector, torch.nn.Linear)
-    assert engine.projector.weight.shape == (engine.model.config.hidden_size, engine.projector.user_dim)
+    assert isinstance(engine.family.projector, torch.nn.Linear)
+    assert engine.family.projector.weight.shape == (engine.model.config.hidden_size, engine.family.projector.user_dim)
 
 
 def test_a_user_embedding_whose_projection_overflows_the_model_dtype_is_refused(engine, rng):
     tokens = prompt_with_placeholders(engine, rng)
-    dim = engine.projector.user_dim
+    dim = engine.family.projector.user_dim
     for vector in ([3e38] * dim, [1e300] + [0.0] * (dim - 1), [3e38, -3e38] * (dim // 2)):
         request = RetrieveRequest(prompt_token_ids=tokens, user_embedding=vector)  # finite in float64: valid
         with pytest.raises(InvalidRequestError, match="user_embedding.*overflow torch.float32"):
             engine.retrieve([request])
-    largest = [1e37 / engine.projector.largest_partial_sum([1.0] * dim)] * dim  # projects within float32
+    largest = [1e37 / engine.family.projector.largest_partial_sum([1.0] * dim)] * dim  # projects within float32
     (result,) = engine.retrieve([RetrieveRequest(prompt_token_ids=tokens, user_embedding=largest, beam_width=4)])
     assert len(result.items) == 4 and all(np.isfinite(i.logprob) for i in result.items)
 
@@ -105,15 +105,16 @@ def test_no_result_ever_carries_a_non_finite_score(engine, rng):
 
     from genrec.api import RecommendRequest
     from genrec.engine import AsyncEngine, Engine
+    from genrec.engine.decoder import Decoder
     from genrec.model.soft_token import SoftTokenProjector
 
-    broken = SoftTokenProjector(engine.projector.user_dim, engine.model.config.hidden_size)
+    broken = SoftTokenProjector(engine.family.projector.user_dim, engine.model.config.hidden_size)
     with torch.no_grad():
-        broken.weight.copy_(engine.projector.weight)
-        broken.bias.copy_(engine.projector.bias)
+        broken.weight.copy_(engine.family.projector.weight)
+        broken.bias.copy_(engine.family.projector.bias)
         broken.bias[0] = float("nan")
-    nan_engine = Engine(engine.model, engine.tokenizer, engine.catalog, broken)
-    tokens, vector = prompt_with_placeholders(engine, rng), [0.5] * engine.projector.user_dim
+    nan_engine = Engine(Decoder(engine.model, engine.family.tokenizer, engine.catalog, broken))
+    tokens, vector = prompt_with_placeholders(engine, rng), [0.5] * engine.family.projector.user_dim
     requests = [
         RetrieveRequest(prompt_token_ids=tokens, user_embedding=vector, beam_width=4),
         ScoreRequest(prompt_token_ids=tokens, user_embedding=vector, candidates=[Candidate(text="news")]),
@@ -144,9 +145,9 @@ def test_a_projector_with_non_finite_values_is_refused_at_load(engine, tmp_path)
     from genrec.errors import ModelDirectoryError
     from genrec.model.soft_token import SoftTokenProjector
 
-    weight = engine.projector.weight.detach().clone()
+    weight = engine.family.projector.weight.detach().clone()
     weight[1, 2] = float("inf")
     path = tmp_path / "soft_token.safetensors"
-    save_file({"weight": weight, "bias": engine.projector.bias.detach().clone()}, str(path))
+    save_file({"weight": weight, "bias": engine.family.projector.bias.detach().clone()}, str(path))
     with pytest.raises(ModelDirectoryError, match="non-finite"):
         SoftTokenProjector.load(path, engine.model.config.hidden_size)

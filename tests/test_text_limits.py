@@ -23,8 +23,8 @@ class LongestText:
 
 @pytest.fixture
 def tokenized(engine, monkeypatch):
-    spy = LongestText(engine.tokenizer)
-    monkeypatch.setattr(engine, "tokenizer", spy)
+    spy = LongestText(engine.family.tokenizer)
+    monkeypatch.setattr(engine.family, "tokenizer", spy)
     return spy
 
 
@@ -43,7 +43,7 @@ def test_a_huge_candidate_text_is_refused_untokenized(engine, tokenized):
 
 
 def test_text_within_the_bound_is_still_tokenized(engine):
-    limit = engine.max_prompt_tokens
+    limit = engine.family.max_prompt_tokens
     with pytest.raises(InvalidRequestError, match="tokens; this model serves at most") as info:
         engine.retrieve([RetrieveRequest(prompt="ab " * (limit + 10), beam_width=2)])  # fits the bound, not the model
     assert info.value.field == "prompt"

@@ -73,9 +73,9 @@ def parse_rates(text: str) -> list[float]:
 
 def random_prompt(engine, length: int, generator: torch.Generator) -> list[int]:
     """Token IDs drawn from the ordinary (non semantic-ID, non special) part of the vocabulary."""
-    first_semantic = int(engine.trie.token[0].min())
+    first_semantic = int(engine.family.trie.token[0].min())
     ordinary = torch.ones(first_semantic, dtype=torch.bool)
-    ordinary[[i for i in engine.tokenizer.all_special_ids if i < first_semantic]] = False
+    ordinary[[i for i in engine.family.tokenizer.all_special_ids if i < first_semantic]] = False
     pool = ordinary.nonzero()[:, 0]
     return pool[torch.randint(0, len(pool), (length,), generator=generator)].tolist()
 

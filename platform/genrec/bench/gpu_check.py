@@ -125,8 +125,8 @@ def pooled_cohorts(engine, prepared: list, pool):
     for p in prepared:
         ctx = pool.context(len(p.token_ids))
         logits = engine.runner.prefill([(p, ctx, 0, len(p.token_ids))])
-        slots = pool.reserve(slots_needed(engine.trie, [p.request.beam_width]))
-        cohorts.append(start_cohort(engine.trie, [p], [ctx], logits, slots=slots))
+        slots = pool.reserve(slots_needed(engine.family.trie, [p.request.beam_width]))
+        cohorts.append(start_cohort(engine.family.trie, [p], [ctx], logits, slots=slots))
     return cohorts
 
 

@@ -51,7 +51,7 @@ def run(
     maker = RequestMaker(engine, kind, prompt_len, beam_width, candidates)
     sequential_s = _sequential_seconds(engine, maker, device)
     config = SchedulerConfig(max_queue=4096, max_running=max_running, request_timeout_s=600)
-    async_engine = AsyncEngine(engine, config)
+    async_engine = AsyncEngine(Engine(engine.family, config, engine.model_version, fast=engine.runner.fast))
     try:
         call = functools.partial(call_engine, async_engine)
         saturation = asyncio.run(burst_throughput(call, maker, burst))

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from genrec.bench.common import synchronize
-from genrec.engine.candidates import candidate_token_lists, label_token_ids
+from genrec.engine.decoder_inputs import candidate_token_lists, label_token_ids
 from genrec.errors import GenrecError
 
 PEERS = ("vllm",)
@@ -165,8 +165,8 @@ def compare_score(engine, model_dir: Path, request, device: str, repeats: int) -
     and logprob_token_ids on one generated token. The ratio is against the faster.
     """
     prompt = request.prompt_token_ids
-    candidates = candidate_token_lists(engine, request.candidates, len(prompt))
-    label = label_token_ids(engine.tokenizer, request.labels)[0]
+    candidates = candidate_token_lists(engine.family, request.candidates, len(prompt))
+    label = label_token_ids(engine.family.tokenizer, request.labels)[0]
     base = {"task": "score", "prompt": prompt, "candidates": candidates, "label": label}
     jobs = {f"vllm_{mode}": {**base, "mode": mode} for mode in ("prompt_logprobs", "label_logprobs")}
     longest = len(prompt) + max(map(len, candidates)) + 2  # the label, then one generated token

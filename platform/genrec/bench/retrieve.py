@@ -79,14 +79,14 @@ def run(
 
 def _soft_token_requests(engine, requests):
     """The same requests with a `<|user|>` placeholder carrying a user vector in place of their first token."""
-    if engine.projector is None:
+    if engine.family.projector is None:
         raise ValueError("--user-embedding needs a model with genrec/soft_token.safetensors")
     generator = torch.Generator().manual_seed(1)
     soft = [
         req.model_copy(
             update={
-                "prompt_token_ids": [engine.placeholder_id] + req.prompt_token_ids[1:],
-                "user_embedding": torch.randn(engine.projector.user_dim, generator=generator).tolist(),
+                "prompt_token_ids": [engine.family.placeholder_id] + req.prompt_token_ids[1:],
+                "user_embedding": torch.randn(engine.family.projector.user_dim, generator=generator).tolist(),
             }
         )
         for req in requests
@@ -113,7 +113,7 @@ def _hf_generate(engine, model_dir: Path, requests, device, repeats):
                 length_penalty=0.0,
                 early_stopping=True,
                 prefix_allowed_tokens_fn=lambda _b, seq, n=ids.shape[1]: allowed(seq[n:].tolist()),
-                pad_token_id=engine.tokenizer.pad_token_id,
+                pad_token_id=engine.family.tokenizer.pad_token_id,
                 eos_token_id=None,
             )
             outputs.append(out[:, ids.shape[1] :].tolist())

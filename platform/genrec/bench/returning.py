@@ -59,12 +59,12 @@ class Workload:
     def first_visit(self, user: int) -> None:
         """A new user's history: room for `step` more events before the stable layout truncates."""
         self.histories[user] = self._items(self.events - self.step)
-        self.vectors[user] = torch.randn(self.engine.projector.user_dim, generator=self.generator).tolist()
+        self.vectors[user] = torch.randn(self.engine.family.projector.user_dim, generator=self.generator).tolist()
 
     def request(self, user: int) -> RetrieveRequest:
         codes = self.engine.catalog.codes
         history = self.histories[user]
-        placeholder = [self.engine.placeholder_id]
+        placeholder = [self.engine.family.placeholder_id]
         if self.layout == "stable":  # drop the oldest `step` events at once, only when over the window
             while len(history) > self.events:
                 del history[: self.step]
@@ -81,10 +81,7 @@ def returning_latency(engine: Engine, events: int, k: int, repeats: int, device:
     """One returning user, request after request (each k events more), cache on against cache off."""
     out = {}
     for name, cache in (("cold", 0), ("warm", None)):
-        scheduler_engine = Engine(
-            engine.model, engine.tokenizer, engine.catalog, engine.projector,
-            scheduler=SchedulerConfig(prefix_cache_bytes=cache), model_version=engine.model_version,
-        )  # fmt: skip
+        scheduler_engine = Engine(engine.family, SchedulerConfig(prefix_cache_bytes=cache), engine.model_version)
         workload = Workload(scheduler_engine, events, k, users=1, new_share=0.0, layout="stable")
         scheduler_engine.retrieve([workload()])  # the user's first visit (and warm-up)
         times = []
@@ -103,7 +100,7 @@ def returning_latency(engine: Engine, events: int, k: int, repeats: int, device:
 
 def workload_run(engine, args, layout: str, cache_bytes: int | None) -> dict:
     config = SchedulerConfig(max_queue=4096, request_timeout_s=600, prefix_cache_bytes=cache_bytes)
-    async_engine = AsyncEngine(engine, config)
+    async_engine = AsyncEngine(Engine(engine.family, config, engine.model_version, fast=engine.runner.fast))
     workload = Workload(engine, args["events"], args["k"], args["users"], args["new_share"], layout, seed=1)
     try:
         call = functools.partial(call_engine, async_engine)
@@ -132,13 +129,10 @@ def admission(engine: Engine, events: int, k: int, users: int, requests: int = 6
     the cache holds about half the returning users' prompts. Reuse rate of the same request sequence under the
     segmented LRU (probation, then protected once reused) and under a plain LRU."""
     per_token = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=1 << 20)).per_token
-    capacity = per_token * events * engine.levels * max(users // 2, 1)
+    capacity = per_token * events * engine.family.levels * max(users // 2, 1)
     out = {}
     for name, protected_share in (("segmented_lru", 0.8), ("plain_lru", 0.0)):
-        sync = Engine(
-            engine.model, engine.tokenizer, engine.catalog, engine.projector,
-            scheduler=SchedulerConfig(prefix_cache_bytes=capacity), model_version=engine.model_version,
-        )  # fmt: skip
+        sync = Engine(engine.family, SchedulerConfig(prefix_cache_bytes=capacity), engine.model_version)
         cache = sync.scheduler.cache
         cache.protected_limit = int(capacity * protected_share)
         workload = Workload(sync, events, k, users, new_share=0.5, layout="stable", seed=2)
@@ -161,7 +155,7 @@ def admission(engine: Engine, events: int, k: int, users: int, requests: int = 6
 def run(preset, model, device, events, k, users, new_share, burst, rate, duration, repeats, cuda_fast=False) -> dict:
     model_dir = model_dir_for(preset, model, None)
     engine = Engine.from_pretrained(model_dir, device=device, cuda_fast=cuda_fast)
-    if engine.projector is None:
+    if engine.family.projector is None:
         raise ValueError("the returning-users bench puts a soft token in every prompt: use a model with a projector")
     args = dict(events=events, k=k, users=users, new_share=new_share, burst=burst, rate=rate, duration=duration)
     single = returning_latency(engine, events, k, repeats, device)

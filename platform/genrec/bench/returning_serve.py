@@ -34,7 +34,7 @@ ROUTERS = {"user_router": "user", "serve_default_router": "serve_default"}
 def run(preset, model, events, k, users, new_share, requests, concurrency, kv_budget_bytes=512 << 20) -> dict:
     model_dir = model_dir_for(preset, model, None)
     engine = Engine.from_pretrained(model_dir)
-    if engine.projector is None:
+    if engine.family.projector is None:
         raise ValueError("the returning-users bench puts a soft token in every prompt: use a model with a projector")
     first_visits, sequence = request_sequence(engine, events, k, users, new_share, requests)
     runs = {"single_replica": in_process(engine, first_visits, sequence, concurrency, kv_budget_bytes)}
@@ -89,7 +89,7 @@ async def replay(call, sequence, concurrency: int) -> float:
 
 def in_process(engine, first_visits, sequence, concurrency, kv_budget_bytes) -> dict:
     config = SchedulerConfig(max_queue=4096, request_timeout_s=600, kv_budget_bytes=kv_budget_bytes)
-    async_engine = AsyncEngine(engine, config)
+    async_engine = AsyncEngine(Engine(engine.family, config, engine.model_version, fast=engine.runner.fast))
     try:
 
         async def call(user, request):

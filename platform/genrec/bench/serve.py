@@ -30,7 +30,7 @@ def run(kind, rates, duration, preset, model, levels, prompt_len, beam_width, ca
     model_dir = model_dir_for(preset, model, levels)
     engine = Engine.from_pretrained(model_dir)
     maker = RequestMaker(engine, kind, prompt_len, beam_width, candidates)
-    async_engine = AsyncEngine(engine, SchedulerConfig(max_queue=4096, request_timeout_s=600))
+    async_engine = AsyncEngine(Engine(engine.family, SchedulerConfig(max_queue=4096, request_timeout_s=600)))
     try:
         in_process_call = functools.partial(call_engine, async_engine)
         in_process = asyncio.run(_measure(in_process_call, maker, rates, duration, burst))

@@ -79,7 +79,7 @@ def run(
     engine = Engine.from_pretrained(model_dir)
     if engine.family != "qwen3":
         raise ValueError("the soak sends retrieve, score and recommend requests: use a Qwen3 model")
-    user_dim = engine.projector.user_dim if engine.projector is not None else None
+    user_dim = engine.family.projector.user_dim if engine.family.projector is not None else None
     maker = SoakRequests(engine, prompt_len, beam_width, candidates, user_dim, seed)
     del engine
     started = time.monotonic()

@@ -1,10 +1,11 @@
 """AsyncEngine: one Engine driven by a background loop; any number of callers await results.
 
 Requests are validated in the caller's thread (errors raise at once, before queueing); the loop thread
-runs `Scheduler.step()` so that requests of every kind, width and prompt length meet in the same
-iterations. Cancelling the awaiting task cancels the request and frees its KV at the next iteration.
-`shutdown()` settles every request it holds (fails it with EngineStopped, or first lets it finish when
-draining) before it returns, so no caller waits past it.
+runs the engine's own `Scheduler.step()` (its one KV pool) so that requests of every kind, width and prompt
+length meet in the same iterations; while it does, the engine's synchronous API refuses callers. Cancelling the
+awaiting task cancels the request and frees its KV at the next iteration. `shutdown()` settles every request it
+holds (fails it with EngineStopped, or first lets it finish when draining) before it returns, so no caller waits
+past it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from genrec.api import (
     ScoreResult,
 )
 from genrec.engine.engine import Engine
-from genrec.engine.prepared import check_kind
-from genrec.engine.scheduler import Scheduler, SchedulerConfig
+from genrec.engine.scheduler import SchedulerConfig
 from genrec.errors import EngineStopped
 
 log = logging.getLogger(__name__)
@@ -51,13 +51,14 @@ def _stop_loops_at_exit() -> None:
 
 
 class AsyncEngine:
-    def __init__(
-        self, engine: Engine, config: SchedulerConfig | None = None, idle_wait_s: float = 0.02, stall_s: float = 60.0
-    ):
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.02, stall_s: float = 60.0):
         """`stall_s`: a step running longer than this marks the engine unhealthy (its pass is stuck, or far larger
         than any should be), so Serve's health check replaces the replica instead of letting it time out."""
+        if engine.driver is not None and engine.driver.healthy:
+            raise RuntimeError("another AsyncEngine drives this engine")
         self.engine = engine
-        self.scheduler = Scheduler(engine, config if config is not None else engine.scheduler_config)
+        self.scheduler = engine.scheduler
+        engine.driver = self
         self._lock = threading.Lock()  # one submitter at a time: the tokenizer is not thread-safe
         self._closed = False  # set under _lock: after it, nothing new is admitted
         self._held: set[Future] = set()  # the futures of every unfinished request: what a shutdown settles
@@ -72,33 +73,29 @@ class AsyncEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", config: SchedulerConfig | None = None, **kw):
-        return cls(Engine.from_pretrained(model_dir, device=device, **kw), config)
+        return cls(Engine.from_pretrained(model_dir, device=device, scheduler=config, **kw))
 
     # -- public API ------------------------------------------------------------------------------
 
     async def retrieve(self, request: RetrieveRequest, timeout_s: float | None = None) -> RetrieveResult:
-        check_kind(request, "retrieve")
-        return await asyncio.wrap_future(self.submit(request, timeout_s))
+        return await asyncio.wrap_future(self.submit(request, timeout_s, "retrieve"))
 
     async def score(self, request: ScoreRequest, timeout_s: float | None = None) -> ScoreResult:
-        check_kind(request, "score")
-        return await asyncio.wrap_future(self.submit(request, timeout_s))
+        return await asyncio.wrap_future(self.submit(request, timeout_s, "score"))
 
     async def recommend(self, request: RecommendRequest, timeout_s: float | None = None) -> RecommendResult:
-        check_kind(request, "recommend")
-        return await asyncio.wrap_future(self.submit(request, timeout_s))
+        return await asyncio.wrap_future(self.submit(request, timeout_s, "recommend"))
 
     async def rank(self, request: RankRequest, timeout_s: float | None = None) -> RankResult:
-        check_kind(request, "rank")
-        return await asyncio.wrap_future(self.submit(request, timeout_s))
+        return await asyncio.wrap_future(self.submit(request, timeout_s, "rank"))
 
-    def submit(self, request, timeout_s: float | None = None) -> Future:
-        """Thread-safe, non-blocking: validate, queue, return a future of the request's kind of result. Raises
-        Overloaded when full and EngineStopped once the engine is shut down (or its loop is gone)."""
+    def submit(self, request, timeout_s: float | None = None, kind: str | None = None) -> Future:
+        """Thread-safe, non-blocking: validate (as `kind` when given), queue, return a future of the request's kind
+        of result. Raises Overloaded when full and EngineStopped once the engine is shut down (or its loop is gone)."""
         with self._lock:
             if not self.healthy:
                 raise EngineStopped(self._unhealthy_reason())
-            prepared = self.engine.prepare(request)
+            prepared = self.engine.prepare(request, kind)
             future = self.scheduler.submit(prepared, timeout_s)
             with self._settled:
                 self._held.add(future)

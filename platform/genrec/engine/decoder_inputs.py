@@ -1,11 +1,15 @@
-"""Turn a request's prompt into token IDs, validated against the model."""
+"""The Qwen3 decoder's request inputs as token IDs, each checked against the model before any compute: the
+prompt, the candidates to score, the label tokens, and the user embedding that replaces the `<|user|>`
+placeholder (the soft token). A problem is an InvalidRequestError naming the field."""
 
 from __future__ import annotations
 
 import torch
 
-from genrec.api import PromptInput
+from genrec.api import Candidate, PromptInput
 from genrec.errors import InvalidRequestError
+from genrec.model.soft_token import SoftTokenProjector
+from genrec.staging import to_device
 
 # No token of a real tokenizer spans more characters than this: text longer than limit x this cannot fit,
 # and is refused before tokenizing it (tokenizing megabytes would stall every other request).
@@ -35,3 +39,95 @@ def prompt_token_ids(req: PromptInput, tokenizer, vocab_size: int, max_len: int)
     if len(ids) > max_len:
         raise InvalidRequestError(field, f"the prompt has {len(ids)} tokens; this model serves at most {max_len}")
     return torch.tensor(ids, dtype=torch.int64)
+
+
+def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: int) -> list[list[int]]:
+    if len(candidates) > decoder.max_candidates:
+        raise InvalidRequestError(
+            "candidates", f"{len(candidates)} candidates exceed this engine's limit of {decoder.max_candidates}"
+        )
+    vocab = decoder.model.config.vocab_size
+    room = decoder.model.config.max_position_embeddings - prompt_tokens
+    lists, total = [], 0
+    for i, cand in enumerate(candidates):
+        field = f"candidates[{i}]"
+        if cand.item_id is not None:
+            index = decoder.catalog.index_of(cand.item_id)
+            if index is None:
+                raise InvalidRequestError(f"{field}.item_id", f"unknown item {cand.item_id!r}")
+            tokens = decoder.catalog.codes[index].tolist()
+        elif cand.text is not None:
+            check_text_fits(f"{field}.text", cand.text, room)
+            tokens = decoder.tokenizer(cand.text, add_special_tokens=False)["input_ids"]
+            if not tokens:
+                raise InvalidRequestError(f"{field}.text", "tokenizes to no tokens")
+        else:
+            tokens = cand.token_ids
+            bad = [t for t in tokens if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{field}.token_ids", f"token IDs {bad[:5]} are outside the vocabulary")
+        if len(tokens) > room:
+            raise InvalidRequestError(
+                field, f"prompt plus candidate exceed the model's {room + prompt_tokens} positions"
+            )
+        total += len(tokens)
+        if total > decoder.max_candidate_tokens:  # checked as it goes: the rest is never tokenized
+            raise InvalidRequestError(
+                "candidates", f"more than this engine's limit of {decoder.max_candidate_tokens} candidate tokens in all"
+            )
+        lists.append(tokens)
+    return lists
+
+
+def label_token_ids(tokenizer, labels: tuple[str, str]) -> tuple[int, int]:
+    ids = []
+    for i, label in enumerate(labels):
+        tokens = tokenizer(label, add_special_tokens=False)["input_ids"] if label else []
+        if len(tokens) != 1:
+            raise InvalidRequestError(
+                f"labels[{i}]", f"{label!r} is not a single token in the vocabulary (it tokenizes to {tokens})"
+            )
+        ids.append(tokens[0])
+    if ids[0] == ids[1]:
+        raise InvalidRequestError("labels", "the positive and negative labels are the same token")
+    return ids[0], ids[1]
+
+
+def check_user_embedding(
+    token_ids: torch.Tensor,
+    placeholder_id: int | None,
+    user_embedding: list[float] | None,
+    projector: SoftTokenProjector | None,
+) -> None:
+    has_placeholder = placeholder_id is not None and bool((token_ids == placeholder_id).any())
+    if user_embedding is None:
+        if has_placeholder:
+            raise InvalidRequestError("user_embedding", "the prompt has a <|user|> placeholder but no user_embedding")
+        return
+    if projector is None:
+        raise InvalidRequestError(
+            "user_embedding", "this model has no soft-token projector (genrec/soft_token.safetensors)"
+        )
+    if len(user_embedding) != projector.user_dim:
+        raise InvalidRequestError(
+            "user_embedding", f"has {len(user_embedding)} values; this model's projector expects {projector.user_dim}"
+        )
+    if not has_placeholder:
+        raise InvalidRequestError("user_embedding", "was given but the prompt has no <|user|> placeholder token")
+    dtype = projector.weight.dtype
+    limit = torch.finfo(dtype).max / 2  # margin for rounding in the device's sums
+    if max(map(abs, user_embedding)) > limit or projector.largest_partial_sum(user_embedding) > limit:
+        raise InvalidRequestError(
+            "user_embedding", f"values are too large for this model: projecting them would overflow {dtype}"
+        )
+
+
+def inject_user_embedding(
+    embeds: torch.Tensor, token_ids: torch.Tensor, placeholder_id: int, user_embedding: list[float], projector
+) -> torch.Tensor:
+    """embeds [T, hidden] of token_ids [T] (a whole prompt or a chunk of it, already checked by
+    `check_user_embedding`): placeholder rows replaced by one projected vector for all."""
+    vector = to_device(user_embedding, projector.weight.device, torch.float32).to(projector.weight.dtype)
+    projected = projector(vector).to(embeds.dtype)
+    mask = to_device(token_ids.numpy() == placeholder_id, embeds.device, torch.bool)
+    return torch.where(mask[:, None], projected[None, :], embeds)

@@ -1,13 +1,16 @@
-"""The Engine: retrieve, score and recommend on one model. No Ray in here.
+"""The Engine: one model family on one device, its scheduler (and KV pool), and the synchronous API. No Ray here.
 
-The synchronous methods submit their requests to the engine's own scheduler and step it until they are
-done (the AsyncEngine steps the same scheduler from a background loop instead): one path for both.
+`run` submits requests to the engine's own scheduler and steps it until they are done, giving back a result or
+an error per request; `retrieve`, `score`, `recommend` and `rank` are `run` for one kind that raises the first
+error. An AsyncEngine steps the same scheduler from a background loop instead: one path, one KV pool.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,125 +25,158 @@ from genrec.api import (
     ScoreRequest,
     ScoreResult,
 )
-from genrec.catalog import Catalog, CodeTrie
-from genrec.catalog.item_index import ItemIndex
 from genrec.engine.checks import check_int
-from genrec.engine.prepared import Prepared, check_kind, prepare
+from genrec.engine.decoder import Decoder
+from genrec.engine.family import Family, Prepared, request_kind
+from genrec.engine.ranker import Ranker
 from genrec.engine.runner import ModelRunner
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
-from genrec.errors import InvalidRequestError
-from genrec.model import Qwen3, load_qwen3
-from genrec.model.directory import GENREC_SUBDIR, ModelDirectory, directory_family, model_version
-from genrec.model.family import family_of
-from genrec.model.hstu import load_hstu
-from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import USER_TOKEN, check_token_ids, load_tokenizer, semantic_token_ranges
+from genrec.engine_options import EngineOptions
+from genrec.errors import GenrecError, InvalidRequestError
+from genrec.model.directory import ModelDir
 from genrec.staging import host_side
+
+FAMILIES = {"qwen3": Decoder, "hstu": Ranker}  # a model directory's family -> the engine's
+LIMITS = ("max_candidates", "score_max_tokens", "max_candidate_tokens")  # the families' request limits
 
 
 class Engine:
-    """Retrieve, score and recommend on one model. One caller at a time (the AsyncEngine serialises)."""
+    """One caller at a time; while an AsyncEngine drives it, use that instead."""
 
     def __init__(
         self,
-        model: Qwen3,
-        tokenizer,
-        catalog: Catalog,
-        projector: SoftTokenProjector | None = None,
-        max_candidates: int = 2048,
-        score_max_tokens: int = 16384,
-        max_candidate_tokens: int = 65536,
-        cuda_fast: bool = False,
+        family: Family,
         scheduler: SchedulerConfig | None = None,
         model_version: str = "",
+        fast: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        self.model = model
-        self.family = family_of(model)
-        self.tokenizer = tokenizer
-        self.catalog = catalog  # a Catalog (item <-> semantic ID); for a ranking model an ItemIndex
+        self.family = family
+        self.model, self.catalog, self.device = family.model, family.catalog, family.model.device
         self.model_version = model_version  # salts the prefix cache's keys
-        self.device = model.device
-        self.projector = projector.to(self.device, model.dtype) if projector is not None else None
-        self.max_candidates = check_int("max_candidates", max_candidates)
-        self.score_max_tokens = check_int("score_max_tokens", score_max_tokens)  # one scoring pass, padded
-        self.max_candidate_tokens = check_int("max_candidate_tokens", max_candidate_tokens)  # one request's
-        if self.family == "qwen3":
-            self.levels = catalog.levels
-            self.trie = CodeTrie.build(catalog.codes, device=self.device)
-            self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
-            self.max_prompt_tokens = model.config.prompt_room(catalog.levels)  # room for the code after it
-        else:
-            self.levels, self.trie, self.placeholder_id = 0, None, None
-            self.max_prompt_tokens = model.config.max_history_events
-        self.runner = ModelRunner(model, self.levels, self.projector, self.placeholder_id, fast=bool(cuda_fast))
+        self.runner = ModelRunner(family, fast=fast)
         self.scheduler_config = scheduler or SchedulerConfig()
+        self.clock = clock
         self._scheduler: Scheduler | None = None
+        self.driver = None  # the AsyncEngine stepping the scheduler, while one does
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None, **options
-    ):
-        if dtype is None:
-            dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        if directory_family(model_dir) == "hstu":
-            model = load_hstu(model_dir, device=device, dtype=dtype)
-            items = ItemIndex.load(Path(model_dir) / GENREC_SUBDIR / "catalog.parquet", model.config.num_items)
-            return cls(model, None, items, model_version=model_version(model_dir), **options)
-        directory = ModelDirectory(model_dir)
-        tokenizer = load_tokenizer(directory.path)
-        check_token_ids(tokenizer, directory.config.vocab_size, directory.path)
-        catalog = Catalog.load(directory.catalog_path, semantic_token_ranges(tokenizer))
-        model = load_qwen3(directory.path, device=device, dtype=dtype)
-        projector = None
-        if directory.soft_token_path.exists():
-            projector = SoftTokenProjector.load(directory.soft_token_path, model.config.hidden_size)
-        return cls(model, tokenizer, catalog, projector, model_version=model_version(directory.path), **options)
+        cls,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        scheduler: SchedulerConfig | None = None,
+        **options,
+    ) -> Engine:
+        """The engine of a model directory, whichever family it holds. `options`: EngineOptions' fields
+        (dtype aside: bfloat16 on CUDA and float32 on the CPU unless given)."""
+        directory = ModelDir.open(model_dir)
+        for name in LIMITS:  # strictly: a bool or a float is refused, not read as a number
+            if name in options:
+                check_int(name, options[name])
+        options = EngineOptions(**options)
+        if not isinstance(dtype, torch.dtype):
+            dtype = _dtype(EngineOptions(dtype=dtype).dtype, device)
+        limits = options.model_dump(include=set(LIMITS))
+        family = FAMILIES[directory.family].from_dir(directory, device, dtype, fast=options.cuda_fast, **limits)
+        return cls(family, scheduler, directory.version, fast=options.cuda_fast)
 
     @property
     def scheduler(self) -> Scheduler:
-        """The scheduler the synchronous API steps, made (with its KV pool) on first use: an engine that only an
-        AsyncEngine drives (which has its own) never allocates it."""
+        """The engine's one scheduler (and its KV pool), made on first use."""
         if self._scheduler is None:
-            self._scheduler = Scheduler(self, self.scheduler_config)
+            self._scheduler = Scheduler(self, self.scheduler_config, self.clock)
         return self._scheduler
 
-    # -- batch API -------------------------------------------------------------------------------
+    # -- the API ---------------------------------------------------------------------------------
 
     def retrieve(self, requests: list[RetrieveRequest]) -> list[RetrieveResult]:
-        return self._run(requests, "retrieve")
+        return self._raising(requests, "retrieve")
 
     def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
         """Each request's candidates in one pass over its single prefill."""
-        return self._run(requests, "score")
+        return self._raising(requests, "score")
 
     def recommend(self, requests: list[RecommendRequest]) -> list[RecommendResult]:
         """Beam search, then score the retrieved items plus the given candidates against the same ContextKV."""
-        return self._run(requests, "recommend")
+        return self._raising(requests, "recommend")
 
     def rank(self, requests: list[RankRequest]) -> list[RankResult]:
         """A ranking model (HSTU): each request's candidates after its history, every task's probability."""
-        return self._run(requests, "rank")
+        return self._raising(requests, "rank")
 
-    def prepare(self, req) -> Prepared:
+    def prepare(self, request, kind: str | None = None) -> Prepared:
+        """The request checked against the model (its kind first: one this family serves, `kind` when given)."""
         with host_side():  # request checks on host data, before any device work
-            return prepare(self, req)
+            kind = request_kind(request, kind)
+            if kind not in self.family.kinds:
+                served = " and ".join(self.family.kinds)
+                raise InvalidRequestError(
+                    "request", f"this engine's model ({self.family.name}) serves {served}, not {kind}"
+                )
+            return self.family.prepare(request, kind)
 
-    def _run(self, requests, kind: str) -> list:
-        """Every request checked (its kind, then its content) before any compute; then submitted as the queue
-        has room, and the scheduler stepped until all are done. The first failure is raised."""
-        if not isinstance(requests, list | tuple):
-            raise InvalidRequestError("requests", f"expected a list of requests, got {type(requests).__name__}")
-        for request in requests:
-            check_kind(request, kind)
-        pending = deque(self.prepare(r) for r in requests)
-        scheduler, futures = self.scheduler, []
-        if not scheduler.idle:
-            raise RuntimeError("the synchronous API takes one caller at a time")
-        while pending or not all(f.done() for f in futures):
+    def run(self, requests: list, kind: str | None = None) -> list:
+        """Every request's result, or the GenrecError it failed with, in order (`kind`: each must be that kind).
+        Each request is prepared once; the valid ones run together."""
+        outcomes: list = [None] * len(_listed(requests))
+        prepared = []
+        for i, request in enumerate(requests):
+            try:
+                prepared.append((i, self.prepare(request, kind)))
+            except GenrecError as err:
+                outcomes[i] = err
+        for i, outcome in self._execute(prepared):
+            outcomes[i] = outcome
+        return outcomes
+
+    def _raising(self, requests: list, kind: str) -> list:
+        """Every request checked (its kind, then its content) before any compute, the first problem raised; then
+        all run, and the first failure is raised."""
+        for request in _listed(requests):
+            request_kind(request, kind)
+        prepared = list(enumerate(self.prepare(r, kind) for r in requests))
+        outcomes = [outcome for _, outcome in self._execute(prepared)]
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
+    def _execute(self, prepared: list[tuple[int, Prepared]]) -> list[tuple[int, object]]:
+        """Submit the prepared requests as the queue has room and step the scheduler until all are done: (index,
+        result or the GenrecError it failed with). Any other exception is a bug: raised."""
+        pending, futures = deque(prepared), []
+        scheduler = self._claim()
+        while pending or not all(f.done() for _, f in futures):
             while pending and scheduler.has_room:
-                futures.append(scheduler.submit(pending.popleft(), timeout_s=math.inf))
+                i, one = pending.popleft()
+                futures.append((i, scheduler.submit(one, timeout_s=math.inf)))
             if not scheduler.step() and scheduler.idle and pending:
                 raise RuntimeError("the scheduler made no progress")  # a bug: never expected
-        return [f.result() for f in futures]
+        outcomes = []
+        for i, future in futures:
+            error = future.exception()
+            if error is not None and not isinstance(error, GenrecError):
+                raise error
+            outcomes.append((i, error if error is not None else future.result()))
+        return outcomes
+
+    def _claim(self) -> Scheduler:
+        if self.driver is not None and self.driver.healthy:
+            raise RuntimeError("an AsyncEngine drives this engine: submit to it")
+        if not self.scheduler.idle:
+            raise RuntimeError("the synchronous API takes one caller at a time")
+        return self.scheduler
+
+
+def _listed(requests) -> list:
+    if not isinstance(requests, list | tuple):
+        raise InvalidRequestError("requests", f"expected a list of requests, got {type(requests).__name__}")
+    return requests
+
+
+def _dtype(name: str | None, device: str) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return getattr(torch, name)

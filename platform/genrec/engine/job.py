@@ -10,16 +10,16 @@ import torch
 
 from genrec.api import RetrieveResult
 from genrec.engine.beam import BeamCohort
+from genrec.engine.family import Prepared
 from genrec.engine.kv_budget import Holding
-from genrec.engine.prepared import Prepared
 from genrec.engine.scoring import ScoreJob
 
 
 class JobState(Enum):
     WAITING = "waiting"  # queued; holds nothing
     PREFILLING = "prefilling"  # holds its KV; its prompt runs in chunks after its reused prefix, ctx.length done
-    DECODING = "decoding"  # beam search over its context, one level per step
-    SCORING = "scoring"  # rows to score over its context: its candidates, or (recommend) its beams and candidates
+    DECODING = "decoding"  # generates over its context (beam search), one level per step
+    SCORING = "scoring"  # rows over its context in bounded passes: its candidates (recommend: its beams too)
     FINISHED = "finished"  # its future is settled and its KV released
 
 
@@ -48,6 +48,7 @@ class Job:
     work: ScoreJob | None = None  # SCORING (score, recommend): its rows, built when it starts scoring
     scored: list = field(default_factory=list)  # SCORING: the outputs of its rows done so far, pass by pass
     rows_done: int = 0
+    result: object | None = None  # what its future gets, once its family has built it
 
     @property
     def kind(self) -> str:

@@ -1,17 +1,15 @@
 """The KV budget is the pool: admission takes real extents of the engine's preallocated KVPool.
 
 A job holds its ContextKV (the pieces of a reused prefix, and its own extent for the rest of its prompt) and a
-second extent for the rest of what it may hold at its peak: its BeamKV slots plus headroom for its rows
-(`request_kv_tokens`). Both come back when it ends. A job that does not fit waits; the prefix cache gives up
-its least recently used entries first.
+second extent for the rest of what it may hold at its peak: its BeamKV slots plus headroom for its rows (its
+family reckons them: `Prepared.kv_tokens`). Both come back when it ends. A job that does not fit waits; the
+prefix cache gives up its least recently used entries first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from genrec.engine.prepared import Prepared
-from genrec.model.config import Qwen3Config
 from genrec.model.kv_pool import ContextKV, Extent, KVPool, Piece
 
 
@@ -50,19 +48,6 @@ class KVBudget:
         assert self.reserved >= 0, "KV budget released more than it reserved"
 
 
-def kv_bytes_per_token(config: Qwen3Config, element_size: int) -> int:
+def kv_bytes_per_token(config, element_size: int) -> int:
+    """K and V of one token in every layer (`config`: a model config with the KV shape)."""
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size
-
-
-def request_kv_tokens(prepared: Prepared, levels: int) -> int:
-    """Token-equivalents of KV a request holds at its peak: prompt, beam suffixes, candidate rows."""
-    tokens = len(prepared.token_ids)
-    if prepared.uses_beams:
-        tokens += prepared.request.beam_width * levels * 2  # BeamKV plus the gathered suffix of a pass
-    if prepared.candidate_tokens is not None:
-        tokens += sum(map(len, prepared.candidate_tokens))
-        if prepared.kind == "recommend":
-            tokens += prepared.request.num_results * levels
-    if prepared.candidate_rows is not None:  # rank: one row per candidate over the history
-        tokens += len(prepared.candidate_rows)
-    return tokens

@@ -6,6 +6,7 @@ import bisect
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
@@ -45,13 +46,14 @@ class Histogram:
 
 
 class EngineMetrics:
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._lock = threading.Lock()
+        self.clock = clock  # the scheduler's
         self.queue_depth = 0
         self.running = 0
         self.kv_bytes_reserved = 0
         self.steps = 0
-        self.step_started: float | None = None  # monotonic time the step in flight began; None between steps
+        self.step_started: float | None = None  # clock time the step in flight began; None between steps
         self.batch_rows_per_step = Histogram(SIZE_BUCKETS)
         self.prefill_tokens_per_step = Histogram(SIZE_BUCKETS)
         self.time_to_first_step: dict[str, Histogram] = defaultdict(Histogram)
@@ -67,7 +69,7 @@ class EngineMetrics:
     def step_in_flight_s(self) -> float:
         """How long the step in flight has run (0 between steps)."""
         started = self.step_started
-        return 0.0 if started is None else time.monotonic() - started
+        return 0.0 if started is None else self.clock() - started
 
     def snapshot(self) -> dict:
         with self._lock:

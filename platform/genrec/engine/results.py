@@ -1,4 +1,5 @@
-"""A finished request's result, from its host values: catalog items, scores checked finite, recommend's ranking.
+"""A finished decoder request's result, from its host values: catalog items, scores checked finite, recommend's
+ranking.
 
 Everything here runs on host data after the one fetch at the end of a request (`genrec.staging.fetch`).
 """
@@ -11,8 +12,6 @@ import torch
 
 from genrec.api import (
     CandidateScore,
-    RankedItem,
-    RankResult,
     RecommendedItem,
     RecommendRequest,
     RecommendResult,
@@ -21,13 +20,12 @@ from genrec.api import (
     ScoreResult,
 )
 from genrec.catalog import Catalog
-from genrec.engine.prepared import Prepared
 from genrec.engine.scoring import LabelScores, not_retrieved
 from genrec.errors import InvalidRequestError
 from genrec.staging import fetch
 
 
-def retrieve_result(catalog: Catalog, prepared: Prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
+def retrieve_result(catalog: Catalog, prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
     """beams: (catalog index, logprob) best first, from `BeamCohort.results`."""
     check_finite([s for _, s in beams])
     items = [
@@ -42,7 +40,7 @@ def retrieve_result(catalog: Catalog, prepared: Prepared, beams: list[tuple[int,
     )
 
 
-def score_result(prepared: Prepared, scores: LabelScores) -> ScoreResult:
+def score_result(prepared, scores: LabelScores) -> ScoreResult:
     logprobs, probs, _ = _fetch_scores(scores)
     items = [
         CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
@@ -51,9 +49,7 @@ def score_result(prepared: Prepared, scores: LabelScores) -> ScoreResult:
     return ScoreResult(request_id=prepared.request.request_id, scores=items, prompt_tokens=len(prepared.token_ids))
 
 
-def recommend_result(
-    catalog: Catalog, prepared: Prepared, retrieved: RetrieveResult, scores: LabelScores
-) -> RecommendResult:
+def recommend_result(catalog: Catalog, prepared, retrieved: RetrieveResult, scores: LabelScores) -> RecommendResult:
     offset = len(retrieved.items)
     logprobs, probs, sequence = _fetch_scores(scores)
     # The given rows carry a sequence logprob exactly when the job asked for one (see scoring.score_job).
@@ -107,15 +103,3 @@ def check_finite(values: list[float]) -> list[float]:
             "request", "the model's scores for this request are not finite (e.g. a user_embedding too large)"
         )
     return values
-
-
-def rank_result(task_names: tuple[str, ...], prepared: Prepared, probs: torch.Tensor) -> RankResult:
-    """probs [candidates, asked tasks], in the candidates' order: one fetch, checked finite."""
-    host = fetch(probs.double())
-    check_finite(host.reshape(-1).tolist())
-    names = [task_names[t] for t in prepared.tasks]
-    items = [
-        RankedItem(item_id=item, scores=dict(zip(names, row, strict=True)))
-        for item, row in zip(prepared.request.candidates, host.tolist(), strict=True)
-    ]
-    return RankResult(request_id=prepared.request.request_id, items=items, history_events=len(prepared.token_ids))

@@ -3,33 +3,34 @@
 Each iteration (1) drops cancelled and timed-out requests, freeing their KV at once; (2) admits waiting
 requests in arrival order while the KV budget allows, each reusing its longest cached prefix (the prefix
 cache); (3) prefills the rest of their contexts under a token budget, in chunks, so a long prompt does not
-starve running decodes; (4) starts beam cohorts for the prefilled beam requests; (5) runs ONE decode pass for
-every running beam of every request; (6) runs one bounded pass of scoring (or ranking) rows for the requests
-that have them, and finishes those whose rows are all done. A job's state (`JobState`) says which of these it
-is in. The runner makes every model call; no Ray and no threads here: the synchronous `Engine` steps it until
-its batch is done, the AsyncEngine's loop steps it forever. Every model call is guarded, so a failing request
-fails alone.
+starve running decodes; (4) moves the prefilled ones on (their family says whether they generate or run rows); (5)
+runs ONE decode pass for every generating row of every request; (6) runs one bounded pass of rows (scoring
+candidates, or ranking them) for the requests that have them, and finishes those whose rows are all done. A
+job's state (`JobState`) says which of these it is in. Nothing here knows a model family: the family
+(genrec.engine.family) prepares requests and builds results, the runner makes every model call; no Ray and no
+threads here: the synchronous `Engine` steps it until its batch is done, the AsyncEngine's loop steps it
+forever. Every model call is guarded, so a failing request fails alone. Time is read from the `clock` the
+scheduler is given (time.monotonic by default), so deadlines can be tested exactly.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 
 import torch
 
-from genrec.engine import results
-from genrec.engine.beam import fetch_finals, start_cohort
+from genrec.engine.beam import fetch_finals
 from genrec.engine.checks import check_int, check_seconds
+from genrec.engine.family import Prepared
 from genrec.engine.host_tier import HostTier
 from genrec.engine.job import Job, JobState
-from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token, request_kv_tokens
+from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token
 from genrec.engine.metrics import EngineMetrics
-from genrec.engine.prefix_cache import BLOCK, PrefixCache, block_keys
-from genrec.engine.prepared import Prepared
-from genrec.engine.scoring import LabelScores, score_job
+from genrec.engine.prefix_cache import BLOCK, PrefixCache
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
 
 WAITING, PREFILLING, DECODING, SCORING, FINISHED = JobState
@@ -69,15 +70,13 @@ LIVE_FIELDS = ("request_timeout_s", "max_queue", "max_running", "prefill_tokens_
 
 
 class Scheduler:
-    """Sequences the requests of one engine (`genrec.engine.Engine`: its runner, catalog and limits)."""
+    """Sequences the requests of one engine (`genrec.engine.Engine`: its family, runner and model version)."""
 
-    def __init__(self, engine, config: SchedulerConfig | None = None):
-        self.runner, self.catalog, self.trie, self.levels = engine.runner, engine.catalog, engine.trie, engine.levels
+    def __init__(self, engine, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.family, self.runner = engine.family, engine.runner
         self.salt = engine.model_version.encode()  # cached prefixes of another model version never match
-        self.placeholder_id = engine.placeholder_id
-        self.score_max_tokens = engine.score_max_tokens
-        self.task_names = getattr(engine.model.config, "tasks", ())
         self.device = engine.device
+        self.clock = clock
         self.config = _by_device(config or SchedulerConfig(), self.device)
         model = self.runner.model
         self.per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
@@ -87,7 +86,7 @@ class Scheduler:
         cache_bytes = self.config.prefix_cache_bytes
         host = HostTier(self.config.host_cache_bytes, self.budget.pool) if self.config.host_cache_bytes else None
         self.cache = PrefixCache(cache_bytes if cache_bytes is not None else self.budget.capacity // 2, host=host)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(clock)
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # admitted, in admission order; their state says what they need next
@@ -104,7 +103,7 @@ class Scheduler:
 
     def submit(self, prepared: Prepared, timeout_s: float | None = None) -> Future:
         timeout_s = check_seconds("timeout_s", timeout_s) if timeout_s is not None else self.config.request_timeout_s
-        tokens = request_kv_tokens(prepared, self.levels)
+        tokens = prepared.kv_tokens
         if tokens * self.per_token > self.budget.capacity:
             raise InvalidRequestError(
                 "request",
@@ -112,7 +111,7 @@ class Scheduler:
             )
         if not self.has_room:
             raise Overloaded(f"engine queue is full ({self.config.max_queue} waiting requests)")
-        now = time.monotonic()
+        now = self.clock()
         job = Job(prepared, Future(), now, now + timeout_s, tokens)
         self.inbox.append(job)
         return job.future
@@ -130,7 +129,7 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> bool:
         """One iteration; False when it found nothing to do."""
-        self.metrics.step_started = time.monotonic()
+        self.metrics.step_started = self.clock()
         try:
             return self._step()
         finally:
@@ -139,7 +138,7 @@ class Scheduler:
     def _step(self) -> bool:
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
-        self._reap(time.monotonic())
+        self._reap(self.clock())
         self._admit()
         prefill_tokens, ready = self._prefill()
         self._start(ready)
@@ -163,7 +162,7 @@ class Scheduler:
             if job.future.cancelled():
                 self._finish(job, status="cancelled")
             else:
-                waited = time.monotonic() - job.submitted
+                waited = self.clock() - job.submitted
                 error = RequestTimeout(f"request did not finish within {waited:.1f} s")
                 self._finish(job, error=error, status="timeout")
 
@@ -172,9 +171,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_running:
             job = self.waiting[0]
             if job.block_keys is None and self.cache.enabled:
-                p = job.prepared
-                embedding = getattr(p.request, "user_embedding", None)
-                job.block_keys = block_keys(p.token_ids.numpy(), self.salt, self.placeholder_id, embedding)
+                job.block_keys = self.family.block_keys(job.prepared, self.salt)
             job.holding = self._hold(job)
             if job.holding is None:
                 break  # in arrival order: the head waits for memory, nobody overtakes it
@@ -229,77 +226,51 @@ class Scheduler:
         return done
 
     def _start(self, ready: list[Job]) -> None:
-        """Prefilled jobs on to their next state: beam requests start their cohort, score requests score."""
+        """Prefilled jobs on to the state their family says: generating (a one-level code is done at once), or
+        running rows."""
         for job in ready:
-            if job.prepared.uses_beams:
-                self._guarded([job], self._start_beams)
-            else:
-                job.move(SCORING)
+            self._guarded([job], self._start_one)
 
-    def _start_beams(self, jobs: list[Job]) -> None:
+    def _start_one(self, jobs: list[Job]) -> None:
         (job,) = jobs
-        slots = job.holding.rest
-        job.cohort = start_cohort(self.trie, [job.prepared], [job.ctx], job.last_logits[None], slots=slots)
-        job.move(DECODING)
-        if job.cohort.done:  # a one-level code: nothing to decode
-            self._beams_done([job])
+        job.move(self.family.start(job))
+        if job.state is JobState.DECODING and job.cohort.done:  # a one-level code: nothing to decode
+            self._generated([job])
 
     def _decode(self) -> int:
         decoding = self.in_state(DECODING)
         rows = sum(j.cohort.rows for j in decoding)
         self._guarded(decoding, lambda jobs: self.runner.decode([j.cohort for j in jobs]))
-        self._beams_done([j for j in decoding if j.state is DECODING and j.cohort.done])
+        self._generated([j for j in decoding if j.state is DECODING and j.cohort.done])
         return rows
 
-    def _beams_done(self, jobs: list[Job]) -> None:
+    def _generated(self, jobs: list[Job]) -> None:
         finals = fetch_finals([job.cohort for job in jobs]) if jobs else []  # one host sync for all
         for job, host in zip(jobs, finals, strict=True):
-            self._guarded([job], lambda one, host=host: self._beams_result(one[0], host))
+            self._guarded([job], lambda one, host=host: self._generated_one(one[0], host))
 
-    def _beams_result(self, job: Job, host) -> None:
+    def _generated_one(self, job: Job, host) -> None:
         (beams,) = job.cohort.results(host)
-        result = results.retrieve_result(self.catalog, job.prepared, beams)
-        if job.kind == "retrieve":
+        result = self.family.generated(job, beams)
+        if result is not None:
             self._finish(job, result)
         else:
-            job.retrieved = result
             job.cohort = None
             job.move(SCORING)
 
     def _score(self) -> int:
-        """One bounded pass of scoring rows and one of ranking rows for the jobs in SCORING (rows of many jobs
-        share a pass); a job whose rows are all done finishes. A request of many candidates thus spreads over
-        several steps: others' decode passes run between, and its deadline is checked between its passes."""
+        """One bounded pass of rows for the jobs in SCORING (rows of many jobs share a pass); a job whose rows are
+        all done finishes. A request of many candidates thus spreads over several steps: others' decode passes
+        run between, and its deadline is checked between its passes."""
         scoring = self.in_state(SCORING)
-        self._guarded([j for j in scoring if j.kind == "rank"], self._rank_pass)
-        self._guarded([j for j in scoring if j.kind != "rank"], self._score_pass)
+        self._guarded(scoring, self._rows_pass)
         return len(scoring)
 
-    def _score_pass(self, jobs: list[Job]) -> None:
+    def _rows_pass(self, jobs: list[Job]) -> None:
+        self.runner.rows_pass(jobs, self.family.score_max_tokens)
         for job in jobs:
-            if job.work is None:
-                job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved)
-                job.scored = [LabelScores.empty(self.device)]
-        views = [job.work.after(job.rows_done) for job in jobs]
-        for k, scores in self.runner.score_pass(views, self.score_max_tokens):
-            jobs[k].scored.append(scores)
-            jobs[k].rows_done += len(scores)
-        for job in jobs:
-            if job.rows_done == len(job.work.candidates):
-                scores = LabelScores.cat(job.scored)
-                if job.kind == "score":
-                    self._finish(job, results.score_result(job.prepared, scores))
-                else:
-                    self._finish(job, results.recommend_result(self.catalog, job.prepared, job.retrieved, scores))
-
-    def _rank_pass(self, jobs: list[Job]) -> None:
-        views = [(j.ctx, j.prepared.candidate_rows[j.rows_done :], j.prepared.tasks) for j in jobs]
-        for k, probs in self.runner.rank_pass(views, self.score_max_tokens):
-            jobs[k].scored.append(probs)
-            jobs[k].rows_done += len(probs)
-        for job in jobs:
-            if job.rows_done == len(job.prepared.candidate_rows):
-                self._finish(job, results.rank_result(self.task_names, job.prepared, torch.cat(job.scored)))
+            if job.result is not None:
+                self._finish(job, job.result)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
@@ -327,7 +298,7 @@ class Scheduler:
                     self._guarded([job], fn)
 
     def _first_step(self, job: Job) -> None:
-        self.metrics.time_to_first_step[job.kind].observe(time.monotonic() - job.submitted)
+        self.metrics.time_to_first_step[job.kind].observe(self.clock() - job.submitted)
 
     def _finish(self, job: Job, result=None, error: BaseException | None = None, status: str = "ok") -> None:
         """Settle the job's future and give its KV back (from any state)."""
@@ -337,10 +308,10 @@ class Scheduler:
             self.budget.release(job.holding)
             job.holding = None
             self.cache.trim()  # what it read or handed to the cache may be given back now
-        job.cohort = job.last_logits = job.retrieved = job.work = None
+        job.cohort = job.last_logits = job.retrieved = job.work = job.result = None
         job.scored = []
         # Counted before the caller can see the answer: metrics read right after it include this request.
-        self.metrics.finished(job.kind, status, time.monotonic() - job.submitted)
+        self.metrics.finished(job.kind, status, self.clock() - job.submitted)
         self.metrics.kv_bytes_reserved = self.budget.reserved
         try:
             if error is not None:

@@ -16,7 +16,9 @@ from itertools import chain
 import numpy as np
 import torch
 
+from genrec.attention import ContextGroup, ContextRows
 from genrec.model.kv_pool import ContextKV
+from genrec.staging import to_device
 
 
 @dataclass
@@ -136,3 +138,93 @@ def not_retrieved(prepared, retrieved) -> list[int]:
     """Indices of the given candidates that beam search did not already find (those are ranked once)."""
     found = {i.item_id for i in retrieved.items}
     return [k for k, c in enumerate(prepared.given) if c.item_id is None or c.item_id not in found]
+
+
+class Scorer:
+    """Runs scoring passes on a Qwen3 model: every candidate a row over its job's context, causal within itself."""
+
+    def __init__(self, model, fast: bool = False):
+        self.model, self.device, self.fast = model, model.device, fast
+
+    @torch.inference_mode()
+    def score_pass(self, jobs: list[ScoreJob], max_tokens: int) -> list[tuple[int, LabelScores]]:
+        """One pass of at most `max_tokens` padded tokens, candidates taken in order from the jobs: (job index,
+        scores of its next rows) per job reached. Every candidate is a row over its job's context."""
+        chunk = next(chunks(jobs, max_tokens), None)
+        if chunk is None:
+            return []
+        return list(zip(chunk.job_index, self._score_chunk(chunk.segments), strict=True))
+
+    def score(self, jobs: list[ScoreJob], max_tokens: int) -> list[LabelScores]:
+        """Every job's candidates, pass after pass (what the scheduler spreads over its steps)."""
+        parts: list[list[LabelScores]] = [[LabelScores.empty(self.device)] for _ in jobs]
+        done = [0] * len(jobs)
+        while pending := [i for i, job in enumerate(jobs) if done[i] < len(job.candidates)]:
+            for k, scores in self.score_pass([jobs[i].after(done[i]) for i in pending], max_tokens):
+                parts[pending[k]].append(scores)
+                done[pending[k]] += len(scores)
+        return [LabelScores.cat(ps) for ps in parts]
+
+    def _score_chunk(self, segments: list[Segment]) -> list[LabelScores]:
+        model, device = self.model, self.device
+        ids, lengths = pad_rows([cand for seg in segments for cand in seg.candidates])
+        counts = [len(seg.candidates) for seg in segments]
+        groups, offset = [], 0
+        for seg, n in zip(segments, counts, strict=True):
+            groups.append(ContextGroup(offset, offset + n, seg.job.ctx))
+            offset += n
+        starts = np.repeat([seg.job.ctx.length for seg in segments], counts)
+        positions = starts[:, None] + np.arange(ids.shape[1])[None, :]
+        labels = np.repeat([seg.job.labels for seg in segments], counts, axis=0)
+        ids_d, positions, labels = to_device(ids, device), to_device(positions, device), to_device(labels, device)
+        context = ContextRows(groups, len(ids), ids.shape[1], fast=self.fast)
+        hidden, _, _ = model.forward_rows(model.embed(ids_d), positions, context, causal=True)
+        last = hidden[torch.arange(len(ids), device=device), to_device(lengths - 1, device)]
+        logprob, prob = self._label_scores(last, labels[:, 0], labels[:, 1])
+        sequence = self._sequence_logprobs(segments, hidden, ids, lengths)
+        out, offset = [], 0
+        for n in counts:
+            part = slice(offset, offset + n)
+            out.append(LabelScores(logprob[part], prob[part], sequence[part]))
+            offset += n
+        return out
+
+    def _sequence_logprobs(self, segments: list[Segment], hidden, ids: np.ndarray, lengths: np.ndarray):
+        """[rows] log P(tokens | prompt) for the rows whose segment asks, NaN elsewhere. Token 0 is read from the
+        job's prompt log-probs, token t > 0 from the row's own hidden state at t - 1."""
+        device = hidden.device
+        out = torch.full((len(ids),), float("nan"), device=device)
+        wanted = np.flatnonzero(np.concatenate([seg.wants_sequence() for seg in segments]))
+        if not len(wanted):
+            return out
+        asks = np.array([seg.job.sequence_from is not None for seg in segments])
+        prompts = torch.stack([seg.job.prompt_logprobs for seg, a in zip(segments, asks, strict=True) if a])
+        segment_of_row = np.repeat(np.arange(len(segments)), [len(seg.candidates) for seg in segments])
+        prompt_of = (asks.cumsum() - 1)[segment_of_row[wanted]]  # its segment's row in `prompts`
+        first = prompts[to_device(prompt_of, device), to_device(ids[wanted, 0], device)]
+        # Tokens after the first, real ones only (no padding): (which wanted row, position of the state before it).
+        owner, position = ragged(lengths[wanted] - 1)
+        before = hidden[to_device(wanted[owner], device), to_device(position, device)]
+        picked = self._token_logprobs(before, to_device(ids[wanted[owner], position + 1], device))
+        total = first.index_add(0, to_device(owner, device), picked)
+        return out.index_put((to_device(wanted, device),), total)
+
+    def _token_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: int = 512) -> torch.Tensor:
+        """[N] log-softmax of each of `tokens` [N] under the logits of `hidden` [N, H], `rows` logit rows at a time."""
+        parts = [
+            torch.log_softmax(self.model.logits(h).float(), dim=-1).gather(1, t[:, None])[:, 0]
+            for h, t in zip(hidden.split(rows), tokens.split(rows), strict=True)
+        ]
+        return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+    def _label_scores(self, last_hidden: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, rows: int = 512):
+        """Label log-probs without materialising [N, vocab] logits for all N at once."""
+        logprobs, probs = [], []
+        for h, p, n in zip(last_hidden.split(rows), pos.split(rows), neg.split(rows), strict=True):
+            logits = self.model.logits(h)
+            lse = torch.logsumexp(logits, dim=-1)
+            pos_logit = logits.gather(1, p[:, None])[:, 0]
+            neg_logit = logits.gather(1, n[:, None])[:, 0]
+            logprobs.append(pos_logit - lse)
+            probs.append(torch.sigmoid(pos_logit - neg_logit))
+        return torch.cat(logprobs), torch.cat(probs)

@@ -6,13 +6,13 @@ import asyncio
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from genrec.api import MAX_BEAM_WIDTH, RankResult
+from genrec.api import RankResult
 from genrec.engine import AsyncEngine, Engine
-from genrec.engine.prepared import FAMILY_KINDS, check_kind
 from genrec.serving.args import EngineLimits, ReplicaOptions, live_limits
 from genrec.serving.funnel import known_candidates
 from genrec.serving.http_errors import NotServed
@@ -23,7 +23,16 @@ from genrec.threads import apply_threads
 
 @serve.deployment(name="EngineServer", health_check_period_s=5, health_check_timeout_s=10)
 class EngineServer:
-    def __init__(self, model_dir: str, device: str, options: ReplicaOptions, limits: EngineLimits = EngineLimits()):
+    def __init__(
+        self,
+        model_dir: str,
+        device: str,
+        options: ReplicaOptions,
+        limits: EngineLimits = EngineLimits(),
+        engine_factory: Callable[..., AsyncEngine] | None = None,
+    ):
+        """`engine_factory(model_dir, device, options, limits)`: the replica's AsyncEngine (default: `load_engine`;
+        tests pass their own)."""
         # Before the model loads, so that torch's threads start on their cores.
         self.threads = apply_threads(
             options.torch_threads,
@@ -33,12 +42,11 @@ class EngineServer:
             pin_name="pin_threads",
         )
         started = time.perf_counter()
-        engine = Engine.from_pretrained(model_dir, device=device, **options.engine_kwargs())
         # The builder's limits until reconfigure applies the config's (and if the config's are refused).
         self.limits, self.config_refused = limits, None
-        self.engine = AsyncEngine(engine, options.scheduler_config(limits))
-        self.info = describe(engine, model_dir, device)
-        self.catalog = engine.catalog
+        self.engine = (engine_factory or load_engine)(model_dir, device, options, limits)
+        self.info = describe(self.engine.engine, model_dir, device)
+        self.catalog = self.engine.engine.catalog
         self.replica = _replica_id()
         self.metrics = EngineMetricsExporter(self.info.serves)
         self.metrics.load_s = time.perf_counter() - started
@@ -108,9 +116,8 @@ class EngineServer:
         try:
             if kind not in self.info.serves:
                 raise NotServed(kind, self.info.family, self.info.serves)
-            check_kind(request, kind)
             # Validation and tokenizing run in a worker thread: this event loop also answers health checks.
-            future = await asyncio.to_thread(self.engine.submit, request, timeout_s)
+            future = await asyncio.to_thread(self.engine.submit, request, timeout_s, kind)
             result = await asyncio.wrap_future(future)  # cancelling this cancels the request in the engine
             status = "ok"
             return result, self.info.version
@@ -125,34 +132,22 @@ class EngineServer:
             self.metrics.update(self.engine.metrics(), config_refused=self.config_refused is not None)
 
 
+def load_engine(model_dir: str, device: str, options: ReplicaOptions, limits: EngineLimits) -> AsyncEngine:
+    """The replica's engine: the model directory loaded with the replica's options, driven by a background loop."""
+    scheduler = options.scheduler_config(limits)
+    return AsyncEngine(Engine.from_pretrained(model_dir, device=device, scheduler=scheduler, **options.engine_kwargs()))
+
+
 def describe(engine: Engine, model_dir: str, device: str) -> ModelInfo:
     """What /v1/model says about the engine's model (the other family's fields None)."""
-    common = {
-        "version": engine.model_version,
-        "model_dir": str(model_dir),
-        "device": device,
-        "family": engine.family,
-        "serves": list(FAMILY_KINDS[engine.family]),
-        "catalog_items": len(engine.catalog),
-        "max_candidates": engine.max_candidates,
-    }
-    if engine.family == "hstu":
-        config = engine.model.config
-        return ModelInfo(
-            **common,
-            levels=None,
-            max_beam_width=None,
-            max_prompt_tokens=None,
-            user_dim=None,
-            tasks=list(config.tasks),
-            max_history_events=config.max_history_events,
-        )
+    family = engine.family
     return ModelInfo(
-        **common,
-        levels=engine.catalog.levels,
-        max_beam_width=MAX_BEAM_WIDTH,
-        max_prompt_tokens=engine.max_prompt_tokens,
-        user_dim=engine.projector.user_dim if engine.projector is not None else None,
+        version=engine.model_version,
+        model_dir=str(model_dir),
+        device=device,
+        family=family.name,
+        serves=list(family.kinds),
+        **family.describe(),
     )
 
 

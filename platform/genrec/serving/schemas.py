@@ -101,10 +101,10 @@ class ModelInfo(BaseModel):
     serves: list[str] = Field(description="the request kinds (routes) this model answers")
     catalog_items: int
     max_candidates: int = Field(description="candidates per score, recommend or rank request")
-    levels: int | None = Field(description="qwen3: semantic-ID code length")
-    max_beam_width: int | None = Field(description="qwen3")
-    max_prompt_tokens: int | None = Field(description="qwen3")
-    user_dim: int | None = Field(description="qwen3: soft-token input size; None: the model has no projector")
+    levels: int | None = Field(None, description="qwen3: semantic-ID code length")
+    max_beam_width: int | None = Field(None, description="qwen3")
+    max_prompt_tokens: int | None = Field(None, description="qwen3")
+    user_dim: int | None = Field(None, description="qwen3: soft-token input size; None: the model has no projector")
     tasks: list[str] | None = Field(None, description="hstu: the head's tasks (scores per candidate)")
     max_history_events: int | None = Field(None, description="hstu: events a history may hold")
     ranker: ModelInfo | None = Field(

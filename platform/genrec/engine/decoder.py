@@ -1,0 +1,200 @@
+"""The Qwen3 semantic-ID decoder as an engine family: retrieve, score, recommend.
+
+A request's context is its prompt (the soft token injected in place of `<|user|>`). After the prefill, a
+retrieve or recommend generates: constrained beam search over the catalog trie, one decode pass per code level
+(genrec.engine.beam); a score request, and a recommend once its beams are found, runs its candidates as rows
+over the same context in bounded scoring passes (genrec.engine.scoring). Results are built on the host after
+one fetch (genrec.engine.results).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from genrec.api import MAX_BEAM_WIDTH, Candidate, RetrieveRequest, RetrieveResult
+from genrec.catalog import Catalog, CodeTrie
+from genrec.engine import results
+from genrec.engine.beam import start_cohort
+from genrec.engine.decoder_inputs import (
+    candidate_token_lists,
+    check_user_embedding,
+    inject_user_embedding,
+    label_token_ids,
+    prompt_token_ids,
+)
+from genrec.engine.family import Prepared
+from genrec.engine.job import JobState
+from genrec.engine.prefix_cache import block_keys
+from genrec.engine.scoring import LabelScores, Scorer, score_job
+from genrec.model.soft_token import SoftTokenProjector
+from genrec.model.tokenizer import USER_TOKEN
+from genrec.staging import to_device
+
+
+@dataclass
+class PreparedPrompt(Prepared):
+    candidate_tokens: list[list[int]] | None = None  # the given candidates' token lists (score, recommend)
+    given: list[Candidate] | None = None  # the candidates those lists are of (recommend: after exclusions)
+    labels: tuple[int, int] | None = None
+    exclusions: list[int] | None = None  # catalog indices (retrieve, recommend)
+    unknown_exclusions: int = 0
+
+    @property
+    def uses_beams(self) -> bool:
+        return self.kind in ("retrieve", "recommend")
+
+
+class Decoder:
+    name = "qwen3"
+    kinds = ("retrieve", "score", "recommend")
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        catalog: Catalog,
+        projector: SoftTokenProjector | None = None,
+        max_candidates: int = 2048,
+        score_max_tokens: int = 16384,
+        max_candidate_tokens: int = 65536,
+        fast: bool = False,
+    ):
+        self.model, self.tokenizer, self.catalog = model, tokenizer, catalog
+        self.device = model.device
+        self.projector = projector.to(self.device, model.dtype) if projector is not None else None
+        self.max_candidates = max_candidates
+        self.score_max_tokens = score_max_tokens  # one scoring pass, padded
+        self.max_candidate_tokens = max_candidate_tokens  # one request's candidates in all
+        self.fast = fast
+        self.levels = catalog.levels
+        self.trie = CodeTrie.build(catalog.codes, device=self.device)
+        self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
+        self.max_prompt_tokens = model.config.prompt_room(catalog.levels)  # room for the code after it
+        self.scorer = Scorer(model, fast)
+
+    @classmethod
+    def from_dir(cls, directory, device, dtype, **limits) -> Decoder:
+        """A Qwen3 model directory (`genrec.model.directory.Qwen3Dir`) loaded onto the device."""
+        tokenizer = directory.load_tokenizer()
+        catalog = directory.load_catalog(tokenizer)
+        model = directory.load_model(device, dtype)
+        return cls(model, tokenizer, catalog, directory.load_projector(), **limits)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def prepare(self, req, kind: str) -> PreparedPrompt:
+        token_ids = prompt_token_ids(req, self.tokenizer, self.model.config.vocab_size, self.max_prompt_tokens)
+        check_user_embedding(token_ids, self.placeholder_id, req.user_embedding, self.projector)
+        prepared = PreparedPrompt(req, kind, token_ids)
+        if isinstance(req, RetrieveRequest):
+            known = [i for i in map(self.catalog.index_of, req.exclude_item_ids) if i is not None]
+            prepared.exclusions = sorted(set(known))
+            prepared.unknown_exclusions = len(req.exclude_item_ids) - len(known)
+        if kind in ("score", "recommend"):
+            tokens = candidate_token_lists(self, req.candidates, len(token_ids))  # every candidate validated
+            keep = self._kept(req.candidates, prepared.exclusions) if kind == "recommend" else None
+            prepared.given = req.candidates if keep is None else [req.candidates[k] for k in keep]
+            prepared.candidate_tokens = tokens if keep is None else [tokens[k] for k in keep]
+            prepared.labels = label_token_ids(self.tokenizer, req.labels)
+        prepared.kv_tokens = self._kv_tokens(prepared)
+        return prepared
+
+    def _kept(self, candidates: list[Candidate], exclusions: list[int]) -> list[int]:
+        """Recommend: the given candidates to rank, in order: no excluded item, each item once."""
+        skip, keep = set(exclusions), []
+        for k, cand in enumerate(candidates):
+            if cand.item_id is not None:
+                index = self.catalog.index_of(cand.item_id)
+                if index in skip:
+                    continue
+                skip.add(index)
+            keep.append(k)
+        return keep
+
+    def _kv_tokens(self, prepared: PreparedPrompt) -> int:
+        """Token-equivalents of KV the request holds at its peak: prompt, beam suffixes, candidate rows."""
+        tokens = len(prepared.token_ids)
+        if prepared.uses_beams:
+            tokens += prepared.request.beam_width * self.levels * 2  # BeamKV plus the gathered suffix of a pass
+        if prepared.candidate_tokens is not None:
+            tokens += sum(map(len, prepared.candidate_tokens))
+            if prepared.kind == "recommend":
+                tokens += prepared.request.num_results * self.levels
+        return tokens
+
+    def block_keys(self, prepared: PreparedPrompt, salt: bytes) -> list[bytes]:
+        """A block holding the soft token is keyed with its embedding too."""
+        embedding = prepared.request.user_embedding
+        return block_keys(prepared.token_ids.numpy(), salt, self.placeholder_id, embedding)
+
+    # -- passes ----------------------------------------------------------------------------------
+
+    def context_embeds(self, prepared: PreparedPrompt, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Prompt tokens [start, stop), the soft token injected where the request has one."""
+        ids = prepared.token_ids[start:stop]
+        embeds = self.model.embed(to_device(ids.numpy(), self.device))
+        vector = prepared.request.user_embedding
+        if vector is None:
+            return embeds
+        return inject_user_embedding(embeds, ids, self.placeholder_id, vector, self.projector)
+
+    def prefill(self, segments: list) -> torch.Tensor:
+        """The logits at each segment's last position [segments, vocab]."""
+        return self.model.prefill_packed(segments, fast=self.fast)
+
+    def start(self, job) -> JobState:
+        """Beam requests start their cohort (its first level chosen from the prompt's last logits); score
+        requests go on to their rows."""
+        if not job.prepared.uses_beams:
+            return JobState.SCORING
+        job.cohort = start_cohort(self.trie, [job.prepared], [job.ctx], job.last_logits[None], slots=job.holding.rest)
+        return JobState.DECODING
+
+    def decode_forward(self, batch):
+        """One decode pass over a filled DecodeBatch: (logprobs [B, vocab], new_k, new_v [layers, B, 1, KV, D])."""
+        model, pool = self.model, batch.pool
+        past_k = pool.k[:, batch.ancestors] if batch.past else None  # [layers, B, P, KV, D]: one gather
+        past_v = pool.v[:, batch.ancestors] if batch.past else None
+        embeds = model.embed(batch.tokens[:, None])
+        hidden, new_k, new_v = model.forward_rows(
+            embeds, batch.positions[:, None], batch.context, past_k, past_v, mask=batch.mask
+        )
+        return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
+
+    def generated(self, job, beams: list[tuple[int, float]]) -> RetrieveResult | None:
+        """A retrieve's result; a recommend keeps its beams to score them with its candidates (None)."""
+        result = results.retrieve_result(self.catalog, job.prepared, beams)
+        if job.kind == "retrieve":
+            return result
+        job.retrieved = result
+        return None
+
+    def rows_pass(self, jobs: list, budget: int) -> None:
+        """One scoring pass of at most `budget` padded tokens over the jobs' candidate rows, in order."""
+        for job in jobs:
+            if job.work is None:
+                job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved)
+                job.scored = [LabelScores.empty(self.device)]
+        views = [job.work.after(job.rows_done) for job in jobs]
+        for k, scores in self.scorer.score_pass(views, budget):
+            jobs[k].scored.append(scores)
+            jobs[k].rows_done += len(scores)
+        for job in jobs:
+            if job.rows_done == len(job.work.candidates):
+                scores = LabelScores.cat(job.scored)
+                if job.kind == "score":
+                    job.result = results.score_result(job.prepared, scores)
+                else:
+                    job.result = results.recommend_result(self.catalog, job.prepared, job.retrieved, scores)
+
+    def describe(self) -> dict:
+        return {
+            "catalog_items": len(self.catalog),
+            "max_candidates": self.max_candidates,
+            "levels": self.levels,
+            "max_beam_width": MAX_BEAM_WIDTH,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "user_dim": self.projector.user_dim if self.projector is not None else None,
+        }

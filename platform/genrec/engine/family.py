@@ -1,0 +1,92 @@
+"""The seam between the engine and a model family: what the scheduler and the runner call, and nothing else.
+
+A family turns its kinds of request into a context (a prompt's tokens, or a user's events) and rows over that
+context. Both families hold the context as per-layer K/V in an extent of the engine's KV pool (`ContextKV`), so
+any number of rows read it without a copy, and both run in the same states: a job is prefilled in chunks, then
+either generates (`Generating`: the Qwen3 decoder's beam search, one decode pass per level) or runs its rows in
+bounded passes (scoring candidates; ranking them), then finishes with a result. The family says which; the
+scheduler sequences, the runner makes the passes.
+
+Implementations: `genrec.engine.decoder.Decoder` (Qwen3: retrieve, score, recommend) and
+`genrec.engine.ranker.Ranker` (HSTU: rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.errors import InvalidRequestError
+
+# The request class of each kind, the most specific first (a RecommendRequest is also a RetrieveRequest).
+KINDS = {"recommend": RecommendRequest, "retrieve": RetrieveRequest, "score": ScoreRequest, "rank": RankRequest}
+
+
+def request_kind(request, expected: str | None = None) -> str:
+    """The request's kind, checked once on its way in: one of KINDS, and `expected` when given (the entry for a
+    kind takes exactly that kind: retrieve refuses a RecommendRequest, too)."""
+    kind = next((k for k, cls in KINDS.items() if isinstance(request, cls)), None)
+    if kind is None:
+        names = ", ".join(cls.__name__ for cls in KINDS.values())
+        raise InvalidRequestError("request", f"expected one of {names}, got {type(request).__name__}")
+    if expected is not None and kind != expected:
+        raise InvalidRequestError("request", f"expected {KINDS[expected].__name__}, got {type(request).__name__}")
+    return kind
+
+
+@dataclass
+class Prepared:
+    """A request checked against the model and turned into host tensors, before any model compute: everything a
+    client can get wrong is refused while preparing it (InvalidRequestError naming the field)."""
+
+    request: RetrieveRequest | ScoreRequest | RecommendRequest | RankRequest
+    kind: str
+    # The context on the host: a prompt's token IDs [T] int64, or a history's events [T, 3] int64. Its rows are
+    # what the prefix cache keys.
+    token_ids: torch.Tensor
+    kv_tokens: int = 0  # pool tokens it holds at its peak: its context, beam suffixes, candidate rows
+
+
+class Family(Protocol):
+    """What both families implement."""
+
+    name: str  # "qwen3" | "hstu"
+    kinds: tuple[str, ...]  # the request kinds it answers
+    model: torch.nn.Module  # its `config` has the KV shape (num_hidden_layers, num_key_value_heads, head_dim)
+    catalog: object  # item IDs <-> what the model reads of them
+
+    def prepare(self, request, kind: str) -> Prepared:
+        """Check a request of one of `kinds` against the model; raise InvalidRequestError naming the field."""
+
+    def block_keys(self, prepared: Prepared, salt: bytes) -> list[bytes]:
+        """The prefix cache's keys of the context's whole blocks (see genrec.engine.prefix_cache)."""
+
+    def context_embeds(self, prepared: Prepared, start: int, stop: int) -> torch.Tensor:
+        """Input embeddings of context rows [start, stop) on the model's device."""
+
+    def prefill(self, segments: list[tuple[torch.Tensor, object]]) -> list[torch.Tensor | None]:
+        """Run each (embeds, ctx) as the positions after ctx.length, writing its K/V into ctx (several contexts in
+        one pass); the outputs at each segment's last position (what starts its next state), or None."""
+
+    def start(self, job) -> bool:
+        """A prefilled job on to its next state: True if it now generates (Generating only), False if it runs rows."""
+
+    def rows_pass(self, jobs: list, budget: int) -> None:
+        """One pass of at most `budget` (padded tokens, or rows) of the jobs' next rows, in order; a job whose rows
+        are all done gets its `result`."""
+
+    def describe(self) -> dict:
+        """What /v1/model says of this family's model (the other family's fields None)."""
+
+
+class Generating(Family, Protocol):
+    """A family whose jobs generate before their rows (the Qwen3 decoder's beam search)."""
+
+    def decode_forward(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode pass over a filled `DecodeBatch`: (logprobs [B, vocab], new_k, new_v)."""
+
+    def generated(self, job, beams) -> bool:
+        """A job whose generation finished (its beams fetched): its result, or True if it goes on to rows."""

@@ -1,0 +1,179 @@
+"""The HSTU ranker as an engine family: rank.
+
+A request's context is the user's event history (item row, action, time bucket per event, at absolute
+positions); after its prefill, its candidates run as rows over it in bounded passes. A candidate takes the
+position after the history, no action and the unknown time bucket; it sees the history and itself only, so it
+scores the same whatever else is ranked with it (genrec.model.hstu).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from genrec.api import RankedItem, RankRequest, RankResult
+from genrec.attention import ContextGroup
+from genrec.catalog.item_index import ItemIndex
+from genrec.engine.family import Prepared
+from genrec.engine.job import JobState
+from genrec.engine.prefix_cache import block_keys
+from genrec.engine.results import check_finite
+from genrec.errors import InvalidRequestError
+from genrec.staging import fetch, to_device
+
+
+@dataclass
+class PreparedHistory(Prepared):
+    candidate_rows: np.ndarray | None = None  # the candidates' embedding rows
+    tasks: list[int] | None = None  # the model's task indices to return, in order
+
+
+class Ranker:
+    name = "hstu"
+    kinds = ("rank",)
+
+    def __init__(self, model, items: ItemIndex, max_candidates: int = 2048, score_max_tokens: int = 16384, **_):
+        """`score_max_tokens`: candidate rows in one pass (the scoring passes' bound, in rows here). Options only
+        the decoder has (max_candidate_tokens, fast) are accepted and unused."""
+        self.model, self.catalog = model, items
+        self.device = model.device
+        self.max_candidates = max_candidates
+        self.score_max_tokens = score_max_tokens
+        self.levels = 0  # nothing generates
+
+    @classmethod
+    def from_dir(cls, directory, device, dtype, **limits) -> Ranker:
+        """An HSTU model directory (`genrec.model.directory.HSTUDir`) loaded onto the device."""
+        return cls(directory.load_model(device, dtype), directory.load_catalog(), **limits)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def prepare(self, req: RankRequest, kind: str) -> PreparedHistory:
+        """The history as event rows (item row, action, time bucket) and the candidates' rows, each checked."""
+        config, items = self.model.config, self.catalog
+        if len(req.history) > config.max_history_events:
+            raise InvalidRequestError(
+                "history", f"{len(req.history)} events exceed this model's limit of {config.max_history_events}"
+            )
+        if len(req.candidates) > self.max_candidates:
+            raise InvalidRequestError(
+                "candidates", f"{len(req.candidates)} candidates exceed this engine's limit of {self.max_candidates}"
+            )
+        rows = []
+        for i, event in enumerate(req.history):
+            row = items.row_of(event.item_id)
+            if row is None:
+                raise InvalidRequestError(f"history[{i}].item_id", f"unknown item {event.item_id!r}")
+            if event.action is not None and event.action >= config.num_actions:
+                raise InvalidRequestError(
+                    f"history[{i}].action",
+                    f"{event.action} is not an action of this model (0..{config.num_actions - 1})",
+                )
+            rows.append(row)
+        actions = [config.no_action if e.action is None else e.action for e in req.history]
+        if config.num_time_buckets:
+            buckets = config.time_buckets([e.timestamp for e in req.history])
+        else:
+            buckets = [0] * len(req.history)
+        candidate_rows = []
+        for i, item in enumerate(req.candidates):
+            row = items.row_of(item)
+            if row is None:
+                raise InvalidRequestError(f"candidates[{i}]", f"unknown item {item!r}")
+            candidate_rows.append(row)
+        tasks = list(range(len(config.tasks)))
+        if req.tasks is not None:
+            unknown = [(i, t) for i, t in enumerate(req.tasks) if t not in config.tasks]
+            if unknown:
+                i, task = unknown[0]
+                raise InvalidRequestError(f"tasks[{i}]", f"{task!r} is not a task of this model {list(config.tasks)}")
+            tasks = [config.tasks.index(t) for t in req.tasks]
+        events = torch.tensor(np.stack([rows, actions, buckets], axis=1), dtype=torch.int64)
+        candidate_rows = np.asarray(candidate_rows, dtype=np.int64)
+        # Its history, and one row per candidate over it.
+        kv_tokens = len(events) + len(candidate_rows)
+        return PreparedHistory(req, kind, events, kv_tokens, candidate_rows=candidate_rows, tasks=tasks)
+
+    def block_keys(self, prepared: PreparedHistory, salt: bytes) -> list[bytes]:
+        return block_keys(prepared.token_ids.numpy(), salt, None, None)
+
+    # -- passes ----------------------------------------------------------------------------------
+
+    def context_embeds(self, prepared: PreparedHistory, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Events [start, stop) (item, action, time bucket) at their absolute positions."""
+        events = prepared.token_ids[start:stop]
+        items, actions, buckets = (to_device(events[:, j].numpy(), self.device) for j in range(3))
+        positions = to_device(np.arange(start, start + len(events)), self.device)
+        with_buckets = buckets if self.model.config.num_time_buckets else None
+        return self.model.embed_events(items, actions, positions, with_buckets)
+
+    def prefill(self, segments: list) -> list[None]:
+        """A history's K/V is all its candidates need: no outputs."""
+        self.model.prefill_contexts(segments)
+        return [None] * len(segments)
+
+    def start(self, job) -> JobState:
+        return JobState.SCORING
+
+    def rows_pass(self, jobs: list, budget: int) -> None:
+        """One pass of at most `budget` candidate rows, taken in order from the jobs; a job whose candidates are
+        all ranked gets its result."""
+        model, device = self.model, self.device
+        part = next(_row_chunks([len(j.prepared.candidate_rows) - j.rows_done for j in jobs], budget), [])
+        groups, items, positions, offset = [], [], [], 0
+        for k, a, b in part:
+            job = jobs[k]
+            groups.append(ContextGroup(offset, offset + b - a, job.ctx))
+            items.append(job.prepared.candidate_rows[job.rows_done + a : job.rows_done + b])
+            positions.append(np.full(b - a, job.ctx.length))
+            offset += b - a
+        if part:
+            items, positions = to_device(np.concatenate(items), device), to_device(np.concatenate(positions), device)
+            probs = model.task_probs(model.candidates_over(model.embed_events(items, None, positions), groups))
+            for (k, _, _), g in zip(part, groups, strict=True):
+                job = jobs[k]
+                job.scored.append(probs[g.start : g.stop][:, to_device(job.prepared.tasks, device)])
+                job.rows_done += g.stop - g.start
+        for job in jobs:
+            if job.rows_done == len(job.prepared.candidate_rows):
+                job.result = self._result(job.prepared, job.scored)
+
+    def _result(self, prepared: PreparedHistory, scored: list[torch.Tensor]) -> RankResult:
+        """The per-task probabilities in the candidates' order: one fetch, checked finite."""
+        width = len(prepared.tasks)
+        probs = torch.cat(scored) if scored else torch.empty(0, width, device=self.device)
+        host = fetch(probs.double())
+        check_finite(host.reshape(-1).tolist())
+        names = [self.model.config.tasks[t] for t in prepared.tasks]
+        items = [
+            RankedItem(item_id=item, scores=dict(zip(names, row, strict=True)))
+            for item, row in zip(prepared.request.candidates, host.tolist(), strict=True)
+        ]
+        return RankResult(request_id=prepared.request.request_id, items=items, history_events=len(prepared.token_ids))
+
+    def describe(self) -> dict:
+        config = self.model.config
+        return {
+            "catalog_items": len(self.catalog),
+            "max_candidates": self.max_candidates,
+            "tasks": list(config.tasks),
+            "max_history_events": config.max_history_events,
+        }
+
+
+def _row_chunks(counts: list[int], max_rows: int):
+    """Rows of many jobs in order, cut into passes of at most `max_rows`: per pass, (job, first, stop) pieces."""
+    part, used = [], 0
+    for j, n in enumerate(counts):
+        a = 0
+        while a < n:
+            take = min(n - a, max_rows - used)
+            part.append((j, a, a + take))
+            a, used = a + take, used + take
+            if used == max_rows:
+                yield part
+                part, used = [], 0
+    if part:
+        yield part

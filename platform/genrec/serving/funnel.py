@@ -25,6 +25,7 @@ from genrec.api import (
     RetrieveResult,
 )
 from genrec.errors import InvalidRequestError
+from genrec.funnel import final_order, known
 from genrec.serving.schemas import ModelInfo, RecommendBody
 
 LABEL_FIELDS = ("labels", "rank_by", "score_weight")  # recommend's label ranking: not a two-stage request's
@@ -94,15 +95,10 @@ def merge(
     num_results: int,
     version: str,
 ) -> RecommendResult:
-    """The items by the ranker's probability for `task`, best first, ties and unranked items in stage-1 order
-    (unranked after ranked), the first `num_results`."""
+    """The items in the funnel's final order (genrec.funnel.final_order), the first `num_results`."""
     scores = {item.item_id: item.scores for item in (ranked.items if ranked is not None else [])}
-
-    def order(position: int) -> tuple[bool, float, int]:
-        found = scores.get(items[position].item_id)
-        return (found is None, -found[task] if found is not None else 0.0, position)
-
-    kept = [items[k] for k in sorted(range(len(items)), key=order)[:num_results]]
+    order = final_order([item.item_id for item in items], scores, task)
+    kept = [items[k] for k in order[:num_results]]
     return RecommendResult(
         request_id=retrieved.request_id,
         items=[item.model_copy(update={"ranker_scores": scores.get(item.item_id)}) for item in kept],
@@ -113,8 +109,7 @@ def merge(
     )
 
 
-def known_candidates(request: RankRequest, known) -> RankRequest | None:
-    """The ranker's side: the request with only the candidates `known(item_id)` says its catalog holds (None:
-    none is)."""
-    candidates = [item for item in request.candidates if known(item)]
+def known_candidates(request: RankRequest, knows) -> RankRequest | None:
+    """The ranker's side: the request with only the candidates its catalog holds (None: it holds none)."""
+    candidates = known(request.candidates, knows)
     return request.model_copy(update={"candidates": candidates}) if candidates else None

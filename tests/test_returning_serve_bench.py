@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from genrec.bench.returning_serve import _reuse, in_process, replay, request_sequence
+from genrec.bench.returning import _reuse, in_process, replay, request_sequence
 from genrec.engine import Engine
 
 

@@ -20,54 +20,40 @@ import pyarrow.parquet as pq
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.common import machine, model_dir_for, random_prompt
+from genrec.bench.cli import BatchOptions
+from genrec.bench.common import described, machine, model_dir_for, random_prompt
 from genrec.engine import Engine
 
 GOAL = 0.85
 FUNNEL_GOAL = 0.6
 
 
-def run(
-    users,
-    batch_size,
-    preset,
-    model,
-    levels,
-    prompt_len,
-    beam_width,
-    actors: list[int],
-    threads,
-    ranker: Path | None = None,
-    history_len: int = 50,
-    rank_actors: int = 1,
-) -> dict:
+def run(o: BatchOptions) -> dict:
     """Loop, job, loop, job, ..., loop: each job is compared with the mean of the two loops around it, so a
     machine whose load drifts during the run weighs on both sides alike. With a ranker, then: funnel, job."""
     import ray
 
     from genrec.batch import ensure_ray
 
-    model_dir = model_dir_for(preset, model, levels)
+    actors = [int(a) for a in o.actors.split(",") if a.strip()]
+    model_dir = model_dir_for(o.preset, o.model, o.levels)
     work = Path(tempfile.mkdtemp(prefix="genrec-bench-batch-"))
     started = not ray.is_initialized()
     ensure_ray(include_dashboard=False, log_to_driver=False)  # a running cluster is used as it is
     try:
-        loop, prompts = _plain_loop(model_dir, users, batch_size, prompt_len, beam_width, threads)
+        loop, prompts = _plain_loop(o, model_dir)
         loops, jobs = [loop], []
         users_path = work / "users.parquet"
-        columns = {"user_id": list(range(users)), "prompt_token_ids": prompts}
-        if ranker is not None:
-            columns["history"] = _histories(ranker, users, history_len)
+        columns = {"user_id": list(range(o.users)), "prompt_token_ids": prompts}
+        if o.ranker is not None:
+            columns["history"] = _histories(o.ranker, o.users, o.history_len)
         pq.write_table(pa.table(columns), users_path)
         for n in actors:
-            jobs.append(_ray_job(model_dir, users_path, work / f"out-{n}", batch_size, beam_width, n, threads))
-            loops.append(_plain_loop(model_dir, users, batch_size, prompt_len, beam_width, threads)[0])
-        if ranker is not None:
-            ranking = (ranker, rank_actors)
-            funnel_job = _ray_job(
-                model_dir, users_path, work / "funnel", batch_size, beam_width, actors[0], threads, ranking
-            )
-            retrieve_after = _ray_job(model_dir, users_path, work / "after", batch_size, beam_width, actors[0], threads)
+            jobs.append(_ray_job(o, model_dir, users_path, work / f"out-{n}", n))
+            loops.append(_plain_loop(o, model_dir)[0])
+        if o.ranker is not None:
+            funnel_job = _ray_job(o, model_dir, users_path, work / "funnel", actors[0], ranking=True)
+            retrieve_after = _ray_job(o, model_dir, users_path, work / "after", actors[0])
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if started:
@@ -78,48 +64,42 @@ def run(
     first = jobs[0]
     report = {
         "benchmark": "batch",
-        "model": str(model_dir),
-        "preset": None if model else preset,
-        "users": users,
-        "batch_size": batch_size,
-        "prompt_len": prompt_len,
-        "beam_width": beam_width,
-        "threads": threads,
+        **described(model_dir, o, "users", "batch_size", "prompt_len", "beam_width", "threads"),
         "plain_loops": loops,
         "ray_data": jobs,
         "ratios": {
             "ray_over_loop": first["users_per_s_over_loop"],
             "ray_over_loop_steady": first["steady_users_per_s_over_loop"],
         },
-        "goal": f"ray_over_loop >= {GOAL} with {first['actors']} actor(s) of {threads} thread(s), as the loop",
+        "goal": f"ray_over_loop >= {GOAL} with {first['actors']} actor(s) of {o.threads} thread(s), as the loop",
         "scaling": [
-            f"{j['actors']} actor(s) x {threads} thread(s): {j['steady_users_per_s_over_loop']:.2f}x the loop's "
+            f"{j['actors']} actor(s) x {o.threads} thread(s): {j['steady_users_per_s_over_loop']:.2f}x the loop's "
             f"steady users/s, {j['steady_users_per_s'] / first['steady_users_per_s']:.2f}x the first job's"
             for j in jobs
         ],
         "machine": machine(),
     }
-    if ranker is not None:
-        report["funnel"] = _funnel_report(first, funnel_job, retrieve_after, ranker, history_len, rank_actors, threads)
+    if o.ranker is not None:
+        report["funnel"] = _funnel_report(first, funnel_job, retrieve_after, o)
     return report
 
 
-def _funnel_report(before: dict, funnel: dict, after: dict, ranker, history_len, rank_actors, threads) -> dict:
+def _funnel_report(before: dict, funnel: dict, after: dict, o: BatchOptions) -> dict:
     """The funnel's users/s over the mean of the retrieve-only jobs run before and after it."""
     ratios = {
         f"funnel_over_retrieve{suffix}": funnel[rate] / ((before[rate] + after[rate]) / 2)
         for rate, suffix in (("users_per_s", ""), ("steady_users_per_s", "_steady"))
     }
     return {
-        "ranker": str(ranker),
-        "history_len": history_len,
-        "rank_actors": rank_actors,
+        "ranker": str(o.ranker),
+        "history_len": o.history_len,
+        "rank_actors": o.rank_actors,
         "retrieve_before": before,
         "funnel": funnel,
         "retrieve_after": after,
         "ratios": ratios,
-        "goal": f"funnel_over_retrieve >= {FUNNEL_GOAL}: {before['actors']} retrieve actor(s) and {rank_actors} "
-        f"ranking actor(s) of {threads} thread(s) against {before['actors']} retrieve actor(s)",
+        "goal": f"funnel_over_retrieve >= {FUNNEL_GOAL}: {before['actors']} retrieve actor(s) and {o.rank_actors} "
+        f"ranking actor(s) of {o.threads} thread(s) against {before['actors']} retrieve actor(s)",
     }
 
 
@@ -143,55 +123,51 @@ def _histories(ranker: Path, users: int, length: int) -> list[list[dict]]:
     ]
 
 
-def _plain_loop(model_dir, users, batch_size, prompt_len, beam_width, threads) -> tuple[dict, list]:
+def _plain_loop(o: BatchOptions, model_dir) -> tuple[dict, list]:
+    """The loop, with `o.threads` torch threads as an actor has: (its figures, the users' prompts)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(o.threads)
     try:
-        return _timed_loop(model_dir, users, batch_size, prompt_len, beam_width)
+        start = time.perf_counter()
+        engine = Engine.from_pretrained(model_dir)
+        load_s = time.perf_counter() - start
+        generator = torch.Generator().manual_seed(0)
+        prompts = [random_prompt(engine, o.prompt_len, generator) for _ in range(o.users)]
+        start = time.perf_counter()
+        first_batch_s = None
+        for i in range(0, o.users, o.batch_size):
+            chunk = prompts[i : i + o.batch_size]
+            engine.retrieve([RetrieveRequest(prompt_token_ids=p, beam_width=o.beam_width) for p in chunk])
+            first_batch_s = first_batch_s or time.perf_counter() - start
+        compute_s = time.perf_counter() - start
     finally:
         torch.set_num_threads(before)
-
-
-def _timed_loop(model_dir, users, batch_size, prompt_len, beam_width) -> tuple[dict, list]:
-    start = time.perf_counter()
-    engine = Engine.from_pretrained(model_dir)
-    load_s = time.perf_counter() - start
-    generator = torch.Generator().manual_seed(0)
-    prompts = [random_prompt(engine, prompt_len, generator) for _ in range(users)]
-    start = time.perf_counter()
-    first_batch_s = None
-    for i in range(0, users, batch_size):
-        engine.retrieve(
-            [RetrieveRequest(prompt_token_ids=p, beam_width=beam_width) for p in prompts[i : i + batch_size]]
-        )
-        first_batch_s = first_batch_s or time.perf_counter() - start
-    compute_s = time.perf_counter() - start
     report = {
         "seconds": load_s + compute_s,
         "load_s": load_s,
-        "users_per_s": users / (load_s + compute_s),
-        "steady_users_per_s": _steady(users, batch_size, compute_s, first_batch_s),
+        "users_per_s": o.users / (load_s + compute_s),
+        "steady_users_per_s": _steady(o.users, o.batch_size, compute_s, first_batch_s),
     }
     return report, prompts
 
 
-def _ray_job(model_dir, users_path, out, batch_size, beam_width, actors, threads, ranking=None) -> dict:
-    """The retrieve job, or with `ranking` (ranker directory, ranking actors) the funnel."""
+def _ray_job(o: BatchOptions, model_dir, users_path, out, actors: int, ranking: bool = False) -> dict:
+    """The retrieve job, or with `ranking` the funnel (o.ranker, o.rank_actors ranking actors)."""
     from genrec.batch import BatchSpec, Execution, FunnelSpec, RankingExecution, run_batch, run_funnel
 
-    settings = dict(model=str(model_dir), users=str(users_path), out=str(out), beam_width=beam_width)
-    run = Execution(actors=actors, threads=threads, progress=False)
-    if ranking is None:
-        summary = run_batch(BatchSpec(**settings, batch_size=batch_size), run)
+    settings = dict(model=str(model_dir), users=str(users_path), out=str(out), beam_width=o.beam_width)
+    execution = Execution(actors=actors, threads=o.threads, progress=False)
+    if not ranking:
+        summary = run_batch(BatchSpec(**settings, batch_size=o.batch_size), execution)
     else:
-        spec = FunnelSpec(**settings, batch_size=batch_size, ranker=str(ranking[0]))
-        summary = run_funnel(spec, run, RankingExecution(rank_actors=ranking[1]))
+        spec = FunnelSpec(**settings, batch_size=o.batch_size, ranker=str(o.ranker))
+        summary = run_funnel(spec, execution, RankingExecution(rank_actors=o.rank_actors))
     return {
         "actors": actors,
         "seconds": summary.seconds,
         "first_shard_s": summary.first_shard_s,
         "users_per_s": summary.users_per_s,
-        "steady_users_per_s": _steady(summary.processed, batch_size, summary.seconds, summary.first_shard_s),
+        "steady_users_per_s": _steady(summary.processed, o.batch_size, summary.seconds, summary.first_shard_s),
         "summary": summary.line(),
     }
 

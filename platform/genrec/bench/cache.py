@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from genrec.bench.cli import CacheOptions
 from genrec.bench.common import machine
 from genrec.bench.redis_server import LocalRedis
 from genrec.cache import EmbeddingTable, RedisStore
@@ -38,6 +39,11 @@ def zipf_batches(keys: int, batch: int, count: int, a: float, seed: int = 0) -> 
     return [permutation[np.minimum(np.searchsorted(cdf, rng.random(batch)), keys - 1)] for _ in range(count)]
 
 
+def _fill(put, keys, vectors, chunk: int) -> None:
+    for start in range(0, len(keys), chunk):
+        put(keys[start : start + chunk], vectors[start : start + chunk])
+
+
 def _throughput(get, batches) -> float:
     get(batches[0])
     start = time.perf_counter()
@@ -46,14 +52,14 @@ def _throughput(get, batches) -> float:
     return sum(len(b) for b in batches) / (time.perf_counter() - start)
 
 
-def run(keys, dim, batch, zipf, batches, redis_url, hit_rate_batches=3000) -> dict:
+def run(o: CacheOptions, hit_rate_batches: int = 3000) -> dict:
+    keys, dim, batch, zipf, batches = o.keys, o.dim, o.batch, o.zipf, o.batches
     vectors = np.random.default_rng(1).normal(size=(keys, dim)).astype(np.float32)
     all_keys = np.arange(keys, dtype=np.int64)
     workload = zipf_batches(keys, batch, batches, zipf)
 
     table = EmbeddingTable(dim, capacity=keys)
-    for start in range(0, keys, 100_000):
-        table.put(all_keys[start : start + 100_000], vectors[start : start + 100_000])
+    _fill(table.put, all_keys, vectors, 100_000)
     in_process = _throughput(table.get, workload)
     del table
 
@@ -64,10 +70,9 @@ def run(keys, dim, batch, zipf, batches, redis_url, hit_rate_batches=3000) -> di
     else:
         actor_default = _actor_throughput(vectors, all_keys, workload, inline_bytes=None)
         actor = _actor_throughput(vectors, all_keys, workload, inline_bytes=INLINE_RETURN_BYTES)
-    with contextlib.nullcontext(redis_url) if redis_url else LocalRedis() as url:
+    with contextlib.nullcontext(o.redis_url) if o.redis_url else LocalRedis() as url:
         store = RedisStore(url, dim, prefix=f"bench:{dim}:")  # a store records its width: one prefix a dim
-        for start in range(0, keys, 20_000):
-            store.put_many(all_keys[start : start + 20_000], vectors[start : start + 20_000])
+        _fill(store.put_many, all_keys, vectors, 20_000)
         redis_mget = _throughput(store.get_many, workload)
         store.close()
 
@@ -114,8 +119,7 @@ def _actor_throughput(vectors, all_keys, workload, inline_bytes) -> float:
     try:
         config = CacheConfig(name=f"bench-{os.getpid()}", dim=vectors.shape[1], capacity=len(all_keys), store="none")
         cache = EmbeddingCache.connect(config, namespace=None)
-        for start in range(0, len(all_keys), 50_000):
-            cache.put(all_keys[start : start + 50_000], vectors[start : start + 50_000])
+        _fill(cache.put, all_keys, vectors, 50_000)
         rate = _throughput(cache.get, workload)
         for a in cache.actors:
             ray.kill(a)

@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: preset model directories, random prompts, timing."""
+"""The benchmarks' harness: model directories, checks of the command line's values, prompts, timing, ratios, the
+latency plot and the machine's description."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from pathlib import Path
 
 import torch
 
+from genrec.errors import GenrecError
 from genrec.model.tiny import preset, write_model_dir
+
+
+def presets_root() -> Path:
+    """Where random-weight preset directories are cached (GENREC_CACHE, else ~/.cache/genrec)."""
+    return Path(os.environ.get("GENREC_CACHE", Path.home() / ".cache" / "genrec")) / "presets"
 
 
 def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> Path:
@@ -22,18 +29,14 @@ def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> P
         if levels is not None:
             raise ValueError("--levels sets the code length of a preset's catalog; --model brings its own: drop one")
         return model
-    overrides = {"levels": levels} if levels else {}
-    spec = preset(preset_name, **overrides)
-    root = Path(os.environ.get("GENREC_CACHE", Path.home() / ".cache" / "genrec")) / "presets"
-    digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:10]
-    target = root / f"{preset_name}-L{spec.levels}-{digest}"
+    spec = preset(preset_name, **({"levels": levels} if levels else {}))
+    target = presets_root() / f"{preset_name}-L{spec.levels}-{hashlib.sha1(repr(spec).encode()).hexdigest()[:10]}"
     if not (target / "genrec" / "catalog.parquet").exists():
         dtype = torch.bfloat16 if spec.hidden >= 2048 else torch.float32
-        init_device = "cuda" if torch.cuda.is_available() else "cpu"
         partial = target.with_suffix(".partial")
         for stale in (partial, target):  # left by an interrupted earlier write
             shutil.rmtree(stale, ignore_errors=True)
-        write_model_dir(partial, spec, dtype=dtype, init_device=init_device)
+        write_model_dir(partial, spec, dtype=dtype, init_device="cuda" if torch.cuda.is_available() else "cpu")
         partial.rename(target)  # a crash mid-write leaves no half directory under the real name
     return target
 
@@ -71,11 +74,17 @@ def parse_rates(text: str) -> list[float]:
     return [check_rate(r) for r in rates]
 
 
+def decoder(engine):
+    """The parts of a Qwen3 engine the benches read (tokenizer, trie, projector, placeholder_id, levels): reached
+    through here only, so that where an engine keeps them is said once."""
+    return engine.family
+
+
 def random_prompt(engine, length: int, generator: torch.Generator) -> list[int]:
     """Token IDs drawn from the ordinary (non semantic-ID, non special) part of the vocabulary."""
-    first_semantic = int(engine.family.trie.token[0].min())
+    first_semantic = int(decoder(engine).trie.token[0].min())
     ordinary = torch.ones(first_semantic, dtype=torch.bool)
-    ordinary[[i for i in engine.family.tokenizer.all_special_ids if i < first_semantic]] = False
+    ordinary[[i for i in decoder(engine).tokenizer.all_special_ids if i < first_semantic]] = False
     pool = ordinary.nonzero()[:, 0]
     return pool[torch.randint(0, len(pool), (length,), generator=generator)].tolist()
 
@@ -85,17 +94,19 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn, device) -> float:
+    """Seconds of one call of `fn`, the device's queued work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def median_seconds(fn, repeats: int, device, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed(fn, device) for _ in range(repeats))
 
 
 def interleaved_medians(fns: dict, repeats: int, device, warmup: int = 1) -> dict[str, float]:
@@ -106,12 +117,18 @@ def interleaved_medians(fns: dict, repeats: int, device, warmup: int = 1) -> dic
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(timed(fn, device))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def described(model_dir, o, *names: str) -> dict:
+    """A report's model, its preset (None where --model gave a directory) and the options named, as given."""
+    return {"model": str(model_dir), "preset": None if o.model else o.preset, **{n: getattr(o, n) for n in names}}
+
+
+def ratio(a, b) -> float | None:
+    """a / b, or None where either figure is missing (b also where it is 0)."""
+    return a / b if a is not None and b else None
 
 
 def load_hf(model_dir: Path, device, dtype):
@@ -132,3 +149,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def plot_latency(path, title: str, xlabel: str, curves: list, lines: list) -> None:
+    """Latency (ms, log scale) against load: `curves` are (label, xs, seconds, plot style), `lines` vertical
+    marks (x, axvline style)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise GenrecError("--plot needs matplotlib: pip install 'genrec[bench]'") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, xs, seconds, style in curves:
+        ax.plot(xs, [s * 1000 for s in seconds], marker="o", label=label, **style)
+    for x, style in lines:
+        ax.axvline(x, **style)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -10,6 +10,10 @@
    graph's results against eager, Qwen3-1.7B dims, bf16, 4 requests x beam 30 at prompt 2000;
 4. `genrec bench retrieve` (2000/30/5 and 1000/256/3) and `bench load` saturation, switch off and on.
 Every part records its error instead of stopping the rest; the JSON is rewritten after each part.
+
+Also `genrec bench suite` (`run_suite`): the benchmark runs a device is asked for, in priority order, one JSON file
+each. Each run is isolated: a failure is written as its own JSON and the suite goes on, so a time-limited device
+session still returns everything that finished.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ from pathlib import Path
 
 import torch
 
+from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.attention import Spans, varlen_attention, varlen_reference
+from genrec.bench.cli import LoadOptions, RetrieveOptions, ScoreOptions, SuiteOptions
+from genrec.bench.common import decoder, model_dir_for, random_prompt
+from genrec.engine import Engine
+from genrec.model.tiny import ModelSpec, preset, write_model_dir
 
 
 def versions() -> dict:
@@ -86,13 +95,20 @@ def varlen_checks(device) -> dict:
     return out
 
 
+def agreement(a: Engine, b: Engine, retrieve: list, score: list) -> tuple[list[bool], float, float]:
+    """Two engines on the same requests: per retrieve request, the same items or not; the largest difference of
+    their beams' log-probabilities and of their scores."""
+    (r0, s0), (r1, s1) = ((e.retrieve(retrieve), e.score(score)) for e in (a, b))
+    same = [[i.item_id for i in x.items] == [i.item_id for i in y.items] for x, y in zip(r0, r1, strict=True)]
+    beams = max(
+        abs(i.logprob - j.logprob) for x, y in zip(r0, r1, strict=True) for i, j in zip(x.items, y.items, strict=False)
+    )
+    scores = max(abs(i.logprob - j.logprob) for i, j in zip(s0[0].scores, s1[0].scores, strict=True))
+    return same, beams, scores
+
+
 def engine_checks(device) -> dict:
     """A tiny engine, bf16: retrieve and score with the CUDA fast path off, then on."""
-    from genrec.api import Candidate, RetrieveRequest, ScoreRequest
-    from genrec.bench.common import random_prompt
-    from genrec.engine import Engine
-    from genrec.model.tiny import preset, write_model_dir
-
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny"))
         engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
@@ -104,17 +120,8 @@ def engine_checks(device) -> dict:
         ]
         cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:64]]
         score = [ScoreRequest(prompt_token_ids=random_prompt(engine, 90, g), candidates=cands)]
-        (r0, s0), (r1, s1) = ((e.retrieve(retrieve), e.score(score)) for e in (engine, fast_engine))
-        items_equal = [
-            [i.item_id for i in a.items] == [i.item_id for i in b.items] for a, b in zip(r0, r1, strict=True)
-        ]
-        lp = max(
-            abs(a.logprob - b.logprob)
-            for x, y in zip(r0, r1, strict=True)
-            for a, b in zip(x.items, y.items, strict=False)
-        )
-        sc = max(abs(a.logprob - b.logprob) for a, b in zip(s0[0].scores, s1[0].scores, strict=True))
-        return {"retrieve_items_equal": items_equal, "retrieve_max_logprob_diff": lp, "score_max_logprob_diff": sc}
+        same, beams, scores = agreement(engine, fast_engine, retrieve, score)
+        return {"retrieve_items_equal": same, "retrieve_max_logprob_diff": beams, "score_max_logprob_diff": scores}
 
 
 def pooled_cohorts(engine, prepared: list, pool):
@@ -125,16 +132,13 @@ def pooled_cohorts(engine, prepared: list, pool):
     for p in prepared:
         ctx = pool.context(len(p.token_ids))
         logits = engine.runner.prefill([(p, ctx, 0, len(p.token_ids))])
-        slots = pool.reserve(slots_needed(engine.family.trie, [p.request.beam_width]))
-        cohorts.append(start_cohort(engine.family.trie, [p], [ctx], logits, slots=slots))
+        slots = pool.reserve(slots_needed(decoder(engine).trie, [p.request.beam_width]))
+        cohorts.append(start_cohort(decoder(engine).trie, [p], [ctx], logits, slots=slots))
     return cohorts
 
 
 def _cohorts(engine, prompt_len, beams):
     """Fresh cohorts of `beams` widths in a pool of their own."""
-    from genrec.api import RetrieveRequest
-    from genrec.bench.common import random_prompt
-
     g = torch.Generator().manual_seed(5)
     prepared = [
         engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, g), beam_width=width))
@@ -148,7 +152,6 @@ def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: li
     FA2 varlen; the static pass replayed as a CUDA graph. Also graph replay against eager (logprobs, items)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from genrec.engine import Engine
     from genrec.engine.beam import fetch_finals
 
     engines = {
@@ -240,8 +243,6 @@ def main() -> None:
                 part(f"retrieve {name} {'fast' if fast else 'eager'}", lambda cli=cli, fast=fast: bench(cli, fast, 240))
 
     def launches():
-        from genrec.bench.common import model_dir_for
-
         return launches_per_decode_pass(device, model_dir_for("qwen3-1.7b", None, 5), 2000, [30, 30, 30, 30])
 
     part("launches_per_decode_pass 4 x 2000/30", launches)
@@ -249,6 +250,57 @@ def main() -> None:
         load = shape("load", 2000, 30, 5) + ["--rates", "60", "--duration", "5"]
         for fast in (False, True):
             part(f"load 2000/30/5 {'fast' if fast else 'eager'}", lambda fast=fast: bench(load, fast, 240))
+
+
+def gpu_consistency(device: str) -> dict:
+    """The same tiny model in float32 on CPU and on the device: same beams, same scores."""
+    model_dir = write_model_dir(Path(tempfile.mkdtemp()) / "m", ModelSpec(items=300, levels=3, codebook=8))
+    cpu = Engine.from_pretrained(model_dir, device="cpu", dtype=torch.float32)
+    dev = Engine.from_pretrained(model_dir, device=device, dtype=torch.float32)
+    retrieve = [RetrieveRequest(prompt_token_ids=list(range(5, 5 + n)), beam_width=w) for n, w in ((40, 300), (7, 5))]
+    score = [ScoreRequest(prompt="user liked", candidates=[Candidate(item_id=i) for i in cpu.catalog.item_ids[:50]])]
+    same, beams, scores = agreement(cpu, dev, retrieve, score)
+    return {"same_items": all(same), "max_logprob_diff": beams, "max_score_diff": scores}
+
+
+def suite_runs(device: str, preset_name: str):
+    from genrec.bench import engine, load
+
+    yield "consistency", lambda: gpu_consistency(device)
+    shape = dict(preset=preset_name, device=device, prompt_len=2000, beam_width=30, levels=5)
+    for running in (64, 16, 8):
+        options = LoadOptions(rates="8,16,24,32", duration=6.0, candidates=100, burst=64, max_running=running, **shape)
+        yield f"load-2000-30-5-running{running}", lambda o=options: load.run(o)
+    yield "retrieve-2000-30-5", lambda: engine.retrieve(RetrieveOptions(**shape, repeats=5, user_embedding=True))
+    wide = {**shape, "prompt_len": 1000, "beam_width": 256, "levels": 3}
+    yield "retrieve-1000-256-3", lambda: engine.retrieve(RetrieveOptions(**wide, repeats=5))
+    score = ScoreOptions(
+        prefix_len=1000, candidates=500, preset=preset_name, device=device, repeats=5, fanout_sample=50
+    )
+    yield "score-1000-500", lambda: engine.score(score)
+    batch8 = RetrieveOptions(**shape, batch=8, repeats=3, hf_baseline=False)
+    yield "retrieve-batch8-2000-30-5", lambda: engine.retrieve(batch8)
+
+
+def run_suite(o: SuiteOptions) -> dict:
+    o.out.mkdir(parents=True, exist_ok=True)
+    only = o.only.split(",") if o.only else None
+    summary = {}
+    for name, fn in suite_runs(o.device, o.preset):
+        if only and name not in only:
+            continue
+        start = time.perf_counter()
+        try:
+            report = fn()
+            status = "ok"
+        except Exception as err:  # noqa: BLE001 - recorded, the suite goes on
+            report = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+            status = "error"
+        report["wall_seconds"] = time.perf_counter() - start
+        (o.out / f"{name}.json").write_text(json.dumps(report, indent=2))
+        summary[name] = {"status": status, "ratios": report.get("ratios"), "wall_seconds": report["wall_seconds"]}
+        print(json.dumps({name: summary[name]}), flush=True)
+    return summary
 
 
 if __name__ == "__main__":

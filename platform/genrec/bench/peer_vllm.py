@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from genrec.bench.common import synchronize
+from genrec.bench.common import decoder, timed
 from genrec.engine.decoder_inputs import candidate_token_lists, label_token_ids
 from genrec.errors import GenrecError
 
@@ -165,8 +165,8 @@ def compare_score(engine, model_dir: Path, request, device: str, repeats: int) -
     and logprob_token_ids on one generated token. The ratio is against the faster.
     """
     prompt = request.prompt_token_ids
-    candidates = candidate_token_lists(engine.family, request.candidates, len(prompt))
-    label = label_token_ids(engine.family.tokenizer, request.labels)[0]
+    candidates = candidate_token_lists(decoder(engine), request.candidates, len(prompt))
+    label = label_token_ids(decoder(engine).tokenizer, request.labels)[0]
     base = {"task": "score", "prompt": prompt, "candidates": candidates, "label": label}
     jobs = {f"vllm_{mode}": {**base, "mode": mode} for mode in ("prompt_logprobs", "label_logprobs")}
     longest = len(prompt) + max(map(len, candidates)) + 2  # the label, then one generated token
@@ -211,11 +211,7 @@ def _round_robin(genrec_fn, jobs: dict, peer: VllmPeer, device: str, repeats: in
     times = {name: [] for name in ["genrec", *jobs]}
     answers = {}
     for round_ in range(repeats + 1):
-        synchronize(device)
-        start = time.perf_counter()
-        genrec_fn()
-        synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = timed(genrec_fn, device)
         for name, job in jobs.items():
             time.sleep(pause_s)
             answers[name] = peer.call(job)

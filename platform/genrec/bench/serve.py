@@ -1,56 +1,58 @@
-"""`genrec bench serve`: the same open-loop load through the Serve app over HTTP and on the in-process AsyncEngine.
+"""Latency through a local Serve app over HTTP (127.0.0.1), against what it is compared with in the same run.
 
-In one run, on one model: saturation (a burst) and Poisson rates against the in-process AsyncEngine, then the
-same against a local Serve app (ingress + one engine replica with as many torch threads) over HTTP on
-127.0.0.1. The ratios say what Serve costs: saturation through Serve / in-process, and the latency it adds to
+`bench serve`: the same open-loop load through the app and on the in-process AsyncEngine, on one model: saturation
+(a burst) and Poisson rates in-process, then the same against the app (ingress + one engine replica with as many
+torch threads). The ratios say what Serve costs: saturation through Serve / in-process, and the latency it adds to
 one request at a time.
+
+`bench funnel`: the two-stage recommend (Qwen3 retrieval, then HSTU ranking) against retrieval alone. One app with
+a ranker, one request at a time: POST /v1/recommend with a `history` (both stages) and POST /v1/retrieve (the same
+prompt and beam width) alternate, each user's prompt and history drawn once and sent on both routes. The ratio of
+their p50s says what the ranking stage costs on top of retrieval (goal: <= 1.5 at the demo's sizes).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import torch
 
-from genrec.bench.common import free_port, machine, model_dir_for
-from genrec.bench.load import RequestMaker, burst_throughput, call_engine, open_loop
-from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.bench.app import app_args, local_app
+from genrec.bench.cli import FunnelOptions, ServeOptions
+from genrec.bench.common import described, machine, model_dir_for, parse_rates, plot_latency, random_prompt
+from genrec.bench.load import RequestMaker, burst_throughput, open_loop, serving
+from genrec.engine import Engine
 from genrec.errors import GenrecError, Overloaded
 
-APP = "bench"
+FUNNEL_GOAL = 1.5
 
 
-def run(kind, rates, duration, preset, model, levels, prompt_len, beam_width, candidates, burst, plot) -> dict:
-    model_dir = model_dir_for(preset, model, levels)
+def serve(o: ServeOptions) -> dict:
+    rates = parse_rates(o.rates)
+    model_dir = model_dir_for(o.preset, o.model, o.levels)
     engine = Engine.from_pretrained(model_dir)
-    maker = RequestMaker(engine, kind, prompt_len, beam_width, candidates)
-    async_engine = AsyncEngine(Engine(engine.family, SchedulerConfig(max_queue=4096, request_timeout_s=600)))
-    try:
-        in_process_call = functools.partial(call_engine, async_engine)
-        in_process = asyncio.run(_measure(in_process_call, maker, rates, duration, burst))
-        with _local_serve(model_dir) as url:
-            serve, added = asyncio.run(_measure_http(url, in_process_call, maker, rates, duration, burst))
-    finally:
-        async_engine.shutdown()
+    maker = RequestMaker(engine, o.kind, o.prompt_len, o.beam_width, o.candidates)
+    # As many torch threads as the in-process engine has; the app queues as much as the in-process one.
+    args = app_args(model_dir, threads=torch.get_num_threads(), queue=4096, in_flight=4096)
+    with serving(engine) as (_, in_process_call):
+        in_process = asyncio.run(_measure(in_process_call, maker, rates, o.duration, o.burst))
+        with local_app("bench", args) as url:
+            through, added = asyncio.run(_measure_http(url, in_process_call, maker, rates, o.duration, o.burst))
     report = {
         "benchmark": "serve",
-        "kind": kind,
-        "model": str(model_dir),
-        "preset": None if model else preset,
-        "prompt_len": prompt_len,
-        "beam_width": beam_width,
+        "kind": o.kind,
+        **described(model_dir, o, "prompt_len", "beam_width"),
         "levels": engine.catalog.levels,
         "in_process": in_process,
-        "serve": serve,
+        "serve": through,
         "one_at_a_time": added,
         "ratios": {
-            "saturation_serve_over_in_process": serve["saturation"]["qps"] / in_process["saturation"]["qps"],
+            "saturation_serve_over_in_process": through["saturation"]["qps"] / in_process["saturation"]["qps"],
             "added_latency_ms_one_at_a_time": added["median_added_ms"],
         },
         "goals": {"saturation_serve_over_in_process": ">= 0.8", "added_latency_ms_one_at_a_time": "<= 10"},
@@ -58,22 +60,39 @@ def run(kind, rates, duration, preset, model, levels, prompt_len, beam_width, ca
         "Serve it runs in a replica process of its own with as many torch threads",
         "machine": machine(),
     }
-    if plot:
-        _plot(report, plot)
+    if o.plot:
+        curves, lines = [], []
+        for side, style in (("in_process", "-"), ("serve", "--")):
+            shown = [p for p in report[side]["rates"] if p["p50_s"] is not None]
+            for key, color in (("p50_s", "tab:blue"), ("p99_s", "tab:red")):
+                label, achieved = f"{side.replace('_', '-')} {key[:3]}", [p["achieved_qps"] for p in shown]
+                curves.append((label, achieved, [p[key] for p in shown], {"linestyle": style, "color": color}))
+            lines.append((report[side]["saturation"]["qps"], {"linestyle": style, "color": "grey"}))
+        title = f"genrec {o.kind} through Serve vs in-process (prompt {o.prompt_len})"
+        plot_latency(o.plot, title, "achieved throughput (requests / s); grey: saturation", curves, lines)
     return report
 
 
 async def _measure_http(url, in_process_call, maker, rates, duration, burst) -> tuple[dict, dict]:
-    async with httpx.AsyncClient(timeout=600, limits=_connections(burst)) as client:
-        http_call = functools.partial(_post, client, url)
+    limits = httpx.Limits(max_connections=burst + 16, max_keepalive_connections=burst + 16)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def http_call(request):
+            route = "retrieve" if request.__class__.__name__ == "RetrieveRequest" else "score"
+            response = await client.post(f"{url}/v1/{route}", json=request.model_dump(exclude_none=True))
+            if response.status_code == 503:
+                raise Overloaded(response.text)
+            if response.status_code != 200:
+                raise GenrecError(f"HTTP {response.status_code}: {response.text[:200]}")
+            return response.json()
+
         added = await _added_latency(in_process_call, http_call, maker)
         return await _measure(http_call, maker, rates, duration, burst), added
 
 
 async def _measure(call, maker, rates, duration, burst) -> dict:
     saturation = await burst_throughput(call, maker, burst)
-    points = [await open_loop(call, maker, rate, duration) for rate in rates]
-    return {"saturation": saturation, "rates": points}
+    return {"saturation": saturation, "rates": [await open_loop(call, maker, rate, duration) for rate in rates]}
 
 
 async def _added_latency(in_process_call, http_call, maker, pairs: int = 25) -> dict:
@@ -81,7 +100,7 @@ async def _added_latency(in_process_call, http_call, maker, pairs: int = 25) -> 
     goes first: the median of the per-pair differences is what Serve adds, whatever the machine's drift."""
     await in_process_call(maker())
     await http_call(maker())
-    local, http, added = [], [], []
+    local, http = [], []
     for i in range(pairs):
         request = maker()
         timed = {}
@@ -91,97 +110,99 @@ async def _added_latency(in_process_call, http_call, maker, pairs: int = 25) -> 
             timed[name] = time.perf_counter() - start
         local.append(timed["local"])
         http.append(timed["http"])
-        added.append(timed["http"] - timed["local"])
     return {
         "pairs": pairs,
         "in_process_median_ms": 1000 * statistics.median(local),
         "serve_median_ms": 1000 * statistics.median(http),
-        "median_added_ms": 1000 * statistics.median(added),
+        "median_added_ms": 1000 * statistics.median(h - lo for h, lo in zip(http, local, strict=True)),
     }
 
 
-async def _post(client: httpx.AsyncClient, url: str, request):
-    route = "retrieve" if request.__class__.__name__ == "RetrieveRequest" else "score"
-    response = await client.post(f"{url}/v1/{route}", json=request.model_dump(exclude_none=True))
-    if response.status_code == 503:
-        raise Overloaded(response.text)
-    if response.status_code != 200:
-        raise GenrecError(f"HTTP {response.status_code}: {response.text[:200]}")
-    return response.json()
+def funnel(o: FunnelOptions) -> dict:
+    with tempfile.TemporaryDirectory(prefix="genrec-funnel-") as scratch:
+        model, ranker = _funnel_models(o.model, o.ranker, Path(scratch))
+        bodies = _funnel_bodies(model, ranker, o)
+        args = app_args(model, engine_cpus=0.5, timeout_s=120, ranker=ranker)  # one torch thread per engine
+        with local_app("funnel", args) as url:
+            timed = _measure_funnel(url, bodies, o.requests, o.warmup)
+    two_stage, retrieve, stage1 = (_p50_p90(timed[k]) for k in ("two_stage", "retrieve", "recommend"))
+    return {
+        "benchmark": "funnel",
+        "model": str(model),
+        "ranker": str(ranker),
+        "prompt_tokens": o.prompt_len,
+        "beam_width": o.beam_width,
+        "history_events": o.events,
+        "ranked_candidates_median": statistics.median(timed["ranked"]),
+        "users": o.users,
+        "requests_each": o.requests,
+        "two_stage": two_stage,
+        "retrieve": retrieve,
+        "recommend_without_history": stage1,
+        "ratios": {
+            "two_stage_p50_over_retrieve_p50": two_stage["p50_ms"] / retrieve["p50_ms"],
+            "two_stage_p90_over_retrieve_p90": two_stage["p90_ms"] / retrieve["p90_ms"],
+        },
+        "goals": {"two_stage_p50_over_retrieve_p50": f"<= {FUNNEL_GOAL}"},
+        "note": "one request at a time over HTTP, the two routes alternating; each engine replica has one torch "
+        "thread; two-stage = /v1/recommend with history: retrieval (every beam) then the ranker",
+        "machine": machine(),
+    }
 
 
-def _connections(burst: int) -> httpx.Limits:
-    return httpx.Limits(max_connections=burst + 16, max_keepalive_connections=burst + 16)
+def _funnel_models(model: Path | None, ranker: Path | None, scratch: Path) -> tuple[Path, Path]:
+    """The given directories, else tiny ones of the demo's shapes (hidden 64, 2 layers, random weights)."""
+    if model is None:
+        from genrec.model.tiny import ModelSpec, write_model_dir
+
+        model = write_model_dir(scratch / "qwen3", ModelSpec(hidden=64, layers=2))
+    if ranker is None:
+        from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
+
+        ranker = write_hstu_dir(scratch / "hstu", HSTUSpec(hidden=64, layers=2))
+    return Path(model), Path(ranker)
 
 
-@contextlib.contextmanager
-def local_serve_session():
-    """A new local Ray of this process's own with Serve, HTTP on 127.0.0.1 (yields the base URL); all of it
-    stopped afterwards."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():
-        raise GenrecError("this bench starts a Ray and a Serve of its own: run it in a fresh process")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never someone else's cluster
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
-    finally:
-        ray.shutdown()
+def _funnel_bodies(model: Path, ranker: Path, o: FunnelOptions) -> list[dict]:
+    """One two-stage body per user: a random prompt of ordinary tokens and a history of the ranker's items."""
+    retriever, hstu = Engine.from_pretrained(model), Engine.from_pretrained(ranker)
+    g = torch.Generator().manual_seed(0)
+    items, actions = hstu.catalog.item_ids, hstu.model.config.num_actions
+    bodies = []
+    for _ in range(o.users):
+        picks = torch.randint(0, len(items), (o.events,), generator=g).tolist()
+        kinds = torch.randint(0, actions, (o.events,), generator=g).tolist()
+        history = [
+            {"item_id": items[i], "action": a, "timestamp": 1e9 + 60.0 * t}
+            for t, (i, a) in enumerate(zip(picks, kinds, strict=True))
+        ]
+        prompt = random_prompt(retriever, o.prompt_len, g)
+        bodies.append({"prompt_token_ids": prompt, "beam_width": o.beam_width, "history": history})
+    return bodies
 
 
-@contextlib.contextmanager
-def _local_serve(model_dir):
-    """The app (ingress + one engine replica) on a local Ray of its own."""
-    from ray import serve
+def _measure_funnel(url: str, bodies: list[dict], requests: int, warmup: int) -> dict[str, list[float]]:
+    timed = {"two_stage": [], "retrieve": [], "recommend": [], "ranked": []}
+    with httpx.Client(timeout=120) as client:
+        for i in range(warmup + requests):
+            body = bodies[i % len(bodies)]
+            retrieve = {k: v for k, v in body.items() if k != "history"}  # the same prompt and beam
+            calls = [("two_stage", "recommend", body), ("retrieve", "retrieve", retrieve)]
+            calls.append(("recommend", "recommend", retrieve))  # stage 1 alone: what the ranking stage adds to
+            for name, route, sent in calls[:: 1 if i % 2 else -1]:  # alternate which goes first
+                started = time.perf_counter()
+                response = client.post(f"{url}/v1/{route}", json=sent)
+                elapsed = time.perf_counter() - started
+                if response.status_code != 200:
+                    raise GenrecError(f"/v1/{route}: HTTP {response.status_code}: {response.text[:300]}")
+                if i >= warmup:
+                    timed[name].append(elapsed)
+                    if name == "two_stage":
+                        items = response.json()["items"]
+                        timed["ranked"].append(sum(item["ranker_scores"] is not None for item in items))
+    return timed
 
-    from genrec.serving.app import build_app
-    from genrec.serving.args import AppArgs
 
-    args = AppArgs(
-        model_dir=str(model_dir),
-        torch_threads=torch.get_num_threads(),  # as many as the in-process engine had
-        engine_num_cpus=1,
-        ingress_num_cpus=0.1,
-        request_timeout_s=600,
-        limits={"max_queue": 4096},
-        max_ongoing_requests=4096,
-        max_queued_requests=4096,
-    )
-    with local_serve_session() as base:
-        serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
-        yield f"{base}/{APP}"
-
-
-def _plot(report: dict, path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise GenrecError("--plot needs matplotlib: pip install 'genrec[bench]'") from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for side, style in (("in_process", "-"), ("serve", "--")):
-        points = [p for p in report[side]["rates"] if p["p50_s"] is not None]
-        achieved = [p["achieved_qps"] for p in points]
-        for key, color in (("p50_s", "tab:blue"), ("p99_s", "tab:red")):
-            label = f"{side.replace('_', '-')} {key[:3]}"
-            ax.plot(achieved, [p[key] * 1000 for p in points], style, marker="o", color=color, label=label)
-        ax.axvline(report[side]["saturation"]["qps"], linestyle=style, color="grey")
-    ax.set_xlabel("achieved throughput (requests / s); grey: saturation")
-    ax.set_ylabel("latency (ms)")
-    ax.set_yscale("log")
-    ax.set_title(f"genrec {report['kind']} through Serve vs in-process (prompt {report['prompt_len']})")
-    ax.legend()
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _p50_p90(seconds: list[float]) -> dict:
+    q = statistics.quantiles(seconds, n=10)
+    return {"p50_ms": 1000 * statistics.median(seconds), "p90_ms": 1000 * q[8], "n": len(seconds)}

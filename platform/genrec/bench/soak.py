@@ -22,6 +22,7 @@ soak` caps glibc's malloc arenas in every process (the ingress's and proxy's res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -31,78 +32,48 @@ import httpx
 import numpy as np
 import torch
 
-from genrec.bench.common import machine, model_dir_for, random_prompt
+from genrec.bench.app import app_args, deploy, local_serve
+from genrec.bench.cli import SoakOptions
+from genrec.bench.common import decoder, described, machine, model_dir_for, random_prompt
 from genrec.engine import Engine
 from genrec.errors import GenrecError
 
 APP = "soak"
 WORDS = "user listened to comedy podcast episode news show jazz album movie thriller drama late night".split()
+# The options a report repeats, in its order.
+SETTINGS = (
+    "burst concurrency prompt_len beam_width candidates kv_budget_bytes prefix_cache_bytes request_timeout_s".split()
+)
 KNOWN_USERS = 64  # users with a stored embedding (recommend / retrieve by user_id)
 PROCESSES = ("Ingress", "EngineServer", "ProxyActor", "EmbeddingCacheActor")
 # One request of each kind per cycle; weights by repetition: mostly valid traffic, some refusals and hang-ups.
-MIX = (
-    "retrieve_tokens",
-    "retrieve_text",
-    "score_items",
-    "score_text",
-    "recommend_user",
-    "retrieve_user",
-    "retrieve_tokens",
-    "score_items",
-    "recommend_inline",
-    "recommend_unknown_user",
-    "invalid_field",
-    "malformed_json",
-    "cancelled",
-    "recommend_user",
+MIX = tuple(
+    "retrieve_tokens retrieve_text score_items score_text recommend_user retrieve_user retrieve_tokens score_items "
+    "recommend_inline recommend_unknown_user invalid_field malformed_json cancelled recommend_user".split()
 )
 
 
-def run(
-    preset,
-    model,
-    bursts: int,
-    burst: int,
-    concurrency: int,
-    prompt_len: int,
-    beam_width: int,
-    candidates: int,
-    kv_budget_bytes: int,
-    prefix_cache_bytes: int,
-    request_timeout_s: float,
-    settle_s: float,
-    max_seconds: float,
-    plateau_mb_per_1k: float,
-    seed: int = 0,
-) -> dict:
-    model_dir = model_dir_for(preset, model, None)
+def run(o: SoakOptions) -> dict:
+    model_dir = model_dir_for(o.preset, o.model, None)
     engine = Engine.from_pretrained(model_dir)
-    if engine.family != "qwen3":
+    parts = decoder(engine)
+    if getattr(parts, "trie", None) is None:  # a ranking model
         raise ValueError("the soak sends retrieve, score and recommend requests: use a Qwen3 model")
-    user_dim = engine.family.projector.user_dim if engine.family.projector is not None else None
-    maker = SoakRequests(engine, prompt_len, beam_width, candidates, user_dim, seed)
+    user_dim = parts.projector.user_dim if parts.projector is not None else None
+    maker = SoakRequests(engine, o, user_dim)
     del engine
     started = time.monotonic()
-    with _local_app(model_dir, kv_budget_bytes, prefix_cache_bytes, request_timeout_s, user_dim) as (url, pids):
-        samples = asyncio.run(_soak(url, pids, maker, bursts, burst, concurrency, settle_s, started + max_seconds))
-    report = summarize(samples, plateau_mb_per_1k)
+    with _local_app(model_dir, o, user_dim) as (url, pids):
+        samples = asyncio.run(_soak(url, pids, maker, o, started + o.max_seconds))
     return {
         "benchmark": "soak",
-        "model": str(model_dir),
-        "preset": None if model else preset,
-        "bursts_planned": bursts,
-        "burst": burst,
-        "concurrency": concurrency,
-        "prompt_len": prompt_len,
-        "beam_width": beam_width,
-        "candidates": candidates,
-        "kv_budget_bytes": kv_budget_bytes,
-        "prefix_cache_bytes": prefix_cache_bytes,
-        "request_timeout_s": request_timeout_s,
+        **described(model_dir, o),
+        "bursts_planned": o.bursts,
+        **{k: getattr(o, k) for k in SETTINGS},
         "seconds": time.monotonic() - started,
-        "stopped_by_time": len(samples) - 1 < bursts,
+        "stopped_by_time": len(samples) - 1 < o.bursts,
         "pids": pids,
-        **report,
+        **summarize(samples, o.plateau_mb_per_1k),
         "note": "RSS in MB (VmRSS) after each burst is answered; slope: least squares over the second half of the "
         "bursts, MB per 1,000 requests (also per third of the bursts); plateaued: slope < plateau_mb_per_1k; "
         "steady_state: steady (last third < plateau_mb_per_1k), slowing (last third < half the first third), "
@@ -116,15 +87,18 @@ class SoakRequests:
     """The i-th request of the soak: (kind, path, body, client timeout). Prompts are random (unique: the prefix
     cache fills and evicts), user IDs of the unknown kind never repeat (per-key state would show)."""
 
-    def __init__(self, engine, prompt_len, beam_width, candidates, user_dim, seed):
+    def __init__(self, engine, o: SoakOptions, user_dim: int | None, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
-        self.engine, self.prompt_len, self.beam_width, self.candidates = engine, prompt_len, beam_width, candidates
-        self.user_dim = user_dim
+        self.prompt_len, self.beam_width, self.candidates, self.user_dim = (
+            o.prompt_len,
+            o.beam_width,
+            o.candidates,
+            user_dim,
+        )
         # What the requests need from the engine, kept without the engine itself (the driver drops it).
-        self.prompts = [random_prompt(engine, prompt_len, self.generator) for _ in range(256)]
+        self.prompts = [random_prompt(engine, o.prompt_len, self.generator) for _ in range(256)]
         self.item_ids = list(engine.catalog.item_ids[: min(len(engine.catalog), 4096)])
-        self.engine = None
         self.count = 0
 
     def _prompt_ids(self) -> list[int]:
@@ -182,12 +156,12 @@ class SoakRequests:
         return kind, "retrieve", {"prompt_token_ids": self._prompt_ids(), "beam_width": width}, None
 
 
-async def _soak(url, pids, maker, bursts, burst, concurrency, settle_s, deadline) -> list[dict]:
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+async def _soak(url, pids, maker, o: SoakOptions, deadline) -> list[dict]:
+    limits = httpx.Limits(max_connections=o.concurrency + 8, max_keepalive_connections=o.concurrency + 8)
     samples = [{"burst": 0, "requests": 0, "seconds": 0.0, "rss_mb": rss_mb(pids), "statuses": {}}]
     sent = 0
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        slots = asyncio.Semaphore(concurrency)
+        slots = asyncio.Semaphore(o.concurrency)
 
         async def one(kind, route, body, timeout_s) -> str:
             async with slots:
@@ -202,14 +176,14 @@ async def _soak(url, pids, maker, bursts, burst, concurrency, settle_s, deadline
                 except httpx.HTTPError as err:
                     return f"http_error:{type(err).__name__}"
 
-        for n in range(1, bursts + 1):
+        for n in range(1, o.bursts + 1):
             if time.monotonic() > deadline:
                 break
             start = time.monotonic()
-            requests = [maker() for _ in range(burst)]
+            requests = [maker() for _ in range(o.burst)]
             statuses = await asyncio.gather(*(one(*r) for r in requests))
-            sent += burst
-            await asyncio.sleep(settle_s)
+            sent += o.burst
+            await asyncio.sleep(o.settle_s)
             by_kind = Counter(f"{r[0]}:{s}" for r, s in zip(requests, statuses, strict=True))
             samples.append(
                 {
@@ -330,45 +304,24 @@ def _label(name: str) -> str:
     return {"Ingress": "ingress", "EngineServer": "engine", "ProxyActor": "proxy"}.get(name, "cache")
 
 
-class _local_app:  # noqa: N801 - used as a context manager
-    """The app on a local Ray of its own; yields (base URL, process IDs)."""
+@contextlib.contextmanager
+def _local_app(model_dir, o: SoakOptions, user_dim: int | None):
+    """The app on a local Ray of its own, with an embedding cache holding the known users' vectors when the model
+    takes one; yields (URL, process IDs)."""
+    from genrec.cache.actor import EmbeddingCache
+    from genrec.cache.config import CacheConfig
 
-    def __init__(self, model_dir, kv_budget_bytes, prefix_cache_bytes, request_timeout_s, user_dim):
-        self.args = (model_dir, kv_budget_bytes, prefix_cache_bytes, request_timeout_s, user_dim)
-        self.session = None
-
-    def __enter__(self):
-        from ray import serve
-
-        from genrec.bench.serve import local_serve_session
-        from genrec.cache.actor import EmbeddingCache
-        from genrec.cache.config import CacheConfig
-        from genrec.serving.app import build_app
-        from genrec.serving.args import AppArgs
-
-        model_dir, kv_budget_bytes, prefix_cache_bytes, request_timeout_s, user_dim = self.args
-        cache = CacheConfig(name=f"soak-{os.getpid()}", dim=user_dim or 1, store="none", capacity=10_000)
-        args = AppArgs(
-            model_dir=str(model_dir),
-            torch_threads=1,
-            engine_num_cpus=1,
-            ingress_num_cpus=0.1,
-            kv_budget_bytes=kv_budget_bytes,
-            prefix_cache_bytes=prefix_cache_bytes,
-            request_timeout_s=request_timeout_s,
-            cache=cache if user_dim else None,
-        )
-        self.session = local_serve_session()
-        base = self.session.__enter__()
-        try:
-            if user_dim:
-                vectors = np.random.default_rng(0).standard_normal((KNOWN_USERS, user_dim)).astype(np.float32)
-                EmbeddingCache.connect(cache).put([f"soak-user-{i}" for i in range(KNOWN_USERS)], vectors)
-            serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
-            return f"{base}/{APP}", replica_pids(APP)
-        except BaseException:
-            self.session.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc):
-        return self.session.__exit__(*exc)
+    cache = CacheConfig(name=f"soak-{os.getpid()}", dim=user_dim or 1, store="none", capacity=10_000)
+    args = app_args(
+        model_dir,
+        kv_budget_bytes=o.kv_budget_bytes,
+        prefix_cache_bytes=o.prefix_cache_bytes,
+        timeout_s=o.request_timeout_s,
+        cache=cache if user_dim else None,
+    )
+    with local_serve() as base:
+        if user_dim:
+            vectors = np.random.default_rng(0).standard_normal((KNOWN_USERS, user_dim)).astype(np.float32)
+            EmbeddingCache.connect(cache).put([f"soak-user-{i}" for i in range(KNOWN_USERS)], vectors)
+        url = deploy(base, APP, args)
+        yield url, replica_pids(APP)

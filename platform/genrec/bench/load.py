@@ -84,8 +84,9 @@ async def call_engine(async_engine, request):
 
 @contextlib.contextmanager
 def serving(engine: Engine, **config):
-    """An AsyncEngine over `engine` (queue 4096 and a 600 s deadline unless `config` says otherwise) and an async
-    call of it; shut down afterwards."""
+    """An AsyncEngine over `engine`'s weights with a scheduler (and KV pool) of its own, queue 4096 and a 600 s
+    deadline unless `config` says otherwise, and an async call of it; shut down afterwards. The one place a bench
+    makes an AsyncEngine: the synchronous engine keeps its own scheduler for the sequential figures."""
     config = SchedulerConfig(**{"max_queue": 4096, "request_timeout_s": 600, **config})
     async_engine = AsyncEngine(Engine(engine.family, config, engine.model_version, fast=engine.runner.fast))
     try:

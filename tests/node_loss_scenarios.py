@@ -358,14 +358,13 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     ray = cluster.ray
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    deployment = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1.5}}
     args = AppArgs(
-        model_dir=str(model),
-        engine_num_cpus=1.5,
-        ingress_num_cpus=0.05,
-        min_replicas=2,
-        max_replicas=2,
-        request_timeout_s=REQUEST_TIMEOUT_S,
-        engine_router="serve_default",
+        retriever={"model_dir": str(model), "router": "serve_default", "deployment": deployment},
+        ingress={
+            "limits": {"request_timeout_s": REQUEST_TIMEOUT_S},
+            "deployment": {"ray_actor_options": {"num_cpus": 0.05}},
+        },
     )
     for attempt in range(3):  # Serve spreads replicas over nodes on a best-effort basis: start again if not
         serve.run(build_app(args), name="nodeloss", route_prefix="/", blocking=False)

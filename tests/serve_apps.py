@@ -5,7 +5,7 @@ import time
 
 from genrec.serving.args import AppArgs
 
-SMALL = {"engine_num_cpus": 0.2, "ingress_num_cpus": 0.05}  # many apps share the 2-CPU test cluster
+SMALL = {"retriever": 0.2, "ranker": 0.2, "ingress": 0.05}  # CPUs a replica reserves: apps share 2 test CPUs
 
 # A config is declarative (apps it leaves out are removed): every deploy lists every app the session runs.
 _DEPLOYED: dict[str, dict] = {}
@@ -53,13 +53,24 @@ def deploy_refused(name: str, deployments: list[dict] | None = None, timeout_s: 
     return status.message
 
 
+def small(args: dict) -> dict:
+    """The app's sections, each replica reserving a small share of a CPU unless the test says otherwise."""
+    out = {"ingress": {}} | args
+    for section, cpus in SMALL.items():
+        if out.get(section) is not None:
+            deployment = out[section].get("deployment", {})
+            actor = {"num_cpus": cpus} | deployment.get("ray_actor_options", {})
+            out[section] = out[section] | {"deployment": deployment | {"ray_actor_options": actor}}
+    return out
+
+
 def _record(name: str, deployments: list[dict] | None, args: dict) -> None:
-    AppArgs(**(SMALL | args))  # fail here, readably, on a typo in a test
+    AppArgs(**small(args))  # fail here, readably, on a typo in a test
     _DEPLOYED[name] = {
         "name": name,
         "route_prefix": f"/{name}",
         "import_path": "genrec.serving.app:build_app",
-        "args": SMALL | args,
+        "args": small(args),
         "deployments": deployments or [],
     }
 

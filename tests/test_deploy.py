@@ -27,7 +27,10 @@ def serve_config(model_dir, port: int, max_queue) -> dict:
                 "name": "genrec",
                 "route_prefix": "/",
                 "import_path": "genrec.serving.app:build_app",
-                "args": {"model_dir": str(model_dir), "engine_num_cpus": 0.5, "ingress_num_cpus": 0.1},
+                "args": {
+                    "retriever": {"model_dir": str(model_dir), "deployment": {"ray_actor_options": {"num_cpus": 0.5}}},
+                    "ingress": {"deployment": {"ray_actor_options": {"num_cpus": 0.1}}},
+                },
                 "deployments": [{"name": "EngineServer", "user_config": {"max_queue": max_queue}}],
             }
         ],

@@ -8,6 +8,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from genrec.serving.app import application
+from genrec.serving.args import DEPLOYMENTS as ENGINE_DEPLOYMENTS
 from genrec.serving.args import AppArgs, EngineLimits, IngressLimits
 from genrec.serving.check import deployments_of, main, problems, unknown_keys
 
@@ -37,8 +38,8 @@ def test_args_and_deployment_names_match_the_app(path):
         assert app["import_path"] == "genrec.serving.app:build_app"
         args = AppArgs.model_validate(app["args"])
         names = deployment_names(application(args))
-        funnel = {"RankerServer"} if args.ranker is not None else set()
-        assert names == {"Ingress", "EngineServer"} | funnel == set(deployments_of(app["args"]))  # the check's
+        engines = {ENGINE_DEPLOYMENTS[name] for name in args.engines()}
+        assert names == {"Ingress"} | engines == set(deployments_of(app["args"]))  # the check's
         assert {d["name"] for d in app.get("deployments", [])} <= names
         live = {"Ingress": IngressLimits, "EngineServer": EngineLimits, "RankerServer": EngineLimits}
         for deployment in app.get("deployments", []):
@@ -57,7 +58,7 @@ def test_the_engine_deployment_routes_by_user(path):
 
     for app in yaml.safe_load(path.read_text())["applications"]:
         engines = [d for d in app["deployments"] if d["name"] in ENGINES]
-        assert len(engines) == (2 if "ranker" in app["args"] else 1)  # a funnel's ranker routes by user too
+        assert len(engines) == len(AppArgs.model_validate(app["args"]).engines())  # a funnel's ranker too
         for engine in engines:
             config = RequestRouterConfig(**engine["request_router_config"])  # imports the class
             assert config.request_router_class == USER_ROUTER
@@ -68,10 +69,12 @@ def test_the_engine_deployment_routes_by_user(path):
 def test_the_gpu_app_keeps_two_engine_replicas_and_their_caches_through_a_dip():
     (app,) = yaml.safe_load((DEPLOYMENTS / "gpu.yaml").read_text())["applications"]
     args = AppArgs.model_validate(app["args"])
-    assert args.min_replicas >= 2 and args.downscale_delay_s >= 600
+    scaling = args.retriever.deployment["autoscaling_config"]
+    assert scaling["min_replicas"] >= 2 and scaling["downscale_delay_s"] >= 600
     from genrec.serving.app import engine_deployment
 
-    assert engine_deployment(args)["autoscaling_config"]["downscale_delay_s"] == args.downscale_delay_s
+    deployed = engine_deployment(args, args.retriever)["autoscaling_config"]
+    assert deployed["downscale_delay_s"] == scaling["downscale_delay_s"]
 
 
 def test_the_checker_catches_typos():
@@ -96,10 +99,12 @@ def test_app_args_refuse_unknown_keys_and_bad_values():
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="model_dirr"):
-        AppArgs.model_validate({"model_dirr": "/m"})
+        AppArgs.model_validate({"retriever": {"model_dirr": "/m"}})
     with pytest.raises(ValidationError, match="max_replicas"):
-        AppArgs.model_validate({"model_dir": "/m", "min_replicas": 3, "max_replicas": 2})
-    assert AppArgs.model_validate({"model_dir": "relative/dir"}).model_dir == str(Path("relative/dir").resolve())
+        scaling = {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}
+        AppArgs.model_validate({"retriever": {"model_dir": "/m", "deployment": scaling}})
+    relative = AppArgs.model_validate({"retriever": {"model_dir": "relative/dir"}})
+    assert relative.retriever.model_dir == str(Path("relative/dir").resolve())
 
 
 def test_rayservice_carries_the_gpu_funnel_and_autoscales():
@@ -117,7 +122,7 @@ def test_rayservice_carries_the_gpu_funnel_and_autoscales():
     (container,) = gpu["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     env = {e["name"] for e in container["env"]}
-    token_env = serve_config["applications"][0]["args"]["auth_token_env"]
+    token_env = serve_config["applications"][0]["args"]["ingress"]["auth_token_env"]
     assert token_env in env  # the bearer token reaches the replicas
 
 
@@ -148,11 +153,11 @@ def test_the_config_check_refuses_what_serve_would_accept(tmp_path, capsys):
 
 def test_the_config_check_can_check_the_model_directory(tiny_dir, tmp_path):
     config = yaml.safe_load((DEPLOYMENTS / "local.yaml").read_text())
-    config["applications"][0]["args"]["model_dir"] = str(tiny_dir)
+    config["applications"][0]["args"]["retriever"]["model_dir"] = str(tiny_dir)
     assert problems(config, check_model=True) == []
-    config["applications"][0]["args"]["model_dir"] = str(tmp_path / "no-such-model")
+    config["applications"][0]["args"]["retriever"]["model_dir"] = str(tmp_path / "no-such-model")
     (problem,) = problems(config, check_model=True)
-    assert problem.startswith("applications[0].args.model_dir: ") and "does not exist" in problem
+    assert problem.startswith("applications[0].args.retriever.model_dir: ") and "does not exist" in problem
 
 
 @pytest.mark.parametrize("path", FUNNELS, ids=lambda p: p.name)
@@ -161,11 +166,12 @@ def test_a_funnels_ranker_is_a_second_engine_deployment_scaled_on_its_own(path):
 
     (app,) = yaml.safe_load(path.read_text())["applications"]
     args = AppArgs.model_validate(app["args"])
-    retriever, ranker = engine_deployment(args), engine_deployment(args, args.ranker)
-    assert ranker["autoscaling_config"]["max_replicas"] == args.ranker.max_replicas
-    assert ranker["ray_actor_options"]["num_cpus"] == args.ranker.engine_num_cpus
+    retriever, ranker = engine_deployment(args, args.retriever), engine_deployment(args, args.ranker)
+    own = args.ranker.deployment
+    assert ranker["autoscaling_config"]["max_replicas"] == own["autoscaling_config"]["max_replicas"]
+    assert ranker["ray_actor_options"]["num_cpus"] == own["ray_actor_options"]["num_cpus"]
     assert ranker["request_router_config"] == retriever["request_router_config"]
-    if args.device == "cuda":  # a GPU node hosts a replica of each
+    if args.retriever.device == "cuda":  # a GPU node hosts a replica of each
         assert retriever["ray_actor_options"]["num_gpus"] + ranker["ray_actor_options"]["num_gpus"] <= 1
     else:  # fractions: a 2-core laptop runs both engines, the ingress and the proxy
         assert retriever["ray_actor_options"]["num_cpus"] + ranker["ray_actor_options"]["num_cpus"] < 1
@@ -174,15 +180,72 @@ def test_a_funnels_ranker_is_a_second_engine_deployment_scaled_on_its_own(path):
 def test_the_config_check_knows_the_ranker(tiny_dir, hstu_dir):
     config = yaml.safe_load((DEPLOYMENTS / "funnel-local.yaml").read_text())
     (app,) = config["applications"]
-    app["args"]["model_dir"], app["args"]["ranker"]["model_dir"] = str(tiny_dir), str(hstu_dir)
+    retriever, ranker = app["args"]["retriever"], app["args"]["ranker"]
+    retriever["model_dir"], ranker["model_dir"] = str(tiny_dir), str(hstu_dir)
     assert problems(config, check_model=True) == []
-    app["args"]["model_dir"], app["args"]["ranker"]["model_dir"] = str(hstu_dir), str(hstu_dir)
+    retriever["model_dir"], ranker["model_dir"] = str(hstu_dir), str(hstu_dir)
     (problem,) = problems(config, check_model=True)
-    assert problem.startswith("applications[0].args.model_dir: ") and "Qwen3" in problem
-    app["args"]["model_dir"], app["args"]["ranker"]["model_dir"] = str(tiny_dir), str(tiny_dir)
+    assert problem.startswith("applications[0].args.retriever.model_dir: ") and "Qwen3" in problem
+    retriever["model_dir"], ranker["model_dir"] = str(tiny_dir), str(tiny_dir)
     (problem,) = problems(config, check_model=True)
     assert problem.startswith("applications[0].args.ranker.model_dir: ") and "HSTU" in problem
     app["args"]["ranker"]["max_replicaz"] = 2
     assert any(p.startswith("applications[0].args.ranker.max_replicaz:") for p in problems(config))
     del app["args"]["ranker"]  # without a ranker, a RankerServer block names no deployment of the app
     assert any("deployments[1].name: no deployment 'RankerServer'" in p for p in problems(config))
+
+
+def test_args_in_the_flat_form_of_earlier_releases_still_deploy_with_a_warning(tmp_path, capsys):
+    """The flat form is read for one more release: the same app as its sections, and a warning (the builder's log,
+    the check's `warning:` line) that shows that form."""
+    flat = {
+        "model_dir": "/m",
+        "engine_num_cpus": 0.5,
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "request_timeout_s": 30,
+        "ingress_num_cpus": 0.1,
+        "cache": {"name": "users", "dim": 8},
+        "ranker": {"model_dir": "/r", "max_candidates": 64, "engine_num_cpus": 0.3},
+    }
+    old = AppArgs.model_validate(flat)
+    new = AppArgs.model_validate(
+        {
+            "retriever": {
+                "model_dir": "/m",
+                "deployment": {
+                    "ray_actor_options": {"num_cpus": 0.5},
+                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 2},
+                },
+            },
+            "ranker": {"model_dir": "/r", "max_candidates": 64, "deployment": {"ray_actor_options": {"num_cpus": 0.3}}},
+            "ingress": {
+                "cache": {"name": "users", "dim": 8},
+                "limits": {"request_timeout_s": 30},
+                "deployment": {"ray_actor_options": {"num_cpus": 0.1}},
+            },
+        }
+    )
+    assert old.model_dump() == new.model_dump() and new.deprecation is None
+    assert "deprecated" in old.deprecation and '"retriever": {' in old.deprecation
+    config = yaml.safe_load((DEPLOYMENTS / "funnel-local.yaml").read_text())
+    config["applications"][0]["args"] = flat
+    path = tmp_path / "flat.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main([str(path)]) == 0
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"warning: {path}: applications[0].args: args in the flat form are deprecated")
+
+
+def test_a_section_refuses_serve_options_it_does_not_pass_through():
+    from pydantic import ValidationError
+
+    for options, fragment in (
+        ({"num_replica": 2}, "num_replica: not an option of a Serve deployment"),
+        ({"user_config": {"max_queue": 3}}, "it is the section's `limits`"),
+        ({"name": "Mine"}, "the deployment's name is genrec's"),
+    ):
+        with pytest.raises(ValidationError, match=fragment):
+            AppArgs.model_validate({"retriever": {"model_dir": "/m", "deployment": options}})
+    with pytest.raises(ValidationError, match="needs a retriever"):
+        AppArgs.model_validate({"ingress": {}})

@@ -42,15 +42,13 @@ def open_url(serve_url, tiny_dir, cache_args):
     from genrec.cache.config import CacheConfig
 
     EmbeddingCache.connect(CacheConfig(**cache_args)).put(["u-1", "u-2"], [user_vector(1), user_vector(2)])
-    deploy("open", model_dir=str(tiny_dir), cache=cache_args, request_timeout_s=20)
+    deploy(
+        "open",
+        retriever={"model_dir": str(tiny_dir)},
+        ingress={"cache": cache_args, "limits": {"request_timeout_s": 20}},
+    )
     yield f"{serve_url}/open"
     delete("open")
-
-
-@pytest.fixture(scope="module")
-def open_replicas(open_url):
-    """The open app's replicas before anything is thrown at it: bad input must never replace one."""
-    return replica_actor_names("open", "Ingress") + replica_actor_names("open", "EngineServer")
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +243,7 @@ def test_a_chunked_body_over_the_limit_is_413(open_url):
 
 
 @pytest.mark.parametrize(("route", "body", "status", "field"), BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_input_is_a_4xx_naming_the_field(open_url, client, open_replicas, route, body, status, field):
+def test_bad_input_is_a_4xx_naming_the_field(open_url, client, route, body, status, field):
     url = f"{open_url}/v1/{route}"
     if isinstance(body, bytes):
         response = client.post(url, content=body, headers={"content-type": "application/json"})
@@ -259,10 +257,16 @@ def test_bad_input_is_a_4xx_naming_the_field(open_url, client, open_replicas, ro
     assert not [word for word in ("function", "0x", "functools", "constrained-") if word in response.text]
 
 
-def test_the_service_is_healthy_after_the_bad_input(open_url, client, open_replicas):
+def test_the_service_is_healthy_after_the_bad_input(open_url, client):
+    """Bad input never replaces a replica: every body of BAD sent, the same replicas answer."""
+    replicas = replica_actor_names("open", "Ingress") + replica_actor_names("open", "EngineServer")
+    for route, body, status, _ in BAD:
+        content = body if isinstance(body, bytes) else json.dumps(body)
+        headers = {"content-type": "application/json"}
+        assert client.post(f"{open_url}/v1/{route}", content=content, headers=headers).status_code == status
     assert client.get(f"{open_url}/healthz").status_code == 200
     assert client.head(f"{open_url}/healthz").status_code == 200  # load balancers probe with HEAD too
-    assert replica_actor_names("open", "Ingress") + replica_actor_names("open", "EngineServer") == open_replicas
+    assert replica_actor_names("open", "Ingress") + replica_actor_names("open", "EngineServer") == replicas
     ok = client.post(f"{open_url}/v1/retrieve", json={"prompt": "user listened", "beam_width": 4})
     assert ok.status_code == 200 and len(ok.json()["items"]) == 4
 
@@ -270,14 +274,26 @@ def test_the_service_is_healthy_after_the_bad_input(open_url, client, open_repli
 # -- auth, deadlines and live reconfiguration, rollout: one auth-on app ---------------------------
 
 AUTH = {"Authorization": f"Bearer {os.environ[API_TOKEN_ENV]}"}
-GUARDED = {"auth_token_env": API_TOKEN_ENV, "request_timeout_s": 20, "body_timeout_s": 2}  # + model_dir
+GUARDED = {"auth_token_env": API_TOKEN_ENV, "limits": {"request_timeout_s": 20}, "body_timeout_s": 2}
+
+
+def guarded_args(model_dir) -> dict:
+    return {"retriever": {"model_dir": str(model_dir)}, "ingress": GUARDED}
 
 
 @pytest.fixture(scope="module")
-def guarded_url(serve_url, tiny_dir):
-    deploy("guarded", model_dir=str(tiny_dir), **GUARDED)
+def guarded_app(serve_url, tiny_dir):
+    deploy("guarded", **guarded_args(tiny_dir))
     yield f"{serve_url}/guarded"
     delete("guarded")
+
+
+@pytest.fixture
+def guarded_url(guarded_app, tiny_dir):
+    """The auth-on app as every test here expects it, whatever an earlier test redeployed (a config equal to the
+    running one changes nothing; after a rollout to another model, this rolls it back)."""
+    deploy("guarded", **guarded_args(tiny_dir))
+    return guarded_app
 
 
 def test_bearer_token_when_configured(guarded_url, client):
@@ -306,15 +322,13 @@ def test_deadline_is_504_and_changes_live_without_a_restart(guarded_url, tiny_di
     body = {"prompt_token_ids": list(range(3, 200)), "beam_width": 32}
     assert client.post(url, json=body, headers=AUTH).status_code == 200
     before = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
-    args = {"model_dir": str(tiny_dir), **GUARDED}
+    args = guarded_args(tiny_dir)
     deploy("guarded", deployments=[{"name": "Ingress", "user_config": {"request_timeout_s": 0.001}}], **args)
-    try:
-        late = client.post(url, json=body, headers=AUTH)  # the same request that just took well under 20 s
-        assert late.status_code == 504 and late.json()["code"] == "timeout"
-        after = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
-        assert after == before  # reconfigured in place: only user_config changed
-    finally:
-        deploy("guarded", **args)  # the user_config removed: the builder's deadline again, for the next tests
+    late = client.post(url, json=body, headers=AUTH)  # the same request that just took well under 20 s
+    assert late.status_code == 504 and late.json()["code"] == "timeout"
+    after = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
+    assert after == before  # reconfigured in place: only user_config changed
+    deploy("guarded", **args)  # the user_config removed: the builder's deadline again
     assert client.post(url, json=body, headers=AUTH).status_code == 200
 
 
@@ -329,19 +343,16 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(guarded_u
         {"name": "Ingress", "user_config": {"request_timeout_s": 0}},
         {"name": "EngineServer", "user_config": {"max_queue": 0, "max_running": 2}},
     ]
-    deploy("guarded", deployments=bad, model_dir=str(tiny_dir), **GUARDED)
-    try:
-        engine = serve.get_deployment_handle("EngineServer", app_name="guarded")
-        refused_by = time.monotonic() + 30
-        while (stats := engine.stats.remote().result(timeout_s=30))["user_config_refused"] is None:
-            assert time.monotonic() < refused_by, "the engine replica never saw the user_config"
-            time.sleep(0.5)
-        assert "max_queue" in stats["user_config_refused"]
-        assert (stats["limits"]["max_queue"], stats["limits"]["max_running"]) == (256, None)  # as they were
-        assert client.post(url, json=body, headers=AUTH).status_code == 200  # the 20 s deadline stayed too
-        assert replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer") == before
-    finally:
-        deploy("guarded", model_dir=str(tiny_dir), **GUARDED)
+    deploy("guarded", deployments=bad, **guarded_args(tiny_dir))
+    engine = serve.get_deployment_handle("EngineServer", app_name="guarded")
+    refused_by = time.monotonic() + 30
+    while (stats := engine.stats.remote().result(timeout_s=30))["user_config_refused"] is None:
+        assert time.monotonic() < refused_by, "the engine replica never saw the user_config"
+        time.sleep(0.5)
+    assert "max_queue" in stats["user_config_refused"]
+    assert (stats["limits"]["max_queue"], stats["limits"]["max_running"]) == (256, None)  # as they were
+    assert client.post(url, json=body, headers=AUTH).status_code == 200  # the 20 s deadline stayed too
+    assert replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer") == before
 
 
 def test_a_redeploy_of_a_broken_model_directory_is_refused_and_fails_no_request(guarded_url, tiny_dir, tmp_path):
@@ -352,14 +363,11 @@ def test_a_redeploy_of_a_broken_model_directory_is_refused_and_fails_no_request(
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     before = replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer")
     messages = []
-    try:
-        seen, failures = under_load(
-            f"{guarded_url}/v1/retrieve",
-            lambda: messages.append(deploy_refused("guarded", model_dir=str(broken), **GUARDED)),
-            headers=AUTH,
-        )
-    finally:
-        deploy("guarded", model_dir=str(tiny_dir), **GUARDED)
+    seen, failures = under_load(
+        f"{guarded_url}/v1/retrieve",
+        lambda: messages.append(deploy_refused("guarded", **guarded_args(broken))),
+        headers=AUTH,
+    )
     assert f"{weights}: not a complete safetensors file" in messages[0]
     assert failures == [] and seen and set(seen) == {model_version(tiny_dir)}
     assert replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer") == before
@@ -372,7 +380,7 @@ def test_rollout_to_a_new_model_fails_no_request(guarded_url, tiny_dir, tmp_path
     old_version, new_version = model_version(tiny_dir), model_version(new_dir)
 
     def rollout():
-        deploy("guarded", model_dir=str(new_dir), **GUARDED)
+        deploy("guarded", **guarded_args(new_dir))
         time.sleep(2)
 
     seen, failures = under_load(f"{guarded_url}/v1/retrieve", rollout, headers=AUTH)
@@ -388,13 +396,13 @@ def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
     runs, one waits in the engine, the rest find the engine's queue full); the other admits one request to its
     replica and queues one in Serve's handle, so the rest are refused there. Two apps, not one: with a single
     one, how many requests reach the engine before the handle queue fills is a race."""
-    tight = {"model_dir": str(tiny_dir), "limits": {"max_queue": 1, "max_running": 1}, "retry_after_s": 3}
-    deploy_many(
-        {
-            "tight-engine": (None, tight | {"max_ongoing_requests": 24, "max_queued_requests": 100}),
-            "tight-handle": (None, tight | {"max_ongoing_requests": 1, "max_queued_requests": 1}),
-        }
-    )
+
+    def tight(max_ongoing_requests: int, max_queued_requests: int) -> dict:
+        deployment = {"max_ongoing_requests": max_ongoing_requests, "max_queued_requests": max_queued_requests}
+        engine = {"model_dir": str(tiny_dir), "limits": {"max_queue": 1, "max_running": 1}, "deployment": deployment}
+        return {"retriever": engine, "ingress": {"retry_after_s": 3}}
+
+    deploy_many({"tight-engine": (None, tight(24, 100)), "tight-handle": (None, tight(1, 1))})
     try:
         body = {"prompt_token_ids": list(range(3, 400)), "beam_width": 64}
         refusals = {"tight-engine": "engine queue is full", "tight-handle": "the engines' queues are full"}
@@ -482,7 +490,11 @@ def test_killed_engine_replica_is_replaced_and_requests_end(serve_url, tiny_dir)
     from ray import serve
 
     # No prefix cache: every request prefills its whole prompt, so requests are still in flight at the kill.
-    deploy("victim", model_dir=str(tiny_dir), request_timeout_s=20, prefix_cache_bytes=0)
+    deploy(
+        "victim",
+        retriever={"model_dir": str(tiny_dir), "prefix_cache_bytes": 0},
+        ingress={"limits": {"request_timeout_s": 20}},
+    )
     url = f"{serve_url}/victim/v1/retrieve"
     body = {"prompt_token_ids": [3 + i % 200 for i in range(4000)], "beam_width": 256}  # ~1 s each: in flight
     try:

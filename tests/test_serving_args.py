@@ -23,7 +23,7 @@ OPTIONS = {
 
 
 def test_engine_options_become_engine_kwargs_and_a_scheduler_config():
-    options = AppArgs(model_dir="/m", **OPTIONS).replica_options()
+    options = AppArgs(retriever={"model_dir": "/m", **OPTIONS}).retriever.replica_options()
     assert options.engine_kwargs() == {
         "dtype": "bfloat16",
         "max_candidates": 64,
@@ -38,7 +38,7 @@ def test_engine_options_become_engine_kwargs_and_a_scheduler_config():
 
 
 def test_defaults_are_the_engines():
-    options = AppArgs(model_dir="/m").replica_options()
+    options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
     assert options.engine_kwargs() == {
         "dtype": None,
         "max_candidates": 2048,
@@ -65,12 +65,12 @@ def test_defaults_are_the_engines():
 )
 def test_a_bad_engine_option_is_refused_by_name(field, value):
     with pytest.raises(ValidationError, match=field):
-        AppArgs(model_dir="/m", **{field: value})
+        AppArgs(retriever={"model_dir": "/m", field: value})
 
 
 def test_a_cache_without_dim_is_refused():
     with pytest.raises(ValidationError, match="cache.dim is required"):
-        AppArgs(model_dir="/m", cache={"name": "users"})
+        AppArgs(retriever={"model_dir": "/m"}, ingress={"cache": {"name": "users"}})
 
 
 class RecordingEngine:
@@ -110,7 +110,7 @@ def recorded(monkeypatch, engine):
 
 
 def test_engine_server_builds_the_engine_with_the_options(recorded, tiny_dir):
-    args = AppArgs(model_dir=str(tiny_dir), **OPTIONS)
+    args = AppArgs(retriever={"model_dir": str(tiny_dir), **OPTIONS}).retriever
     server = engine_server.EngineServer.func_or_class(
         args.model_dir, args.device, args.replica_options(), engine_factory=recorded
     )
@@ -123,7 +123,7 @@ def test_engine_server_builds_the_engine_with_the_options(recorded, tiny_dir):
 
 
 def test_reconfigure_sets_every_limit_and_a_removed_one_reverts(recorded, tiny_dir):
-    options = AppArgs(model_dir="/m").replica_options()
+    options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
     server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", options, engine_factory=recorded)
     try:
         server.reconfigure({"max_queue": 5, "max_running": 2})
@@ -143,7 +143,7 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(recorded,
     """Raising from reconfigure would make Serve tear the replica down (and its replacements fail alike): a bad
     user_config is refused, the limits in force stay, and the replica says why. At start, the builder's limits
     are in force."""
-    options = AppArgs(model_dir="/m").replica_options()
+    options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
     server = engine_server.EngineServer.func_or_class(
         str(tiny_dir), "cpu", options, EngineLimits(max_queue=9), engine_factory=recorded
     )

@@ -1,6 +1,6 @@
 """Both model families behind the engine deployment, without Ray: /v1/model's description of each, rank served
-by the replica, a route of the other family refused as not_served (404, never a 5xx), the error crossing
-processes intact. The HTTP side is tests/test_serving_rank.py."""
+by the replica, a request of the other family refused, a not_served error (404, never a 5xx) crossing processes
+intact. The HTTP side is tests/test_serving_rank.py."""
 
 import asyncio
 import pickle
@@ -9,6 +9,7 @@ import pytest
 
 from genrec.api import Event, RankRequest, RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
+from genrec.errors import InvalidRequestError
 from genrec.serving.args import AppArgs
 from genrec.serving.engine_server import EngineServer, describe
 from genrec.serving.http_errors import NotServed, error_response
@@ -18,7 +19,7 @@ from tests.conftest import TINY
 
 @pytest.fixture(scope="module")
 def ranker_server(hstu_dir):
-    options = AppArgs(model_dir=str(hstu_dir), kv_budget_bytes=16 << 20).replica_options()
+    options = AppArgs(ranker={"model_dir": str(hstu_dir), "kv_budget_bytes": 16 << 20}).ranker.replica_options()
     server = EngineServer.func_or_class(str(hstu_dir), "cpu", options)
     yield server
     server._stopped.set()
@@ -48,8 +49,11 @@ def test_the_replica_ranks_as_the_engine_does_and_ignores_the_routing_key(ranker
     assert ranker_server.stats()["metrics"]["requests"]["rank:ok"] == 1
 
 
-def test_a_route_of_the_other_family_is_not_served(ranker_server):
-    with pytest.raises(NotServed, match="hstu model, which answers /v1/rank; not /v1/retrieve"):
+def test_a_request_of_the_other_family_is_refused_by_the_replica(ranker_server):
+    """The ingress sends each route to the deployment of its family (a 404 where the app has none: the HTTP
+    tests); a replica handed another family's request refuses it as the client's mistake, before its engine
+    queues anything."""
+    with pytest.raises(InvalidRequestError, match="serves rank, not retrieve"):
         asyncio.run(ranker_server.retrieve(RetrieveRequest(prompt="user listened"), 10.0))
     assert ranker_server.stats()["metrics"]["requests"].get("retrieve:invalid", 0) == 0  # never reached the engine
 

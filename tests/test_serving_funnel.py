@@ -30,7 +30,7 @@ from tests.serve_apps import delete, deploy, deploy_many, replica_actor_names, s
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 RANKER_LIMIT = 64  # the ranker's max_candidates in the funnel app
-TWO = {"min_replicas": 2, "max_replicas": 2, "kv_budget_bytes": 32 << 20}
+TWO = {"kv_budget_bytes": 32 << 20, "deployment": {"num_replicas": 2}}  # an engine section: two replicas
 
 
 def item(i: int) -> str:
@@ -136,23 +136,31 @@ def test_what_the_ranker_would_refuse_is_refused_before_stage1(fields, field):
 # -- over HTTP ----------------------------------------------------------------------------------------
 
 
-FUNNEL = {"request_timeout_s": 20, "torch_threads": 1, **TWO}
-
-
 STICKY = sticky("EngineServer", "RankerServer")  # the funnel's engines: see the user-stickiness test
 
 
 @pytest.fixture(scope="module")
 def funnel_args(tiny_dir, hstu_dir):
-    ranker = {"model_dir": str(hstu_dir), "max_candidates": RANKER_LIMIT, "engine_num_cpus": 0.15, **TWO}
-    return {"model_dir": str(tiny_dir), "ranker": ranker, **FUNNEL}
+    ranker = {"model_dir": str(hstu_dir), "max_candidates": RANKER_LIMIT, **TWO}
+    ranker["deployment"] = ranker["deployment"] | {"ray_actor_options": {"num_cpus": 0.15}}
+    return {
+        "retriever": {"model_dir": str(tiny_dir), "torch_threads": 1, **TWO},
+        "ranker": ranker,
+        "ingress": {"limits": {"request_timeout_s": 20}},
+    }
 
 
 @pytest.fixture(scope="module")
 def urls(serve_url, tiny_dir, funnel_args):
     """A funnel app (two replicas of each engine deployment) and a plain one (no ranker), started side by side
     (slow on a loaded 2-core machine: given longer than Serve's own 60 s)."""
-    plain = {"model_dir": str(tiny_dir), "engine_num_cpus": 0.1, "torch_threads": 1}
+    plain = {
+        "retriever": {
+            "model_dir": str(tiny_dir),
+            "torch_threads": 1,
+            "deployment": {"ray_actor_options": {"num_cpus": 0.1}},
+        }
+    }
     deploy_many({"funnel": (STICKY, funnel_args), "plain": (None, plain)})
     yield {"funnel": f"{serve_url}/funnel", "plain": f"{serve_url}/plain"}
     delete("funnel")
@@ -294,5 +302,5 @@ def test_both_stages_share_one_deadline(urls, client, funnel_args):
         assert late.status_code == 504 and late.json()["code"] == "timeout"
         assert replica_actor_names("funnel", "RankerServer") == before
     finally:
-        deploy("funnel", STICKY, **funnel_args)
+        deploy("funnel", STICKY, **funnel_args)  # the app as the module's other tests expect it
     assert client.post(f"{urls['funnel']}/v1/recommend", json=GOOD).status_code == 200

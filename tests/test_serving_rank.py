@@ -15,7 +15,8 @@ from tests.serve_apps import delete, deploy
 
 @pytest.fixture(scope="module")
 def rank_url(serve_url, hstu_dir):
-    deploy("ranker", model_dir=str(hstu_dir), request_timeout_s=20, kv_budget_bytes=32 << 20)
+    ranker = {"model_dir": str(hstu_dir), "kv_budget_bytes": 32 << 20}
+    deploy("ranker", ranker=ranker, ingress={"limits": {"request_timeout_s": 20}})
     yield f"{serve_url}/ranker"
     delete("ranker")
 
@@ -111,5 +112,5 @@ def test_rank_requests_are_counted_by_kind(rank_url, client):
     from ray import serve
 
     assert client.post(f"{rank_url}/v1/rank", json=GOOD).status_code == 200
-    stats = serve.get_deployment_handle("EngineServer", app_name="ranker").stats.remote().result(timeout_s=30)
+    stats = serve.get_deployment_handle("RankerServer", app_name="ranker").stats.remote().result(timeout_s=30)
     assert stats["metrics"]["requests"]["rank:ok"] >= 1

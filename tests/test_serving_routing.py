@@ -179,14 +179,17 @@ def test_a_rank_requests_key_is_the_user_else_its_first_events():
 
 # -- on a real Serve app: two engine replicas, the user router against Serve's default -----------------
 
-TWO_REPLICAS = {"min_replicas": 2, "max_replicas": 2, "kv_budget_bytes": 64 << 20, "request_timeout_s": 20}
+
+def two_replicas(tiny_dir, router: str, routing_prefix_blocks: int = 1) -> dict:
+    engine = {"model_dir": str(tiny_dir), "kv_budget_bytes": 64 << 20, "deployment": {"num_replicas": 2}}
+    ingress = {"limits": {"request_timeout_s": 20}, "routing_prefix_blocks": routing_prefix_blocks}
+    return {"retriever": engine | {"router": router}, "ingress": ingress}
 
 
 @pytest.fixture(scope="module")
 def two_replica_urls(serve_url, tiny_dir):
-    args = {"model_dir": str(tiny_dir), **TWO_REPLICAS}
-    routed = {**args, "routing_prefix_blocks": 2}  # keyless prompts: past a one-block template (test below)
-    spread = {**args, "engine_router": "serve_default"}
+    routed = two_replicas(tiny_dir, "user", routing_prefix_blocks=2)  # keyless prompts: past a one-block template
+    spread = two_replicas(tiny_dir, "serve_default")
     deploy_many({"routed": (sticky("EngineServer"), routed), "spread": (None, spread)})
     yield {app: f"{serve_url}/{app}" for app in ("routed", "spread")}
     delete("routed")

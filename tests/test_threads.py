@@ -117,7 +117,9 @@ def test_more_pinned_threads_than_available_cores_are_refused(restored):
 
 
 def test_replica_options_take_the_binding_next_to_the_threads():
-    options = AppArgs(model_dir="/m", torch_threads=2, pin_threads=True).replica_options()
+    options = AppArgs(
+        retriever={"model_dir": "/m", "torch_threads": 2, "pin_threads": True}
+    ).retriever.replica_options()
     assert (options.torch_threads, options.pin_threads) == (2, True)
     assert ReplicaOptions().pin_threads is False  # unchanged by default
     assert "pin_threads" not in options.engine_kwargs()  # not an Engine option
@@ -133,7 +135,7 @@ def test_replica_options_take_the_binding_next_to_the_threads():
 )
 def test_bad_replica_thread_options_are_refused_at_deploy_by_name(fields, fragment):
     with pytest.raises(ValidationError, match=fragment):
-        AppArgs(model_dir="/m", **fields)
+        AppArgs(retriever={"model_dir": "/m", **fields})
 
 
 class _Stop(Exception):
@@ -148,7 +150,9 @@ def test_the_engine_replica_applies_its_thread_options_before_loading(monkeypatc
         raise _Stop  # before the model loads: what was asked is all this test needs
 
     monkeypatch.setattr(engine_server, "apply_threads", recording)
-    options = AppArgs(model_dir="/m", torch_threads=3, pin_threads=True).replica_options()
+    options = AppArgs(
+        retriever={"model_dir": "/m", "torch_threads": 3, "pin_threads": True}
+    ).retriever.replica_options()
     with pytest.raises(_Stop):
         engine_server.EngineServer.func_or_class("/m", "cpu", options)
     assert calls == [(3, True, "torch_threads", "pin_threads")]
@@ -195,10 +199,11 @@ def test_the_batch_actor_applies_its_thread_options_before_loading(monkeypatch):
 
 def test_bench_load_refuses_pin_without_threads_before_loading_a_model(monkeypatch):
     from genrec.bench import load
+    from genrec.bench.cli import LoadOptions
 
     monkeypatch.setattr(load, "model_dir_for", lambda *a: pytest.fail("loaded a model"))
     with pytest.raises(ValueError, match="^--pin needs --threads"):
-        load.run("retrieve", [1.0], 1.0, "tiny", None, None, 8, 2, 4, "cpu", 4, None, threads=None, pin=True)
+        load.run(LoadOptions(rates="1", duration=1.0, prompt_len=8, beam_width=2, candidates=4, burst=4, pin=True))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux")
@@ -209,8 +214,8 @@ def test_the_bench_load_options(monkeypatch):
 
     seen = {}
 
-    def fake_run(*args):
-        seen["threads"], seen["pin"] = args[-2:]
+    def fake_run(options):
+        seen["threads"], seen["pin"] = options.threads, options.pin
         return {"ok": True}
 
     monkeypatch.setattr("genrec.bench.load.run", fake_run)

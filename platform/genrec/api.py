@@ -26,6 +26,8 @@ from pydantic import (
 )
 
 MAX_BEAM_WIDTH = 1024
+# The request kinds (routes) each model family answers: a Qwen3 semantic-ID decoder, an HSTU ranker.
+FAMILY_KINDS = {"qwen3": ("retrieve", "score", "recommend"), "hstu": ("rank",)}
 MAX_SCORE_WEIGHT = 1000.0  # far beyond it the joint order is the label's anyway, and the keys would overflow
 
 

@@ -205,12 +205,12 @@ def run_platform(out, models: Models, prepared: Prepared, cfg, serve_config: Pat
 
 
 def _app_args(serve_config: Path, models: Models, cache: CacheConfig, cfg: DemoConfig) -> dict:
-    """The config's args pointed at the demo's models and cache (the ranker's other settings kept)."""
-    ranker = app_config(serve_config).get("args", {}).get("ranker") or {}
+    """The config's args pointed at the demo's models and cache (each section's other settings kept)."""
+    args = app_config(serve_config).get("args", {})
     return {
-        "model_dir": str(models.retriever),
-        "ranker": {**ranker, "model_dir": str(models.ranker)},
-        "cache": {**cache.model_dump(), "dim": cfg.rank},
+        "retriever": {**args.get("retriever", {}), "model_dir": str(models.retriever)},
+        "ranker": {**(args.get("ranker") or {}), "model_dir": str(models.ranker)},
+        "ingress": {**args.get("ingress", {}), "cache": {**cache.model_dump(), "dim": cfg.rank}},
     }
 
 

@@ -37,23 +37,19 @@ def app_args(
     through `cache` (a CacheConfig). None leaves the app's default."""
     from genrec.serving.args import AppArgs
 
-    engine = {"torch_threads": threads, "engine_num_cpus": engine_cpus}
-    extra = {"limits": {"max_queue": queue}} if queue else {}
+    cpus = {"ray_actor_options": {"num_cpus": engine_cpus}}
+    deployment = cpus | {"num_replicas": replicas}
     if in_flight:
-        extra |= {"max_ongoing_requests": in_flight, "max_queued_requests": in_flight}
+        deployment |= {"max_ongoing_requests": in_flight, "max_queued_requests": in_flight}
+    retriever = {"model_dir": str(model_dir), "torch_threads": threads, "router": router, "deployment": deployment}
+    retriever |= {"kv_budget_bytes": kv_budget_bytes, "prefix_cache_bytes": prefix_cache_bytes}
+    if queue:
+        retriever["limits"] = {"max_queue": queue}
+    ingress = {"limits": {"request_timeout_s": timeout_s}, "deployment": {"ray_actor_options": {"num_cpus": 0.1}}}
     return AppArgs(
-        model_dir=str(model_dir),
-        **engine,
-        min_replicas=replicas,
-        max_replicas=replicas,
-        engine_router=router,
-        kv_budget_bytes=kv_budget_bytes,
-        prefix_cache_bytes=prefix_cache_bytes,
-        ranker={"model_dir": str(ranker), **engine} if ranker else None,
-        ingress_num_cpus=0.1,
-        request_timeout_s=timeout_s,
-        cache=cache,
-        **extra,
+        retriever=retriever,
+        ranker={"model_dir": str(ranker), "torch_threads": threads, "deployment": cpus} if ranker else None,
+        ingress=ingress | ({"cache": cache} if cache is not None else {}),
     )
 
 

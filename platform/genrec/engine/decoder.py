@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec.api import MAX_BEAM_WIDTH, Candidate, RetrieveRequest, RetrieveResult
+from genrec.api import FAMILY_KINDS, MAX_BEAM_WIDTH, Candidate, RetrieveRequest, RetrieveResult
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import results
 from genrec.engine.beam import start_cohort
@@ -48,7 +48,7 @@ class PreparedPrompt(Prepared):
 
 class Decoder:
     name = "qwen3"
-    kinds = ("retrieve", "score", "recommend")
+    kinds = FAMILY_KINDS["qwen3"]
 
     def __init__(
         self,

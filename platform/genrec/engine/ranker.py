@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genrec.api import RankedItem, RankRequest, RankResult
+from genrec.api import FAMILY_KINDS, RankedItem, RankRequest, RankResult
 from genrec.attention import ContextGroup
 from genrec.catalog.item_index import ItemIndex
 from genrec.engine.family import Prepared
@@ -32,7 +32,7 @@ class PreparedHistory(Prepared):
 
 class Ranker:
     name = "hstu"
-    kinds = ("rank",)
+    kinds = FAMILY_KINDS["hstu"]
 
     def __init__(self, model, items: ItemIndex, max_candidates: int = 2048, score_max_tokens: int = 16384, **_):
         """`score_max_tokens`: candidate rows in one pass (the scoring passes' bound, in rows here). Options only

@@ -2,10 +2,9 @@
 
 A model directory is a plain Hugging Face directory (config.json, weights, tokenizer files) plus genrec's own
 files under `genrec/` (the catalog; a Qwen3 model's soft-token projector). `open` reads config.json and returns
-the family's directory object (Qwen3Dir, HSTUDir), which knows its family, the request kinds its engine answers,
-its config, version, catalog, files and user-vector width, loads each part for the engine, and checks everything
-an engine replica would read without building the model (`check`, the deploy's preflight). Nothing else in
-genrec opens a model's files.
+the family's directory object (Qwen3Dir, HSTUDir), which knows its family, config, version, catalog, files and
+user-vector width, loads each part for the engine, and checks everything an engine replica would read without
+building the model (`check`, the deploy's preflight). Nothing else in genrec opens a model's files.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ GENREC_SUBDIR = "genrec"
 
 class ModelDir:
     family: ClassVar[str]  # "qwen3" | "hstu"
-    kinds: ClassVar[tuple[str, ...]]  # the request kinds an engine of this family answers
 
     def __init__(self, path: Path, raw_config: dict):
         self.path = path
@@ -96,7 +94,6 @@ class Qwen3Dir(ModelDir):
     """A Qwen3 semantic-ID decoder: tokenizer files, the catalog of item codes, optionally a soft-token projector."""
 
     family = "qwen3"
-    kinds = ("retrieve", "score", "recommend")
 
     def _config(self, raw) -> Qwen3Config:
         return Qwen3Config.from_dict(raw, self.path / "config.json")
@@ -159,7 +156,6 @@ class HSTUDir(ModelDir):
     """An HSTU ranker: its catalog maps item IDs to rows of the model's item-embedding table."""
 
     family = "hstu"
-    kinds = ("rank",)
 
     def _config(self, raw) -> HSTUConfig:
         return HSTUConfig.from_dict(raw, self.path / "config.json")

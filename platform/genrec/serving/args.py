@@ -1,12 +1,28 @@
-"""The application's arguments: what a Serve config's `args` may say, validated at deploy time."""
+"""The application's arguments: what a Serve config's `args` may say, validated at deploy time.
+
+Three sections of one shape. `retriever`: a Qwen3 semantic-ID model (retrieve, score, recommend); `ranker`: an
+HSTU ranking model (rank; with a retriever, the two-stage recommend); `ingress`: the HTTP front. An app has a
+retriever, a ranker or both. Each section says what its deployment is built with (a change replaces its
+replicas), what may change live (`limits`, sent as the deployment's `user_config`), and its Serve deployment
+options (`deployment`: Serve's own keys, passed straight through, over genrec's defaults).
+
+    args:
+      retriever: {model_dir: /models/qwen3, device: cuda, limits: {max_running: 8},
+                  deployment: {autoscaling_config: {min_replicas: 2, max_replicas: 8}, max_ongoing_requests: 128}}
+      ranker:    {model_dir: /models/hstu, max_candidates: 1024, deployment: {ray_actor_options: {num_gpus: 0.25}}}
+      ingress:   {auth_token_env: GENREC_API_TOKEN, limits: {request_timeout_s: 10}, deployment: {num_replicas: 2}}
+
+The flat form of earlier releases (model_dir, engine_num_cpus, ingress_replicas... at the top) is read for one
+more release, with a warning that shows the same app in this form (legacy_args.py).
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from genrec.cache.config import CacheConfig
 from genrec.engine_options import EngineOptions
@@ -16,9 +32,49 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The model family each engine section holds, and its deployment's name (what a config's `deployments` overrides).
+FAMILY = {"retriever": "qwen3", "ranker": "hstu"}
+DEPLOYMENTS = {"retriever": "EngineServer", "ranker": "RankerServer"}
+# Keys of a section's `deployment` that genrec sets from the section itself.
+OWNED = {
+    "name": "the deployment's name is genrec's (Ingress, EngineServer, RankerServer)",
+    "user_config": "it is the section's `limits`",
+    "request_router_config": "choose it with the section's `router` (or override it in the config's `deployments`)",
+}
+
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in a config file fails the deploy instead of vanishing
+
+
+class _Deployed(_Args):
+    deployment: dict[str, Any] = Field(
+        {},
+        description="Serve's deployment options for this deployment (num_replicas or autoscaling_config, "
+        "max_ongoing_requests, max_queued_requests, ray_actor_options, health checks...), over genrec's defaults",
+    )
+
+    @field_validator("deployment")
+    @classmethod
+    def _serve_options(cls, options: dict) -> dict:
+        """Checked as Serve will check them, and for what Serve would drop silently (an unknown key)."""
+        from genrec.serving.serve_schema import deployment_problems
+
+        for key in options:
+            if key in OWNED:
+                raise ValueError(f"{key!r} is not set here: {OWNED[key]}")
+        problems = deployment_problems(options)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return options
+
+    def deployment_options(self, defaults: dict) -> dict:
+        """Serve's options for the deployment: genrec's defaults, the section's `deployment` over them (a
+        `num_replicas` of its own replaces the default autoscaling)."""
+        merged = _merged(defaults, self.deployment)
+        if "num_replicas" in self.deployment and "autoscaling_config" not in self.deployment:
+            merged.pop("autoscaling_config", None)
+        return merged
 
 
 class EngineLimits(_Args):
@@ -66,55 +122,18 @@ class ReplicaOptions(EngineOptions):
         return SchedulerConfig(**limits.model_dump(), **sizes)
 
 
-class IngressSettings(_Args):
-    """What the ingress is built with (a change replaces its replicas)."""
-
-    auth_token_env: str | None = Field(
-        None, description="name of the environment variable holding the bearer token; unset: no auth"
-    )
-    cache: CacheConfig | None = Field(None, description="resolve user_id -> user_embedding through this cache")
-    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 503 when the engines are overloaded")
-    body_timeout_s: float = Field(
-        10.0, gt=0, description="a request's whole body must arrive within this; 408 past it (frees the slot)"
-    )
-    routing_prefix_blocks: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="first blocks of a prompt (16 tokens or history events, 64 text characters) whose digest "
-        "routes a request without user_id: more than a template every prompt opens with",
-    )
-
-
-class IngressLimits(_Args):
-    """What may change live in the ingress (`user_config` -> `reconfigure`)."""
-
-    request_timeout_s: float = Field(30.0, gt=0, description="deadline of a request (504 past it)")
-
-
-class EngineArgs(ReplicaOptions):
-    """One engine deployment: its model, replicas' options and limits, resources, scaling and router. The app's
-    own fields for its main engine (EngineServer), and its `ranker` section for the funnel's ranker."""
+class EngineSection(ReplicaOptions, _Deployed):
+    """One engine deployment (the retriever, EngineServer; or the ranker, RankerServer): its model, how its
+    replicas build their engine, its live limits, its router and its Serve options."""
 
     model_dir: str = Field(description="a genrec model directory, present on every node that runs an engine")
     device: Literal["cpu", "cuda"] = "cpu"
     limits: EngineLimits = EngineLimits()
-    # Resources and scaling of the engine deployment (config files may also override them per deployment).
-    engine_num_cpus: float | None = Field(None, gt=0, description="default: 1")
-    engine_num_gpus: float | None = Field(None, ge=0, description="default: 1 on cuda, 0 on cpu")
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(32, gt=0, description="per engine replica, for autoscaling")
-    downscale_delay_s: float = Field(
-        600.0, ge=0, description="low traffic this long before an engine replica (and its prefix cache) goes"
-    )
-    engine_router: Literal["user", "serve_default"] = Field(
+    router: Literal["user", "serve_default"] = Field(
         "user",
         description="user: each user's requests to the engine replica holding their K/V (genrec.serving.router); "
         "serve_default: Serve's power-of-two-choices router",
     )
-    max_ongoing_requests: int = Field(256, ge=1, description="per engine replica: they meet in its batching loop")
-    max_queued_requests: int = Field(512, ge=1, description="per engine deployment handle; beyond: 503")
 
     @field_validator("model_dir")
     @classmethod
@@ -125,45 +144,112 @@ class EngineArgs(ReplicaOptions):
     def replica_options(self) -> ReplicaOptions:
         return ReplicaOptions.model_validate(self.model_dump(include=set(ReplicaOptions.model_fields)))
 
-    def engine_resources(self) -> tuple[float, float]:
-        """CPUs and GPUs one engine replica reserves (a config file may still override them per deployment)."""
-        gpus = self.engine_num_gpus if self.engine_num_gpus is not None else (1 if self.device == "cuda" else 0)
-        return (self.engine_num_cpus if self.engine_num_cpus is not None else 1), gpus
+    def defaults(self, retry_after_s: int) -> dict:
+        """genrec's defaults for an engine deployment. max_ongoing_requests is high so that concurrent requests
+        meet inside the engine's batching loop; the engine's max_queue, then the handle's max_queued_requests,
+        bound what waits; past them 503 with Retry-After."""
+        return {
+            "ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if self.device == "cuda" else 0},
+            "max_ongoing_requests": 256,
+            "max_queued_requests": 512,
+            "autoscaling_config": {
+                "min_replicas": 1,
+                "max_replicas": 1,
+                "target_ongoing_requests": 32,
+                "downscale_delay_s": 600,  # low traffic this long before a replica (and its prefix cache) goes
+            },
+            "backpressure_config": {"status_code": 503, "retry_after_s": retry_after_s},
+        }
 
-    @model_validator(mode="after")
-    def _replica_bounds(self):
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
-        return self
+    def resources(self, retry_after_s: int = 1) -> tuple[float, float]:
+        """CPUs and GPUs one replica reserves (a config file's `deployments` may still override them)."""
+        actor = self.deployment_options(self.defaults(retry_after_s))["ray_actor_options"]
+        return actor.get("num_cpus", 1), actor.get("num_gpus", 0)
 
 
-class AppArgs(IngressSettings, IngressLimits, EngineArgs):
-    """The main engine's fields (a Qwen3 retriever, or any one model) and the ingress's; with `ranker`, the
-    funnel: the main engine retrieves, a second engine deployment (RankerServer, an HSTU model) ranks."""
+class IngressLimits(_Args):
+    """What may change live in the ingress (`user_config` -> `reconfigure`)."""
 
-    ranker: EngineArgs | None = Field(
-        None,
-        description="an HSTU ranking model in a second engine deployment, scaled on its own: /v1/recommend with "
-        "a `history` ranks the retrieved items with it, /v1/rank goes to it",
+    request_timeout_s: float = Field(30.0, gt=0, description="deadline of a request (504 past it)")
+
+
+class IngressSection(_Deployed):
+    """The HTTP front (Ingress): auth, the embedding cache, the edge's limits, routing; a change replaces its
+    replicas, but for its live `limits`."""
+
+    auth_token_env: str | None = Field(
+        None, description="name of the environment variable holding the bearer token; unset: no auth"
     )
-    ingress_num_cpus: float = Field(0.25, ge=0)
-    ingress_replicas: int = Field(1, ge=1)
-    ingress_max_ongoing_requests: int = Field(
-        1024, ge=1, description="requests one ingress replica holds at once (a slow body holds one <= body_timeout_s)"
+    cache: CacheConfig | None = Field(None, description="resolve user_id -> user_embedding through this cache")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of every 503 when the app is overloaded")
+    body_timeout_s: float = Field(
+        10.0, gt=0, description="a request's whole body must arrive within this; 408 past it (frees the slot)"
     )
-    ingress_max_queued_requests: int = Field(2048, ge=1, description="per ingress deployment; beyond: 503")
+    routing_prefix_blocks: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="first blocks of a prompt (16 tokens or history events, 64 text characters) whose digest "
+        "routes a request without user_id: more than a template every prompt opens with",
+    )
+    limits: IngressLimits = IngressLimits()
 
-    def ingress_settings(self) -> IngressSettings:
-        return IngressSettings.model_validate(self.model_dump(include=set(IngressSettings.model_fields)))
-
-    def ingress_limits(self) -> IngressLimits:
-        return IngressLimits.model_validate(self.model_dump(include=set(IngressLimits.model_fields)))
+    def defaults(self) -> dict:
+        return {
+            "num_replicas": 1,
+            "ray_actor_options": {"num_cpus": 0.25},
+            "max_ongoing_requests": 1024,  # a slow body holds one for body_timeout_s at most
+            "max_queued_requests": 2048,
+            "backpressure_config": {"status_code": 503, "retry_after_s": self.retry_after_s},
+        }
 
     @model_validator(mode="after")
     def _cache_dim(self):
         if self.cache is not None and self.cache.dim is None:
             raise ValueError("cache.dim is required: the user vectors' width (the model's soft-token input size)")
         return self
+
+
+class AppArgs(_Args):
+    """A retriever, a ranker, or both (the funnel), behind one ingress."""
+
+    retriever: EngineSection | None = Field(
+        None, description="a Qwen3 semantic-ID model: /v1/retrieve, /v1/score, /v1/recommend"
+    )
+    ranker: EngineSection | None = Field(
+        None,
+        description="an HSTU ranking model, scaled on its own: /v1/rank, and with a retriever, /v1/recommend with a "
+        "`history` ranks the retrieved items with it",
+    )
+    ingress: IngressSection = IngressSection()
+
+    _deprecation: str | None = PrivateAttr(None)  # set when the args came in the flat form of earlier releases
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _from_the_flat_form(cls, raw, handler):
+        from genrec.serving.legacy_args import deprecation, sectioned
+
+        args = handler(sectioned(raw))
+        args._deprecation = deprecation(raw)
+        return args
+
+    @property
+    def deprecation(self) -> str | None:
+        """Why these args are deprecated, with their new form (None: they are not)."""
+        return self._deprecation
+
+    @model_validator(mode="after")
+    def _a_model(self):
+        if self.retriever is None and self.ranker is None:
+            raise ValueError("an app needs a retriever (a Qwen3 model), a ranker (an HSTU model) or both")
+        if self.ingress.cache is not None and self.retriever is None:
+            raise ValueError("ingress.cache: user vectors go to a retriever's soft token; this app has no retriever")
+        return self
+
+    def engines(self) -> dict[str, EngineSection]:
+        """The app's engine sections by name ("retriever", "ranker")."""
+        return {name: section for name in ("retriever", "ranker") if (section := getattr(self, name)) is not None}
 
 
 def live_limits(model: type[_Args], user_config, running: _Args) -> tuple[_Args, str | None]:
@@ -177,3 +263,11 @@ def live_limits(model: type[_Args], user_config, running: _Args) -> tuple[_Args,
         problem = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'user_config'}: {e['msg']}" for e in err.errors())
         log.error("user_config %r refused, the running limits stay (%s): %s", user_config, running, problem)
         return running, problem
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over` on `base`, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -5,53 +5,24 @@ deploys and does nothing), and a deployment's `user_config` is read only by the 
 (Serve runs no builder for a change of `user_config` alone), which keeps the running limits when it does not
 validate (args.live_limits). This checks every key against Serve's schema, each app's `args` (AppArgs), each
 deployment's `user_config` (IngressLimits / EngineLimits) and that the deployments it names exist; with
-`--model`, also each app's model directory on this machine, as the builder does on the cluster (preflight.py).
-A KubeRay RayService file is read through its `serveConfigV2`. Exit 0: fine; 2: one `error:` line per problem.
+`--model`, also each engine section's model directory on this machine, as the builder does on the cluster
+(preflight.py). A KubeRay RayService file is read through its `serveConfigV2`. Exit 0: fine (args in the flat form
+of earlier releases: a `warning:` line with the same app in sections); 2: one `error:` line per problem.
 """
 
 from __future__ import annotations
 
 import sys
-import typing
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from genrec.serving.args import AppArgs, EngineLimits, IngressLimits
+from genrec.serving.args import DEPLOYMENTS, AppArgs, EngineLimits, IngressLimits
+from genrec.serving.legacy_args import deprecation, sectioned
+from genrec.serving.serve_schema import unknown_keys
 
-FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
-LIVE = {"Ingress": IngressLimits, "EngineServer": EngineLimits}  # the app's deployments and their user_config
-RANKER_LIVE = {"RankerServer": EngineLimits}  # and with `args.ranker`, the funnel's ranker (app.RANKER)
 BUILDER = "genrec.serving.app:build_app"
-
-
-def _models_in(annotation) -> list[type[BaseModel]]:
-    """The pydantic models a field's annotation may hold (through Optional, Union, list, dict values)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    found = []
-    for arg in typing.get_args(annotation):
-        found += _models_in(arg)
-    return found
-
-
-def unknown_keys(value, model: type[BaseModel], path: str = "") -> list[str]:
-    """Where `value` (a config's dict) has keys `model` (a Serve schema) does not define."""
-    if isinstance(value, list):
-        return [bad for i, item in enumerate(value) for bad in unknown_keys(item, model, f"{path}[{i}]")]
-    if not isinstance(value, dict):
-        return []
-    fields = {f.alias or name: f for name, f in model.model_fields.items()} | dict(model.model_fields)
-    bad = []
-    for key, item in value.items():
-        where = f"{path}.{key}" if path else key
-        if key not in fields:
-            bad.append(where)
-        elif key not in FREE_FORM:
-            for sub in _models_in(fields[key].annotation):
-                bad += unknown_keys(item, sub, where)
-    return bad
 
 
 def problems(config: dict, check_model: bool = False) -> list[str]:
@@ -98,29 +69,35 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
 
 def deployments_of(args: dict) -> dict[str, type[BaseModel]]:
     """The app's deployments (by name) and what their user_config validates into."""
-    return LIVE | (RANKER_LIVE if isinstance(args, dict) and args.get("ranker") is not None else {})
+    sections = sectioned(args) if isinstance(args, dict) else {}
+    engines = {DEPLOYMENTS[name]: EngineLimits for name in DEPLOYMENTS if sections.get(name) is not None}
+    return {"Ingress": IngressLimits, **engines}
+
+
+def flat_form_warnings(config) -> list[str]:
+    """One line for each app whose args are in the flat form of earlier releases, with its sectioned form."""
+    found = []
+    for i, app in enumerate(_list(config.get("applications")) if isinstance(config, dict) else []):
+        notice = deprecation(app.get("args")) if isinstance(app, dict) and app.get("import_path") == BUILDER else None
+        if notice:
+            found.append(f"applications[{i}].args: {notice}")
+    return found
 
 
 def _model_problems(args: AppArgs, where: str) -> list[str]:
     """The builder's checks (preflight.py), here on this machine."""
     from genrec.errors import GenrecError
-    from genrec.serving.preflight import DeployRefused, check_cache, check_funnel, check_model_dir
+    from genrec.serving.preflight import DeployRefused, check_cache, check_family, check_model_dir
 
     checked = {}
-    for name, engine in (("model_dir", args), ("ranker.model_dir", args.ranker)):
-        if engine is None:
-            continue
-        try:
-            checked[name] = check_model_dir(engine.model_dir)
-        except GenrecError as err:
-            return [f"{where}.args.{name}: {err}"]
     try:
-        check_cache(args.cache, checked["model_dir"], args.model_dir)
-    except DeployRefused as err:
-        return [f"{where}.args.model_dir: {err}"]
-    try:
-        if args.ranker is not None:
-            check_funnel(checked["model_dir"], checked["ranker.model_dir"], args)
+        for name, section in args.engines().items():
+            try:
+                checked[name] = check_model_dir(section.model_dir)
+            except GenrecError as err:
+                return [f"{where}.args.{name}.model_dir: {err}"]
+            check_family(name, checked[name])
+        check_cache(args.ingress.cache, checked.get("retriever"))
     except DeployRefused as err:
         return [f"{where}.args.{err}"]  # its message starts with the field it is about
     return []
@@ -155,6 +132,13 @@ def file_problems(path: Path, check_model: bool = False) -> list[str]:
         return [f"cannot read it ({type(err).__name__}: {err})"]
 
 
+def _flat_warnings(path: Path) -> list[str]:
+    try:
+        return flat_form_warnings(load(path))
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return []  # file_problems says why it cannot be read
+
+
 def main(argv: list[str]) -> int:
     check_model = "--model" in argv
     paths = [Path(a) for a in argv if a != "--model"]
@@ -163,6 +147,8 @@ def main(argv: list[str]) -> int:
         return 2
     failed = False
     for path in paths:
+        for warning in _flat_warnings(path):
+            print(f"warning: {path}: {warning}", file=sys.stderr)
         found = file_problems(path, check_model)
         for problem in found:
             print(f"error: {path}: {problem}", file=sys.stderr)

@@ -40,7 +40,7 @@ AUTH_PREFIX = "/v1/"  # routes that need the token (when auth is on); /healthz a
 
 @dataclass
 class EdgeSettings:
-    """What the edge enforces. One Ingress replica per process sets it (`configure`) before its first request."""
+    """What the edge enforces: each app's own (`install`), never a process-wide setting."""
 
     token: bytes | None = None  # None: auth off
     body_timeout_s: float = 10.0
@@ -49,31 +49,24 @@ class EdgeSettings:
     answered: Callable[[str, int], None] = field(default=lambda route, status: None)
 
 
-SETTINGS = EdgeSettings()
-
-
-def configure(**settings) -> None:
-    global SETTINGS
-    SETTINGS = EdgeSettings(**settings)
-
-
-def install(app: FastAPI) -> None:
-    """genrec's error bodies and this edge on a FastAPI app (the ingress's; tests build bare ones)."""
+def install(app: FastAPI, settings: EdgeSettings) -> None:
+    """genrec's error bodies and this edge, with its settings, on a FastAPI app (the ingress's; tests build bare
+    ones), before the app serves its first request."""
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    app.add_middleware(Edge)
+    app.add_middleware(Edge, settings=settings)
 
 
 class Edge:
-    """ASGI middleware: `api.add_middleware(Edge)`; reads the module's SETTINGS at each request."""
+    """ASGI middleware: `app.add_middleware(Edge, settings=...)`."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, settings: EdgeSettings):
+        self.app, self.settings = app, settings
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        settings, path = SETTINGS, _app_path(scope)
+        settings, path = self.settings, _app_path(scope)
         status = 500  # if nothing was sent: the client saw the connection fail
 
         async def counted(message):

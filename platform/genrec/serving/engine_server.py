@@ -15,7 +15,6 @@ from genrec.api import RankResult
 from genrec.engine import AsyncEngine, Engine
 from genrec.serving.args import EngineLimits, ReplicaOptions, live_limits
 from genrec.serving.funnel import known_candidates
-from genrec.serving.http_errors import NotServed
 from genrec.serving.metrics import EngineMetricsExporter, status_of
 from genrec.serving.schemas import ModelInfo
 from genrec.threads import apply_threads
@@ -114,8 +113,6 @@ class EngineServer:
     async def _run(self, kind: str, request, timeout_s: float):
         started, status = time.perf_counter(), "error"
         try:
-            if kind not in self.info.serves:
-                raise NotServed(kind, self.info.family, self.info.serves)
             # Validation and tokenizing run in a worker thread: this event loop also answers health checks.
             future = await asyncio.to_thread(self.engine.submit, request, timeout_s, kind)
             result = await asyncio.wrap_future(future)  # cancelling this cancels the request in the engine

@@ -26,12 +26,12 @@ from genrec.api import (
 )
 from genrec.errors import InvalidRequestError
 from genrec.funnel import final_order, known
-from genrec.serving.schemas import ModelInfo, RecommendBody
+from genrec.serving.schemas import RankerFacts, RecommendBody
 
 LABEL_FIELDS = ("labels", "rank_by", "score_weight")  # recommend's label ranking: not a two-stage request's
 
 
-def check_body(body: RecommendBody, ranker: ModelInfo) -> str:
+def check_body(body: RecommendBody, ranker: RankerFacts) -> str:
     """What the ranker would refuse, refused before stage 1 runs; returns the task the items are ordered by."""
     for name in LABEL_FIELDS:
         if name in body.model_fields_set:
@@ -43,7 +43,7 @@ def check_body(body: RecommendBody, ranker: ModelInfo) -> str:
                     f"candidates[{i}].{form}",
                     "a two-stage recommend (with history) ranks catalog items only: give candidates as item_id",
                 )
-    if ranker.max_history_events is not None and len(body.history) > ranker.max_history_events:
+    if len(body.history) > ranker.max_history_events:
         raise InvalidRequestError(
             "history", f"{len(body.history)} events exceed the ranker's limit of {ranker.max_history_events}"
         )
@@ -53,11 +53,10 @@ def check_body(body: RecommendBody, ranker: ModelInfo) -> str:
             "beam_width",
             f"beam_width + candidates ({ranked}) exceed the ranker's limit of {ranker.max_candidates} items",
         )
-    tasks = ranker.tasks or []
     if body.rank_task is None:
-        return tasks[0]
-    if body.rank_task not in tasks:
-        raise InvalidRequestError("rank_task", f"{body.rank_task!r} is not a task of the ranker {tasks}")
+        return ranker.tasks[0]
+    if body.rank_task not in ranker.tasks:
+        raise InvalidRequestError("rank_task", f"{body.rank_task!r} is not a task of the ranker {ranker.tasks}")
     return body.rank_task
 
 

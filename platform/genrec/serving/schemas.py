@@ -91,6 +91,21 @@ class RankBody(RankRequest):
         return RankRequest.model_validate(self.model_dump(exclude={"user_id"}))
 
 
+class RankerFacts(BaseModel):
+    """What the ingress checks a two-stage recommend against before stage 1 runs: the ranker's tasks (the first
+    orders the items by default), how long a history and how many items it takes."""
+
+    tasks: list[str]
+    max_history_events: int
+    max_candidates: int
+
+    @classmethod
+    def of(cls, config, max_candidates: int) -> RankerFacts:
+        """From the ranker's HSTU config (genrec.model.hstu_config.HSTUConfig) and its engine's limit."""
+        events = config.max_history_events
+        return cls(tasks=list(config.tasks), max_history_events=events, max_candidates=max_candidates)
+
+
 class ModelInfo(BaseModel):
     """What the engine replicas serve. Fields of the other family are None."""
 

@@ -1,6 +1,6 @@
 """`genrec bench returning --serve`, its parts without Ray: the request sequence (users, their growing prompts),
 the replay (a user's requests in order, bounded concurrency), and the reuse rate summed over replicas. The
-Serve runs themselves are a command (README: the figures), not a test."""
+Serve runs themselves are a command (docs/benchmarks.md: the figures), not a test."""
 
 import asyncio
 

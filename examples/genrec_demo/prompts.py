@@ -2,7 +2,7 @@
 
 History first, oldest first; when it outgrows `length` items it is cut from the front in steps of a fifth of
 that, not one item at a time, so a returning user's next prompt starts like the last one and the engine reuses
-its cached K/V (see README, "Prompt layouts that reuse"). The soft token (the user's SVD factor) comes last: it
+its cached K/V (see docs/engine.md, "Prompt layouts that reuse"). The soft token (the user's SVD factor) comes last: it
 also marks "the next item follows", which is what retrieval generates from and what a scored candidate follows.
 Inside the history an item's code is followed by the next item's code, so the model can tell a history item
 from a candidate.

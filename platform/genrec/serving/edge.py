@@ -11,7 +11,7 @@ In front of every route (an ASGI middleware around the FastAPI app):
 Serve's HTTP proxy (uvicorn inside, Ray 2.60) offers no connection limit, no header or body timeout and no
 body size limit of its own (`http_options` has `request_timeout_s`, 408 on the whole request, and
 `keep_alive_timeout_s` only), and it queues what a client sends while the ingress reads: a proxy or load
-balancer in front carries those (README, "The HTTP edge").
+balancer in front carries those (docs/serving.md, "The HTTP edge").
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A request's routing key: what sends it to the engine replica that already holds its K/V (see router.py).
 
 The user ID when the request has one. Without one, a digest of the prompt's first block (by default): a
-returning user's prompt starts like their last one (history first, oldest first: README, "Prompt layouts that
-reuse"), so it still finds the replica that holds it. The ingress has no tokenizer, so a text prompt's first
+returning user's prompt starts like their last one (history first, oldest first: docs/engine.md, "Prompt layouts
+that reuse"), so it still finds the replica that holds it. The ingress has no tokenizer, so a text prompt's first
 block is approximated by its first characters. Prompts that all open with the same template would all share
 that key (one replica's traffic): with `blocks` (the app's `routing_prefix_blocks`) the digest covers the first
 `blocks` blocks, template included, so prompts that differ after it get their own keys.

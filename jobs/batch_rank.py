@@ -10,24 +10,10 @@ Exit status: 0, or 1 when the fraction of bad rows (repeated user_ids among them
 or 2 for bad arguments (an --out that cannot be written, --num-gpus that the cluster cannot give among them).
 """
 
-import argparse
-
 import _need_genrec  # noqa: F401  (first: one clear line when this python lacks genrec)
 
-from genrec.batch import RankSpec, run_rank
-from genrec.batch.job_args import add_shard_job_flags, execution, finish, job_spec_fields, run_job
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_shard_job_flags(parser, users_help="Parquet file or directory: user_id, history, candidates, optionally tasks")
-    parser.add_argument("--rank-by", metavar="TASK", help="a task of the model (default: keep the given order)")
-    args = parser.parse_args()
-
-    spec = RankSpec(rank_by=args.rank_by, **job_spec_fields(args))
-    run = execution(args)
-    return finish(run_rank(spec, run), run)
-
+from genrec.batch import Execution, RankSpec
+from genrec.batch.job_args import main
 
 if __name__ == "__main__":
-    run_job(main)
+    main(__doc__, (RankSpec, Execution))

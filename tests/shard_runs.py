@@ -1,4 +1,4 @@
-"""A batch job's worker called in-process (no Ray), as Ray Data calls it, on the one shard of a small input."""
+"""A batch job's shard worker called in-process (no Ray), as Ray Data calls it, on the one shard of a small input."""
 
 from pathlib import Path
 
@@ -7,13 +7,14 @@ import pyarrow.parquet as pq
 
 from genrec.batch.output import OutputDir
 from genrec.batch.shards import Shard, UsersInput
+from genrec.batch.worker import ShardWorker
 
 
-def run_in_process(worker_class, spec) -> tuple[Shard, object, dict]:
-    """(the shard, the worker, its report) after the worker ran the input's only shard."""
-    (shard,) = UsersInput(spec.users, worker_class.layout).shards(spec.batch_size)
-    OutputDir(spec.out, worker_class.results).open_run({})
-    worker = worker_class(spec, model_version="v", run_id="r")
+def run_in_process(job) -> tuple[Shard, ShardWorker, dict]:
+    """(the shard, the worker, its report) after a worker of `job` ran the input's only shard."""
+    (shard,) = UsersInput(job.spec.users, job.layout).shards(job.spec.batch_size)
+    OutputDir(job.spec.out, job.results).open_run({})
+    worker = ShardWorker(job, run_id="r")
     return shard, worker, run_shard(worker, shard)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from genrec.api import RecommendRequest, RetrieveRequest
-from genrec.batch import BatchSpec, CacheConfig, Execution, load_user_embeddings, run_batch
+from genrec.batch import CacheConfig, Execution, RecommendSpec, load_user_embeddings, run
 from genrec.model.directory import model_version
 from tests.conftest import random_prompt
 
@@ -48,14 +48,14 @@ def users(engine, tmp_path_factory):
 
 def spec_for(tiny_dir, users_path, out, **overrides):
     settings = dict(beam_width=BEAM, num_results=RESULTS, batch_size=BATCH)
-    return BatchSpec(model=str(tiny_dir), users=str(users_path), out=str(out), **{**settings, **overrides})
+    return RecommendSpec(model=str(tiny_dir), users=str(users_path), out=str(out), **{**settings, **overrides})
 
 
 @pytest.fixture(scope="module")
 def reference(ray_cluster, tiny_dir, users, tmp_path_factory):
     """One uninterrupted run: the output every other run of the same spec must equal."""
     spec = spec_for(tiny_dir, users[0], tmp_path_factory.mktemp("reference") / "out")
-    return spec, run_batch(spec, Execution(progress=False))
+    return spec, run(spec, Execution(progress=False))
 
 
 def part_files(out, kind="recommendations"):
@@ -153,7 +153,7 @@ def test_driver_killed_midway_then_rerun_equals_an_uninterrupted_run(ray_cluster
 
 
 def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir, tmp_path):
-    """--rank --rank-by joint with given candidates; embeddings bulk-loaded into the cache (durable store) and
+    """--score --order-by joint with given candidates; embeddings bulk-loaded into the cache (durable store) and
     looked up by user."""
     import ray
 
@@ -180,13 +180,13 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
             tiny_dir,
             tmp_path / "users.parquet",
             tmp_path / "out",
-            rank=True,
-            rank_by="joint",
+            score=True,
+            order_by="joint",
             score_weight=0.5,
             batch_size=3,
             cache=cache,
         )
-        summary = run_batch(spec, Execution(progress=False))
+        summary = run(spec, Execution(progress=False))
     finally:
         for actor in EmbeddingCache.connect(cache.with_dim(dim)).actors:
             ray.kill(actor)

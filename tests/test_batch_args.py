@@ -1,24 +1,27 @@
-"""The batch job's engine and cache flags: they reach the spec, bad values are one line naming the flag, and the
-run identity holds what changes results (the engine's options) but not how the run executes (the KV budget)."""
+"""The batch jobs' flags, derived from the settings' fields: the engine and cache flags reach the spec, bad values
+are one line naming the flag, the deprecated recommend flags still work with a warning, and the run identity holds
+what changes results (the engine's options) but not how the run executes (the KV budget)."""
 
-import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from genrec.batch import BatchSpec, CacheConfig, Execution
-from genrec.batch.job_args import add_cache_flags, add_shard_job_flags, cache_config, job_spec_fields, run_job
+from genrec.batch import CacheConfig, Execution, FunnelSpec, RankingExecution, RankSpec, RecommendSpec
+from genrec.batch.job_args import parse, run_job
+
+RECOMMEND = ((RecommendSpec, Execution), (FunnelSpec, Execution, RankingExecution))
+REPO = Path(__file__).resolve().parents[1]
 
 
-def spec_from(*flags: str) -> BatchSpec:
-    parser = argparse.ArgumentParser()
-    add_shard_job_flags(parser, users_help="users")
-    add_cache_flags(parser)
-    args = parser.parse_args(["--model", "m", "--users", "u", "--out", "o", *flags])
-    return BatchSpec(cache=cache_config(args), **job_spec_fields(args))
+def spec_from(*flags: str) -> RecommendSpec:
+    spec, _ = parse(RECOMMEND, ["--model", "m", "--users", "u", "--out", "o", *flags])
+    return spec
 
 
 def test_flags_left_out_are_the_settings_defaults():
-    assert spec_from() == BatchSpec(model="m", users="u", out="o")
+    assert spec_from() == RecommendSpec(model="m", users="u", out="o")
     assert spec_from("--cache", "users").cache == CacheConfig(name="users")
 
 
@@ -36,7 +39,7 @@ def test_engine_and_cache_flags_reach_the_spec_and_the_identity():
         "cuda_fast": True,
     }
     assert spec.cache == CacheConfig(name="users", policy="lfu", shards=2, store="none")
-    plain = BatchSpec(model="m", users="u", out="o").identity("v", "input")
+    plain = RecommendSpec(model="m", users="u", out="o").identity("v", "input")
     identity = spec.identity("v", "input")
     assert sorted(k for k in identity if identity[k] != plain[k]) == [
         "cache",
@@ -49,7 +52,7 @@ def test_engine_and_cache_flags_reach_the_spec_and_the_identity():
 
 
 def test_the_kv_budget_is_how_a_run_executes_not_what_it_computes():
-    assert "kv_budget_bytes" in Execution.model_fields and "kv_budget_bytes" not in BatchSpec.model_fields
+    assert "kv_budget_bytes" in Execution.model_fields and "kv_budget_bytes" not in RecommendSpec.model_fields
     with pytest.raises(ValueError, match="kv_budget_bytes"):
         Execution(kv_budget_bytes=0)
 
@@ -69,3 +72,44 @@ def test_a_bad_engine_or_cache_flag_is_one_line_naming_it(flags, fragment, capsy
         run_job(lambda: spec_from(*flags) and 0)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1 and fragment in err, err
+
+
+@pytest.mark.parametrize(
+    "script, models",
+    [("batch_recommend.py", RECOMMEND[-1]), ("batch_rank.py", (RankSpec, Execution))],
+)
+def test_every_setting_is_a_flag_of_the_job(script, models):
+    usage = subprocess.run([sys.executable, str(REPO / "jobs" / script), "--help"], capture_output=True, text=True)
+    flags = {word.strip("[],") for word in usage.stdout.split() if word.startswith(("--", "[--"))}
+    for model in models:
+        for name, field in model.model_fields.items():
+            if name in ("device", "cache"):  # the device follows --num-gpus; the cache: --cache NAME, --cache-*
+                continue
+            flag = "--" + ("no-" if field.default is True else "") + name.replace("_", "-")
+            assert flag in flags, (flag, sorted(flags))
+    assert script != "batch_recommend.py" or {"--cache", "--cache-shards", "--cache-store-path"} <= flags
+
+
+def test_the_deprecated_recommend_flags_still_work_with_a_warning(capsys):
+    spec = spec_from("--rank", "--rank-by", "joint", "--score-weight", "0.5")
+    assert spec == spec_from("--score", "--order-by", "joint", "--score-weight", "0.5")
+    assert (spec.score, spec.order_by) == (True, "joint")
+    assert spec.identity("v", "in")["rank"] is True and spec.identity("v", "in")["rank_by"] == "joint"  # as before
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --rank is deprecated: use --score",
+        "warning: --rank-by is deprecated: use --order-by",
+    ]
+
+
+def test_the_rank_job_keeps_its_rank_by_task():
+    spec, (run,) = parse(((RankSpec, Execution),), ["--model", "m", "--users", "u", "--out", "o", "--rank-by", "click"])
+    assert spec == RankSpec(model="m", users="u", out="o", rank_by="click") and run == Execution()
+    with pytest.raises(SystemExit):
+        parse(((RankSpec, Execution),), ["--model", "m", "--users", "u", "--out", "o", "--score"])
+
+
+def test_the_funnel_flags_make_a_funnel_spec_and_its_ranking_pool(hstu_dir):
+    spec, (run, ranking) = parse(RECOMMEND, ["--model", "m", "--users", "u", "--out", "o", "--ranker", str(hstu_dir),
+                                             "--rank-actors", "2", "--num-gpus", "1", "--no-progress"])  # fmt: skip
+    assert isinstance(spec, FunnelSpec) and spec.rank_task == "click" and spec.device == "cuda"
+    assert (run.num_gpus, run.progress, ranking.rank_actors) == (1.0, False, 2)

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from genrec.api import Event, RankedItem, RankRequest, RankResult, RetrievedItem, RetrieveRequest, RetrieveResult
-from genrec.batch import BatchSpec, Execution, FunnelSpec, RankingExecution, run_funnel
-from genrec.batch.funnel_results import ROW, funnel_table
-from genrec.batch.funnel_worker import RankStage, RetrieveStage
+from genrec.batch import Execution, FunnelSpec, RankingExecution, RecommendSpec, run
+from genrec.batch.jobs import RankRetrieved, Retrieve
 from genrec.batch.output import RECOMMENDATIONS, OutputDir
-from genrec.batch.results import recommendations_table
 from genrec.batch.shards import UsersInput
+from genrec.batch.tables import ROW, funnel_table, recommendations_table
+from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
 from genrec.model.directory import model_version
 from tests.conftest import HSTU_TINY, random_prompt
@@ -75,7 +75,7 @@ def funnel_spec(tiny_dir, hstu_dir, users_path, out, **overrides) -> FunnelSpec:
 @pytest.fixture(scope="module")
 def reference(ray_cluster, tiny_dir, hstu_dir, users, tmp_path_factory):
     spec = funnel_spec(tiny_dir, hstu_dir, users[0], tmp_path_factory.mktemp("funnel") / "out")
-    return spec, run_funnel(spec, Execution(progress=False), RankingExecution(rank_actors=1, rank_cpus_per_actor=0.5))
+    return spec, run(spec, Execution(progress=False), RankingExecution(rank_actors=1, rank_cpus_per_actor=0.5))
 
 
 def expected_rows(engine, ranker, rows) -> list[tuple]:
@@ -186,10 +186,10 @@ def test_a_partial_run_resumes_to_the_same_bytes(ray_cluster, reference, tmp_pat
 def test_stages_in_process_hand_a_committed_shard_on_as_skipped(reference, tmp_path):
     """A retried or late task of a committed shard: stage 1 computes nothing, stage 2 reports it skipped."""
     spec, _ = reference
-    shard = UsersInput(spec.users, RetrieveStage.layout).shards(BATCH)[0]
-    handed = RetrieveStage(spec, model_version="v", run_id="r")(pa.Table.from_pylist([shard.as_row()]))
+    shard = UsersInput(spec.users, Retrieve.layout).shards(BATCH)[0]
+    handed = ShardWorker(Retrieve(spec), run_id="r", hand_on=True)(pa.Table.from_pylist([shard.as_row()]))
     assert handed.num_rows == 1 and handed.column("results")[0].as_py() is None
-    stage2 = RankStage(spec, model_version="v", run_id="r", ranker_version="rv")
+    stage2 = ShardWorker(RankRetrieved(spec), run_id="r")
     (report,) = stage2(handed).to_pylist()
     assert report["skipped"] and report["users"] == BATCH and report["rows"] > 0
 
@@ -199,7 +199,7 @@ def test_funnel_table_orders_by_the_task_ties_in_stage_1_order_unknown_items_las
         pa.array(["a", "b"]),
         [0, 1],
         [retrieved(["x", "y", "z", "w"]), retrieved(["v"])],
-        rank=False,
+        scored=False,
         model_version="m",
         run_id="r",
     )
@@ -226,7 +226,7 @@ def test_the_run_identity_holds_the_ranker(tiny_dir, hstu_dir, tmp_path):
     assert identity["ranker_version"] == model_version(hstu_dir) and identity["rank_task"] == TASK
     assert funnel_spec(tiny_dir, hstu_dir, "u", "o", rank_task=None).rank_task == "click"  # the first task
     OutputDir(str(tmp_path / "a"), RECOMMENDATIONS).open_run(identity)
-    plain = BatchSpec(**funnel.model_dump(exclude={"ranker", "rank_task"})).identity("v", "in")
+    plain = RecommendSpec(**funnel.model_dump(exclude={"ranker", "rank_task"})).identity("v", "in")
     with pytest.raises(GenrecError, match="another run .*job: 'funnel' -> None"):
         OutputDir(str(tmp_path / "a"), RECOMMENDATIONS).open_run(plain)  # a plain recommend into a funnel's output
     OutputDir(str(tmp_path / "b"), RECOMMENDATIONS).open_run(plain)

@@ -17,13 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from genrec.batch import BatchSpec, Execution, RankSpec, pipeline, run_batch
+from genrec.batch import Execution, RankSpec, RecommendSpec, pipeline, run
 from genrec.batch.connect import check_gpus
+from genrec.batch.jobs import Rank, Retrieve
 from genrec.batch.output import ERRORS, OutputDir
-from genrec.batch.rank_worker import RankWorker
-from genrec.batch.recommend_worker import RecommendWorker
-from genrec.batch.rows import RECOMMEND_INPUT
 from genrec.batch.shards import Repeat, UsersInput
+from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
 from genrec.model.directory import model_version
 from tests import rank_inputs
@@ -68,11 +67,11 @@ def write_rank_users(root: Path) -> Path:
     return root / "users"
 
 
-def run_all_shards(worker_class, spec, reverse: bool = False):
+def run_all_shards(job, reverse: bool = False):
     """Every shard of the input through one worker in-process (no Ray), as Ray Data would call it, in either order."""
-    shards = UsersInput(spec.users, worker_class.layout).shards(spec.batch_size)
-    OutputDir(spec.out, worker_class.results).open_run({})
-    worker = worker_class(spec, model_version="v", run_id="r")
+    shards = UsersInput(job.spec.users, job.layout).shards(job.spec.batch_size)
+    OutputDir(job.spec.out, job.results).open_run({})
+    worker = ShardWorker(job, run_id="r")
     for shard in reversed(shards) if reverse else shards:
         run_shard(worker, shard)
     return shards
@@ -88,7 +87,7 @@ def refused_rows(out: str, shards, bad_field: str) -> dict:
 
 
 def test_repeated_user_ids_are_found_over_the_whole_input(tmp_path):
-    users = UsersInput(str(write_prompt_users(tmp_path)), RECOMMEND_INPUT)
+    users = UsersInput(str(write_prompt_users(tmp_path)), Retrieve.layout)
     shards = users.shards(2)
     assert [(Path(s.path).name, s.start, s.repeats) for s in shards] == [
         ("part-0.parquet", 0, ()),
@@ -103,8 +102,10 @@ def test_repeated_user_ids_are_found_over_the_whole_input(tmp_path):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_the_recommend_job_keeps_the_first_row_of_each_user(tiny_dir, tmp_path, reverse):
     users = write_prompt_users(tmp_path)
-    spec = BatchSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=BEAM, batch_size=2)
-    shards = run_all_shards(RecommendWorker, spec, reverse)
+    spec = RecommendSpec(
+        model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=BEAM, batch_size=2
+    )
+    shards = run_all_shards(Retrieve(spec), reverse)
     assert refused_rows(spec.out, shards, "prompt") == REFUSED
     output = pq.read_table(tmp_path / "out" / "recommendations").to_pylist()
     assert {r["user_id"] for r in output} == KEPT
@@ -116,8 +117,8 @@ def test_shards_run_in_any_order_write_the_same_files(tiny_dir, tmp_path):
     files = []
     for name, reverse in (("forward", False), ("reverse", True)):
         out = tmp_path / name
-        spec = BatchSpec(model=str(tiny_dir), users=str(users), out=str(out), beam_width=BEAM, batch_size=2)
-        run_all_shards(RecommendWorker, spec, reverse)
+        spec = RecommendSpec(model=str(tiny_dir), users=str(users), out=str(out), beam_width=BEAM, batch_size=2)
+        run_all_shards(Retrieve(spec), reverse)
         files.append({p.relative_to(out): p.read_bytes() for p in out.rglob("part-*.parquet")})
     assert files[0] == files[1] and len(files[0]) == 2 * 5
 
@@ -126,7 +127,7 @@ def test_the_rank_job_keeps_the_first_row_of_each_user(tmp_path):
     users = write_rank_users(tmp_path)
     model = rank_inputs.model_dir(tmp_path)
     spec = RankSpec(model=str(model), users=str(users), out=str(tmp_path / "out"), batch_size=2, rank_by="click")
-    shards = run_all_shards(RankWorker, spec, reverse=True)
+    shards = run_all_shards(Rank(spec), reverse=True)
     assert refused_rows(spec.out, shards, "candidates") == REFUSED
     output = pq.read_table(tmp_path / "out" / "rankings").to_pylist()
     assert {r["user_id"] for r in output} == {str(u) for u in KEPT}
@@ -137,20 +138,22 @@ def test_files_whose_user_ids_differ_in_type_are_refused(tmp_path):
     pq.write_table(pa.table({"user_id": [42], "prompt": ["x"]}), tmp_path / "a.parquet")
     pq.write_table(pa.table({"user_id": ["42"], "prompt": ["x"]}), tmp_path / "b.parquet")
     with pytest.raises(GenrecError, match="b.parquet: column 'user_id' is string, .*a.parquet's int64"):
-        UsersInput(str(tmp_path), RECOMMEND_INPUT)
+        UsersInput(str(tmp_path), Retrieve.layout)
 
 
 def test_repeats_through_ray_are_counted_and_a_rerun_rebuilds_the_same_files(ray_cluster, tiny_dir, tmp_path):
     users = write_prompt_users(tmp_path)
-    spec = BatchSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=BEAM, batch_size=2)
-    summary = run_batch(spec, Execution(progress=False, max_error_fraction=1.0))
+    spec = RecommendSpec(
+        model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=BEAM, batch_size=2
+    )
+    summary = run(spec, Execution(progress=False, max_error_fraction=1.0))
     assert (summary.users, summary.repeats, summary.errors) == (10, 4, len(REFUSED))
     assert summary.rows_written == len(KEPT) * BEAM
     assert json.loads(summary.line().removeprefix("batch summary: "))["repeats"] == 4
     first = {p: p.read_bytes() for p in (tmp_path / "out").rglob("part-*.parquet")}
     for kind in ("recommendations", "errors"):  # the shard of the first row of user 12, as if never committed
         (tmp_path / "out" / kind / "part-000002.parquet").unlink()
-    again = run_batch(spec, Execution(progress=False))
+    again = run(spec, Execution(progress=False))
     assert (again.processed, again.repeats, again.errors) == (2, 4, len(REFUSED))
     assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("part-*.parquet")} == first
 
@@ -225,13 +228,13 @@ def test_an_output_that_cannot_be_written_exits_2_naming_it(script, case, tiny_d
 def test_a_rerun_into_a_read_only_output_is_refused_before_ray(tiny_dir, tmp_path, monkeypatch):
     users = tmp_path / "users.parquet"
     pq.write_table(pa.table({"user_id": ["a", "b"], "prompt": ["hello", "hi"]}), users)
-    spec = BatchSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=BEAM)
-    identity = spec.identity(model_version(tiny_dir), UsersInput(str(users), RECOMMEND_INPUT).fingerprint())
+    spec = RecommendSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=BEAM)
+    identity = spec.identity(model_version(tiny_dir), UsersInput(str(users), Retrieve.layout).fingerprint())
     OutputDir(spec.out, "recommendations").open_run(identity)  # the first run got this far: its manifest is there
     monkeypatch.setattr(pipeline, "ensure_ray", lambda: pytest.fail("Ray was started"))
     with read_only(tmp_path / "out" / "recommendations"):
         with pytest.raises(GenrecError, match=f"{spec.out}: cannot write the output directory"):
-            run_batch(spec)  # a shard is pending: the probe fails before Ray is started
+            run(spec)  # a shard is pending: the probe fails before Ray is started
 
 
 # --- GPUs the cluster cannot give -----------------------------------------------------------------------------------

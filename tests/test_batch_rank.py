@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from genrec.api import RankedItem, RankRequest, RankResult
-from genrec.batch import BatchSpec, Execution, RankSpec, run_rank
+from genrec.batch import Execution, RankSpec, RecommendSpec, run
+from genrec.batch.jobs import Rank
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS, OutputDir
-from genrec.batch.rank_results import rankings_table
-from genrec.batch.rank_worker import RankWorker
+from genrec.batch.tables import rankings_table
 from genrec.engine import Engine, SchedulerConfig
 from genrec.errors import GenrecError
 from tests import rank_inputs
@@ -128,7 +128,7 @@ def test_every_kind_of_bad_rank_row_becomes_an_error_naming_its_field(ranker, hs
     spec = RankSpec(
         model=str(hstu_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), rank_by="click"
     )
-    shard, worker, report = run_in_process(RankWorker, spec)
+    shard, worker, report = run_in_process(Rank(spec))
 
     want = [(i, field, None if i == 1 else i) for i, (_, field) in enumerate(cases) if field]
     assert error_rows(spec.out, shard) == want
@@ -186,7 +186,7 @@ def test_the_rank_job_equals_engine_rank_and_a_rerun_rebuilds_a_deleted_shard(ra
         model=str(hstu_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), batch_size=BATCH,
         rank_by="like",
     )  # fmt: skip
-    summary = run_rank(spec, Execution(progress=False))
+    summary = run(spec, Execution(progress=False))
     assert (summary.users, summary.shards, summary.processed, summary.errors) == (10, 4, 10, 1)
     output = pq.read_table(tmp_path / "out" / RANKINGS)
     expected = expected_rows(ranker, rows, BATCH, "like", set(BAD))
@@ -221,7 +221,7 @@ def test_the_rank_job_equals_engine_rank_and_a_rerun_rebuilds_a_deleted_shard(ra
 
 
 def test_a_rank_run_into_a_recommend_runs_directory_is_refused(tmp_path):
-    OutputDir(str(tmp_path), RECOMMENDATIONS).open_run(BatchSpec(model="m", users="u", out="o").identity("v", "in"))
+    OutputDir(str(tmp_path), RECOMMENDATIONS).open_run(RecommendSpec(model="m", users="u", out="o").identity("v", "in"))
     rank = RankSpec(model="m", users="u", out="o", rank_by="click").identity("v", "in")
     with pytest.raises(GenrecError, match="another run .*job: None -> 'rank', rank_by: 'score' -> 'click'"):
         OutputDir(str(tmp_path), RANKINGS).open_run(rank)

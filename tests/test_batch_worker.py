@@ -11,10 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from genrec.batch import BatchSpec, run_batch
+from genrec.batch import RecommendSpec, run
+from genrec.batch.jobs import Recommend, Retrieve
 from genrec.batch.output import RECOMMENDATIONS, OutputDir
-from genrec.batch.recommend_worker import RecommendWorker
-from genrec.batch.rows import RECOMMEND_INPUT
 from genrec.batch.shards import UsersInput
 from genrec.errors import GenrecError
 from genrec.model.directory import model_version
@@ -54,10 +53,10 @@ def test_every_kind_of_bad_row_becomes_an_error_naming_its_field(engine, tiny_di
     ]
     rows = [{"user_id": i, **fields} for i, (fields, _) in enumerate(cases)]
     pq.write_table(pa.Table.from_pylist(rows, SCHEMA), tmp_path / "users.parquet")
-    spec = BatchSpec(
-        model=str(tiny_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), beam_width=4, rank=True
+    spec = RecommendSpec(
+        model=str(tiny_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), beam_width=4, score=True
     )
-    shard, worker, report = run_in_process(RecommendWorker, spec)
+    shard, worker, report = run_in_process(Recommend(spec))
 
     want = [(i, field, None if i == 1 else i) for i, (_, field) in enumerate(cases) if field]
     assert error_rows(spec.out, shard) == want
@@ -73,7 +72,7 @@ def test_a_cut_or_missing_output_file_is_not_done_and_stale_temporaries_go(tmp_p
     out.open_run({"beam_width": 1})
     users = tmp_path / "users.parquet"
     pq.write_table(pa.table({"user_id": list(range(5)), "prompt": ["x"] * 5}), users)
-    shards = UsersInput(str(users), RECOMMEND_INPUT).shards(2)
+    shards = UsersInput(str(users), Retrieve.layout).shards(2)
     assert [(s.start, s.stop) for s in shards] == [(0, 2), (2, 4), (4, 5)]
     empty = pa.table({"user_id": pa.array([], pa.int64())})
     for shard in shards:
@@ -90,14 +89,14 @@ def test_a_cut_or_missing_output_file_is_not_done_and_stale_temporaries_go(tmp_p
 def test_a_rerun_with_other_settings_is_refused_before_any_work(tiny_dir, tmp_path):
     users = tmp_path / "users.parquet"
     pq.write_table(pa.table({"user_id": ["a"], "prompt": ["hello"]}), users)
-    first = BatchSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=8)
-    fingerprint = UsersInput(str(users), RECOMMEND_INPUT).fingerprint()
+    first = RecommendSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=8)
+    fingerprint = UsersInput(str(users), Retrieve.layout).fingerprint()
     OutputDir(first.out, RECOMMENDATIONS).open_run(first.identity(model_version(tiny_dir), fingerprint))
     with pytest.raises(GenrecError, match="another run .*beam_width: 8 -> 9"):
-        run_batch(first.model_copy(update={"beam_width": 9}))
+        run(first.model_copy(update={"beam_width": 9}))
     pq.write_table(pa.table({"user_id": ["a"], "prompt": ["hello again"]}), users)  # a new night's input
     with pytest.raises(GenrecError, match="another run .*input"):
-        run_batch(first)
+        run(first)
 
 
 @pytest.mark.parametrize(
@@ -111,9 +110,9 @@ def test_a_rerun_with_other_settings_is_refused_before_any_work(tiny_dir, tmp_pa
 def test_an_unusable_users_file_is_one_clear_error(tmp_path, columns, fragment):
     pq.write_table(pa.table(columns), tmp_path / "users.parquet")
     with pytest.raises(GenrecError, match=fragment):
-        UsersInput(str(tmp_path / "users.parquet"), RECOMMEND_INPUT)
+        UsersInput(str(tmp_path / "users.parquet"), Retrieve.layout)
     with pytest.raises(GenrecError, match="no such file"):
-        UsersInput(str(tmp_path / "missing.parquet"), RECOMMEND_INPUT)
+        UsersInput(str(tmp_path / "missing.parquet"), Retrieve.layout)
 
 
 @pytest.mark.parametrize(
@@ -122,9 +121,9 @@ def test_an_unusable_users_file_is_one_clear_error(tmp_path, columns, fragment):
         (["--beam-width", "0"], "error: --beam-width: Input should be greater than or equal to 1"),
         (["--beam-width", "4", "--num-results", "9"], "error: num_results (9) exceeds beam_width (4)"),
         (["--users", "/no/such/users.parquet"], "no such file or directory (expected the users Parquet)"),
-        (["--rank-by", "joint"], "error: rank_by applies to recommend: set rank"),
-        (["--rank", "--score-weight", "2"], "error: score_weight applies to rank_by joint"),
-        (["--rank", "--rank-by", "joint", "--score-weight", "-1"], "error: --score-weight: Input should be greater"),
+        (["--order-by", "joint"], "error: order_by applies to recommend: set score"),
+        (["--score", "--score-weight", "2"], "error: score_weight applies to order_by joint"),
+        (["--score", "--order-by", "joint", "--score-weight", "-1"], "error: --score-weight: Input should be greater"),
     ],
 )
 def test_the_job_refuses_bad_arguments_in_one_line_before_starting_ray(tiny_dir, tmp_path, flags, fragment):

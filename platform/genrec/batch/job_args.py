@@ -1,117 +1,111 @@
-"""What the scripts in `jobs/` share: the sharded jobs' common flags (model, input, output, execution), the
-engine and embedding-cache flags, the summary line and exit status, and one clear line for bad input.
-
-Flags left out are left out of the settings too, so their defaults are the settings' own (one place).
+"""The job scripts' command lines, derived from the settings' fields (genrec.batch.spec): each field is a flag,
+`--kebab-case` of its name, with its description as help, its type, its default; a bool is a switch (`--no-NAME`
+for one that defaults to true), a Literal's values are the choices, and a nested model (the cache) is a flag for
+its name plus one per setting (`--cache NAME --cache-shards N`). Flags left out are left out of the settings, so
+the defaults are the settings' own (one place). A spec's `renamed` fields keep their old flags for one release,
+with a warning. Bad input is one `error:` line naming the flag, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import types
+import typing
 from collections.abc import Callable
 
 from pydantic import BaseModel, ValidationError
 
-from genrec.batch.funnel_spec import RankingExecution
-from genrec.batch.pipeline import Summary
-from genrec.batch.spec import Execution, JobSpec
+from genrec.batch.pipeline import run
 from genrec.cache.config import CacheConfig
-from genrec.cache.policies import POLICIES
-from genrec.engine_options import EngineOptions
 from genrec.errors import GenrecError
 
-
-def _default(model, field: str) -> str:
-    return f"default: {model.model_fields[field].default}"
+NOT_FLAGS = ("device", "dim")  # the engine's device follows --num-gpus; a cache's width is the model's
 
 
-def add_shard_job_flags(parser: argparse.ArgumentParser, users_help: str) -> None:
-    """The flags of every sharded job (recommend, rank): what it reads and writes, and how it executes."""
-    parser.add_argument("--model", required=True, help="model directory")
-    parser.add_argument("--users", required=True, help=users_help)
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--batch-size", type=int, default=64, help="users per engine call and per output file")
-    parser.add_argument("--actors", type=int, default=1, help="engine actors (one model copy each)")
-    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor (0: CPU engine)")
-    parser.add_argument(
-        "--gpu-wait-s",
-        type=float,
-        help="when no node has the GPUs and the autoscaler publishes no GPU node type (ray up): ask it for one and "
-        "wait this long (default: refuse at once)",
-    )
-    parser.add_argument("--cpus-per-actor", type=float, default=0.5)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per actor")
-    parser.add_argument(
-        "--pin-threads",
-        action="store_true",
-        default=None,
-        help="bind each actor's threads to --threads cores of its node (Linux; needs --threads)",
-    )
-    parser.add_argument("--kv-budget-bytes", type=int, default=None, help="each actor's KV pool (default: by device)")
-    parser.add_argument("--max-error-fraction", type=float, default=0.01)
-    parser.add_argument("--no-progress", action="store_true", help="no Ray Data progress bars")
-    add_engine_flags(parser)
+def main(doc: str, *variants: tuple[type[BaseModel], ...]) -> None:
+    """A job script. `variants`: a spec type and the settings of how it executes, narrowest first; the flags are
+    the last's, and the flags given choose the first variant that has them all. Exits with the job's status."""
+    run_job(lambda: run_command(doc, variants, sys.argv[1:]))
 
 
-def job_spec_fields(args: argparse.Namespace) -> dict:
-    """The shared flags that are part of the run's identity (the engine flags among them), as JobSpec fields."""
-    return {**_given(args, JobSpec.model_fields), "device": "cuda" if args.num_gpus > 0 else "cpu"}
-
-
-def execution(args: argparse.Namespace) -> Execution:
-    """How the run executes (the shared flags that a rerun may change)."""
-    return Execution(**_given(args, Execution.model_fields), progress=not args.no_progress)
-
-
-def finish(summary: Summary, run: Execution) -> int:
-    """Print the summary line; the exit status: 1 when bad rows pass the allowed fraction, else 0."""
+def run_command(doc: str, variants: tuple[tuple[type[BaseModel], ...], ...], argv: list[str]) -> int:
+    """Run the job `argv` asks for; print its summary line; 1 when bad rows pass the allowed fraction, else 0."""
+    spec, runs = parse(variants, argv, doc)
+    summary = run(spec, *runs)
     print(summary.line(), flush=True)
-    return 1 if summary.failed(run.max_error_fraction) else 0
+    return 1 if summary.failed(runs[0].max_error_fraction) else 0
 
 
-def add_ranker_flags(parser: argparse.ArgumentParser) -> None:
-    """The recommend job's funnel flags: with --ranker, a second stage ranks each user's items."""
-    group = parser.add_argument_group("ranking stage (with --ranker: retrieve -> rank, two Ray Data stages)")
-    group.add_argument("--ranker", metavar="HSTU_DIR", help="HSTU ranking model: ranks each user's items")
-    group.add_argument("--rank-task", metavar="TASK", help="a task of the ranker: the final order (default: its first)")
-    group.add_argument("--rank-actors", type=int, help=_default(RankingExecution, "rank_actors"))
-    group.add_argument(
-        "--rank-cpus-per-actor", type=float, help=f"fractional ({_default(RankingExecution, 'rank_cpus_per_actor')})"
-    )
+def parse(variants: tuple[tuple[type[BaseModel], ...], ...], argv: list[str], doc: str | None = None) -> tuple:
+    """The spec and the settings of how it executes that `argv` gives."""
+    widest = variants[-1][0]
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    required = {name for name, field in variants[0][0].model_fields.items() if field.is_required()}
+    for model in variants[-1]:
+        add_flags(parser, model, required)
+    for old, new in widest.renamed.items():
+        hidden = {"dest": old, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+        parser.add_argument(_flag((old,)), **hidden, **_kind(widest.model_fields[new]))
+    given = vars(parser.parse_args(argv))
+    for old, new in widest.renamed.items():
+        if old in given:
+            print(f"warning: {_flag((old,))} is deprecated: use {_flag((new,))}", file=sys.stderr)
+            given.setdefault(new, given.pop(old))
+    spec_type, *how = chosen = next(v for v in variants if given.keys() <= _names(v))
+    missing = [name for name, field in spec_type.model_fields.items() if field.is_required() and name not in given]
+    if missing and chosen is not variants[0]:  # e.g. --rank-actors without --ranker
+        extra = next(name for name in given if name not in _names(variants[0]))
+        raise GenrecError(f"{_flag((extra,))} applies to {spec_type.applies_to}: give {_flag((missing[0],))} too")
+    runs = [model(**settings(given, model)) for model in how]
+    return spec_type(**settings(given, spec_type), device="cuda" if runs[0].num_gpus > 0 else "cpu"), runs
 
 
-def ranking_execution(args: argparse.Namespace) -> RankingExecution:
-    """The ranking stage's pool; its flags without --ranker are refused."""
-    given = _given(args, RankingExecution.model_fields)
-    if args.ranker is None and (given or args.rank_task is not None):
-        flag = "--rank-task" if args.rank_task is not None else _flag((next(iter(given)),))
-        raise GenrecError(f"{flag} applies to the ranking stage: give --ranker too")
-    return RankingExecution(**given)
+def add_flags(
+    parser: argparse.ArgumentParser, model: type[BaseModel], required=(), prefix: str = "", about: str = ""
+) -> None:
+    """A flag per field of `model`; a nested model's `name` field is the flag of the prefix alone (`--cache NAME`,
+    help `about`)."""
+    for name, field in model.model_fields.items():
+        nested = _nested(field.annotation)
+        if name in NOT_FLAGS:
+            continue
+        if nested is not None:
+            add_flags(parser, nested, required, f"{prefix}{name}_", field.description or "")
+            continue
+        dest, extra = prefix + name, {}
+        if prefix and name == "name":
+            dest, extra = prefix.rstrip("_"), {"metavar": "NAME", "help": about}
+        shown = not field.is_required() and field.default is not None and not isinstance(field.default, bool)
+        default = f" (default: {field.default})" if shown else ""
+        text = ("no " if field.default is True else "") + (field.description or "") + default
+        parser.add_argument(
+            _flag((dest,) if field.default is not True else (f"no_{dest}",)),
+            dest=dest,
+            default=argparse.SUPPRESS,
+            required=dest in required,
+            **{"help": text.replace("%", "%%") or None, **_kind(field), **extra},
+        )
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine (part of the run's identity: a rerun must use the same)")
-    group.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA, else float32"
-    )
-    group.add_argument("--max-candidates", type=int, help=_default(EngineOptions, "max_candidates"))
-    group.add_argument("--score-max-tokens", type=int, help=_default(EngineOptions, "score_max_tokens"))
-    group.add_argument("--max-candidate-tokens", type=int, help=_default(EngineOptions, "max_candidate_tokens"))
-    group.add_argument("--cuda-fast", action="store_true", default=None, help="the unverified CUDA fast path")
+def settings(given: dict, model: type[BaseModel]) -> dict:
+    """The fields of `model` among the flags `given` (dest -> value), a nested model's as its own dict."""
+    out = {}
+    for name, field in model.model_fields.items():
+        nested = _nested(field.annotation)
+        if nested is None and name in given:
+            out[name] = given[name]
+        elif nested is not None:
+            inner = {k: given[f"{name}_{k}"] for k in nested.model_fields if f"{name}_{k}" in given}
+            inner |= {"name": given[name]} if name in given else {}
+            if inner:
+                out[name] = inner
+    return out
 
 
 def add_cache_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:
-    group = parser.add_argument_group("embedding cache (the named EmbeddingCache actor; created on first use)")
-    group.add_argument("--cache", required=required, metavar="NAME", help="cache name")
-    group.add_argument("--cache-shards", type=int, help=_default(CacheConfig, "shards"))
-    group.add_argument(
-        "--cache-capacity", type=int, help=f"vectors resident per shard ({_default(CacheConfig, 'capacity')})"
-    )
-    group.add_argument("--cache-policy", choices=sorted(POLICIES), help=_default(CacheConfig, "policy"))
-    group.add_argument("--cache-admit-after", type=int, help=_default(CacheConfig, "admit_after"))
-    group.add_argument("--cache-store", choices=["sqlite", "redis", "none"], help=_default(CacheConfig, "store"))
-    group.add_argument("--cache-store-path", help=f"sqlite file ({_default(CacheConfig, 'store_path')})")
-    group.add_argument("--cache-redis-url", help=_default(CacheConfig, "redis_url"))
+    """The embedding cache's flags (`--cache NAME`, `--cache-*`), as the recommend job has them."""
+    add_flags(parser, CacheConfig, {"cache"} if required else (), prefix="cache_")
 
 
 class _CacheFlags(BaseModel):
@@ -119,14 +113,8 @@ class _CacheFlags(BaseModel):
 
 
 def cache_config(args: argparse.Namespace) -> CacheConfig | None:
-    if not args.cache:
-        return None
-    given = {k.removeprefix("cache_"): v for k, v in vars(args).items() if k.startswith("cache_") and v is not None}
-    return _CacheFlags(cache={"name": args.cache, **given}).cache
-
-
-def _given(args: argparse.Namespace, fields) -> dict:
-    return {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    given = settings(vars(args), _CacheFlags)
+    return _CacheFlags(**given).cache if given else None
 
 
 def run_job(main: Callable[[], int]) -> None:
@@ -137,6 +125,33 @@ def run_job(main: Callable[[], int]) -> None:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         status = 2
     sys.exit(status)
+
+
+def _names(variant: tuple[type[BaseModel], ...]) -> set[str]:
+    """The flags' dests a variant takes."""
+    names = set()
+    for model in variant:
+        for name, field in model.model_fields.items():
+            nested = _nested(field.annotation)
+            names |= {name} | ({f"{name}_{k}" for k in nested.model_fields} if nested else set())
+    return names
+
+
+def _nested(annotation) -> type[BaseModel] | None:
+    kinds = [k for k in typing.get_args(annotation) or (annotation,) if isinstance(k, type)]
+    return next((k for k in kinds if issubclass(k, BaseModel)), None)
+
+
+def _kind(field) -> dict:
+    """argparse's action, type or choices for a field."""
+    annotation = field.annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if annotation is bool:
+        return {"action": "store_false" if field.default is True else "store_true"}
+    if typing.get_origin(annotation) is typing.Literal:
+        return {"choices": typing.get_args(annotation)}
+    return {"type": annotation}
 
 
 def _one_line(err: Exception) -> str:

@@ -1,18 +1,23 @@
-"""What a batch run computes (its identity) and how it executes (not part of the identity).
+"""What a batch run computes (its spec, whose identity a rerun must share) and how it executes (Execution).
 
-JobSpec holds what every sharded job shares; BatchSpec is the recommend job's, RankSpec the rank job's."""
+One spec per job kind over a shared base: RecommendSpec (retrieve, or with `score` recommend), FunnelSpec (that,
+then the HSTU ranker), RankSpec (the ranking model on given candidates). Their fields are the jobs' flags
+(job_args derives them); `check_models` refuses a model directory of the wrong family before any work."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from genrec.api import MAX_BEAM_WIDTH, MAX_SCORE_WEIGHT
 from genrec.cache.config import CacheConfig
 from genrec.engine_options import EngineOptions
+from genrec.errors import GenrecError, ModelDirectoryError
+from genrec.model.directory import GENREC_SUBDIR, ModelDir
+from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
 
 FORMAT = 3  # bump when the output layout or columns change (3: repeated user_ids refused)
 
@@ -22,12 +27,13 @@ class JobSpec(EngineOptions):
     The engine's options (EngineOptions: dtype, the scoring chunk, the fast path...) are part of it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    renamed: ClassVar[dict[str, str]] = {}  # deprecated flag's field -> the field it is now (job_args warns)
 
     model: str = Field(description="model directory")
     users: str = Field(description="users Parquet file or directory (local path or URI)")
     out: str = Field(description="output directory (local path or URI)")
     batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
-    device: str = "cpu"
+    device: str = "cpu"  # not a flag: the CUDA engine with GPUs per actor
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         """The settings a rerun must share with the first run for its output to be the same run's."""
@@ -40,38 +46,99 @@ class JobSpec(EngineOptions):
             **self.engine_kwargs(),
         }
 
+    def check_models(self) -> None:
+        """Refuse, on the driver before any work, a model directory of the wrong family."""
 
-class BatchSpec(JobSpec):
-    """The recommend job: retrieve (or recommend) for every user."""
 
-    beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH)
+class RecommendSpec(JobSpec):
+    """The recommend job: retrieve (or with `score` recommend) for every user."""
+
+    renamed: ClassVar[dict[str, str]] = {"rank": "score", "rank_by": "order_by"}
+
+    beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search")
     num_results: int | None = Field(None, ge=1, description="items per user (default: beam_width)")
-    rank: bool = Field(False, description="recommend (retrieve, then score on the same prefill) instead of retrieve")
-    rank_by: Literal["score", "joint"] = Field("score", description="with rank: RecommendRequest.rank_by")
+    score: bool = Field(
+        False, description="recommend: label-score the retrieved items and the given candidates on the same prefill"
+    )
+    order_by: Literal["score", "joint"] = Field(
+        "score",
+        description="with score, the order: by the label score, or by log P(item) + score_weight * log P(label | "
+        "item) (RecommendRequest.rank_by)",
+    )
     score_weight: float = Field(
-        1.0, ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False, description="RecommendRequest.score_weight"
+        1.0, ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False, description="with order_by joint: the label's weight"
     )
     cache: CacheConfig | None = Field(None, description="user embeddings by user_id when the input has none")
 
     @model_validator(mode="after")
-    def _results_within_beam(self):
+    def _consistent(self):
         if self.num_results is not None and self.num_results > self.beam_width:
             raise ValueError(f"num_results ({self.num_results}) exceeds beam_width ({self.beam_width})")
-        if self.rank_by != "score" and not self.rank:
-            raise ValueError("rank_by applies to recommend: set rank")
-        if self.score_weight != 1.0 and self.rank_by != "joint":
-            raise ValueError("score_weight applies to rank_by joint")
+        if self.order_by != "score" and not self.score:
+            raise ValueError("order_by applies to recommend: set score")
+        if self.score_weight != 1.0 and self.order_by != "joint":
+            raise ValueError("score_weight applies to order_by joint")
         return self
+
+    def identity(self, model_version: str, input_fingerprint: str) -> dict:
+        return {  # "rank", "rank_by": the names score and order_by had; kept, so that run_ids stay the same
+            **super().identity(model_version, input_fingerprint),
+            "beam_width": self.beam_width,
+            "num_results": self.num_results or self.beam_width,
+            "rank": self.score,
+            "rank_by": self.order_by,
+            "score_weight": self.score_weight,
+            "cache": self.cache.name if self.cache else None,
+        }
+
+    def check_models(self) -> None:
+        if ModelDir.open(self.model).family == "hstu":
+            raise ModelDirectoryError(
+                self.model,
+                "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
+                "Qwen3 semantic-ID model",
+            )
+
+
+class FunnelSpec(RecommendSpec):
+    """Retrieve (or recommend) for every user, then rank each user's items after the user's history. The ranker
+    is checked when the spec is made."""
+
+    applies_to: ClassVar[str] = "the ranking stage"  # what its own flags are for (without --ranker: refused)
+
+    ranker: str = Field(description="HSTU ranking model: a second stage ranks each user's items after its history")
+    rank_task: str | None = Field(
+        None,
+        validate_default=True,
+        description="a task of the ranker: the final order is by its probability, highest first (ties in stage 1's "
+        "order); default: the ranker's first task",
+    )
+
+    @field_validator("ranker")
+    @classmethod
+    def _an_hstu_ranker(cls, ranker: str) -> str:
+        try:
+            ranking_config(ranker)
+        except GenrecError as err:
+            raise ValueError(str(err)) from None
+        return ranker
+
+    @field_validator("rank_task")
+    @classmethod
+    def _a_task_of_the_ranker(cls, task: str | None, info: ValidationInfo) -> str | None:
+        if "ranker" not in info.data:  # the ranker was refused: that is the error
+            return task
+        tasks = ranking_config(info.data["ranker"]).tasks
+        if task is not None and task not in tasks:
+            raise ValueError(f"{task!r} is not a task of the ranker (its tasks: {', '.join(tasks)})")
+        return task or tasks[0]
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         return {
             **super().identity(model_version, input_fingerprint),
-            "beam_width": self.beam_width,
-            "num_results": self.num_results or self.beam_width,
-            "rank": self.rank,
-            "rank_by": self.rank_by,
-            "score_weight": self.score_weight,
-            "cache": self.cache.name if self.cache else None,
+            "job": "funnel",
+            "ranker_version": ModelDir.open(self.ranker).version,
+            "rank_task": self.rank_task,
         }
 
 
@@ -82,11 +149,31 @@ class RankSpec(JobSpec):
         None,
         min_length=1,
         description="a task of the model: rank each user's candidates by its probability, highest first (ties in "
-        "the candidates' order); None: rank = the candidates' order",
+        "the candidates' order); default: rank = the candidates' order",
     )
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         return {**super().identity(model_version, input_fingerprint), "job": "rank", "rank_by": self.rank_by}
+
+    def check_models(self) -> None:
+        tasks = ranking_config(self.model).tasks
+        if self.rank_by is not None and self.rank_by not in tasks:
+            raise GenrecError(f"rank_by {self.rank_by!r} is not a task of the model (its tasks: {', '.join(tasks)})")
+
+
+def ranking_config(model: str) -> HSTUConfig:
+    """The config of an HSTU ranking model directory; anything else (a Qwen3 model, a missing catalog) is one
+    clear error."""
+    directory = ModelDir.open(model)
+    if directory.family != "hstu":
+        raise ModelDirectoryError(
+            directory.path,
+            f"not an HSTU ranking model (config.json model_type is not {HSTU_MODEL_TYPE!r}); batch ranking needs "
+            "one (a Qwen3 semantic-ID model recommends: jobs/batch_recommend.py)",
+        )
+    if not directory.catalog_path.exists():
+        raise ModelDirectoryError(directory.path, f"{GENREC_SUBDIR}/catalog.parquet is missing (the item catalog)")
+    return directory.config
 
 
 def run_id_of(identity: dict) -> str:
@@ -99,20 +186,20 @@ class Execution(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     actors: int = Field(1, ge=1, description="engine actors in the pool (one model copy each)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0: CPU engine)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0: the CPU engine)")
     gpu_wait_s: float = Field(
         0.0,
         ge=0,
-        description="with num_gpus, when no node has the GPUs and the autoscaler publishes no GPU node type: ask "
-        "it for one and wait this long for it (0: refuse at once)",
+        description="with num_gpus, when no node has the GPUs and the autoscaler publishes no GPU node type (ray "
+        "up): ask it for one and wait this long for it (0: refuse at once)",
     )
     cpus_per_actor: float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
     threads: int | None = Field(None, ge=1, description="torch threads per actor (default: Ray's, 1 per CPU)")
-    pin_threads: bool = Field(False, description="bind each actor's threads to `threads` cores (genrec.threads; Linux)")
+    pin_threads: bool = Field(False, description="bind each actor's threads to `threads` cores (Linux)")
     kv_budget_bytes: int | None = Field(
         None, ge=1, description="each actor's KV pool (default: 4 GiB on the CPU, half the free GPU memory)"
     )
-    max_error_fraction: float = Field(0.01, ge=0, le=1, description="exit non-zero above this fraction of users")
+    max_error_fraction: float = Field(0.01, ge=0, le=1, description="exit 1 above this fraction of bad rows")
     progress: bool = Field(True, description="Ray Data progress bars")
 
     @model_validator(mode="after")
@@ -121,3 +208,16 @@ class Execution(BaseModel):
 
         check_thread_settings(self.threads, self.pin_threads, threads_name="--threads", pin_name="--pin-threads")
         return self
+
+
+class RankingExecution(BaseModel):
+    """The funnel's ranking stage's own actor pool; GPUs per actor, threads and the KV budget are the run's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank_actors: int = Field(1, ge=1, description="ranking actors (one ranker copy each)")
+    rank_cpus_per_actor: float = Field(0.5, gt=0, description="CPUs each ranking actor reserves (fractional)")
+
+    def over(self, run: Execution) -> Execution:
+        """The ranking stage's Execution: the run's, with this pool."""
+        return run.model_copy(update={"actors": self.rank_actors, "cpus_per_actor": self.rank_cpus_per_actor})

@@ -1,22 +1,24 @@
-"""The Ray Data callable class: one Engine per actor; each call runs whole shards, read to committed.
+"""The Ray Data callable class that runs any job (genrec.batch.jobs) on whole shards, one Engine per actor.
 
 Nothing here imports Ray: Ray Data constructs the class once per actor and calls it with batches of shard
-descriptors. A shard is read, validated row by row, run through the engine in ONE call (so its results
+descriptors. A shard is read, parsed into requests by its job, run through the engine in ONE call (so its results
 depend on the shard alone, never on scheduling) and committed; a shard already committed is skipped. The rows the
 driver found to repeat an earlier row's user_id (the shard's `repeats`) are refused, whatever else they hold.
-Each job's worker (RecommendWorker, RankWorker) says which columns it reads, how rows become requests, which
-engine call runs them and how results become its output table.
+
+A stage that hands on (the funnel's first) commits nothing: it hands each shard's results and errors to the next
+stage, one row per shard, the tables as Arrow IPC bytes (one row stays one shard whatever Ray Data does with
+blocks, and the tables keep their exact schema). No tables: the stage found the shard committed.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
+from genrec.batch.jobs import Job, Rows
 from genrec.batch.output import OutputDir
-from genrec.batch.results import errors_table
-from genrec.batch.rows import Parsed, RowError
-from genrec.batch.shards import InputLayout, Shard, ShardReader, UsersInput
-from genrec.batch.spec import JobSpec
+from genrec.batch.shards import SHARD_SCHEMA, Shard, ShardReader, UsersInput
+from genrec.batch.tables import ROW, RowError, errors_table
 from genrec.errors import GenrecError, InvalidRequestError
 
 REPORT = pa.schema(
@@ -28,17 +30,15 @@ REPORT = pa.schema(
         ("skipped", pa.bool_()),
     ]
 )
+HANDOFF = pa.schema([*SHARD_SCHEMA, ("results", pa.large_binary()), ("errors", pa.large_binary())])
 
 
 class ShardWorker:
-    layout: InputLayout  # the columns the job reads
-    results: str  # its output folder
-
     def __init__(
         self,
-        spec: JobSpec,
-        model_version: str,
+        job: Job,
         run_id: str,
+        hand_on: bool = False,
         threads: int | None = None,
         kv_budget_bytes: int | None = None,
         pin_threads: bool = False,
@@ -48,69 +48,55 @@ class ShardWorker:
 
         # Before the model loads, so that torch's threads start on their cores.
         self.threads = apply_threads(threads, pin_threads, threads_name="--threads", pin_name="--pin-threads")
-        self.spec, self.model_version, self.run_id = spec, model_version, run_id
+        self.job, self.run_id, self.hand_on, spec = job, run_id, hand_on, job.spec
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
         scheduler = SchedulerConfig(kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=0)
-        self.engine = Engine.from_pretrained(
-            self.model_dir(), device=spec.device, scheduler=scheduler, **spec.engine_kwargs()
-        )
-        self.reader = ShardReader(UsersInput(spec.users, self.layout))
-        self.out = OutputDir(spec.out, self.results)
-
-    def model_dir(self) -> str:
-        """The model this worker's engine runs."""
-        return self.spec.model
+        self.engine = Engine.from_pretrained(job.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs())
+        self.reader = ShardReader(UsersInput(spec.users, job.layout))
+        self.out = OutputDir(spec.out, job.results)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([self.run(Shard.from_row(row)) for row in batch.to_pylist()], schema=REPORT)
+        rows = [self.run(*_from_row(row)) for row in batch.to_pylist()]
+        return pa.Table.from_pylist(rows, schema=HANDOFF if self.hand_on else REPORT)
 
-    def run(self, shard: Shard) -> dict:
+    def run(self, shard: Shard, handed: tuple | None = None) -> dict:
+        """The shard's report once it is committed; `handed`: the stage before's (results, errors) of it. A stage
+        that hands on: the row for the next stage."""
         done = self.out.counts(shard)  # a retried task, or a late duplicate of a shard
+        if self.hand_on:  # a committed shard: nothing to hand on, the last stage reports it
+            results, errors = (None, None) if done is not None else map(_to_bytes, self.compute(shard))
+            return {**shard.as_row(), "results": results, "errors": errors}
         skipped = done is not None
         if not skipped:
-            done = self.out.commit(shard, *self.compute(shard))
+            done = self.out.commit(shard, *self.compute(shard, handed))
         return {"shard": shard.index, "users": shard.rows, "rows": done.rows, "errors": done.errors, "skipped": skipped}
 
-    def compute(self, shard: Shard) -> tuple[pa.Table, pa.Table]:
-        table = self.reader.read(shard)
-        user_ids = table.column("user_id").combine_chunks()
-        parsed = self.parse(table, user_ids)
+    def compute(self, shard: Shard, handed: tuple | None = None) -> tuple[pa.Table, pa.Table]:
+        """The shard's (results, errors) tables: its rows parsed, one engine run, a request that fails a row error."""
+        rows = Rows(self.reader.read(shard), self.engine.model_version, self.run_id, handed and handed[0])
+        parsed = self.job.parse(rows)
+        if handed and handed[1] is not None:  # the stage before's errors
+            parsed.errors += [RowError(e["row"] - shard.start, e["field"], e["reason"]) for e in handed[1].to_pylist()]
         _refuse_repeats(parsed, shard)
-        self._check_against_model(parsed)
-        results = self.infer(parsed.requests) if parsed.requests else []
-        return (
-            self.results_table(user_ids, parsed.positions, results),
-            errors_table(user_ids, sorted(parsed.errors, key=lambda e: e.position), shard.start, self.run_id),
-        )
-
-    def parse(self, table: pa.Table, user_ids: pa.Array) -> Parsed:
-        """The shard's rows as requests, bad rows as errors."""
-        raise NotImplementedError
-
-    def infer(self, requests: list) -> list:
-        """One engine call over the shard's valid requests."""
-        raise NotImplementedError
-
-    def results_table(self, user_ids: pa.Array, positions: list[int], results: list) -> pa.Table:
-        """The output rows of the results (of the requests of shard rows `positions`)."""
-        raise NotImplementedError
-
-    def _check_against_model(self, parsed: Parsed) -> None:
-        """Move requests the model refuses (too long, unknown item, wrong embedding size) to the errors."""
-        keep = []
-        for request, position in zip(parsed.requests, parsed.positions, strict=True):
-            try:
-                self.engine.prepare(request)
-                keep.append((request, position))
-            except InvalidRequestError as err:
-                parsed.errors.append(RowError(position, err.field, err.problem))
-            except GenrecError as err:
-                parsed.errors.append(RowError(position, "request", str(err)))
-        parsed.requests = [r for r, _ in keep]
-        parsed.positions = [p for _, p in keep]
+        positions, results = [], []
+        outcomes = self.job.infer(self.engine, parsed.requests) if parsed.requests else []
+        for position, outcome in zip(parsed.positions, outcomes, strict=True):
+            if isinstance(outcome, InvalidRequestError):
+                parsed.errors.append(RowError(position, outcome.field, outcome.problem))
+            elif isinstance(outcome, GenrecError):
+                parsed.errors.append(RowError(position, "request", str(outcome)))
+            else:
+                positions.append(position)
+                results.append(outcome)
+        table = self.job.table(rows, positions, results)
+        if self.hand_on:  # the next stage finds each item's user by its shard row
+            of_item = np.repeat(np.asarray(positions, np.int64), [len(r.items) for r in results])
+            table = table.append_column(ROW, pa.array(of_item, pa.int64()))
+        errors = sorted(parsed.errors, key=lambda e: e.position)
+        return table, errors_table(rows.user_ids, errors, shard.start, self.run_id)
 
 
-def _refuse_repeats(parsed: Parsed, shard: Shard) -> None:
+def _refuse_repeats(parsed, shard: Shard) -> None:
     """The shard's repeats as errors (field user_id, naming the user's row), in place of a request or another error."""
     if not shard.repeats:
         return
@@ -119,3 +105,20 @@ def _refuse_repeats(parsed: Parsed, shard: Shard) -> None:
     parsed.requests, parsed.positions = [q for q, _ in kept], [p for _, p in kept]
     parsed.errors = [e for e in parsed.errors if e.position not in refused]
     parsed.errors += [RowError(position, "user_id", reason) for position, reason in refused.items()]
+
+
+def _from_row(row: dict) -> tuple[Shard, tuple | None]:
+    """A shard descriptor, and what the stage before handed on with it (None: the first stage's)."""
+    shard = Shard.from_row({name: row[name] for name in SHARD_SCHEMA.names})
+    return shard, (_from_bytes(row["results"]), _from_bytes(row["errors"])) if "results" in row else None
+
+
+def _to_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _from_bytes(data: bytes | None) -> pa.Table | None:
+    return None if data is None else pa.ipc.open_stream(data).read_all()

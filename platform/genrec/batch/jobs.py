@@ -1,0 +1,260 @@
+"""The jobs. Each says which input columns it reads (`layout`), which model its engine runs (`model`) and where its
+results go (`results`), and does three things with a shard (the ShardWorker runs any of them):
+
+    parse(rows)                      the rows as API requests; a bad row is a RowError naming its field
+    infer(engine, requests)          one Engine.run: each request's result, or the GenrecError it failed with
+    table(rows, positions, results)  the results of shard rows `positions` as output rows
+
+Retrieve and Recommend (retrieve, then label-score on the same prefill) are the recommend job; Rank the rank job;
+the funnel chains Retrieve or Recommend with RankRetrieved, the HSTU ranker over stage 1's items (`stages`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import pyarrow as pa
+from pydantic import BaseModel, ValidationError
+
+from genrec.api import RankRequest, RecommendRequest, RetrieveRequest
+from genrec.batch.output import RANKINGS, RECOMMENDATIONS
+from genrec.batch.shards import InputLayout
+from genrec.batch.spec import (
+    Execution,
+    FunnelSpec,
+    JobSpec,
+    RankingExecution,
+    RankSpec,
+    RecommendSpec,
+    ranking_config,
+)
+from genrec.batch.tables import ROW, RowError, funnel_table, rankings_table, recommendations_table, user_spans
+from genrec.batch.user_embeddings import lookup
+from genrec.errors import GenrecError
+from genrec.funnel import known
+from genrec.model.directory import ModelDir
+
+
+@dataclass
+class Parsed:
+    requests: list = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # the shard row of each request
+    errors: list[RowError] = field(default_factory=list)
+
+
+@dataclass
+class Rows:
+    """A shard's input rows, as a job sees them."""
+
+    table: pa.Table  # the job's layout's columns
+    version: str  # of the model the job's engine runs
+    run_id: str
+    handed: pa.Table | None = None  # a later stage's: the shard's results of the stage before (with ROW)
+
+    @cached_property
+    def user_ids(self) -> pa.Array:
+        return self.table.column("user_id").combine_chunks()
+
+
+class Job:
+    spec: JobSpec
+    layout: InputLayout  # the input columns it reads
+    results: str  # the output folder of its results
+    model: str  # the model directory its engine runs
+
+    def connect(self) -> None:
+        """Once Ray is up, on the driver: what the job needs of it (e.g. an actor's client)."""
+
+
+class Retrieve(Job):
+    """Constrained beam search for each user's prompt (and user embedding: the row's, or the cache's)."""
+
+    layout = InputLayout(
+        required=(("prompt", "prompt_token_ids"),), optional=("user_embedding", "exclude_item_ids", "candidates")
+    )
+    results = RECOMMENDATIONS
+    kind, request = "retrieve", RetrieveRequest
+    columns = ["prompt", "prompt_token_ids", "user_embedding", "exclude_item_ids"]
+
+    def __init__(self, spec: RecommendSpec):
+        self.spec, self.model, self.cache = spec, spec.model, None
+
+    def connect(self) -> None:
+        """Once Ray is up: the embedding cache's client, with `spec.cache`."""
+        if self.spec.cache is None:
+            return
+        from genrec.cache.actor import EmbeddingCache  # it imports Ray
+
+        directory = ModelDir.open(self.model)
+        if directory.user_dim is None:
+            raise GenrecError(f"{directory.path}: the model has no soft-token projector to take user embeddings")
+        self.cache = EmbeddingCache.connect(self.spec.cache.with_dim(directory.user_dim))
+
+    def settings(self) -> dict:
+        return {"beam_width": self.spec.beam_width, "num_results": self.spec.num_results}
+
+    def parse(self, rows: Rows) -> Parsed:
+        embeddings = None
+        if self.cache is not None and "user_embedding" not in rows.table.column_names:
+            embeddings = lookup(self.cache, rows.user_ids.to_pylist())
+
+        def complete(row: int, fields: dict) -> RowError | None:
+            if embeddings is not None and "user_embedding" not in fields:
+                if embeddings[row] is None:
+                    return RowError(row, "user_embedding", "none in the row and none in the cache")
+                fields["user_embedding"] = embeddings[row]
+            if "candidates" in fields:
+                fields["candidates"] = [{"item_id": c} if isinstance(c, str) else c for c in fields["candidates"]]
+            return None
+
+        return validate_rows(rows.table, self.request, self.columns, self.settings(), complete)
+
+    def infer(self, engine, requests: list) -> list:
+        return engine.run(requests, self.kind)
+
+    def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
+        scored = self.kind == "recommend"
+        return recommendations_table(rows.user_ids, positions, results, scored, rows.version, rows.run_id)
+
+
+class Recommend(Retrieve):
+    """Retrieve, then score the retrieved items and the given candidates with the label on the same prefill."""
+
+    kind, request, columns = "recommend", RecommendRequest, [*Retrieve.columns, "candidates"]
+
+    def settings(self) -> dict:
+        return {**super().settings(), "rank_by": self.spec.order_by, "score_weight": self.spec.score_weight}
+
+
+class Rank(Job):
+    """Each user's given candidates after the user's history, every task's probability (an HSTU model)."""
+
+    layout = InputLayout(required=(("history",), ("candidates",)), optional=("tasks",))
+    results = RANKINGS
+
+    def __init__(self, spec: RankSpec):
+        self.spec, self.model, self.tasks = spec, spec.model, tuple(ranking_config(spec.model).tasks)
+
+    def parse(self, rows: Rows) -> Parsed:
+        """With rank_by, a row whose tasks leave that task out is refused (its candidates could not be ranked)."""
+        rank_by = self.spec.rank_by
+
+        def complete(row: int, fields: dict) -> RowError | None:
+            tasks = fields.get("tasks")
+            if rank_by is not None and isinstance(tasks, list) and rank_by not in tasks:
+                return RowError(row, "tasks", f"leaves out {rank_by!r}, the task the candidates are ranked by")
+            return None
+
+        return validate_rows(rows.table, RankRequest, ["history", "candidates", "tasks"], {}, complete)
+
+    def infer(self, engine, requests: list) -> list:
+        return engine.run(requests, "rank")
+
+    def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
+        return rankings_table(
+            rows.user_ids, positions, results, self.tasks, self.spec.rank_by, rows.version, rows.run_id
+        )
+
+
+class RankRetrieved(Job):
+    """The funnel's stage 2: each user's stage 1 items ranked after the user's history, those the ranker does not
+    know (genrec.funnel.known) after the ranked ones. A user whose history the ranker refuses is an error row."""
+
+    layout = InputLayout(required=(("history",),))
+    results = RECOMMENDATIONS
+
+    def __init__(self, spec: FunnelSpec):
+        self.spec, self.model, self.tasks = spec, spec.ranker, tuple(ranking_config(spec.ranker).tasks)
+
+    def parse(self, rows: Rows) -> Parsed:
+        """A RankRequest per user stage 1 has items for: the user's history and those items."""
+        if rows.handed is None:
+            raise GenrecError("stage 1 found this shard committed, and it is not: was the output changed?")
+        spans = user_spans(rows.handed.column(ROW).to_numpy())
+        item_ids = rows.handed.column("item_id").to_pylist()
+        positions = [position for position, _, _ in spans]
+        candidates = [[i for i in item_ids[lo:hi] if i is not None] for _, lo, hi in spans]
+        take = pa.array(positions, pa.int64())
+        asked = pa.table(
+            {
+                "user_id": rows.user_ids.take(take),
+                "history": rows.table.column("history").combine_chunks().take(take),
+                "candidates": pa.array(candidates, pa.list_(pa.string())),
+            }
+        )
+        parsed = validate_rows(asked, RankRequest, ["history", "candidates"], {})
+        parsed.positions = [positions[k] for k in parsed.positions]
+        for error in parsed.errors:
+            error.position = positions[error.position]
+        return parsed
+
+    def infer(self, engine, requests: list) -> list:
+        """The known items of every user ranked in one run; a user with none has nothing to rank (None), but the
+        history is still checked."""
+        knows = lambda item: engine.catalog.row_of(item) is not None  # noqa: E731
+        asked = [r.model_copy(update={"candidates": known(r.candidates, knows)}) for r in requests]
+        ranked = iter(engine.run([r for r in asked if r.candidates], "rank"))
+        return [next(ranked) if r.candidates else _checked(engine, r) for r in asked]
+
+    def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
+        by_row = dict(zip(positions, results, strict=True))
+        return funnel_table(rows.handed, by_row, self.tasks, self.spec.rank_task, rows.version)
+
+
+def stages(spec: JobSpec, execution: Execution, ranking: RankingExecution) -> list[tuple[Job, Execution]]:
+    """The spec's job as (job, how its stage runs), in order: one stage, or the funnel's two."""
+    if isinstance(spec, RankSpec):
+        return [(Rank(spec), execution)]
+    first = (Recommend if spec.score else Retrieve)(spec)
+    if isinstance(spec, FunnelSpec):
+        return [(first, execution), (RankRetrieved(spec), ranking.over(execution))]
+    return [(first, execution)]
+
+
+def _checked(engine, request) -> GenrecError | None:
+    try:
+        engine.prepare(request, "rank")
+    except GenrecError as err:
+        return err
+    return None
+
+
+def validate_rows(
+    table: pa.Table,
+    kind: type[BaseModel],
+    wanted: list[str],
+    settings: dict,
+    complete: Callable[[int, dict], RowError | None] | None = None,
+) -> Parsed:
+    """Every row as a `kind` request (the API model validates it) made of its non-null `wanted` columns and the
+    job's `settings`; `complete(row, fields)` may add to a row's fields or refuse the row. A null user_id, a
+    refused row or a failed validation becomes a RowError naming the field."""
+    columns = {name: table.column(name).to_pylist() for name in wanted if name in table.column_names}
+    parsed = Parsed()
+    for row, user_id in enumerate(table.column("user_id").to_pylist()):
+        if user_id is None:
+            parsed.errors.append(RowError(row, "user_id", "is null"))
+            continue
+        fields = {name: values[row] for name, values in columns.items() if values[row] is not None}
+        refused = complete(row, fields) if complete else None
+        if refused is not None:
+            parsed.errors.append(refused)
+            continue
+        try:
+            parsed.requests.append(kind(**fields, **settings))
+            parsed.positions.append(row)
+        except ValidationError as err:
+            parsed.errors.append(_validation_error(row, err, kind))
+    return parsed
+
+
+def _validation_error(row: int, err: ValidationError, kind) -> RowError:
+    first = err.errors()[0]
+    reason = first["msg"].removeprefix("Value error, ")
+    name = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+    if not name:  # a check across fields: its message quotes the field(s) it is about
+        quoted = [f for f in re.findall(r"'(\w+)'", reason) if f in kind.model_fields]
+        name = quoted[0] if quoted else "row"
+    return RowError(row, name, reason)

@@ -105,7 +105,7 @@ def _funnel_report(before: dict, funnel: dict, after: dict, o: BatchOptions) -> 
 
 def _histories(ranker: Path, users: int, length: int) -> list[list[dict]]:
     """`length` events per user, of the ranker's catalog items, a minute apart, actions drawn at random."""
-    from genrec.batch.rank import ranking_config
+    from genrec.batch.spec import ranking_config
     from genrec.catalog.item_index import ItemIndex
     from genrec.model.directory import GENREC_SUBDIR
 

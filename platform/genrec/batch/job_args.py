@@ -14,7 +14,7 @@ import types
 import typing
 from collections.abc import Callable
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from genrec.batch.pipeline import run
 from genrec.cache.config import CacheConfig
@@ -61,55 +61,41 @@ def parse(variants: tuple[tuple[type[BaseModel], ...], ...], argv: list[str], do
     return spec_type(**settings(given, spec_type), device="cuda" if runs[0].num_gpus > 0 else "cpu"), runs
 
 
-def add_flags(
-    parser: argparse.ArgumentParser, model: type[BaseModel], required=(), prefix: str = "", about: str = ""
-) -> None:
-    """A flag per field of `model`; a nested model's `name` field is the flag of the prefix alone (`--cache NAME`,
-    help `about`)."""
-    for name, field in model.model_fields.items():
-        nested = _nested(field.annotation)
-        if name in NOT_FLAGS:
-            continue
-        if nested is not None:
-            add_flags(parser, nested, required, f"{prefix}{name}_", field.description or "")
-            continue
-        dest, extra = prefix + name, {}
-        if prefix and name == "name":
-            dest, extra = prefix.rstrip("_"), {"metavar": "NAME", "help": about}
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], required=()) -> None:
+    """A flag per field of `model` (`required`: the dests argparse requires)."""
+    for path, field, about in _fields(model):
         shown = not field.is_required() and field.default is not None and not isinstance(field.default, bool)
-        default = f" (default: {field.default})" if shown else ""
-        text = ("no " if field.default is True else "") + (field.description or "") + default
+        text = ("no " if field.default is True else "") + (about or "") + (f" (default: {field.default})" * shown)
         parser.add_argument(
-            _flag((dest,) if field.default is not True else (f"no_{dest}",)),
-            dest=dest,
+            f"--no-{_flag(path)[2:]}" if field.default is True else _flag(path),
+            dest=_dest(path),
             default=argparse.SUPPRESS,
-            required=dest in required,
-            **{"help": text.replace("%", "%%") or None, **_kind(field), **extra},
+            required=_dest(path) in required,
+            help=text.replace("%", "%%") or None,
+            **({"metavar": "NAME"} if path[1:] == ("name",) else {}),
+            **_kind(field),
         )
 
 
 def settings(given: dict, model: type[BaseModel]) -> dict:
-    """The fields of `model` among the flags `given` (dest -> value), a nested model's as its own dict."""
-    out = {}
-    for name, field in model.model_fields.items():
-        nested = _nested(field.annotation)
-        if nested is None and name in given:
-            out[name] = given[name]
-        elif nested is not None:
-            inner = {k: given[f"{name}_{k}"] for k in nested.model_fields if f"{name}_{k}" in given}
-            inner |= {"name": given[name]} if name in given else {}
-            if inner:
-                out[name] = inner
+    """The fields of `model` among the flags `given` (dest -> value); a nested model's as a dict of its own."""
+    out: dict = {}
+    for path, _, _ in _fields(model):
+        if _dest(path) in given:
+            inner = out
+            for part in path[:-1]:
+                inner = inner.setdefault(part, {})
+            inner[path[-1]] = given[_dest(path)]
     return out
 
 
 def add_cache_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:
     """The embedding cache's flags (`--cache NAME`, `--cache-*`), as the recommend job has them."""
-    add_flags(parser, CacheConfig, {"cache"} if required else (), prefix="cache_")
+    add_flags(parser, _CacheFlags, {"cache"} if required else ())
 
 
 class _CacheFlags(BaseModel):
-    cache: CacheConfig  # validated as a field named `cache`: an error's location gives its flag (--cache-...)
+    cache: CacheConfig = Field(description="the embedding cache's name")  # an error's location gives its flag
 
 
 def cache_config(args: argparse.Namespace) -> CacheConfig | None:
@@ -127,19 +113,26 @@ def run_job(main: Callable[[], int]) -> None:
     sys.exit(status)
 
 
+def _fields(model: type[BaseModel], path: tuple = (), about: str | None = None):
+    """(path, field, help) of each flag of `model`; a nested model's fields are under its name (`--cache-shards`),
+    its `name` is the flag of the name alone (`--cache`, help `about`)."""
+    for name, field in model.model_fields.items():
+        nested = typing.get_args(field.annotation)[:1] or (field.annotation,)
+        if name in NOT_FLAGS:
+            continue
+        if isinstance(nested[0], type) and issubclass(nested[0], BaseModel):
+            yield from _fields(nested[0], (*path, name), field.description)
+        else:
+            yield (*path, name), field, about if path and name == "name" else field.description
+
+
 def _names(variant: tuple[type[BaseModel], ...]) -> set[str]:
-    """The flags' dests a variant takes."""
-    names = set()
-    for model in variant:
-        for name, field in model.model_fields.items():
-            nested = _nested(field.annotation)
-            names |= {name} | ({f"{name}_{k}" for k in nested.model_fields} if nested else set())
-    return names
+    """The dests of a variant's flags."""
+    return {_dest(path) for model in variant for path, _, _ in _fields(model)}
 
 
-def _nested(annotation) -> type[BaseModel] | None:
-    kinds = [k for k in typing.get_args(annotation) or (annotation,) if isinstance(k, type)]
-    return next((k for k in kinds if issubclass(k, BaseModel)), None)
+def _dest(path: tuple) -> str:
+    return _flag(path)[2:].replace("-", "_")
 
 
 def _kind(field) -> dict:

@@ -21,15 +21,7 @@ from pydantic import BaseModel, ValidationError
 from genrec.api import RankRequest, RecommendRequest, RetrieveRequest
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS
 from genrec.batch.shards import InputLayout
-from genrec.batch.spec import (
-    Execution,
-    FunnelSpec,
-    JobSpec,
-    RankingExecution,
-    RankSpec,
-    RecommendSpec,
-    ranking_config,
-)
+from genrec.batch.spec import Execution, FunnelSpec, JobSpec, RankingExecution, RankSpec, RecommendSpec, ranking_config
 from genrec.batch.tables import ROW, RowError, funnel_table, rankings_table, recommendations_table, user_spans
 from genrec.batch.user_embeddings import lookup
 from genrec.errors import GenrecError

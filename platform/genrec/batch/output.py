@@ -1,31 +1,35 @@
-"""The output directory of a run:
+"""The output directory of a run, through a pyarrow filesystem (a local path or a URI such as s3://...):
 
     OUT/manifest.json                      the run's identity (args, model version, input fingerprint, run_id)
     OUT/recommendations/part-NNNNNN.parquet one file per input shard: the commit point of that shard (the
                                            results folder: `recommendations/`, or the rank job's `rankings/`)
     OUT/errors/part-NNNNNN.parquet          the shard's bad rows (possibly none), written just before it
 
-A shard is done exactly when its results file exists and reads as Parquet; a rerun skips it. An output the
-driver cannot write (a file in the way, no permission, a parent it cannot create) is one GenrecError naming it,
-raised before any work.
+Every file is written under a hidden temporary name and moved to its final name when complete: on a local or POSIX
+shared filesystem a rename (atomic), on object stores the final object appears whole. So a final name either does
+not exist or holds a complete file, whenever the writer is killed; a shard is done exactly when its results file
+exists and reads as Parquet, and a rerun skips it. An output the driver cannot write (a file in the way, no
+permission, a parent it cannot create) is one GenrecError naming it, raised before any work.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
-from genrec.batch import storage
-from genrec.batch.shards import Shard
+from genrec.batch.shards import Shard, filesystem
 from genrec.batch.spec import run_id_of
-from genrec.batch.storage import join
 from genrec.errors import GenrecError
 
 RECOMMENDATIONS, RANKINGS, ERRORS, MANIFEST = "recommendations", "rankings", "errors", "manifest.json"
+TMP_SUFFIX = ".tmp"
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,8 @@ class ShardCounts:
 class OutputDir:
     def __init__(self, uri: str, results: str):
         self.uri = uri
-        self.fs, self.root = storage.filesystem(uri)
-        self.results = join(self.root, results)
-        self.errors = join(self.root, ERRORS)
+        self.fs, self.root = filesystem(uri)
+        self.results, self.errors, self.manifest = (f"{self.root.rstrip('/')}/{n}" for n in (results, ERRORS, MANIFEST))
         self.new_run = False  # open_run wrote the manifest
 
     @contextmanager
@@ -51,17 +54,18 @@ class OutputDir:
 
     def open_run(self, identity: dict) -> str:
         """The run_id of `identity`; refuses a directory that holds another run's output."""
-        path = join(self.root, MANIFEST)
         with self._writing():
             for directory in (self.results, self.errors):
                 self.fs.create_dir(directory, recursive=True)
-            text = storage.read_text(self.fs, path)
-            self.new_run = text is None
-            if text is None:
-                manifest = json.dumps({**identity, "run_id": run_id_of(identity)}, indent=2)
-                storage.write_text_atomic(self.fs, path, manifest)
-        if text is not None:
-            recorded = json.loads(text)
+            found = self.fs.get_file_info(self.manifest).type != pafs.FileType.NotFound
+            self.new_run = not found
+            if found:
+                with self.fs.open_input_stream(self.manifest) as stream:
+                    recorded = json.loads(stream.read().decode())
+            else:
+                text = json.dumps({**identity, "run_id": run_id_of(identity)}, indent=2)
+                self._write(self.manifest, lambda stream: stream.write(text.encode()))
+        if found:
             changed = sorted(k for k in identity if recorded.get(k) != identity[k])
             # Settings only the recorded run has (e.g. a funnel's ranker) make it another run, too.
             changed += sorted(k for k in recorded.keys() - identity.keys() - {"run_id"} if recorded[k] is not None)
@@ -74,35 +78,64 @@ class OutputDir:
         """Remove the manifest open_run wrote, for a run refused before any work: a rerun may change settings."""
         if self.new_run:
             with self._writing():
-                self.fs.delete_file(join(self.root, MANIFEST))
+                self.fs.delete_file(self.manifest)
             self.new_run = False
 
     def remove_stale_tmp(self) -> int:
+        """Delete the temporary files of writers that were killed; returns how many."""
         with self._writing():
-            return sum(storage.remove_stale_tmp(self.fs, d) for d in (self.results, self.errors))
+            stale = [
+                info.path
+                for directory in (self.results, self.errors)
+                for info in self.fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+                if info.base_name.startswith(".") and info.path.endswith(TMP_SUFFIX)
+            ]
+            for path in stale:
+                try:
+                    self.fs.delete_file(path)
+                except FileNotFoundError:  # a late writer of the killed run moved it meanwhile
+                    pass
+        return len(stale)
 
     def check_writable(self) -> None:
         """Refuse, before any work, an output whose shard files could not be written (e.g. a read-only directory
-        that holds a run's manifest already)."""
+        that holds a run's manifest already): write and delete a temporary file in each folder."""
         with self._writing():
             for directory in (self.results, self.errors):
-                storage.probe_write(self.fs, directory)
+                probe = f"{directory}/.probe.{uuid.uuid4().hex}{TMP_SUFFIX}"  # if left: a stale temporary
+                with self.fs.open_output_stream(probe) as stream:
+                    stream.write(b"")
+                self.fs.delete_file(probe)
 
     def committed(self, shards: list[Shard]) -> dict[int, ShardCounts]:
         """The shards that are done, with their row counts (one directory listing, then one footer each)."""
-        names = storage.files_in(self.fs, self.results)
-        done = {}
-        for shard in shards:
-            if shard.name in names and (counts := self.counts(shard)) is not None:
-                done[shard.index] = counts
-        return done
+        listed = self.fs.get_file_info(pafs.FileSelector(self.results, allow_not_found=True))
+        names = {info.base_name for info in listed if info.type == pafs.FileType.File}
+        counts = {shard.index: self.counts(shard) for shard in shards if shard.name in names}
+        return {index: done for index, done in counts.items() if done is not None}
 
     def counts(self, shard: Shard) -> ShardCounts | None:
-        rows = storage.parquet_rows(self.fs, join(self.results, shard.name))
-        errors = storage.parquet_rows(self.fs, join(self.errors, shard.name)) if rows is not None else None
+        rows = self._rows(f"{self.results}/{shard.name}")
+        errors = self._rows(f"{self.errors}/{shard.name}") if rows is not None else None
         return ShardCounts(rows, errors) if errors is not None else None
 
     def commit(self, shard: Shard, results: pa.Table, errors: pa.Table) -> ShardCounts:
-        storage.write_atomic(self.fs, join(self.errors, shard.name), errors)
-        storage.write_atomic(self.fs, join(self.results, shard.name), results)  # the commit point
+        self._write(f"{self.errors}/{shard.name}", lambda stream: pq.write_table(errors, stream))
+        self._write(f"{self.results}/{shard.name}", lambda stream: pq.write_table(results, stream))  # the commit
         return ShardCounts(results.num_rows, errors.num_rows)
+
+    def _write(self, path: str, write: Callable) -> None:
+        """`write(stream)` to a hidden temporary file (Parquet dataset readers skip it), then moved to `path`."""
+        parent, name = path.rsplit("/", 1)
+        tmp = f"{parent}/.{name}.{uuid.uuid4().hex}{TMP_SUFFIX}"
+        with self.fs.open_output_stream(tmp) as stream:
+            write(stream)
+        self.fs.move(tmp, path)
+
+    def _rows(self, path: str) -> int | None:
+        """Rows of a complete Parquet file; None when it is missing or unreadable (e.g. cut by a machine crash)."""
+        try:
+            with self.fs.open_input_file(path) as handle:
+                return pq.ParquetFile(handle).metadata.num_rows
+        except (OSError, pa.ArrowException):
+            return None

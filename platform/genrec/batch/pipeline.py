@@ -120,14 +120,7 @@ def _run_stages(pending: list[Shard], plan: list[tuple[Job, Execution]], run_id:
         job.connect()
         dataset = dataset.map_batches(
             ShardWorker,
-            fn_constructor_kwargs={
-                "job": job,
-                "run_id": run_id,
-                "hand_on": k < len(plan) - 1,
-                "threads": run_on.threads,
-                "pin_threads": run_on.pin_threads,
-                "kv_budget_bytes": run_on.kv_budget_bytes,
-            },
+            fn_constructor_kwargs={"job": job, "run_id": run_id, "hand_on": k < len(plan) - 1, "execution": run_on},
             batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
             batch_format="pyarrow",
             compute=ActorPoolStrategy(size=min(run_on.actors, len(pending))),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -22,8 +23,17 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from genrec.batch.storage import filesystem
 from genrec.errors import GenrecError
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) of a local path (relative to the current directory) or a URI (s3://...)."""
+    if "://" not in uri:
+        uri = str(Path(uri).expanduser().resolve())
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+        raise GenrecError(f"{uri}: not a usable path or filesystem URI ({err})") from None
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ class UsersInput:
             raise GenrecError(f"{uri}: no .parquet files in this directory")
         self.files = [self._describe(path) for path in paths]
         self.columns = self._check_schema()
+        self._read: tuple[tuple, pa.Table] | None = None  # the row groups `read` read last
 
     def _describe(self, path: str) -> InputFile:
         try:
@@ -195,27 +206,16 @@ class UsersInput:
         where = "" if k == file_index else f" of {self.files[k].path.removeprefix(self.root).lstrip('/')}"
         return f"repeats row {first - offsets[k]}{where}"
 
-    def file(self, path: str) -> InputFile:
-        return next(f for f in self.files if f.path == path)
-
-
-class ShardReader:
-    """Reads a shard's rows: the row groups that cover it, kept while consecutive shards fall in them."""
-
-    def __init__(self, users: UsersInput):
-        self.users = users
-        self._cached: tuple[tuple, pa.Table] | None = None
-
     def read(self, shard: Shard) -> pa.Table:
-        file = self.users.file(shard.path)
+        """A shard's rows: the row groups that cover it, kept while consecutive shards fall in them."""
+        file = next(f for f in self.files if f.path == shard.path)
         starts, ends = file.row_group_starts, (*file.row_group_starts[1:], file.rows)
         groups = [i for i, (s, e) in enumerate(zip(starts, ends, strict=True)) if s < shard.stop and e > shard.start]
-        key = (shard.path, tuple(groups))
-        if self._cached is None or self._cached[0] != key:
-            with self.users.fs.open_input_file(shard.path) as handle:
-                table = pq.ParquetFile(handle).read_row_groups(groups, columns=self.users.columns)
-            self._cached = (key, table)
-        return self._cached[1].slice(shard.start - starts[groups[0]], shard.rows)
+        if self._read is None or self._read[0] != (shard.path, groups):
+            with self.fs.open_input_file(shard.path) as handle:
+                table = pq.ParquetFile(handle).read_row_groups(groups, columns=self.columns)
+            self._read = ((shard.path, groups), table)
+        return self._read[1].slice(shard.start - starts[groups[0]], shard.rows)
 
 
 def _parquet_files(fs: pafs.FileSystem, root: str) -> list[str]:

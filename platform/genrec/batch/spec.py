@@ -1,8 +1,7 @@
-"""What a batch run computes (its spec, whose identity a rerun must share) and how it executes (Execution).
+"""What a batch run computes (its spec: a rerun must have the same identity) and how it executes (Execution).
 
 One spec per job kind over a shared base: RecommendSpec (retrieve, or with `score` recommend), FunnelSpec (that,
-then the HSTU ranker), RankSpec (the ranking model on given candidates). Their fields are the jobs' flags
-(job_args derives them); `check_models` refuses a model directory of the wrong family before any work."""
+then the HSTU ranker), RankSpec (the ranking model on given candidates). Their fields are the jobs' flags."""
 
 from __future__ import annotations
 
@@ -20,6 +19,12 @@ from genrec.model.directory import GENREC_SUBDIR, ModelDir
 from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
 
 FORMAT = 3  # bump when the output layout or columns change (3: repeated user_ids refused)
+WRONG_FAMILY = {  # a job's refusal of the other family's model directory
+    "qwen3": "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
+    "Qwen3 semantic-ID model",
+    "hstu": f"not an HSTU ranking model (config.json model_type is not {HSTU_MODEL_TYPE!r}); batch ranking needs "
+    "one (a Qwen3 semantic-ID model recommends: jobs/batch_recommend.py)",
+}
 
 
 class JobSpec(EngineOptions):
@@ -27,7 +32,7 @@ class JobSpec(EngineOptions):
     The engine's options (EngineOptions: dtype, the scoring chunk, the fast path...) are part of it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    renamed: ClassVar[dict[str, str]] = {}  # deprecated flag's field -> the field it is now (job_args warns)
+    renamed: ClassVar[dict[str, str]] = {}  # a deprecated flag's name -> the field it sets now
 
     model: str = Field(description="model directory")
     users: str = Field(description="users Parquet file or directory (local path or URI)")
@@ -47,7 +52,7 @@ class JobSpec(EngineOptions):
         }
 
     def check_models(self) -> None:
-        """Refuse, on the driver before any work, a model directory of the wrong family."""
+        """Refuse, on the driver before any work, a model directory of the other family."""
 
 
 class RecommendSpec(JobSpec):
@@ -57,13 +62,9 @@ class RecommendSpec(JobSpec):
 
     beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search")
     num_results: int | None = Field(None, ge=1, description="items per user (default: beam_width)")
-    score: bool = Field(
-        False, description="recommend: label-score the retrieved items and the given candidates on the same prefill"
-    )
+    score: bool = Field(False, description="recommend: label-score the retrieved and the given items, one prefill")
     order_by: Literal["score", "joint"] = Field(
-        "score",
-        description="with score, the order: by the label score, or by log P(item) + score_weight * log P(label | "
-        "item) (RecommendRequest.rank_by)",
+        "score", description="with score: by the label's logprob, or by the item's + score_weight * the label's"
     )
     score_weight: float = Field(
         1.0, ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False, description="with order_by joint: the label's weight"
@@ -81,7 +82,7 @@ class RecommendSpec(JobSpec):
         return self
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
-        return {  # "rank", "rank_by": the names score and order_by had; kept, so that run_ids stay the same
+        return {  # "rank", "rank_by": score's and order_by's names before; kept, so that run_ids stay the same
             **super().identity(model_version, input_fingerprint),
             "beam_width": self.beam_width,
             "num_results": self.num_results or self.beam_width,
@@ -92,26 +93,17 @@ class RecommendSpec(JobSpec):
         }
 
     def check_models(self) -> None:
-        if ModelDir.open(self.model).family == "hstu":
-            raise ModelDirectoryError(
-                self.model,
-                "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
-                "Qwen3 semantic-ID model",
-            )
+        model_dir(self.model, "qwen3")
 
 
 class FunnelSpec(RecommendSpec):
-    """Retrieve (or recommend) for every user, then rank each user's items after the user's history. The ranker
-    is checked when the spec is made."""
+    """Retrieve (or recommend), then rank each user's items after the user's history; the ranker is checked here."""
 
     applies_to: ClassVar[str] = "the ranking stage"  # what its own flags are for (without --ranker: refused)
 
     ranker: str = Field(description="HSTU ranking model: a second stage ranks each user's items after its history")
     rank_task: str | None = Field(
-        None,
-        validate_default=True,
-        description="a task of the ranker: the final order is by its probability, highest first (ties in stage 1's "
-        "order); default: the ranker's first task",
+        None, validate_default=True, description="a task of the ranker: the final order (default: its first)"
     )
 
     @field_validator("ranker")
@@ -134,22 +126,15 @@ class FunnelSpec(RecommendSpec):
         return task or tasks[0]
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
-        return {
-            **super().identity(model_version, input_fingerprint),
-            "job": "funnel",
-            "ranker_version": ModelDir.open(self.ranker).version,
-            "rank_task": self.rank_task,
-        }
+        ranker = {"job": "funnel", "ranker_version": ModelDir.open(self.ranker).version, "rank_task": self.rank_task}
+        return {**super().identity(model_version, input_fingerprint), **ranker}
 
 
 class RankSpec(JobSpec):
     """The rank job: rank every user's given candidates with a ranking (HSTU) model."""
 
     rank_by: str | None = Field(
-        None,
-        min_length=1,
-        description="a task of the model: rank each user's candidates by its probability, highest first (ties in "
-        "the candidates' order); default: rank = the candidates' order",
+        None, min_length=1, description="a task of the model: the order, ties in the candidates' (default: theirs)"
     )
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
@@ -161,19 +146,18 @@ class RankSpec(JobSpec):
             raise GenrecError(f"rank_by {self.rank_by!r} is not a task of the model (its tasks: {', '.join(tasks)})")
 
 
-def ranking_config(model: str) -> HSTUConfig:
-    """The config of an HSTU ranking model directory; anything else (a Qwen3 model, a missing catalog) is one
-    clear error."""
-    directory = ModelDir.open(model)
-    if directory.family != "hstu":
-        raise ModelDirectoryError(
-            directory.path,
-            f"not an HSTU ranking model (config.json model_type is not {HSTU_MODEL_TYPE!r}); batch ranking needs "
-            "one (a Qwen3 semantic-ID model recommends: jobs/batch_recommend.py)",
-        )
-    if not directory.catalog_path.exists():
+def model_dir(path: str, family: str) -> ModelDir:
+    """The model directory, if of `family` (and an HSTU one with its catalog); else one clear error."""
+    directory = ModelDir.open(path)
+    if directory.family != family:
+        raise ModelDirectoryError(directory.path, WRONG_FAMILY[family])
+    if family == "hstu" and not directory.catalog_path.exists():
         raise ModelDirectoryError(directory.path, f"{GENREC_SUBDIR}/catalog.parquet is missing (the item catalog)")
-    return directory.config
+    return directory
+
+
+def ranking_config(model: str) -> HSTUConfig:
+    return model_dir(model, "hstu").config
 
 
 def run_id_of(identity: dict) -> str:
@@ -190,15 +174,13 @@ class Execution(BaseModel):
     gpu_wait_s: float = Field(
         0.0,
         ge=0,
-        description="with num_gpus, when no node has the GPUs and the autoscaler publishes no GPU node type (ray "
-        "up): ask it for one and wait this long for it (0: refuse at once)",
+        description="when no node has the GPUs, nor a node type of the autoscaler (ray up): ask it for one, "
+        "wait this long (0: refuse at once)",
     )
     cpus_per_actor: float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
     threads: int | None = Field(None, ge=1, description="torch threads per actor (default: Ray's, 1 per CPU)")
     pin_threads: bool = Field(False, description="bind each actor's threads to `threads` cores (Linux)")
-    kv_budget_bytes: int | None = Field(
-        None, ge=1, description="each actor's KV pool (default: 4 GiB on the CPU, half the free GPU memory)"
-    )
+    kv_budget_bytes: int | None = Field(None, ge=1, description="each actor's KV pool (default: by device)")
     max_error_fraction: float = Field(0.01, ge=0, le=1, description="exit 1 above this fraction of bad rows")
     progress: bool = Field(True, description="Ray Data progress bars")
 

@@ -38,36 +38,21 @@ def errors_table(user_ids: pa.Array, errors: list[RowError], first_row: int, run
     return pa.table(columns)
 
 
-def recommendations_schema(user_id: pa.DataType) -> pa.Schema:
-    return pa.schema(
-        [
-            ("user_id", user_id),
-            ("rank", pa.int32()),  # 1 = best
-            ("item_id", pa.string()),
-            ("semantic_id", pa.list_(pa.int64())),
-            ("retrieval_logprob", pa.float64()),  # null for a given candidate (recommend)
-            ("code_logprob", pa.float64()),  # log P(item | prompt); null for a given one unless ordered by joint
-            ("score", pa.float64()),  # recommend: the label logprob; retrieve: null
-            ("model_version", pa.string()),
-            ("run_id", pa.string()),
-        ]
-    )
-
-
 def recommendations_table(
     user_ids: pa.Array, positions: list[int], results: list, scored: bool, model_version: str, run_id: str
 ) -> pa.Table:
-    """`results`: RetrieveResults (items ranked by beam logprob) or, `scored`, RecommendResults (in their order)."""
+    """`results`: RetrieveResults (items ranked by beam logprob) or, `scored`, RecommendResults (in their order).
+    retrieval_logprob is null for a given candidate, code_logprob too unless ordered by joint; score is null unless
+    `scored`."""
     items = [item for r in results for item in r.items]
     columns = {
-        "item_id": [item.item_id for item in items],
-        "semantic_id": [item.semantic_id for item in items],
-        "retrieval_logprob": [item.retrieval_logprob if scored else item.logprob for item in items],
-        "code_logprob": [item.code_logprob if scored else item.logprob for item in items],
-        "score": [item.score_logprob if scored else None for item in items],
+        "item_id": pa.array([item.item_id for item in items], pa.string()),
+        "semantic_id": pa.array([item.semantic_id for item in items], pa.list_(pa.int64())),
+        "retrieval_logprob": _floats(item.retrieval_logprob if scored else item.logprob for item in items),
+        "code_logprob": _floats(item.code_logprob if scored else item.logprob for item in items),
+        "score": _floats(item.score_logprob if scored else None for item in items),
     }
-    counts = [len(r.items) for r in results]
-    return _per_user(user_ids, positions, counts, columns, model_version, run_id, recommendations_schema(user_ids.type))
+    return _per_user(user_ids, positions, [len(r.items) for r in results], columns, model_version, run_id)
 
 
 def rankings_table(
@@ -85,20 +70,10 @@ def rankings_table(
     ranked = [r.items if rank_by is None else sorted(r.items, key=lambda i: -i.scores[rank_by]) for r in results]
     items = [item for user in ranked for item in user]
     columns = {
-        "item_id": [item.item_id for item in items],
-        **{TASK_PREFIX + task: [item.scores.get(task) for item in items] for task in tasks},
+        "item_id": pa.array([item.item_id for item in items], pa.string()),
+        **{TASK_PREFIX + task: _floats(item.scores.get(task) for item in items) for task in tasks},
     }
-    schema = pa.schema(
-        [
-            ("user_id", user_ids.type),
-            ("rank", pa.int32()),  # 1 = best by the rank_by task; without one, the candidate's place in the list
-            ("item_id", pa.string()),
-            *((TASK_PREFIX + task, pa.float64()) for task in tasks),
-            ("model_version", pa.string()),
-            ("run_id", pa.string()),
-        ]
-    )
-    return _per_user(user_ids, positions, [len(r) for r in ranked], columns, model_version, run_id, schema)
+    return _per_user(user_ids, positions, [len(r) for r in ranked], columns, model_version, run_id)
 
 
 def funnel_table(
@@ -106,7 +81,8 @@ def funnel_table(
 ) -> pa.Table:
     """`retrieved`: stage 1's rows (with ROW), each user's together in stage 1's order. `results`: shard row ->
     the RankResult of that user's items the ranker knows (None: it knows none); the users left out (refused by the
-    ranker) are left out. The final order and the unknown items' place: genrec.funnel.final_order."""
+    ranker) are left out. The final order and the unknown items' place (their probabilities null):
+    genrec.funnel.final_order."""
     item_ids = retrieved.column("item_id").to_pylist()
     order, scores, counts = [], [], []
     for position, lo, hi in user_spans(retrieved.column(ROW).to_numpy()):
@@ -117,22 +93,12 @@ def funnel_table(
             order.append(lo + k)
             scores.append(ranked.get(item_ids[lo + k]))
         counts.append(hi - lo)
-    table = retrieved.take(pa.array(order, pa.int64()))
-    columns = {
-        **{name: table.column(name) for name in table.column_names if name != ROW},
-        "rank": _ranks(counts),
-        "retrieval_rank": table.column("rank"),
-        **{TASK_PREFIX + t: pa.array([None if s is None else s[t] for s in scores], pa.float64()) for t in tasks},
-        "ranker_version": pa.array([version] * len(order), pa.string()),
-    }
-    after = {"rank": [("retrieval_rank", pa.int32())], "model_version": [("ranker_version", pa.string())]}
-    fields = []
-    for field in recommendations_schema(retrieved.schema.field("user_id").type):
-        if field.name == "model_version":  # null: an item the ranker does not know
-            fields += [(TASK_PREFIX + t, pa.float64()) for t in tasks]
-        fields += [field, *after.get(field.name, [])]
-    schema = pa.schema(fields)
-    return pa.table([columns[name] for name in schema.names], schema=schema)
+    kept = retrieved.take(pa.array(order, pa.int64()))
+    columns = {"user_id": kept["user_id"], "rank": _ranks(counts), "retrieval_rank": kept["rank"]}
+    columns |= {name: kept[name] for name in ("item_id", "semantic_id", "retrieval_logprob", "code_logprob", "score")}
+    columns |= {TASK_PREFIX + t: _floats(None if s is None else s[t] for s in scores) for t in tasks}
+    columns |= {"model_version": kept["model_version"], "ranker_version": pa.array([version] * len(order), pa.string())}
+    return pa.table(columns | {"run_id": kept["run_id"]})
 
 
 def user_spans(rows: np.ndarray) -> list[tuple[int, int, int]]:
@@ -144,12 +110,13 @@ def user_spans(rows: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(rows[s]), int(s), int(e)) for s, e in zip(starts, ends, strict=True)]
 
 
-def _per_user(user_ids, positions, counts, columns, model_version, run_id, schema) -> pa.Table:
-    """Rows that list each user's items best first, `counts[k]` of them for the user of shard row `positions[k]`."""
+def _per_user(user_ids, positions, counts, columns, model_version, run_id) -> pa.Table:
+    """Rows that list each user's items best first, `counts[k]` of them for the user of shard row `positions[k]`:
+    user_id, rank (1 = best), `columns`, model_version, run_id."""
     rows = int(sum(counts))
-    users = user_ids.take(pa.array(np.repeat(np.asarray(positions, np.int64), counts)))
-    stamps = {"model_version": [model_version] * rows, "run_id": [run_id] * rows}
-    return pa.table({"user_id": users, "rank": _ranks(counts), **columns, **stamps}, schema=schema)
+    users = user_ids.take(pa.array(np.repeat(np.asarray(positions, np.int64), counts), pa.int64()))
+    version, run = pa.array([model_version] * rows, pa.string()), pa.array([run_id] * rows, pa.string())
+    return pa.table({"user_id": users, "rank": _ranks(counts), **columns, "model_version": version, "run_id": run})
 
 
 def _ranks(counts: list[int]) -> pa.Array:
@@ -157,3 +124,7 @@ def _ranks(counts: list[int]) -> pa.Array:
     counts = np.asarray(counts, np.int64)
     first_of_user = np.repeat(np.cumsum(counts) - counts, counts)
     return pa.array(np.arange(int(counts.sum())) - first_of_user + 1, pa.int32())
+
+
+def _floats(values) -> pa.Array:
+    return pa.array(list(values), pa.float64())

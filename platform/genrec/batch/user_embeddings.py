@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
+from types import SimpleNamespace
 
 from genrec.cache.config import CacheConfig
 from genrec.errors import GenrecError
@@ -20,20 +20,6 @@ def lookup(cache, user_ids: list) -> list[list[float] | None]:
     return out
 
 
-class _ThroughCache:
-    """The Store protocol of `load_parquet` over the cache client: each put writes the actor's durable store
-    first and then its table, so the load is durable and warms the actor in one pass."""
-
-    def __init__(self, cache, dim: int):
-        self.cache, self.dim = cache, dim
-
-    def put_many(self, keys: np.ndarray, vectors: np.ndarray) -> None:
-        self.cache.put(keys, vectors)
-
-    def close(self) -> None:
-        pass
-
-
 def load_user_embeddings(path: str, config: CacheConfig, dim: int | None = None, batch_rows: int = 65536) -> dict:
     """Bulk-load a `user_id, embedding` Parquet into the cache (created if it does not exist yet). The width is
     `dim`, else the configuration's, else the file's first embedding's."""
@@ -45,7 +31,8 @@ def load_user_embeddings(path: str, config: CacheConfig, dim: int | None = None,
     from genrec.cache.actor import EmbeddingCache  # after ensure_ray: it imports Ray
 
     cache = EmbeddingCache.connect(config)
-    loaded = load_parquet(path, _ThroughCache(cache, config.dim), batch_rows=batch_rows)
+    # Each put writes the actor's durable store, then its table: the load is durable and warms the actor in one pass.
+    loaded = load_parquet(path, SimpleNamespace(dim=config.dim, put_many=cache.put), batch_rows=batch_rows)
     resident = sum(s["resident"] for s in cache.stats())
     return {"cache": config.name, "shards": config.shards, "dim": config.dim, "loaded": loaded, "resident": resident}
 

@@ -17,42 +17,29 @@ import pyarrow as pa
 
 from genrec.batch.jobs import Job, Rows
 from genrec.batch.output import OutputDir
-from genrec.batch.shards import SHARD_SCHEMA, Shard, ShardReader, UsersInput
+from genrec.batch.shards import SHARD_SCHEMA, Shard, UsersInput
+from genrec.batch.spec import Execution
 from genrec.batch.tables import ROW, RowError, errors_table
 from genrec.errors import GenrecError, InvalidRequestError
 
-REPORT = pa.schema(
-    [
-        ("shard", pa.int64()),
-        ("users", pa.int64()),
-        ("rows", pa.int64()),
-        ("errors", pa.int64()),
-        ("skipped", pa.bool_()),
-    ]
-)
+REPORT = pa.schema([*((name, pa.int64()) for name in ("shard", "users", "rows", "errors")), ("skipped", pa.bool_())])
 HANDOFF = pa.schema([*SHARD_SCHEMA, ("results", pa.large_binary()), ("errors", pa.large_binary())])
 
 
 class ShardWorker:
-    def __init__(
-        self,
-        job: Job,
-        run_id: str,
-        hand_on: bool = False,
-        threads: int | None = None,
-        kv_budget_bytes: int | None = None,
-        pin_threads: bool = False,
-    ):
+    def __init__(self, job: Job, run_id: str, hand_on: bool = False, execution: Execution = Execution()):
+        """`hand_on`: hand the shards on to the next stage; `execution`: its threads and KV budget are the actor's."""
         from genrec.engine import Engine, SchedulerConfig
         from genrec.threads import apply_threads
 
         # Before the model loads, so that torch's threads start on their cores.
-        self.threads = apply_threads(threads, pin_threads, threads_name="--threads", pin_name="--pin-threads")
+        run = execution
+        self.threads = apply_threads(run.threads, run.pin_threads, threads_name="--threads", pin_name="--pin-threads")
         self.job, self.run_id, self.hand_on, spec = job, run_id, hand_on, job.spec
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
-        scheduler = SchedulerConfig(kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=0)
+        scheduler = SchedulerConfig(kv_budget_bytes=run.kv_budget_bytes, prefix_cache_bytes=0)
         self.engine = Engine.from_pretrained(job.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs())
-        self.reader = ShardReader(UsersInput(spec.users, job.layout))
+        self.users = UsersInput(spec.users, job.layout)
         self.out = OutputDir(spec.out, job.results)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -73,7 +60,7 @@ class ShardWorker:
 
     def compute(self, shard: Shard, handed: tuple | None = None) -> tuple[pa.Table, pa.Table]:
         """The shard's (results, errors) tables: its rows parsed, one engine run, a request that fails a row error."""
-        rows = Rows(self.reader.read(shard), self.engine.model_version, self.run_id, handed and handed[0])
+        rows = Rows(self.users.read(shard), self.engine.model_version, self.run_id, handed and handed[0])
         parsed = self.job.parse(rows)
         if handed and handed[1] is not None:  # the stage before's errors
             parsed.errors += [RowError(e["row"] - shard.start, e["field"], e["reason"]) for e in handed[1].to_pylist()]

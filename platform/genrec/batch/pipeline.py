@@ -54,9 +54,15 @@ class Summary:
         return self.error_fraction > max_error_fraction
 
 
-def run(spec: JobSpec, execution: Execution = Execution(), ranking: RankingExecution = RankingExecution()) -> Summary:
+def run(
+    spec: JobSpec,
+    execution: Execution = Execution(),
+    ranking: RankingExecution = RankingExecution(),
+    worker: type[ShardWorker] = ShardWorker,
+) -> Summary:
     """Run the spec's job over the input's shards that are not committed yet (`ranking`: the funnel's ranking
-    stage's pool); the last stage commits them (its `results` folder is the output's) and reports."""
+    stage's pool; `worker`: the class Ray Data runs, a test's may subclass it); the last stage commits them (its
+    `results` folder is the output's) and reports."""
     start = time.perf_counter()
     spec.check_models()
     plan = stages(spec, execution, ranking)
@@ -82,7 +88,7 @@ def run(spec: JobSpec, execution: Execution = Execution(), ranking: RankingExecu
         except GenrecError:
             out.abandon_new_run()  # nothing ran: the rerun (e.g. with --num-gpus 0) is a new run
             raise
-        for report in _run_stages(pending, plan, run_id):
+        for report in _run_stages(pending, plan, run_id, worker):
             first_shard_s = first_shard_s or round(time.perf_counter() - start, 3)
             if report["skipped"]:  # committed meanwhile by a late worker of a killed run
                 skipped += report["users"]
@@ -110,7 +116,7 @@ def run(spec: JobSpec, execution: Execution = Execution(), ranking: RankingExecu
     )
 
 
-def _run_stages(pending: list[Shard], plan: list[tuple[Job, Execution]], run_id: str):
+def _run_stages(pending: list[Shard], plan: list[tuple[Job, Execution]], run_id: str, worker: type[ShardWorker]):
     ray = ensure_ray()
     from ray.data import ActorPoolStrategy
 
@@ -119,7 +125,7 @@ def _run_stages(pending: list[Shard], plan: list[tuple[Job, Execution]], run_id:
     for k, (job, run_on) in enumerate(plan):
         job.connect()
         dataset = dataset.map_batches(
-            ShardWorker,
+            worker,
             fn_constructor_kwargs={"job": job, "run_id": run_id, "hand_on": k < len(plan) - 1, "execution": run_on},
             batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
             batch_format="pyarrow",

@@ -33,11 +33,12 @@ class ShardWorker:
         from genrec.threads import apply_threads
 
         # Before the model loads, so that torch's threads start on their cores.
-        run = execution
-        self.threads = apply_threads(run.threads, run.pin_threads, threads_name="--threads", pin_name="--pin-threads")
+        self.threads = apply_threads(
+            execution.threads, execution.pin_threads, threads_name="--threads", pin_name="--pin-threads"
+        )
         self.job, self.run_id, self.hand_on, spec = job, run_id, hand_on, job.spec
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
-        scheduler = SchedulerConfig(kv_budget_bytes=run.kv_budget_bytes, prefix_cache_bytes=0)
+        scheduler = SchedulerConfig(kv_budget_bytes=execution.kv_budget_bytes, prefix_cache_bytes=0)
         self.engine = Engine.from_pretrained(job.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs())
         self.users = UsersInput(spec.users, job.layout)
         self.out = OutputDir(spec.out, job.results)

@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from genrec.batch.recommend_worker import RecommendWorker  # noqa: E402
+from genrec.batch.jobs import Retrieve  # noqa: E402
+from genrec.batch.worker import ShardWorker  # noqa: E402
 from genrec.model.tiny import ModelSpec, write_model_dir  # noqa: E402
 
 TINY = ModelSpec(items=300, levels=3, codebook=8, user_dim=6, seed=1)
@@ -104,18 +105,18 @@ def _descendants(pid: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------------- batch
 
 
-class MarkingWorker(RecommendWorker):
-    """RecommendWorker that records the node of each shard it starts (in a folder outside the output) and takes a
+class MarkingWorker(ShardWorker):
+    """ShardWorker that records the node of each shard it starts (in a folder outside the output) and takes a
     little longer per shard, so that the node can be killed while shards are in flight."""
 
-    def run(self, shard):
+    def run(self, shard, handed=None):
         import ray
 
         marks = Path(os.environ["NODE_LOSS_MARKS"])
         marks.mkdir(parents=True, exist_ok=True)
         (marks / f"{shard.index}-{os.getpid()}").write_text(ray.get_runtime_context().get_node_id())
         time.sleep(0.4)
-        return super().run(shard)
+        return super().run(shard, handed)
 
 
 def write_users(path: Path) -> None:
@@ -134,10 +135,11 @@ def reference_output(spec) -> None:
     from genrec.batch.shards import UsersInput
     from genrec.model.directory import model_version
 
-    users = UsersInput(spec.users, RecommendWorker.layout)
+    job = Retrieve(spec)
+    users = UsersInput(spec.users, job.layout)
     version = model_version(spec.model)
-    run_id = OutputDir(spec.out, RecommendWorker.results).open_run(spec.identity(version, users.fingerprint()))
-    worker = RecommendWorker(spec, model_version=version, run_id=run_id)
+    run_id = OutputDir(spec.out, job.results).open_run(spec.identity(version, users.fingerprint()))
+    worker = ShardWorker(job, run_id=run_id)
     for shard in users.shards(spec.batch_size):
         worker.run(shard)
 
@@ -147,14 +149,13 @@ def output_files(out: Path) -> dict[str, bytes]:
 
 
 def batch_scenario(work: Path) -> dict:
-    from genrec.batch import BatchSpec, Execution
-    from genrec.batch.pipeline import run_shards
+    from genrec.batch import Execution, RecommendSpec, run
 
     model = write_model_dir(work / "model", TINY)
     write_users(work / "users.parquet")
     settings = dict(model=str(model), users=str(work / "users.parquet"), beam_width=6, num_results=3, batch_size=BATCH)
-    reference_output(BatchSpec(out=str(work / "reference"), **settings))
-    spec = BatchSpec(out=str(work / "out"), **settings)
+    reference_output(RecommendSpec(out=str(work / "reference"), **settings))
+    spec = RecommendSpec(out=str(work / "out"), **settings)
     marks = work / "marks"
     os.environ["NODE_LOSS_MARKS"] = str(marks)  # the nodes' workers inherit this process's environment
     cluster = Cluster(head_cpus=0, worker_cpus=1)
@@ -164,7 +165,7 @@ def batch_scenario(work: Path) -> dict:
 
         def job():
             try:
-                outcome["summary"] = run_shards(spec, execution, MarkingWorker)
+                outcome["summary"] = run(spec, execution, worker=MarkingWorker)
             except BaseException as err:  # noqa: BLE001 - the rerun below decides
                 outcome["error"] = f"{type(err).__name__}: {err}"
 
@@ -185,7 +186,7 @@ def batch_scenario(work: Path) -> dict:
         first_run = outcome.get("error") or "finished"
         summary = outcome.get("summary")
         if summary is None:  # the run failed: its rerun must complete the same output
-            summary = run_shards(spec, execution, MarkingWorker)
+            summary = run(spec, execution, worker=MarkingWorker)
         got, want = output_files(work / "out"), output_files(work / "reference")
         assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
         differ = [name for name in want if got[name] != want[name]]

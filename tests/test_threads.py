@@ -1,17 +1,17 @@
 """An engine's CPU thread settings (genrec.threads): the thread count and the binding to cores are applied, by the
 Serve replica and the batch actor from their options, and bad values are refused naming the setting at fault."""
 
-import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from pydantic import ValidationError
 
 from genrec import threads as thread_settings
-from genrec.batch import Execution
-from genrec.batch.job_args import add_shard_job_flags, execution, run_job
+from genrec.batch import Execution, RecommendSpec
+from genrec.batch.job_args import parse, run_job
 from genrec.serving import engine_server
 from genrec.serving.args import AppArgs, ReplicaOptions
 from genrec.threads import Applied, apply_threads, available_cores, check_thread_settings, choose_cores
@@ -162,9 +162,8 @@ def test_the_engine_replica_applies_its_thread_options_before_loading(monkeypatc
 
 
 def _execution(*flags: str) -> Execution:
-    parser = argparse.ArgumentParser()
-    add_shard_job_flags(parser, users_help="users")
-    return execution(parser.parse_args(["--model", "m", "--users", "u", "--out", "o", *flags]))
+    _, (run,) = parse(((RecommendSpec, Execution),), ["--model", "m", "--users", "u", "--out", "o", *flags])
+    return run
 
 
 def test_the_batch_flags_reach_the_execution():
@@ -191,9 +190,9 @@ def test_the_batch_actor_applies_its_thread_options_before_loading(monkeypatch):
         raise _Stop
 
     monkeypatch.setattr(thread_settings, "apply_threads", recording)
-    spec = JobSpec.model_construct(model="m", users="u", out="o", device="cpu")
+    job = SimpleNamespace(spec=JobSpec.model_construct(model="m", users="u", out="o", device="cpu"), model="m")
     with pytest.raises(_Stop):
-        ShardWorker(spec, "v", "run", threads=2, pin_threads=True)
+        ShardWorker(job, "run", execution=Execution(threads=2, pin_threads=True))
     assert calls == [(2, True, "--threads", "--pin-threads")]
 
 

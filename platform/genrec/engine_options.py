@@ -1,4 +1,4 @@
-"""How an Engine is built: the options a Serve config (`AppArgs`) and a batch run (`BatchSpec`) share."""
+"""How an Engine is built: the options a Serve config's engine sections and a batch job's spec share."""
 
 from __future__ import annotations
 

@@ -225,8 +225,8 @@ def _cache_flags(cache: CacheConfig) -> list[str]:
 def _batch_flags(models: Models, users: Path, out: Path, beam: int, cache: CacheConfig, ranking: dict):
     return [
         *("--model", str(models.retriever), "--users", str(users), "--out", str(out)),
-        *("--beam-width", str(beam), "--num-results", str(beam), "--rank"),
-        *("--rank-by", ranking["rank_by"], "--score-weight", str(ranking["score_weight"])),
+        *("--beam-width", str(beam), "--num-results", str(beam), "--score"),
+        *("--order-by", ranking["rank_by"], "--score-weight", str(ranking["score_weight"])),
         *("--ranker", str(models.ranker), "--rank-task", RANK_TASK),
         *("--batch-size", str(BATCH_SIZE), "--threads", "1", "--no-progress"),
         *_cache_flags(cache),

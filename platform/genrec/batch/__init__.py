@@ -6,7 +6,7 @@ from genrec.batch.spec import Execution, FunnelSpec, RankingExecution, RankSpec,
 from genrec.batch.user_embeddings import load_user_embeddings
 from genrec.cache.config import CacheConfig
 
-# The names before one job shape (issue #28), for callers outside genrec.batch until they move; for one release.
+# The names before one job shape, kept for one release: BatchSpec is RecommendSpec; each run_* is run.
 BatchSpec, run_batch, run_funnel, run_rank = RecommendSpec, run, run, run
 
 __all__ = [

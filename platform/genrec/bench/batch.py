@@ -153,15 +153,15 @@ def _plain_loop(o: BatchOptions, model_dir) -> tuple[dict, list]:
 
 def _ray_job(o: BatchOptions, model_dir, users_path, out, actors: int, ranking: bool = False) -> dict:
     """The retrieve job, or with `ranking` the funnel (o.ranker, o.rank_actors ranking actors)."""
-    from genrec.batch import BatchSpec, Execution, FunnelSpec, RankingExecution, run_batch, run_funnel
+    from genrec.batch import Execution, FunnelSpec, RankingExecution, RecommendSpec, run
 
     settings = dict(model=str(model_dir), users=str(users_path), out=str(out), beam_width=o.beam_width)
     execution = Execution(actors=actors, threads=o.threads, progress=False)
     if not ranking:
-        summary = run_batch(BatchSpec(**settings, batch_size=o.batch_size), execution)
+        summary = run(RecommendSpec(**settings, batch_size=o.batch_size), execution)
     else:
         spec = FunnelSpec(**settings, batch_size=o.batch_size, ranker=str(o.ranker))
-        summary = run_funnel(spec, execution, RankingExecution(rank_actors=o.rank_actors))
+        summary = run(spec, execution, RankingExecution(rank_actors=o.rank_actors))
     return {
         "actors": actors,
         "seconds": summary.seconds,

@@ -5,8 +5,7 @@ import subprocess
 import pytest
 import torch
 
-from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
-from genrec.model.tiny import ModelSpec, write_model_dir
+from genrec.model.tiny import HSTUSpec, ModelSpec, write_hstu_dir, write_model_dir
 
 TINY = ModelSpec(items=300, levels=3, codebook=8, user_dim=6, seed=1)
 
@@ -104,7 +103,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def redis_url():
     """A real redis-server on 127.0.0.1 and a free port; installed with apt if the machine lacks it."""
-    from genrec.bench.redis_server import LocalRedis
+    from genrec.bench.cache import LocalRedis
 
     if shutil.which("redis-server") is None:
         subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True)

@@ -210,7 +210,7 @@ def batch_scenario(work: Path) -> dict:
 
 
 def cache_scenario(work: Path) -> dict:
-    from genrec.bench.redis_server import LocalRedis
+    from genrec.bench.cache import LocalRedis
 
     with LocalRedis() as url:
         cluster = Cluster(head_cpus=1, worker_cpus=1, worker_resources=({"cache_host": 1}, {"cache_host": 1}))

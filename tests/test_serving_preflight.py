@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from genrec.errors import ModelDirectoryError
-from genrec.model.hstu_tiny import write_hstu_dir
+from genrec.model.tiny import write_hstu_dir
 from genrec.serving import preflight
 from genrec.serving.app import build_app
 from genrec.serving.args import AppArgs, EngineSection

@@ -14,8 +14,7 @@ import pytest
 from ray.serve._private.request_router.common import RequestRoutingContext
 
 from genrec.api import Event, RankRequest
-from genrec.serving.router import ROUTING_KEY, UserRouter, ranks, rendezvous_order, widening
-from genrec.serving.routing_key import FIRST_BLOCK, routing_key
+from genrec.serving.router import FIRST_BLOCK, ROUTING_KEY, UserRouter, ranks, rendezvous_order, routing_key, widening
 from genrec.serving.schemas import RankBody, RetrieveBody
 from tests.conftest import TINY
 from tests.serve_apps import delete, deploy_many, sticky

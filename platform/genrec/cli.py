@@ -40,7 +40,7 @@ def tiny_model(
     if family not in ("qwen3", "hstu"):
         raise typer.BadParameter("--family must be qwen3 or hstu")
     if family == "hstu":
-        from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
+        from genrec.model.tiny import HSTUSpec, write_hstu_dir
 
         make_room(out_dir, force)
         hstu = HSTUSpec(items=items, hidden=hidden, layers=layers, heads=heads, head_dim=head_dim, seed=seed)
@@ -102,7 +102,7 @@ def deploy(
 ):
     """`serve deploy`, sent only if the config passes `genrec.serving.check` (Serve would accept a `user_config`
     that does not validate and leave the replicas to refuse it): otherwise one `error:` line each, exit 2."""
-    from genrec.serving.deploy import deploy as deploy_config
+    from genrec.serving.check import deploy as deploy_config
 
     raise typer.Exit(deploy_config(config, address, check_model))
 

@@ -1,17 +1,23 @@
 """`genrec bench cache`: batched get throughput of the in-process table, the Ray actor path and Redis MGET
-on the same keys and batches, and each eviction policy's hit rate at 10 % capacity under a Zipf workload."""
+on the same keys and batches, and each eviction policy's hit rate at 10 % capacity under a Zipf workload.
+
+Redis is a private redis-server on 127.0.0.1 and a free port (`LocalRedis`; the tests' real server too). It only
+starts an installed redis-server; installing one is the caller's business (the tests' fixture does)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import socket
+import subprocess
+import tempfile
 import time
 
 import numpy as np
 
 from genrec.bench.cli import CacheOptions
 from genrec.bench.common import machine
-from genrec.bench.redis_server import LocalRedis
 from genrec.cache import EmbeddingTable, RedisStore
 from genrec.cache.policies import POLICIES
 
@@ -138,3 +144,54 @@ def _hit_rate(policy, vectors, capacity, workload) -> float:
     for b in workload[warm:]:
         table.get(b)
     return (table.stats.hits - hits) / ((table.stats.hits - hits) + (table.stats.misses - misses))
+
+
+class LocalRedis:
+    """`with LocalRedis() as url:` starts redis-server, then stops it."""
+
+    def __init__(self):
+        self.server: subprocess.Popen | None = None
+        self.workdir: str | None = None
+
+    def __enter__(self) -> str:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server not found: install it (e.g. apt-get install redis-server) or pass --redis-url"
+            )
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.workdir = tempfile.mkdtemp(prefix="genrec-redis-")
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.server = subprocess.Popen(
+            [*args, "--dir", self.workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            _wait_for(port)
+        except BaseException:
+            self.__exit__()
+            raise
+        return f"redis://127.0.0.1:{port}/0"
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.terminate()
+            self.server.wait(10)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _wait_for(port: int, seconds: float = 10.0) -> None:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

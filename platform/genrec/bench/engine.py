@@ -236,11 +236,11 @@ def rank(o: RankOptions) -> dict:
 
 
 def _hstu_preset(name: str) -> Path:
-    from genrec.model.hstu_tiny import preset, write_hstu_dir
+    from genrec.model.tiny import hstu_preset, write_hstu_dir
 
     target = presets_root() / f"hstu-{name}"
     if not (target / "genrec" / "catalog.parquet").exists():
-        write_hstu_dir(target, preset(name))
+        write_hstu_dir(target, hstu_preset(name))
     return target
 
 

@@ -157,7 +157,7 @@ def _funnel_models(model: Path | None, ranker: Path | None, scratch: Path) -> tu
 
         model = write_model_dir(scratch / "qwen3", ModelSpec(hidden=64, layers=2))
     if ranker is None:
-        from genrec.model.hstu_tiny import HSTUSpec, write_hstu_dir
+        from genrec.model.tiny import HSTUSpec, write_hstu_dir
 
         ranker = write_hstu_dir(scratch / "hstu", HSTUSpec(hidden=64, layers=2))
     return Path(model), Path(ranker)

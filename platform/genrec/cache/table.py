@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from genrec.cache.admission import Admission
 from genrec.cache.hash_index import HashIndex
 from genrec.cache.keys import EMPTY, normalize_keys
-from genrec.cache.policies import POLICIES, make_policy
+from genrec.cache.policies import POLICIES, Admission, make_policy
 from genrec.cache.vectors import check_dim, checked_batch
 from genrec.errors import CacheError
 

@@ -25,12 +25,11 @@ from genrec.api import (
     ScoreRequest,
     ScoreResult,
 )
-from genrec.engine.checks import check_int
 from genrec.engine.decoder import Decoder
 from genrec.engine.family import Family, Prepared, request_kind
 from genrec.engine.ranker import Ranker
 from genrec.engine.runner import ModelRunner
-from genrec.engine.scheduler import Scheduler, SchedulerConfig
+from genrec.engine.scheduler import Scheduler, SchedulerConfig, check_int
 from genrec.engine_options import EngineOptions
 from genrec.errors import GenrecError, InvalidRequestError
 from genrec.model.directory import ModelDir

@@ -24,16 +24,28 @@ from dataclasses import dataclass, replace
 import torch
 
 from genrec.engine.beam import fetch_finals
-from genrec.engine.checks import check_int, check_seconds
 from genrec.engine.family import Prepared
-from genrec.engine.host_tier import HostTier
 from genrec.engine.job import Job, JobState
 from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token
 from genrec.engine.metrics import EngineMetrics
-from genrec.engine.prefix_cache import BLOCK, PrefixCache
+from genrec.engine.prefix_cache import BLOCK, HostTier, PrefixCache
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
 
 WAITING, PREFILLING, DECODING, SCORING, FINISHED = JobState
+
+
+# Checks of engine settings: a bad value is refused by name, never read as "use the default".
+def check_int(name: str, value, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidRequestError(name, f"must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def check_seconds(name: str, value) -> float:
+    """A positive duration (infinity: no limit). Zero is refused: nothing could ever finish in it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidRequestError(name, f"must be a positive number of seconds, got {value!r}")
+    return value
 
 
 @dataclass

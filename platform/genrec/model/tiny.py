@@ -1,8 +1,11 @@
-"""Write complete, deterministic model directories with random weights of the real Qwen3 architecture.
+"""Write complete, deterministic model directories with random weights of the real architectures, Qwen3 and HSTU.
 
-Used by tests, the demo and the benchmarks (no model hub is reachable). Weights are initialised so that
-next-token distributions are peaked like a trained model's: beam-search tests are then not decided by
-near-ties.
+Used by tests and the benchmarks (no model hub is reachable). Qwen3 weights are initialised so that next-token
+distributions are peaked like a trained model's: beam-search tests are then not decided by near-ties. An HSTU
+directory is laid out like the Qwen3 one: config.json (model_type genrec_hstu), model.safetensors, and
+genrec/catalog.parquet mapping each item ID (string column `item_id`) to its row of the item embedding table (int64
+column `item_index`); its weights keep hidden states O(1) through the layers and spread the task probabilities
+over (0, 1): tests are not decided by saturated sigmoids.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save_file
 
@@ -21,6 +26,8 @@ from genrec.catalog.catalog import Catalog
 from genrec.errors import ModelDirectoryError
 from genrec.model.config import Qwen3Config
 from genrec.model.directory import GENREC_SUBDIR
+from genrec.model.hstu import HSTU
+from genrec.model.hstu_config import HSTUConfig
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import LEVEL_LETTERS, build_tokenizer, semantic_token_ranges
 
@@ -213,3 +220,90 @@ def _random_codes(items: int, levels: int, codebook: int, seed: int) -> np.ndarr
     flat = rng.permutation(chosen)[:items]
     digits = [(flat // codebook ** (levels - 1 - lv)) % codebook for lv in range(levels)]
     return np.stack(digits, axis=1).astype(np.int64)
+
+
+# -- HSTU ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HSTUSpec:
+    items: int = 500
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 16
+    max_positions: int = 4096
+    normalizer: float | None = None  # None: max_positions (the longest sequence the model was sized for)
+    actions: int = 4
+    time_buckets: int = 16
+    tasks: tuple[str, ...] = ("click", "like", "long_view")
+    head_hidden: int = 64
+    seed: int = 0
+
+    def config(self) -> HSTUConfig:
+        """The config this spec writes (raises ValueError for an impossible spec)."""
+        return HSTUConfig(
+            num_items=self.items,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            head_dim=self.head_dim,
+            attention_normalizer=float(self.normalizer or self.max_positions),
+            max_positions=self.max_positions,
+            num_actions=self.actions,
+            tasks=tuple(self.tasks),
+            head_hidden=self.head_hidden,
+            num_time_buckets=self.time_buckets,
+        )
+
+
+HSTU_PRESETS = {
+    # The issue's CPU benchmark shape (DLRMv3-like, scaled down): model dim 256, 4 layers, 4 heads, head dim 64.
+    "tiny": HSTUSpec(items=2000, hidden=256, layers=4, heads=4, head_dim=64, head_hidden=256),
+}
+
+
+def hstu_preset(name: str, **overrides) -> HSTUSpec:
+    if name not in HSTU_PRESETS:
+        raise ValueError(f"unknown HSTU preset {name!r}; choose one of {sorted(HSTU_PRESETS)}")
+    return replace(HSTU_PRESETS[name], **overrides)
+
+
+def random_hstu(config: HSTUConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> HSTU:
+    """An HSTU with deterministic random weights (every parameter drawn, LayerNorms included, so a test that
+    reads the parameters by name cannot pass on default ones)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        p.copy_(mean + std * torch.randn(p.shape, generator=generator))
+
+    model = HSTU(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind = name.rsplit(".", 1)[-1]
+            if name.startswith("item_embedding"):
+                normal(p, 1.0)
+            elif "embedding" in name:
+                normal(p, 0.5)
+            elif "norm" in name:  # LayerNorm scale near 1, shift near 0
+                normal(p, 0.1, mean=1.0 if kind == "weight" else 0.0)
+            elif kind == "bias":
+                normal(p, 0.1)
+            else:  # a Linear: unit gain; the head's logits a little wider (std ~2)
+                normal(p, (2.0 if name == "head.out.weight" else 1.0) / math.sqrt(p.shape[1]))
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def write_catalog(path: Path, item_ids: list[str], indices: list[int]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"item_id": pa.array(item_ids, pa.string()), "item_index": pa.array(indices, pa.int64())})
+    pq.write_table(table, path)
+
+
+def write_hstu_dir(out: str | Path, spec: HSTUSpec = HSTUSpec(), dtype: torch.dtype = torch.float32) -> Path:
+    """Write the directory (created if needed; existing files are overwritten). Deterministic per spec."""
+    out = Path(out)
+    random_hstu(spec.config(), spec.seed).save(out, dtype=dtype)
+    item_ids = [f"item-{i:06d}" for i in range(spec.items)]
+    write_catalog(out / GENREC_SUBDIR / "catalog.parquet", item_ids, list(range(spec.items)))
+    return out

@@ -58,7 +58,7 @@ class _Deployed(_Args):
     @classmethod
     def _serve_options(cls, options: dict) -> dict:
         """Checked as Serve will check them, and for what Serve would drop silently (an unknown key)."""
-        from genrec.serving.serve_schema import deployment_problems
+        from genrec.serving.check import deployment_problems  # here: check imports these arguments
 
         for key in options:
             if key in OWNED:

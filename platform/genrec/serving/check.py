@@ -8,11 +8,18 @@ deployment's `user_config` (IngressLimits / EngineLimits) and that the deploymen
 `--model`, also each engine section's model directory on this machine, as the builder does on the cluster
 (preflight.py). A KubeRay RayService file is read through its `serveConfigV2`. Exit 0: fine (args in the flat form
 of earlier releases: a `warning:` line with the same app in sections); 2: one `error:` line per problem.
+
+`genrec deploy CONFIG.yaml [-a ADDRESS] [--model]` (`deploy`) sends Serve's `serve deploy` only for a config that
+passes this check: Serve runs no builder for a change of a deployment's `user_config` alone, so such a config would
+go straight to the running replicas, which refuse it and keep their limits while the deploy reports success. A
+KubeRay RayService file is applied by kubectl, not here.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import yaml
@@ -20,9 +27,57 @@ from pydantic import BaseModel, ValidationError
 
 from genrec.serving.args import DEPLOYMENTS, AppArgs, EngineLimits, IngressLimits
 from genrec.serving.legacy_args import deprecation, sectioned
-from genrec.serving.serve_schema import unknown_keys
 
 BUILDER = "genrec.serving.app:build_app"
+FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation may hold (through Optional, Union, list, dict values)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found = []
+    for arg in typing.get_args(annotation):
+        found += _models_in(arg)
+    return found
+
+
+def unknown_keys(value, model: type[BaseModel], path: str = "") -> list[str]:
+    """Where `value` (a config's dict) has keys `model` (a Serve schema) does not define."""
+    if isinstance(value, list):
+        return [bad for i, item in enumerate(value) for bad in unknown_keys(item, model, f"{path}[{i}]")]
+    if not isinstance(value, dict):
+        return []
+    fields = {f.alias or name: f for name, f in model.model_fields.items()} | dict(model.model_fields)
+    bad = []
+    for key, item in value.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            bad.append(where)
+        elif key not in FREE_FORM:
+            for sub in _models_in(fields[key].annotation):
+                bad += unknown_keys(item, sub, where)
+    return bad
+
+
+def deployment_problems(options: dict) -> list[str]:
+    """What Serve would drop or refuse in one deployment's options: unknown keys (nested ones too), bad values,
+    an autoscaling config that does not hold (min above max...). Each names where it is."""
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import DeploymentSchema
+
+    found = [f"{where}: not an option of a Serve deployment" for where in unknown_keys(options, DeploymentSchema)]
+    checks = [(DeploymentSchema, {"name": "check", **options})]
+    if isinstance(options.get("autoscaling_config"), dict):
+        checks.append((AutoscalingConfig, options["autoscaling_config"]))
+    for model, value in checks:
+        try:
+            model.model_validate(value)
+        except ValidationError as err:
+            prefix = "autoscaling_config." if model is AutoscalingConfig else ""
+            found += [f"{prefix}{'.'.join(map(str, e['loc'])) or '(options)'}: {e['msg']}" for e in err.errors()]
+    return found
 
 
 def problems(config: dict, check_model: bool = False) -> list[str]:
@@ -137,6 +192,20 @@ def _flat_warnings(path: Path) -> list[str]:
         return flat_form_warnings(load(path))
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
         return []  # file_problems says why it cannot be read
+
+
+def deploy(path: Path, address: str | None, check_model: bool) -> int:
+    """The exit status: 2 when the config was refused here (nothing sent), else `serve deploy`'s."""
+    found = file_problems(path, check_model)
+    if not found and is_rayservice(yaml.safe_load(path.read_text())):
+        found = ["a KubeRay RayService: apply it with kubectl (it is checked, not deployed, here)"]
+    for problem in found:
+        print(f"error: {path}: {problem}", file=sys.stderr)
+    if found:
+        print(f"error: {path}: not deployed (the running version, if any, is unchanged)", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "ray.serve.scripts", "deploy", str(path)]
+    return subprocess.run(command + (["--address", address] if address else [])).returncode
 
 
 def main(argv: list[str]) -> int:

@@ -6,7 +6,7 @@ A route goes to the app's deployment of its family, known when the app is built:
 /v1/recommend to the retriever (EngineServer, a Qwen3 model), /v1/rank to the ranker (RankerServer, an HSTU
 model); a route of a family the app lacks is a 404. The ingress resolves the user's embedding through the shared
 cache (the retriever's soft token; awaiting the actor, never blocking the event loop), calls the deployment by
-handle under the request's deadline, with the request's routing key (the user, see routing_key.py) for its
+handle under the request's deadline, with the request's routing key (the user, see router.py) for its
 request router, and turns every failure into the status the client can act on (see http_errors).
 
 With both, a /v1/recommend whose body has `history` runs two stages under the request's one deadline: the
@@ -32,8 +32,7 @@ from genrec.serving import edge, funnel
 from genrec.serving.args import FAMILY, IngressLimits, IngressSection, live_limits
 from genrec.serving.http_errors import EngineUnavailable, NotServed, UnknownUser, error_response
 from genrec.serving.metrics import IngressMetrics
-from genrec.serving.router import ROUTING_KEY
-from genrec.serving.routing_key import routing_key
+from genrec.serving.router import ROUTING_KEY, routing_key
 from genrec.serving.schemas import ErrorBody, ModelInfo, RankBody, RankerFacts, RecommendBody, RetrieveBody, ScoreBody
 
 # Past the engine's own deadline, how long the ingress still waits for its answer before it gives up.

@@ -1,9 +1,19 @@
-"""Route each user's requests to the engine replica that holds their prompts' K/V: rendezvous hashing.
+"""Route each user's requests to the engine replica that holds their prompts' K/V: the key, and rendezvous hashing.
 
-The ingress passes a routing key (the user ID, else a digest of the prompt's first blocks; see routing_key.py)
-as a keyword argument of its handle call. Every replica gets a score hash(key, replica ID); the highest is the
-key's primary, the next its one fallback, then the rest. No state is shared: every caller (each ingress
-replica) agrees, and when replicas come or go only the keys whose primary came or went move (about 1/N).
+The key (`routing_key`, made by the ingress): the user ID when the request has one. Without one, a digest of the
+prompt's first block (by default): a returning user's prompt starts like their last one (history first, oldest
+first: docs/engine.md, "Prompt layouts that reuse"), so it still finds the replica that holds it. The ingress has
+no tokenizer, so a text prompt's first block is approximated by its first characters. Prompts that all open with
+the same template would all share that key (one replica's traffic): with `blocks` (the app's
+`routing_prefix_blocks`) the digest covers the first `blocks` blocks, template included, so prompts that differ
+after it get their own keys. A two-stage recommend calls two deployments: both get the user's key; without a user,
+each the digest of what it is sent (the retriever the prompt, the ranker the history), so each lands where that
+input's K/V is.
+
+The ingress passes the key as a keyword argument of its handle call. Every replica gets a score hash(key, replica
+ID); the highest is the key's primary, the next its one fallback, then the rest. No state is shared: every caller
+(each ingress replica) agrees, and when replicas come or go only the keys whose primary came or went move (about
+1/N).
 
 Selected per deployment with `request_router_config: {request_router_class: genrec.serving.router:UserRouter}`
 (the builder's default for the engine deployment; see app.py).
@@ -12,6 +22,7 @@ Selected per deployment with `request_router_config: {request_router_class: genr
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import time
 from collections.abc import Iterable
@@ -21,6 +32,28 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 ROUTING_KEY = "routing_key"  # the keyword argument of the engine deployment's methods that carries the key
 USER_ROUTER = f"{__name__}:UserRouter"
 SPILL_AFTER_S = 0.1
+
+FIRST_BLOCK = 16  # tokens (or history events) of one prefix-cache block (genrec.engine.prefix_cache.BLOCK)
+FIRST_TEXT_CHARS = 64  # a text prompt's first characters: roughly its first block
+
+
+def routing_key(body, sent=None, blocks: int = 1) -> str:
+    """`sent`: the request the engine gets, when its first block is not the body's (default: the body);
+    `blocks`: how many of its first blocks a key without a user ID digests."""
+    user_id = getattr(body, "user_id", None)
+    if user_id is not None:
+        return f"user:{user_id!r}"  # repr: the user 42 and the user "42" are two keys, as in the cache
+    first = _first_blocks(body if sent is None else sent, blocks)
+    return "prefix:" + hashlib.blake2b(first.encode(), digest_size=16).hexdigest()
+
+
+def _first_blocks(body, blocks: int) -> str:
+    history = getattr(body, "history", None)
+    if history is not None:  # a rank request: its first events
+        return json.dumps([[e.item_id, e.action, e.timestamp] for e in history[: FIRST_BLOCK * blocks]])
+    if getattr(body, "prompt_token_ids", None) is not None:
+        return json.dumps(list(body.prompt_token_ids[: FIRST_BLOCK * blocks]))
+    return "text:" + (body.prompt or "")[: FIRST_TEXT_CHARS * blocks]
 
 
 def score(key: str, replica_id: str) -> int:

@@ -154,11 +154,9 @@ class Ingress:
         """Ready when a replica of each of the app's engine deployments answers (no auth: load balancers probe it)."""
         try:
             infos = await self._models(time.monotonic() + 5.0)
-            if "retriever" in infos:
-                versions = {"model_version": infos["retriever"].version}
-                versions |= {"ranker_version": infos["ranker"].version} if "ranker" in infos else {}
-            else:
-                versions = {"model_version": infos["ranker"].version}
+            versions = {"model_version": infos.get("retriever", infos.get("ranker")).version}
+            if len(infos) == 2:
+                versions["ranker_version"] = infos["ranker"].version
             return {"status": "ok", **versions}
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)

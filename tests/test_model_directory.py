@@ -159,12 +159,14 @@ def test_catalog_missing_column(broken):
         (["tiny-model", "OUT", "--items", "1000", "--levels", "2", "--codebook", "8"], "do not fit"),
         (["build-ids", "/no/such.parquet", "--model", "MODEL"], "no such file"),
         (["bench", "retrieve", "--preset", "huge", "--no-hf-baseline"], "unknown preset"),
+        (["build-ids", "ITEMS", "--model", "HSTU"], "an HSTU ranking model, not a Qwen3 semantic-ID model"),
     ],
 )
-def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, monkeypatch, capsys, argv, fragment):
+def test_cli_bad_input_is_one_clear_line(tiny_dir, hstu_dir, tmp_path, monkeypatch, capsys, argv, fragment):
     from genrec.cli import main
 
-    argv = [str(tmp_path / "out") if a == "OUT" else str(tiny_dir) if a == "MODEL" else a for a in argv]
+    named = {"OUT": tmp_path / "out", "MODEL": tiny_dir, "HSTU": hstu_dir, "ITEMS": tmp_path / "items.parquet"}
+    argv = [str(named[a]) if a in named else a for a in argv]
     monkeypatch.setattr("sys.argv", ["genrec", *argv])
     with pytest.raises(SystemExit) as info:
         main()

@@ -76,9 +76,10 @@ def build_ids(
     from genrec.model.directory import ModelDir
     from genrec.model.tokenizer import semantic_token_ranges
 
-    ranges = semantic_token_ranges(ModelDir.open(model).load_tokenizer())
+    directory = ModelDir.open(model, family="qwen3")
+    ranges = semantic_token_ranges(directory.load_tokenizer())
     catalog = build_catalog(embeddings, ranges, iters=iters, seed=seed)
-    target = out or model / "genrec" / "catalog.parquet"
+    target = out or directory.catalog_path
     catalog.save(target)
     typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))
 

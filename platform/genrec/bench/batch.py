@@ -105,12 +105,10 @@ def _funnel_report(before: dict, funnel: dict, after: dict, o: BatchOptions) -> 
 
 def _histories(ranker: Path, users: int, length: int) -> list[list[dict]]:
     """`length` events per user, of the ranker's catalog items, a minute apart, actions drawn at random."""
-    from genrec.batch.spec import ranking_config
-    from genrec.catalog.item_index import ItemIndex
-    from genrec.model.directory import GENREC_SUBDIR
+    from genrec.batch.spec import model_dir
 
-    config = ranking_config(ranker)
-    items = ItemIndex.load(Path(ranker) / GENREC_SUBDIR / "catalog.parquet", config.num_items).item_ids
+    directory = model_dir(str(ranker), "hstu")
+    config, items = directory.config, directory.load_catalog().item_ids
     generator = torch.Generator().manual_seed(1)
     picks = torch.randint(0, len(items), (users, length), generator=generator).tolist()
     actions = torch.randint(0, config.num_actions, (users, length), generator=generator).tolist()

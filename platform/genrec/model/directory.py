@@ -24,6 +24,7 @@ from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
 from genrec.model.weights import check_weight_file, load_state_dict, weight_files
 
 GENREC_SUBDIR = "genrec"
+FAMILY_NAMES = {"qwen3": "a Qwen3 semantic-ID model", "hstu": "an HSTU ranking model"}
 
 
 class ModelDir:
@@ -34,14 +35,17 @@ class ModelDir:
         self.config = self._config(raw_config)
 
     @staticmethod
-    def open(path: str | Path) -> Qwen3Dir | HSTUDir:
-        """The directory's family object, its config.json validated; raises ModelDirectoryError naming the file."""
+    def open(path: str | Path, family: str | None = None) -> Qwen3Dir | HSTUDir:
+        """The directory's family object, its config.json validated (and its family `family`, when given); raises
+        ModelDirectoryError naming the file."""
         path = Path(path)
         if not path.is_dir():
             raise ModelDirectoryError(path, "model directory does not exist")
         raw = _read_config(path / "config.json")
-        family = HSTUDir if isinstance(raw, dict) and raw.get("model_type") == HSTU_MODEL_TYPE else Qwen3Dir
-        return family(path, raw)
+        kind = HSTUDir if isinstance(raw, dict) and raw.get("model_type") == HSTU_MODEL_TYPE else Qwen3Dir
+        if family is not None and kind.family != family:
+            raise ModelDirectoryError(path, f"{FAMILY_NAMES[kind.family]}, not {FAMILY_NAMES[family]}")
+        return kind(path, raw)
 
     def _config(self, raw):
         raise NotImplementedError

@@ -21,7 +21,7 @@ from pathlib import Path
 from ray.serve.exceptions import RayServeException
 
 from genrec.errors import GenrecError
-from genrec.model.directory import GENREC_SUBDIR, ModelDir
+from genrec.model.directory import FAMILY_NAMES, GENREC_SUBDIR, ModelDir
 from genrec.serving.args import FAMILY, AppArgs, EngineSection
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,6 @@ def check_cache(cache, retriever: ModelDir | None) -> None:
             f"ingress.cache.dim is {cache.dim} but the model's soft-token projector ({retriever.path}) takes "
             f"{retriever.user_dim}-d user vectors: use a cache of {retriever.user_dim}-d vectors"
         )
-
-
-FAMILY_NAMES = {"qwen3": "a Qwen3 semantic-ID model", "hstu": "an HSTU ranking model"}
 
 
 def check_family(section: str, directory: ModelDir) -> None:

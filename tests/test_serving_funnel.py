@@ -20,9 +20,10 @@ from genrec.api import (
     RetrieveRequest,
     RetrieveResult,
 )
-from genrec.errors import InvalidRequestError
+from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.model.directory import model_version
 from genrec.serving import funnel
+from genrec.serving.http_errors import EngineUnavailable, NotServed, error_response
 from genrec.serving.router import ROUTING_KEY, rendezvous_order
 from genrec.serving.schemas import ModelInfo, RecommendBody
 from tests.conftest import HSTU_TINY, TINY
@@ -88,6 +89,62 @@ def test_given_items_join_the_retrieved_once_and_are_ranked_with_them():
     want = [("x", "given"), ("b", "retrieved+given"), ("a", "retrieved")]
     assert [(i.item_id, i.source) for i in answer.items] == want
     assert answer.items[0].retrieval_logprob is None
+
+
+def test_a_degraded_answer_is_stage1_in_beam_order_the_given_after():
+    stage1 = retrieved("a", "b", "c")
+    request = RecommendRequest(prompt="p", candidates=[{"item_id": g} for g in ("x", "b", "y", "x")])
+    items = funnel.candidates(request, stage1)
+    answer = funnel.degraded(items, stage1, 4, "ranker_timeout")
+    want = [("a", "retrieved"), ("b", "retrieved+given"), ("c", "retrieved"), ("x", "given")]
+    assert [(i.item_id, i.source) for i in answer.items] == want
+    assert (answer.degraded, answer.degraded_reason) == (True, "ranker_timeout")
+    assert answer.rank_task is None and answer.ranker_version is None  # no ranker took part
+    assert all(i.ranker_scores is None for i in answer.items) and answer.items[0].retrieval_logprob == 0
+    assert answer.prompt_tokens == 7
+    ranked_answer = merged(stage1, ranked(a=0.1, b=0.2), "click", 4)
+    assert not ranked_answer.degraded and ranked_answer.degraded_reason is None
+
+
+def test_the_degraded_order_equals_a_plain_reference_on_random_inputs():
+    rng = random.Random(29)
+    for _ in range(200):
+        pool = [f"i{k}" for k in range(12)]
+        beam = rng.sample(pool, rng.randint(0, 8))
+        given = [rng.choice(pool) for _ in range(rng.randint(0, 6))]
+        excluded = rng.sample(pool, rng.randint(0, 3))
+        n = rng.randint(1, 12)
+        request = RecommendRequest(prompt="p", candidates=[{"item_id": g} for g in given], exclude_item_ids=excluded)
+        stage1 = retrieved(*beam)
+        answer = funnel.degraded(funnel.candidates(request, stage1), stage1, n, "ranker_overloaded")
+        extra = [g for g in dict.fromkeys(given) if g not in beam and g not in excluded]
+        assert [i.item_id for i in answer.items] == (beam + extra)[:n]
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (Overloaded("the ranker's queues are full"), "ranker_overloaded"),
+        (RequestTimeout("no answer within 4 s"), "ranker_timeout"),
+        (EngineUnavailable("the ranker replica is unavailable (RayActorError); retry"), "ranker_unavailable"),
+        (EngineStopped("the engine is shut down"), "ranker_unavailable"),
+        (RuntimeError("a bug in the ranker"), "ranker_error"),
+        (InvalidRequestError("history[0].item_id", "not in the ranker's catalog"), None),
+        (NotServed("rank", "qwen3", ["retrieve"]), None),
+    ],
+)
+def test_why_stage2_failed_and_a_client_mistake_stays_the_clients(error, reason):
+    assert funnel.degraded_reason(error) == reason
+    if reason is None:  # not a degradation: the client's 4xx
+        assert 400 <= error_response(error).status_code < 500
+    else:
+        assert reason in funnel.REASONS
+
+
+def test_stage1_keeps_a_reserve_for_stage2_and_at_least_half_the_deadline():
+    assert funnel.stage1_timeout(30.0, 1.0) == 29.0
+    assert funnel.stage1_timeout(4.0, 0.0) == 4.0
+    assert funnel.stage1_timeout(1.0, 5.0) == 0.5  # a deadline changed live below the reserve: half each
 
 
 def test_what_the_stages_are_sent():

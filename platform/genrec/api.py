@@ -224,6 +224,14 @@ class RecommendResult(BaseModel):
     unknown_exclusions: int = 0
     rank_task: str | None = Field(None, description="two-stage: the ranker's task the items are ordered by")
     ranker_version: str | None = Field(None, description="two-stage: the ranking model's version")
+    degraded: bool = Field(
+        False,
+        description="two-stage: the ranking failed, and the items are the retrieval's in beam order (given "
+        "candidates after), unranked",
+    )
+    degraded_reason: str | None = Field(
+        None, description="why, when degraded: ranker_unavailable, ranker_overloaded, ranker_timeout or ranker_error"
+    )
 
 
 # -- ranking (the HSTU family): a user's event history, then candidates scored per task -----------------------

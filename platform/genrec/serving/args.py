@@ -167,6 +167,12 @@ class EngineSection(ReplicaOptions, _Deployed):
         return actor.get("num_cpus", 1), actor.get("num_gpus", 0)
 
 
+# How much longer than a request's deadline Serve waits for a replaced ingress replica to finish its requests
+# before it kills the replica (which the client would see as the HTTP proxy's plain-text 500): every request ends
+# by its deadline, and Serve's drain loop looks every 2 s.
+DRAIN_MARGIN_S = 5.0
+
+
 class IngressLimits(_Args):
     """What may change live in the ingress (`user_config` -> `reconfigure`)."""
 
@@ -192,6 +198,17 @@ class IngressSection(_Deployed):
         description="first blocks of a prompt (16 tokens or history events, 64 text characters) whose digest "
         "routes a request without user_id: more than a template every prompt opens with",
     )
+    funnel_reserve_s: float = Field(
+        1.0,
+        ge=0,
+        description="a two-stage recommend: the part of the deadline the retrieval leaves to the ranking (at most "
+        "half the deadline)",
+    )
+    funnel_on_ranker_failure: Literal["degrade", "fail"] = Field(
+        "degrade",
+        description="a two-stage recommend whose ranking fails (the ranker unavailable, overloaded or out of time): "
+        "degrade, the retrieval in beam order marked `degraded`; fail, a 503 or 504",
+    )
     limits: IngressLimits = IngressLimits()
 
     def defaults(self) -> dict:
@@ -201,12 +218,44 @@ class IngressSection(_Deployed):
             "max_ongoing_requests": 1024,  # a slow body holds one for body_timeout_s at most
             "max_queued_requests": 2048,
             "backpressure_config": {"status_code": 503, "retry_after_s": self.retry_after_s},
+            "graceful_shutdown_timeout_s": self.limits.request_timeout_s + DRAIN_MARGIN_S,
         }
+
+    def drain_s(self) -> float:
+        """How long Serve lets a replaced replica finish its requests (the deployment's graceful shutdown)."""
+        return self.deployment.get("graceful_shutdown_timeout_s", self.defaults()["graceful_shutdown_timeout_s"])
+
+    def drain_problem(self, limits: IngressLimits) -> str | None:
+        """Why a deadline cannot be served by this deployment (None: it can): a replica replaced while holding a
+        request must not be killed before the request's deadline."""
+        if limits.request_timeout_s + DRAIN_MARGIN_S > self.drain_s():
+            return (
+                f"request_timeout_s {limits.request_timeout_s:g} needs the ingress's graceful_shutdown_timeout_s of "
+                f"at least {limits.request_timeout_s + DRAIN_MARGIN_S:g} (it is {self.drain_s():g}): a replaced "
+                "replica would be killed with requests in flight"
+            )
+        return None
+
+    def live(self, user_config, running: IngressLimits) -> tuple[IngressLimits, str | None]:
+        """The limits a `user_config` asks for, or the running ones and why it was refused (`live_limits`; and a
+        deadline longer than a replaced replica is given to finish its requests)."""
+        limits, refused = live_limits(IngressLimits, user_config, running)
+        if refused is None and (refused := self.drain_problem(limits)) is not None:
+            log.error("user_config %r refused, the running limits stay (%s): %s", user_config, running, refused)
+            return running, refused
+        return limits, refused
 
     @model_validator(mode="after")
     def _cache_dim(self):
         if self.cache is not None and self.cache.dim is None:
             raise ValueError("cache.dim is required: the user vectors' width (the model's soft-token input size)")
+        return self
+
+    @model_validator(mode="after")
+    def _drains_within_the_deadline(self):
+        problem = self.drain_problem(self.limits)
+        if problem is not None:
+            raise ValueError(f"deployment.graceful_shutdown_timeout_s: {problem}")
         return self
 
 

@@ -10,6 +10,11 @@ The ranker, not a label, orders the items: stage 1 scores no label (score_logpro
 label's fields (labels, rank_by, score_weight) are refused. Candidates given as text or token IDs have no item
 the ranker knows: refused too.
 
+One deadline for both: stage 1 is given the deadline less a reserve kept for stage 2 (`stage1_timeout`), stage 2
+what is left. When stage 2 fails (the ranker unavailable, overloaded, out of time, or failing), the answer is
+stage 1's items in beam order, the given ones after, marked `degraded` with the reason (`degraded_reason`), unless
+the ingress is set to fail instead; a client's mistake the ranker finds stays the client's 4xx.
+
 No Ray here: the ingress makes the calls (ingress.py), under one deadline.
 """
 
@@ -24,11 +29,19 @@ from genrec.api import (
     RetrieveRequest,
     RetrieveResult,
 )
-from genrec.errors import InvalidRequestError
+from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.funnel import final_order, known
+from genrec.serving.http_errors import EngineUnavailable, is_client_error
 from genrec.serving.schemas import RankerFacts, RecommendBody
 
 LABEL_FIELDS = ("labels", "rank_by", "score_weight")  # recommend's label ranking: not a two-stage request's
+# Why a two-stage recommend answered with its retrieval alone: the first type the ranking's error is an instance of.
+DEGRADED_REASONS = (
+    (Overloaded, "ranker_overloaded"),
+    (RequestTimeout, "ranker_timeout"),
+    ((EngineUnavailable, EngineStopped), "ranker_unavailable"),
+)
+REASONS = (*(reason for _, reason in DEGRADED_REASONS), "ranker_error")  # ranker_error: anything else (a bug)
 
 
 def check_body(body: RecommendBody, ranker: RankerFacts) -> str:
@@ -58,6 +71,18 @@ def check_body(body: RecommendBody, ranker: RankerFacts) -> str:
     if body.rank_task not in ranker.tasks:
         raise InvalidRequestError("rank_task", f"{body.rank_task!r} is not a task of the ranker {ranker.tasks}")
     return body.rank_task
+
+
+def stage1_timeout(timeout_s: float, reserve_s: float) -> float:
+    """Of a request's `timeout_s`, the seconds stage 1 is given: all but the reserve, and at least half."""
+    return timeout_s - min(reserve_s, timeout_s / 2)
+
+
+def degraded_reason(error: BaseException) -> str | None:
+    """Why stage 2 failed, as a degraded answer says it; None: the client's mistake (its 4xx stands)."""
+    if is_client_error(error):
+        return None
+    return next((reason for types, reason in DEGRADED_REASONS if isinstance(error, types)), "ranker_error")
 
 
 def stage1(request: RecommendRequest) -> RetrieveRequest:
@@ -105,6 +130,22 @@ def merge(
         unknown_exclusions=retrieved.unknown_exclusions,
         rank_task=task,
         ranker_version=version,
+    )
+
+
+def degraded(
+    items: list[RecommendedItem], retrieved: RetrieveResult, num_results: int | None, reason: str
+) -> RecommendResult:
+    """Stage 1's answer alone, after stage 2 failed: the items in the final order with nothing ranked (beam
+    order, the given ones after), the first `num_results`, marked with why. No ranker: no task, no version."""
+    order = final_order([item.item_id for item in items], {}, "")
+    return RecommendResult(
+        request_id=retrieved.request_id,
+        items=[items[k] for k in order[:num_results]],
+        prompt_tokens=retrieved.prompt_tokens,
+        unknown_exclusions=retrieved.unknown_exclusions,
+        degraded=True,
+        degraded_reason=reason,
     )
 
 

@@ -54,6 +54,14 @@ class EngineUnavailable(GenrecError):
     """The engine replica, or the embedding cache, died or is being replaced: retry shortly."""
 
 
+# What `_classify` answers with a 4xx: the client's mistake, whichever deployment caught it.
+CLIENT_ERRORS = (InvalidRequestError, ValidationError, Unauthorized, UnknownUser, NotServed, TooLarge)
+
+
+def is_client_error(error: BaseException) -> bool:
+    return isinstance(error, CLIENT_ERRORS)
+
+
 def error_response(error: BaseException, retry_after_s: float = 1.0) -> JSONResponse:
     status, body, headers = _classify(error, retry_after_s)
     return JSONResponse(ErrorBody(**body).model_dump(), status_code=status, headers=headers)

@@ -11,11 +11,18 @@ request router, and turns every failure into the status the client can act on (s
 
 With both, a /v1/recommend whose body has `history` runs two stages under the request's one deadline: the
 retriever's beam search, then the ranker's rank of the retrieved items (funnel.py), both calls with the user's
-routing key, so that each user stays on one replica of each deployment.
+routing key, so that each user stays on one replica of each deployment. Stage 1 leaves a reserve of the deadline
+to stage 2; when stage 2 fails, the answer is stage 1's, marked degraded (or, set to fail, the error).
+
+Every request ends by its deadline: the ingress stops waiting for an engine then (the engine drops the request at
+its next step), whether the engine is slow, its replicas are gone or its deployment is being replaced. Serve lets
+a replaced ingress replica finish its requests for longer than that (args.DRAIN_MARGIN_S) before it kills it, so
+no request in flight meets the HTTP proxy's plain-text 500.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures' real types.
 import asyncio
+import logging
 import os
 import time
 
@@ -29,14 +36,16 @@ from genrec.api import FAMILY_KINDS, RankResult, RecommendResult, RetrieveResult
 from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
 from genrec.serving import edge, funnel
-from genrec.serving.args import FAMILY, IngressLimits, IngressSection, live_limits
+from genrec.serving.args import FAMILY, IngressSection
 from genrec.serving.http_errors import EngineUnavailable, NotServed, UnknownUser, error_response
 from genrec.serving.metrics import IngressMetrics
 from genrec.serving.router import ROUTING_KEY, routing_key
 from genrec.serving.schemas import ErrorBody, ModelInfo, RankBody, RankerFacts, RecommendBody, RetrieveBody, ScoreBody
 
-# Past the engine's own deadline, how long the ingress still waits for its answer before it gives up.
-DEADLINE_GRACE_S = 2.0
+log = logging.getLogger(__name__)
+
+# Kept of every deadline to build and send the answer: the ingress stops waiting for an engine this much earlier.
+ANSWER_MARGIN_S = 0.05
 MODEL_VERSION_HEADER = "X-Model-Version"
 RANKER_VERSION_HEADER = "X-Ranker-Version"  # a two-stage recommend: the ranking model's version
 # What the messages call each engine deployment: (its queues' owner, its replica).
@@ -105,7 +114,7 @@ class Ingress:
         self.handles = {"retriever": retriever, "ranker": ranker}
         self.settings = settings
         self.retry_after_s = settings.retry_after_s
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(funnel=retriever is not None and ranker is not None)
         _read_token(settings.auth_token_env)  # an unset token fails the replica's start, not its first request
         self.routing_blocks = settings.routing_prefix_blocks
         self.cache_args = settings.cache
@@ -122,8 +131,9 @@ class Ingress:
 
     def reconfigure(self, user_config: dict) -> None:
         """The request deadline changes live (`user_config`), without replacing the replica; a config that
-        does not validate is refused and the running deadline stays (args.live_limits)."""
-        self.limits, refused = live_limits(IngressLimits, user_config, self.limits)
+        does not validate is refused and the running deadline stays (args.live_limits), and so is a deadline
+        longer than a replaced replica is given to finish its requests (IngressSection.drain_problem)."""
+        self.limits, refused = self.settings.live(user_config, self.limits)
         self.metrics.refused = refused is not None
 
     async def retrieve(self, body: RetrieveBody, response: Response, auth=Depends(bearer)):
@@ -183,30 +193,51 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def _two_stage(self, body: RecommendBody, response: Response):
-        """The retriever's beam search, then the ranker's rank of what it found, under one deadline (funnel.py)."""
+        """The retriever's beam search, then the ranker's rank of what it found, under one deadline (funnel.py):
+        stage 1 is given the deadline less the funnel's reserve, stage 2 what is left. A stage 2 that fails answers
+        stage 1's items, degraded, unless the ingress is set to fail (then its 503 or 504)."""
         try:
-            deadline = time.monotonic() + self.request_timeout_s
+            started = time.monotonic()
+            deadline = started + self.request_timeout_s
+            first_deadline = started + funnel.stage1_timeout(self.request_timeout_s, self.settings.funnel_reserve_s)
             self._deployment_of("recommend")
             if self.handles["ranker"] is None:
                 raise InvalidRequestError("history", "this deployment has no ranker to rank by a history: leave it out")
-            task = funnel.check_body(body, await self._ranker(deadline))
-            request = body.to_request(await self._user_embedding(body, deadline))
+            task = funnel.check_body(body, await self._ranker(first_deadline))
+            request = body.to_request(await self._user_embedding(body, first_deadline))
             first = funnel.stage1(request)
             key = routing_key(body, first, self.routing_blocks)
-            retrieved, version = await self._call("retriever", "retrieve", first, deadline, key)
+            # The retriever is given stage 1's time; a late answer is still taken until the deadline.
+            retrieved, version = await self._call("retriever", "retrieve", first, deadline, key, first_deadline)
             items = funnel.candidates(request, retrieved)
-            ranking, ranked, ranker_version = funnel.stage2(body, items), None, None
-            if ranking is not None:
-                key = routing_key(body, ranking, self.routing_blocks)
-                ranked, ranker_version = await self._call("ranker", "rank_known", ranking, deadline, key)
-            else:  # nothing to rank: the answer still names the ranker's version
-                info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker")
-                ranker_version = info.version
             response.headers[MODEL_VERSION_HEADER] = version
+            try:
+                ranked, ranker_version = await self._stage2(body, items, deadline)
+            except Exception as err:  # noqa: BLE001 - funnel.degraded_reason tells the client's mistakes apart
+                reason = funnel.degraded_reason(err)
+                if reason is None or self.settings.funnel_on_ranker_failure == "fail":
+                    raise
+                return self._degraded(items, retrieved, body.num_results, reason, err)
             response.headers[RANKER_VERSION_HEADER] = ranker_version
             return funnel.merge(items, retrieved, ranked, task, body.num_results, ranker_version)
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
+
+    async def _stage2(self, body: RecommendBody, items, deadline: float):
+        """(the ranker's ranking of the items, None when there are none; the ranker's version)."""
+        ranking = funnel.stage2(body, items)
+        if ranking is None:  # nothing to rank: the answer still names the ranker's version
+            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker")
+            return None, info.version
+        key = routing_key(body, ranking, self.routing_blocks)
+        return await self._call("ranker", "rank_known", ranking, deadline, key)
+
+    def _degraded(self, items, retrieved, num_results: int | None, reason: str, err: Exception):
+        """Stage 1's answer after stage 2 failed: counted, and logged with its traceback when it was a bug."""
+        if reason == "ranker_error":
+            log.error("the ranking failed unexpectedly; answered with the retrieval", exc_info=err)
+        self.metrics.degraded(reason)
+        return funnel.degraded(items, retrieved, num_results, reason)
 
     def _deployment_of(self, kind: str) -> str:
         """The deployment that answers the kind; a 404 (not_served) when the app has none of its family."""
@@ -225,9 +256,13 @@ class Ingress:
             )
         return self.ranker_facts
 
-    async def _call(self, target: str, method: str, request, deadline: float, key: str):
-        """(result, model version) of one engine deployment's method, with the time left of the deadline."""
-        remaining = deadline - time.monotonic()
+    async def _call(self, target: str, method: str, request, deadline: float, key: str, engine_deadline=None):
+        """(result, model version) of one engine deployment's method. The engine is given until `engine_deadline`
+        (default: the deadline less the time to answer); the ingress waits for it until then too, or until the
+        deadline when an earlier engine_deadline is given."""
+        if engine_deadline is None:
+            engine_deadline = deadline - ANSWER_MARGIN_S
+        remaining = engine_deadline - time.monotonic()
         if remaining <= 0:
             raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s ({target} not reached)")
         call = getattr(self.handles[target], method).remote(request, remaining, **{ROUTING_KEY: key})
@@ -255,10 +290,11 @@ class Ingress:
         return vectors[0].tolist()
 
     async def _engine_call(self, response, deadline: float, target: str):
-        """The engine's answer; past the deadline (+ grace for the engine's own 504), give up and cancel."""
+        """The engine's answer; at the deadline (less the time to answer), give up and cancel: a request waiting
+        for a replica that never comes (none running, the deployment deleted or replaced) ends then too."""
         queues, replica = NAMES[target]
         try:
-            return await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S)
+            return await asyncio.wait_for(response, max(0.0, deadline - ANSWER_MARGIN_S - time.monotonic()))
         except RayTaskError as err:  # first: a RayTaskError wrapping the engine's RequestTimeout is a TimeoutError
             raise _cause(err) from None
         except TimeoutError:

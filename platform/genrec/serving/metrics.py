@@ -7,8 +7,9 @@ and entries (gauges). Reuse rate = rate(..._tokens_reused_total) / rate(..._toke
 counters start at 0 (every kind it serves with every status): an error ratio reads 0, not "no data", before
 the first error.
 Ingress: every HTTP answer it gives (route, status), its own refusals included (401, 408, 413, 400/422 of the
-body's validation, 404...), which never reach the engine's counter. Both: whether the last `user_config` was
-refused (1) or applied (0).
+body's validation, 404...), which never reach the engine's counter; with a funnel, the two-stage recommends
+answered with the retrieval alone (reason: funnel.REASONS), starting at 0. Both: whether the last `user_config`
+was refused (1) or applied (0).
 
 Series of a replaced replica: Ray's metrics agent (2.60) drops a gauge series that has not been set for two
 export intervals, so every gauge here is set again each second while its replica lives and disappears within
@@ -28,6 +29,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from genrec.engine.metrics import LATENCY_BUCKETS
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
+from genrec.serving.funnel import REASONS
 from genrec.serving.http_errors import NotServed
 
 # How an engine request that failed ends: the `status` tag of genrec_requests (the first type that matches).
@@ -101,18 +103,29 @@ def refused_gauge() -> Gauge:
 
 
 class IngressMetrics:
-    """The ingress's answers, and its `user_config_refused` gauge set every `period_s` (see above)."""
+    """The ingress's answers, its degraded funnel answers (`funnel`: the app has one), and its
+    `user_config_refused` gauge set every `period_s` (see above)."""
 
-    def __init__(self, period_s: float = 1.0):
+    def __init__(self, period_s: float = 1.0, funnel: bool = False):
         self.responses = Counter(
             "genrec_http_requests", description="HTTP answers of the ingress", tag_keys=("route", "status")
         )
+        self.funnel_degraded = Counter(
+            "genrec_funnel_degraded",
+            description="two-stage recommends answered with the retrieval alone, by why the ranking failed",
+            tag_keys=("reason",),
+        )
+        if funnel:
+            start_at_zero(self.funnel_degraded, ({"reason": reason} for reason in REASONS))
         self.user_config_refused = refused_gauge()
         self.refused = False
         threading.Thread(target=self._export, args=(period_s,), name="genrec-metrics", daemon=True).start()
 
     def answered(self, route: str, status: int) -> None:
         self.responses.inc(tags={"route": route, "status": str(status)})
+
+    def degraded(self, reason: str) -> None:
+        self.funnel_degraded.inc(tags={"reason": reason})
 
     def _export(self, period_s: float) -> None:
         while True:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -34,9 +35,9 @@ class JobSpec(EngineOptions):
     model_config = ConfigDict(extra="forbid", frozen=True)
     renamed: ClassVar[dict[str, str]] = {}  # a deprecated flag's name -> the field it sets now
 
-    model: str = Field(description="model directory")
-    users: str = Field(description="users Parquet file or directory (local path or URI)")
-    out: str = Field(description="output directory (local path or URI)")
+    model: str = Field(min_length=1, description="model directory")
+    users: str = Field(min_length=1, description="users Parquet file or directory (local path or URI)")
+    out: str = Field(min_length=1, description="output directory (local path or URI)")
     batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
     device: str = "cpu"  # not a flag: the CUDA engine with GPUs per actor
 
@@ -51,8 +52,14 @@ class JobSpec(EngineOptions):
             **self.engine_kwargs(),
         }
 
+    @field_validator("model", "users", "out")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        return absolute(path)
+
     def check_models(self) -> None:
-        """Refuse, on the driver before any work, a model directory of the other family."""
+        """Refuse, on the driver before any work, a model directory of the other family or one its engines could
+        not load (`ModelDir.check`: its catalog, and each tensor's shape and dtype against its config)."""
 
 
 class RecommendSpec(JobSpec):
@@ -93,7 +100,7 @@ class RecommendSpec(JobSpec):
         }
 
     def check_models(self) -> None:
-        model_dir(self.model, "qwen3")
+        model_dir(self.model, "qwen3").check()
 
 
 class FunnelSpec(RecommendSpec):
@@ -109,6 +116,7 @@ class FunnelSpec(RecommendSpec):
     @field_validator("ranker")
     @classmethod
     def _an_hstu_ranker(cls, ranker: str) -> str:
+        ranker = absolute(ranker)
         try:
             ranking_config(ranker)
         except GenrecError as err:
@@ -124,6 +132,10 @@ class FunnelSpec(RecommendSpec):
         if task is not None and task not in tasks:
             raise ValueError(f"{task!r} is not a task of the ranker (its tasks: {', '.join(tasks)})")
         return task or tasks[0]
+
+    def check_models(self) -> None:
+        super().check_models()
+        model_dir(self.ranker, "hstu").check()
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         ranker = {"job": "funnel", "ranker_version": ModelDir.open(self.ranker).version, "rank_task": self.rank_task}
@@ -141,7 +153,9 @@ class RankSpec(JobSpec):
         return {**super().identity(model_version, input_fingerprint), "job": "rank", "rank_by": self.rank_by}
 
     def check_models(self) -> None:
-        tasks = ranking_config(self.model).tasks
+        directory = model_dir(self.model, "hstu")
+        directory.check()
+        tasks = directory.config.tasks
         if self.rank_by is not None and self.rank_by not in tasks:
             raise GenrecError(f"rank_by {self.rank_by!r} is not a task of the model (its tasks: {', '.join(tasks)})")
 
@@ -158,6 +172,13 @@ def model_dir(path: str, family: str) -> ModelDir:
 
 def ranking_config(model: str) -> HSTUConfig:
     return model_dir(model, "hstu").config
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute on the driver (relative to its working directory; `~` expanded): the actors
+    run elsewhere (another working directory, on a cluster another node) and must find the same file. A URI
+    (s3://...) is left as it is."""
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
 def run_id_of(identity: dict) -> str:

@@ -4,7 +4,8 @@ A model directory is a plain Hugging Face directory (config.json, weights, token
 files under `genrec/` (the catalog; a Qwen3 model's soft-token projector). `open` reads config.json and returns
 the family's directory object (Qwen3Dir, HSTUDir), which knows its family, config, version, catalog, files and
 user-vector width, loads each part for the engine, and checks everything an engine replica would read without
-building the model (`check`, the deploy's preflight). Nothing else in genrec opens a model's files.
+reading the weights (`check`: the deploy's preflight, the batch driver's), each tensor's shape and dtype in the
+weight files' headers against what the config implies included. Nothing else in genrec opens a model's files.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from genrec.errors import ModelDirectoryError
 from genrec.model.config import Qwen3Config
 from genrec.model.digests import RECORD, DigestRecord
 from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
-from genrec.model.weights import check_weight_file, load_state_dict, weight_files
+from genrec.model.weights import Layout, load_state_dict, read_headers, weight_files
 
 GENREC_SUBDIR = "genrec"
 FAMILY_NAMES = {"qwen3": "a Qwen3 semantic-ID model", "hstu": "an HSTU ranking model"}
@@ -71,12 +72,20 @@ class ModelDir:
         return load_state_dict(self.path)
 
     def check(self) -> None:
-        """Every file an engine replica reads at start, checked without building the model (the deploy's
-        preflight): the catalog, each weight file's safetensors header against the file's size, and the
-        family's own files. A ModelDirectoryError names the first bad one."""
+        """Every file an engine replica reads at start, checked without reading the weights (the deploy's
+        preflight, and the batch driver's): the catalog, the weights (`check_weights`), and the family's own
+        files. A ModelDirectoryError names the first bad one."""
         self.load_catalog()
-        for file in self.weight_files():
-            check_weight_file(file)
+        self.check_weights()
+
+    def check_weights(self) -> None:
+        """Each weight file's safetensors header (it must cover the file exactly) against the config: every tensor
+        the config implies present, floating point and of the implied shape (`layout`; no tensor data read)."""
+        self.layout().match(read_headers(self.weight_files()), self.path)
+
+    def layout(self) -> Layout:
+        """The checkpoint tensors the config implies (the family's model built on the meta device)."""
+        raise NotImplementedError
 
     def load_catalog(self):
         raise NotImplementedError
@@ -146,9 +155,15 @@ class Qwen3Dir(ModelDir):
             return None
         return SoftTokenProjector.load(self.soft_token_path, self.config.hidden_size)
 
+    def layout(self) -> Layout:
+        from genrec.model.qwen3 import checkpoint_layout, meta_qwen3
+
+        return checkpoint_layout(meta_qwen3(self.config))
+
     def load_model(self, device="cpu", dtype: torch.dtype = torch.float32):
         from genrec.model.qwen3 import load_qwen3
 
+        self.check_weights()  # a mismatch names its file, as the preflight does
         return load_qwen3(self.config, self.load_weights(), self.path, device, dtype)
 
     def check(self) -> None:
@@ -169,9 +184,15 @@ class HSTUDir(ModelDir):
 
         return ItemIndex.load(self.catalog_path, self.config.num_items)
 
+    def layout(self) -> Layout:
+        from genrec.model.hstu import checkpoint_layout, meta_hstu
+
+        return checkpoint_layout(meta_hstu(self.config))
+
     def load_model(self, device="cpu", dtype: torch.dtype = torch.float32):
         from genrec.model.hstu import load_hstu
 
+        self.check_weights()  # a mismatch names its file, as the preflight does
         return load_hstu(self.config, self.load_weights(), self.path, device, dtype)
 
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from genrec.model.hstu_config import HSTUConfig
-from genrec.model.weights import assign_weights
+from genrec.model.weights import Layout, assign_weights
 
 # Prefill queries per attention call: bounds the [heads, chunk, keys] score matrix (1024 × 16k keys × 4 heads
 # in float32 is 256 MiB) without changing any result.
@@ -269,10 +269,21 @@ def _prefix(ctx) -> tuple[KeySpan, ...]:
     )
 
 
+def meta_hstu(config: HSTUConfig) -> HSTU:
+    """The model's modules on the meta device: every parameter's shape, no memory."""
+    with torch.device("meta"):
+        return HSTU(config)
+
+
+def checkpoint_layout(model: HSTU) -> Layout:
+    """The tensors a checkpoint of the model holds: exactly its parameters (`HSTU.save` writes no other, so
+    another tensor means a config that is not the checkpoint's, e.g. time buckets turned off)."""
+    return Layout.of(model, closed=True)
+
+
 def load_hstu(config: HSTUConfig, tensors: dict, model_dir, device="cpu", dtype: torch.dtype = torch.float32) -> HSTU:
     """An HSTU from a checkpoint's tensors (`genrec.model.directory.HSTUDir.load_model` reads them), every
-    tensor checked by name and shape against the config."""
-    with torch.device("meta"):
-        model = HSTU(config)
-    assign_weights(model, tensors, model_dir, device, dtype, refuse_extra=True)
+    tensor checked by name, dtype and shape against the config (`checkpoint_layout`)."""
+    model = meta_hstu(config)
+    assign_weights(model, checkpoint_layout(model), tensors, model_dir, device, dtype)
     return model.eval().requires_grad_(False)

@@ -18,7 +18,7 @@ from torch import nn
 from genrec.attention import PrefillRows, shared_context_attention
 from genrec.model.config import Qwen3Config
 from genrec.model.kv_pool import ContextKV
-from genrec.model.weights import assign_weights
+from genrec.model.weights import Layout, assign_weights
 from genrec.staging import to_device
 
 
@@ -256,15 +256,25 @@ class Qwen3(nn.Module):
         return x, torch.stack(new_k), torch.stack(new_v)
 
 
+def meta_qwen3(config: Qwen3Config) -> Qwen3:
+    """The model's modules on the meta device: every parameter's shape, no memory."""
+    with torch.device("meta"):
+        return Qwen3(config)
+
+
+def checkpoint_layout(model: Qwen3) -> Layout:
+    """The tensors a checkpoint of the model holds: every parameter; with tied embeddings lm_head.weight may be
+    left out (the embedding matrix is the head too). Other tensors are ignored, as transformers ignores them."""
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if model.config.tie_word_embeddings else {}
+    return Layout.of(model, tied=tied)
+
+
 def load_qwen3(
     config: Qwen3Config, tensors: dict, model_dir, device="cpu", dtype: torch.dtype = torch.float32
 ) -> Qwen3:
     """Our Qwen3 from a checkpoint's tensors (`genrec.model.directory.Qwen3Dir.load_model` reads them), each
-    checked by name and shape against the config; projections fused for inference."""
-    if "lm_head.weight" not in tensors and config.tie_word_embeddings:
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
-    with torch.device("meta"):
-        model = Qwen3(config)
-    assign_weights(model, tensors, model_dir, device, dtype)
+    checked by name, dtype and shape against the config (`checkpoint_layout`); projections fused for inference."""
+    model = meta_qwen3(config)
+    assign_weights(model, checkpoint_layout(model), tensors, model_dir, device, dtype)
     model.rotary = Rotary(config.head_dim, config.rope_theta).to(device)
     return model.eval().requires_grad_(False).fuse()

@@ -20,6 +20,7 @@ from genrec.bench.cli import CacheOptions
 from genrec.bench.common import machine
 from genrec.cache import EmbeddingTable, RedisStore
 from genrec.cache.policies import POLICIES
+from genrec.errors import GenrecError
 
 INLINE_RETURN_BYTES = 4 << 20
 
@@ -59,6 +60,8 @@ def _throughput(get, batches) -> float:
 
 
 def run(o: CacheOptions, hit_rate_batches: int = 3000) -> dict:
+    if not o.redis_url:
+        redis_server()  # refused before anything is measured
     keys, dim, batch, zipf, batches = o.keys, o.dim, o.batch, o.zipf, o.batches
     vectors = np.random.default_rng(1).normal(size=(keys, dim)).astype(np.float32)
     all_keys = np.arange(keys, dtype=np.int64)
@@ -154,11 +157,7 @@ class LocalRedis:
         self.workdir: str | None = None
 
     def __enter__(self) -> str:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError(
-                "redis-server not found: install it (e.g. apt-get install redis-server) or pass --redis-url"
-            )
+        binary = redis_server()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -180,6 +179,17 @@ class LocalRedis:
             self.server.wait(10)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def redis_server() -> str:
+    """The redis-server on the PATH; a GenrecError (the CLI's one `error:` line, exit 2) when there is none."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise GenrecError(
+            "redis-server not found on the PATH: install it (e.g. apt-get install redis-server) or pass "
+            "--redis-url redis://HOST:PORT/0 to use a running one"
+        )
+    return binary
 
 
 def _wait_for(port: int, seconds: float = 10.0) -> None:

@@ -12,14 +12,18 @@ of earlier releases: a `warning:` line with the same app in sections); 2: one `e
 `genrec deploy CONFIG.yaml [-a ADDRESS] [--model]` (`deploy`) sends Serve's `serve deploy` only for a config that
 passes this check: Serve runs no builder for a change of a deployment's `user_config` alone, so such a config would
 go straight to the running replicas, which refuse it and keep their limits while the deploy reports success. A
-KubeRay RayService file is applied by kubectl, not here.
+KubeRay RayService file is applied by kubectl, not here; a dashboard that does not answer is one `error:` line
+(exit 2), not `serve deploy`'s traceback.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import typing
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -29,6 +33,8 @@ from genrec.serving.args import DEPLOYMENTS, AppArgs, EngineLimits, IngressLimit
 from genrec.serving.legacy_args import deprecation, sectioned
 
 BUILDER = "genrec.serving.app:build_app"
+DEFAULT_DASHBOARD = "http://localhost:8265"  # serve deploy's default address
+DASHBOARD_TIMEOUT_S = 10.0
 FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
 
 
@@ -204,8 +210,33 @@ def deploy(path: Path, address: str | None, check_model: bool) -> int:
     if found:
         print(f"error: {path}: not deployed (the running version, if any, is unchanged)", file=sys.stderr)
         return 2
+    silent = dashboard_silence(address)
+    if silent:
+        print(f"error: {path}: not deployed: {silent}", file=sys.stderr)
+        return 2
     command = [sys.executable, "-m", "ray.serve.scripts", "deploy", str(path)]
     return subprocess.run(command + (["--address", address] if address else [])).returncode
+
+
+def dashboard_silence(address: str | None, timeout_s: float = DASHBOARD_TIMEOUT_S) -> str | None:
+    """Why the Ray dashboard `serve deploy` would send the config to does not answer (its address: `address`, else
+    RAY_DASHBOARD_ADDRESS, else http://localhost:8265, as `serve deploy` picks it); None when it answers (any HTTP
+    status: what it says is `serve deploy`'s to report) or the address is not an HTTP one."""
+    address = address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD
+    url = address if "://" in address else f"http://{address}"
+    if not url.startswith(("http://", "https://")):
+        return None
+    try:
+        urllib.request.urlopen(f"{url.rstrip('/')}/api/version", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as err:  # URLError, a timeout, a malformed address
+        reason = getattr(err, "reason", None) or err
+        return (
+            f"the Ray dashboard at {address} does not answer ({reason}): start the cluster (with its dashboard), or "
+            "pass its address: --address http://<head>:8265"
+        )
+    return None
 
 
 def main(argv: list[str]) -> int:

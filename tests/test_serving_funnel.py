@@ -1,9 +1,13 @@
 """The two-stage funnel in one Serve app (a Qwen3 retriever, an HSTU ranker): the merge of the stages without Ray;
 then over real HTTP, the answer equal to Engine.recommend then Engine.rank in process, each user on one replica of
-both deployments, client mistakes a 422 naming the field, the one deadline, and without `history` the
-retriever's recommend as ever."""
+both deployments, client mistakes a 422 naming the field, the one deadline, without `history` the retriever's
+recommend as ever, and a redeploy with a ranker whose config.json disagrees with its tensors refused under load."""
 
+import json
 import random
+import shutil
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -27,7 +31,7 @@ from genrec.serving.http_errors import EngineUnavailable, NotServed, error_respo
 from genrec.serving.router import ROUTING_KEY, rendezvous_order
 from genrec.serving.schemas import ModelInfo, RecommendBody
 from tests.conftest import HSTU_TINY, TINY
-from tests.serve_apps import delete, deploy, deploy_many, replica_actor_names, sticky
+from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names, sticky
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 RANKER_LIMIT = 64  # the ranker's max_candidates in the funnel app
@@ -361,3 +365,66 @@ def test_both_stages_share_one_deadline(urls, client, funnel_args):
     finally:
         deploy("funnel", STICKY, **funnel_args)  # the app as the module's other tests expect it
     assert client.post(f"{urls['funnel']}/v1/recommend", json=GOOD).status_code == 200
+
+
+def test_a_redeploy_with_a_ranker_that_disagrees_with_its_config_is_refused_and_fails_no_request(
+    urls, funnel_args, hstu_dir, tmp_path
+):
+    """`num_items` raised in config.json for a grown catalog, the weights not retrained: the builder refuses the
+    redeploy naming the tensor before Serve replaces anything, and the running ranker answers every two-stage
+    recommend and /v1/rank meanwhile (none degraded, /healthz ok). Before, the ranker was torn down for one that
+    could not start, and every ranked request got a 503."""
+    grown = shutil.copytree(hstu_dir, tmp_path / "grown")
+    config = json.loads((grown / "config.json").read_text())
+    (grown / "config.json").write_text(json.dumps(config | {"num_items": config["num_items"] + 50}))
+    args = funnel_args | {"ranker": funnel_args["ranker"] | {"model_dir": str(grown)}}
+    engines = ("Ingress", "EngineServer", "RankerServer")
+    before = [replica_actor_names("funnel", d) for d in engines]
+    messages = []
+    try:
+        answers = under_load(urls["funnel"], lambda: messages.append(deploy_refused("funnel", STICKY, **args)))
+        after = [replica_actor_names("funnel", d) for d in engines]
+    finally:
+        deploy("funnel", STICKY, **funnel_args)  # the config the module's other tests expect, recorded again
+    assert f"ranker.model_dir: {grown / 'model.safetensors'}: tensor item_embedding.weight has shape" in messages[0]
+    assert f"implies shape [{config['num_items'] + 50}, {config['hidden_size']}]" in messages[0]
+    failed = [a for a in answers if a[1] != 200 or a[3]]
+    assert not failed, failed[:5]
+    assert {route for route, *_ in answers} == {"recommend", "rank", "healthz"}
+    assert {version for _, _, version, _ in answers if version is not None} == {model_version(hstu_dir)}
+    assert after == before
+
+
+def under_load(url: str, during, threads: int = 2) -> list[tuple[str, int, str | None, bool]]:
+    """Two-stage recommends, ranks and health checks in a loop from `threads` clients while `during()` runs:
+    (route, status, the ranker's version, degraded) of each answer."""
+    recommend = {"prompt": PROMPT, "user_embedding": vector(8), "beam_width": 8, "history": history(8, 6)}
+    routes = [
+        ("recommend", "post", recommend),
+        ("rank", "post", {"history": history(9, 6), "candidates": [item(3), item(4)]}),
+        ("healthz", "get", None),
+    ]
+    answers, stop = [], threading.Event()
+
+    def load():
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                for route, method, body in routes:
+                    path = f"{url}/{route}" if route == "healthz" else f"{url}/v1/{route}"
+                    r = c.post(path, json=body) if method == "post" else c.get(path)
+                    version = r.headers.get("x-ranker-version" if route == "recommend" else "x-model-version")
+                    version = r.json().get("ranker_version") if route == "healthz" and r.status_code == 200 else version
+                    degraded = route == "recommend" and r.status_code == 200 and r.json().get("degraded", False)
+                    answers.append((route, r.status_code, version, degraded))
+
+    workers = [threading.Thread(target=load) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(1)
+        during()
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    return answers

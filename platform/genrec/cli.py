@@ -102,7 +102,8 @@ def deploy(
     check_model: bool = typer.Option(False, "--model", help="also check each app's model directory on this machine"),
 ):
     """`serve deploy`, sent only if the config passes `genrec.serving.check` (Serve would accept a `user_config`
-    that does not validate and leave the replicas to refuse it): otherwise one `error:` line each, exit 2."""
+    that does not validate and leave the replicas to refuse it) and the dashboard answers: otherwise one `error:`
+    line each, exit 2."""
     from genrec.serving.check import deploy as deploy_config
 
     raise typer.Exit(deploy_config(config, address, check_model))

@@ -202,11 +202,14 @@ def test_a_repeated_prompt_prefills_only_past_its_cached_blocks(engine, rng, mon
     monkeypatch.setattr(engine.family, "context_embeds", lambda p, *span: spans.append(span) or original(p, *span))
     scheduler = Scheduler(engine)
     prompt = random_prompt(engine, 40, rng)
-    retrieve = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=5)))
+    user = "user-1"  # reuse is within a cache scope
+    retrieve = scheduler.submit(
+        engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=5, cache_scope=user))
+    )
     while not scheduler.idle:
         scheduler.step()
     top = [Candidate(item_id=i.item_id) for i in retrieve.result().items]
-    score = scheduler.submit(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=top)))
+    score = scheduler.submit(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=top, cache_scope=user)))
     while not scheduler.idle:
         scheduler.step()
     assert spans == [(0, 40), (32, 40)]  # two whole blocks of 16 reused, the rest prefilled

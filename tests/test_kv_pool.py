@@ -55,7 +55,10 @@ def test_pooled_prefill_writes_the_same_kv_as_a_private_context(engine, rng):
 
 
 def test_admission_takes_real_pool_space_and_everything_comes_back(engine, rng):
-    requests = [RetrieveRequest(prompt_token_ids=random_prompt(engine, n, rng), beam_width=8) for n in (30, 12, 40)]
+    requests = [
+        RetrieveRequest(prompt_token_ids=random_prompt(engine, n, rng), beam_width=8, cache_scope=f"user-{n}")
+        for n in (30, 12, 40)
+    ]  # each of a user: its prompt is cached (a request without a scope is private: nothing of it is cached)
     prepared = [engine.prepare(r) for r in requests]
     tokens = [p.kv_tokens for p in prepared]
     scheduler = Scheduler(
@@ -75,8 +78,8 @@ def test_admission_takes_real_pool_space_and_everything_comes_back(engine, rng):
 
 
 def test_cached_prompts_hold_pool_space_until_evicted_for_a_request_that_does_not_fit(engine, rng):
-    small = RetrieveRequest(prompt_token_ids=random_prompt(engine, 20, rng), beam_width=4)
-    big = RetrieveRequest(prompt_token_ids=random_prompt(engine, 60, rng), beam_width=4)
+    small = RetrieveRequest(prompt_token_ids=random_prompt(engine, 20, rng), beam_width=4, cache_scope="user-1")
+    big = RetrieveRequest(prompt_token_ids=random_prompt(engine, 60, rng), beam_width=4, cache_scope="user-2")
     need = engine.prepare(big).kv_tokens
     per_token = Scheduler(engine).per_token
     budget = per_token * need

@@ -1,6 +1,7 @@
 """Context that outlives a request: a returning user's prompt reuses its cached prefix and equals a cold run.
 
-The cold engine is the session's (no prefix cache); the warm scheduler keeps prefixes across requests.
+The cold engine is the session's (no prefix cache); the warm scheduler keeps prefixes across requests. Reuse is
+within a cache scope (tests/test_cache_scope.py): a returning user's requests here carry the user's scope.
 """
 
 import numpy as np
@@ -13,6 +14,8 @@ from genrec.engine.scheduler import Scheduler, SchedulerConfig
 from genrec.model.kv_pool import MAX_SPANS, ContextKV
 from genrec.model.tokenizer import USER_TOKEN
 from tests.conftest import random_prompt
+
+USER = "user-1"  # the returning user's cache scope
 
 
 def run(scheduler, engine, request):
@@ -52,9 +55,11 @@ def test_a_returning_user_reuses_the_cached_prefix_and_equals_a_cold_run(engine,
     scheduler = Scheduler(engine)  # prefix cache on (the default)
     cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:6]] + [Candidate(text="news")]
     make = {
-        "retrieve": lambda p: RetrieveRequest(prompt_token_ids=p, beam_width=8),
-        "score": lambda p: ScoreRequest(prompt_token_ids=p, candidates=cands),
-        "recommend": lambda p: RecommendRequest(prompt_token_ids=p, beam_width=5, candidates=cands, rank_by="joint"),
+        "retrieve": lambda p: RetrieveRequest(prompt_token_ids=p, beam_width=8, cache_scope=USER),
+        "score": lambda p: ScoreRequest(prompt_token_ids=p, candidates=cands, cache_scope=USER),
+        "recommend": lambda p: RecommendRequest(
+            prompt_token_ids=p, beam_width=5, candidates=cands, rank_by="joint", cache_scope=USER
+        ),
     }[kind]
     reused = []
     for prompt in returning_user(engine, rng):
@@ -77,7 +82,7 @@ def test_reuse_holds_at_most_max_spans_pieces_and_recomputes_the_small_tail(engi
     scheduler.budget.admit = recording
     for prompt in returning_user(engine, rng, start=40, appends=(20,) * 8):
         assert_equal(
-            run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=6)),
+            run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=6, cache_scope=USER)),
             cold(engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=6)),
         )
     assert max(spans) == MAX_SPANS - 1 and spans[-1] >= 1
@@ -88,8 +93,8 @@ def test_warm_equals_cold_with_evictions_in_between(engine, rng):
     scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=per_token * 200))  # room for a few entries
     users = [list(returning_user(engine, rng, start=60, appends=(17, 30))) for _ in range(3)]
     for step in range(3):  # users take turns: their entries push each other out
-        for prompts in users:
-            request = RetrieveRequest(prompt_token_ids=prompts[step], beam_width=6)
+        for user, prompts in enumerate(users):
+            request = RetrieveRequest(prompt_token_ids=prompts[step], beam_width=6, cache_scope=f"user-{user}")
             assert_equal(run(scheduler, engine, request), cold(engine, request))
     stats = scheduler.cache.stats
     assert stats.evictions > 0 and stats.hits > 0
@@ -103,7 +108,9 @@ def test_a_soft_token_ties_later_blocks_to_its_embedding(engine, rng):
     prompt[20] = user  # in block 1: block 0 is shared by every embedding, blocks 1.. are not
     a, b = (torch.randn(engine.family.projector.user_dim, generator=rng).tolist() for _ in range(2))
     longer = prompt + random_prompt(engine, 10, rng)
-    request = lambda p, v: RetrieveRequest(prompt_token_ids=p, user_embedding=v, beam_width=6)  # noqa: E731
+    request = lambda p, v: RetrieveRequest(  # noqa: E731
+        prompt_token_ids=p, user_embedding=v, beam_width=6, cache_scope=USER
+    )
     for tokens, vector, reused in ((prompt, a, 0), (longer, b, BLOCK), (longer, a, 48)):
         before = scheduler.cache.stats.tokens_reused
         assert_equal(run(scheduler, engine, request(tokens, vector)), cold(engine, request(tokens, vector)))
@@ -113,10 +120,10 @@ def test_a_soft_token_ties_later_blocks_to_its_embedding(engine, rng):
 def test_an_edit_in_the_middle_reuses_only_the_blocks_before_it(engine, rng):
     scheduler = Scheduler(engine)
     prompt = random_prompt(engine, 90, rng)
-    run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=4))
+    run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=4, cache_scope=USER))
     edited = list(prompt)
     edited[40] = (edited[40] + 1) % int(engine.family.trie.token[0].min())  # block 2 (tokens 32-47) changes
-    request = RetrieveRequest(prompt_token_ids=edited + random_prompt(engine, 5, rng), beam_width=4)
+    request = RetrieveRequest(prompt_token_ids=edited + random_prompt(engine, 5, rng), beam_width=4, cache_scope=USER)
     before = scheduler.cache.stats.tokens_reused
     assert_equal(run(scheduler, engine, request), cold(engine, request))
     assert scheduler.cache.stats.tokens_reused - before == 2 * BLOCK
@@ -185,11 +192,11 @@ def test_an_evicted_prefix_spills_to_the_host_tier_and_comes_back_on_a_hit(engin
     config = SchedulerConfig(prefix_cache_bytes=per_token * 100, host_cache_bytes=per_token * 1000)
     scheduler = Scheduler(engine, config)
     users = [list(returning_user(engine, rng, start=80, appends=(12,))) for _ in range(3)]
-    for prompts in users:  # three first visits: 80 tokens each, only one fits the pool's share
-        run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompts[0], beam_width=6))
+    for user, prompts in enumerate(users):  # three first visits: 80 tokens each, only one fits the pool's share
+        run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompts[0], beam_width=6, cache_scope=f"user-{user}"))
     assert scheduler.cache.stats.spills >= 2
     before = scheduler.cache.stats.tokens_reused
-    request = RetrieveRequest(prompt_token_ids=users[0][1], beam_width=6)  # the first user, long evicted
+    request = RetrieveRequest(prompt_token_ids=users[0][1], beam_width=6, cache_scope="user-0")  # long evicted
     assert_equal(run(scheduler, engine, request), cold(engine, request))
     snapshot = scheduler.cache.snapshot()
     assert snapshot["restores"] >= 1 and scheduler.cache.stats.tokens_reused - before == 80
@@ -200,9 +207,9 @@ def test_warm_and_cold_prompts_prefilled_in_one_pass_equal_their_cold_runs(engin
     """One packed prefill pass mixing a chunk with a reused prefix and chunks without: each equals a cold run."""
     scheduler = Scheduler(engine)
     returning = list(returning_user(engine, rng, start=64, appends=(9,)))
-    run(scheduler, engine, RetrieveRequest(prompt_token_ids=returning[0], beam_width=5))
+    run(scheduler, engine, RetrieveRequest(prompt_token_ids=returning[0], beam_width=5, cache_scope=USER))
     requests = [
-        RetrieveRequest(prompt_token_ids=returning[1], beam_width=5),  # warm: 64 tokens reused
+        RetrieveRequest(prompt_token_ids=returning[1], beam_width=5, cache_scope=USER),  # warm: 64 tokens reused
         RetrieveRequest(prompt_token_ids=random_prompt(engine, 40, rng), beam_width=5),  # cold
         RetrieveRequest(prompt_token_ids=random_prompt(engine, 23, rng), beam_width=5),  # cold
     ]

@@ -88,7 +88,9 @@ def test_a_returning_users_history_is_reused_and_equals_a_cold_run(ranker, hstu_
     reused = []
     for _ in range(4):  # each visit: 10 new events after the cached history
         events = events + history(rng, 10, start_time=events[-1].timestamp)
-        request = RankRequest(history=events, candidates=candidates(rng, 12), tasks=["like", "click"])
+        request = RankRequest(
+            history=events, candidates=candidates(rng, 12), tasks=["like", "click"], cache_scope="user-1"
+        )  # reuse is within a cache scope
         before = scheduler.cache.stats.tokens_reused
         future = scheduler.submit(ranker.prepare(request))
         while not scheduler.idle:

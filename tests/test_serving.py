@@ -426,8 +426,8 @@ def test_overload_sheds_load_with_503_and_retry_after(serve_url, tiny_dir):
 def test_engine_metrics_reach_prometheus(open_url, client):
     import ray
 
-    returning = {"prompt_token_ids": [3 + i % 150 for i in range(100)], "beam_width": 4}
-    for _ in range(2):  # the second reuses the first's prompt: the prefix cache's counters move
+    returning = {"prompt_token_ids": [3 + i % 150 for i in range(100)], "beam_width": 4, "cache_scope": "user-1"}
+    for _ in range(2):  # the second reuses the first's prompt (one scope): the prefix cache's counters move
         client.post(f"{open_url}/v1/retrieve", json=returning)
     port = ray.nodes()[0]["MetricsExportPort"]
     assert client.post(f"{open_url}/v1/retrieve", json={"prompt": "x", "beam_widht": 4}).status_code == 422

@@ -57,7 +57,8 @@ def test_the_engine_snapshot_feeds_the_prefix_cache_exporter(monkeypatch, tiny_d
     exporter = metrics.EngineMetricsExporter()
     engine = AsyncEngine(Engine.from_pretrained(tiny_dir))  # the prefix cache on, as in a replica
     try:
-        request = RetrieveRequest(prompt_token_ids=[3 + i % 150 for i in range(100)], beam_width=4)
+        prompt = [3 + i % 150 for i in range(100)]
+        request = RetrieveRequest(prompt_token_ids=prompt, beam_width=4, cache_scope="user-1")  # a returning user
         for _ in range(2):
             asyncio.run(engine.retrieve(request))
         exporter.load_s = 1.5

@@ -48,6 +48,18 @@ Text = Annotated[StrictStr, AfterValidator(_unicode)]
 Int = Annotated[StrictInt, BeforeValidator(_plain)]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], BeforeValidator(_plain)]
 Vector = Annotated[list[StrictFloat], BeforeValidator(_plain)]
+# Prefix-cache isolation (genrec.engine.prefix_cache): who may reuse a request's cached context, and how much of
+# it is public. Every request kind has both fields. The length is checked before Text's own checks, so that its
+# message speaks of characters.
+CacheScope = Annotated[StrictStr, Field(min_length=1, max_length=256), *Text.__metadata__]
+CACHE_SCOPE = (
+    "who may reuse this request's cached context: requests of the same scope only (e.g. a tenant). None: no other "
+    "request (over HTTP: the user's scope when user_id is given)"
+)
+SHARED_PREFIX = (
+    "the first N context tokens (a rank request: history events) are public: requests of any scope may reuse "
+    "them, e.g. a template every prompt opens with"
+)
 
 
 class _Strict(BaseModel):
@@ -65,6 +77,8 @@ class PromptInput(_Strict):
     prompt_token_ids: TokenIds | None = None
     user_embedding: Vector | None = None
     request_id: Annotated[Text, Field(max_length=256)] | None = None
+    cache_scope: CacheScope | None = Field(None, description=CACHE_SCOPE)
+    shared_prefix: Int = Field(0, ge=0, description=SHARED_PREFIX)
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -260,6 +274,8 @@ class RankRequest(_Strict):
     candidates: list[Text] = Field(min_length=1, description="item IDs to rank after the history")
     tasks: list[Text] | None = Field(None, min_length=1, description="the model's tasks to return (default: all)")
     request_id: Annotated[Text, Field(max_length=256)] | None = None
+    cache_scope: CacheScope | None = Field(None, description=CACHE_SCOPE)
+    shared_prefix: Int = Field(0, ge=0, description=SHARED_PREFIX)
 
 
 class RankedItem(BaseModel):

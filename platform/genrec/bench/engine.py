@@ -289,7 +289,8 @@ def _warm_and_cold(engine: Engine, request: RankRequest, new_events: int, repeat
             history = history + [
                 Event(item_id=e.item_id, timestamp=last + 60.0 * (j + 1)) for j, e in enumerate(history[:new_events])
             ]
-            prepared = engine.prepare(request.model_copy(update={"history": history}))
+            returning = {"history": history, "cache_scope": "user-0"}  # one user's scope: their history reused
+            prepared = engine.prepare(request.model_copy(update=returning))
             seconds = timed(functools.partial(_drain, scheduler, prepared), device)
             if visit:  # the first visit fills the cache
                 times.append(seconds)

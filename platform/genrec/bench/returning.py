@@ -89,7 +89,10 @@ class Workload:
             tokens = codes[history].reshape(-1).tolist() + placeholder
         else:  # a window as long as a new user's history: it moves from the first return on
             tokens = placeholder + codes[history[-(self.events - self.step) :]].reshape(-1).tolist()
-        return RetrieveRequest(prompt_token_ids=tokens, user_embedding=self.vectors[user], beam_width=30)
+        # Each user's own cache scope: their prompts are reused by their own later requests only.
+        return RetrieveRequest(
+            prompt_token_ids=tokens, user_embedding=self.vectors[user], beam_width=30, cache_scope=f"user-{user}"
+        )
 
     def _items(self, n: int) -> list[int]:
         return torch.randint(0, len(self.engine.catalog), (n,), generator=self.generator).tolist()
@@ -310,7 +313,8 @@ async def _serve_run(url, app, first_visits, sequence, concurrency) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def call(user, request):
-            body = request.model_dump(exclude_none=True) | {"user_id": f"user-{user}"}  # inline vector wins
+            # The user's ID scopes the cache (the ingress's default scope) and routes; the inline vector wins.
+            body = request.model_dump(exclude_none=True, exclude={"cache_scope"}) | {"user_id": f"user-{user}"}
             response = await client.post(f"{url}/v1/retrieve", json=body)
             if response.status_code != 200:
                 raise GenrecError(f"HTTP {response.status_code}: {response.text[:200]}")

@@ -169,7 +169,7 @@ def _funnel_bodies(model: Path, ranker: Path, o: FunnelOptions) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     items, actions = hstu.catalog.item_ids, hstu.model.config.num_actions
     bodies = []
-    for _ in range(o.users):
+    for user in range(o.users):
         picks = torch.randint(0, len(items), (o.events,), generator=g).tolist()
         kinds = torch.randint(0, actions, (o.events,), generator=g).tolist()
         history = [
@@ -177,7 +177,10 @@ def _funnel_bodies(model: Path, ranker: Path, o: FunnelOptions) -> list[dict]:
             for t, (i, a) in enumerate(zip(picks, kinds, strict=True))
         ]
         prompt = random_prompt(retriever, o.prompt_len, g)
-        bodies.append({"prompt_token_ids": prompt, "beam_width": o.beam_width, "history": history})
+        scope = f"user-{user}"  # each user's prompt and history reused by their own next requests (cycled)
+        bodies.append(
+            {"prompt_token_ids": prompt, "beam_width": o.beam_width, "history": history, "cache_scope": scope}
+        )
     return bodies
 
 

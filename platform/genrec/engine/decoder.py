@@ -26,7 +26,7 @@ from genrec.engine.decoder_inputs import (
 )
 from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
-from genrec.engine.prefix_cache import block_keys
+from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.scoring import LabelScores, Scorer, score_job
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import USER_TOKEN
@@ -125,9 +125,11 @@ class Decoder:
         return tokens
 
     def block_keys(self, prepared: PreparedPrompt, salt: bytes) -> list[bytes]:
-        """A block holding the soft token is keyed with its embedding too."""
-        embedding = prepared.request.user_embedding
-        return block_keys(prepared.token_ids.numpy(), salt, self.placeholder_id, embedding)
+        """Scoped by the request; a block holding the soft token is keyed with its embedding too."""
+        request = prepared.request
+        return block_keys(
+            prepared.token_ids.numpy(), salt, self.placeholder_id, request.user_embedding, Scope.of(request)
+        )
 
     # -- passes ----------------------------------------------------------------------------------
 

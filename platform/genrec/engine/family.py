@@ -62,7 +62,8 @@ class Family(Protocol):
         """Check a request of one of `kinds` against the model; raise InvalidRequestError naming the field."""
 
     def block_keys(self, prepared: Prepared, salt: bytes) -> list[bytes]:
-        """The prefix cache's keys of the context's whole blocks (see genrec.engine.prefix_cache)."""
+        """The prefix cache's keys of the context's whole blocks that another request may reuse, under the request's
+        scope (genrec.engine.prefix_cache: `block_keys`, `Scope.of`)."""
 
     def context_embeds(self, prepared: Prepared, start: int, stop: int) -> torch.Tensor:
         """Input embeddings of context rows [start, stop) on the model's device."""

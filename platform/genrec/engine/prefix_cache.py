@@ -1,10 +1,16 @@
 """Context that outlives a request: prompts' K/V kept by content, reused in place by later prompts that start alike.
 
 A prompt is cut into whole blocks of BLOCK tokens, each keyed by a hash chain: key(i) = H(key(i-1), tokens of
-block i [, a digest of the user embedding if the block holds the soft-token placeholder]), seeded with the model
-version. A key stands for the whole prefix up to its block, so an edited, deduplicated or re-tokenized history
-is a miss from the first changed block on, never a wrong hit; and a soft token ties every later block to its
-embedding. Nothing here knows users: the user ID only routes requests to the replica that holds them.
+block i [, the request's scope] [, a digest of the user embedding if the block holds the soft-token placeholder]),
+seeded with the model version. A key stands for the whole prefix up to its block, so an edited, deduplicated or
+re-tokenized history is a miss from the first changed block on, never a wrong hit; and a soft token ties every
+later block to its embedding.
+
+Reuse is scoped, so that how fast a prompt is answered tells nobody what another user sent (a timing side channel):
+a block wholly inside the request's `shared_prefix` is keyed by content alone (public: any request may reuse it);
+every later block's key includes the request's `cache_scope` (only requests of the same scope reuse it). A request
+without a scope is private: its blocks past the shared prefix are keyed as if with a fresh nonce, which no later
+request could match, so they are neither computed nor handed to the cache.
 
 After its prefill, a request hands its own extent (the K/V of the prompt past its reused prefix) to the cache,
 which keys its whole blocks. A later prompt reads its longest cached prefix as at most MAX_SPANS - 1 pieces of
@@ -29,6 +35,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from typing import Self
 
 import numpy as np
 import torch
@@ -38,20 +45,51 @@ from genrec.model.kv_pool import MAX_SPANS, ContextKV, Extent, KVPool, Piece
 BLOCK = 16  # tokens per block: the unit of reuse
 
 
-def block_keys(token_ids: np.ndarray, salt: bytes, placeholder_id: int | None, embedding) -> list[bytes]:
-    """The chain keys of the prompt's whole blocks."""
+@dataclass(frozen=True)
+class Scope:
+    """Who may reuse a request's blocks: requests of scope `name` (None: no other request), except those wholly
+    inside its first `shared` rows (tokens, or events), which any request may reuse."""
+
+    name: str | None
+    shared: int = 0
+
+    @classmethod
+    def of(cls, request) -> Self:
+        """A request's scope, from its `cache_scope` and `shared_prefix` (every request kind has both)."""
+        return cls(request.cache_scope, request.shared_prefix)
+
+    @property
+    def digest(self) -> bytes | None:
+        return None if self.name is None else _digest(b"scope\0" + self.name.encode())
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def block_keys(
+    token_ids: np.ndarray, salt: bytes, placeholder_id: int | None, embedding, scope: Scope | None = None
+) -> list[bytes]:
+    """The chain keys of the prompt's whole blocks that another request may reuse: all of them under a named
+    scope, the shared ones only for a private request. `scope` None: every block keyed by content alone."""
     n = len(token_ids) // BLOCK
+    shared, scoped = n, None
+    if scope is not None:
+        shared, scoped = min(scope.shared // BLOCK, n), scope.digest
+        n = n if scoped is not None else shared  # a private request's later blocks: reusable by nobody
     if not n:
         return []
     blocks = np.ascontiguousarray(token_ids[: n * BLOCK], dtype=np.int64).reshape(n, -1)  # a row per block
     soft = None
     if embedding is not None and placeholder_id is not None:
-        soft = hashlib.blake2b(struct.pack(f"{len(embedding)}d", *embedding), digest_size=16).digest()
+        soft = _digest(struct.pack(f"{len(embedding)}d", *embedding))
         holds_soft = (blocks == placeholder_id).any(axis=1)
-    keys, key = [], hashlib.blake2b(salt, digest_size=16).digest()
+    keys, key = [], _digest(salt)
     for i in range(n):
         h = hashlib.blake2b(key, digest_size=16)
         h.update(blocks[i].tobytes())
+        if i >= shared:
+            h.update(scoped)
         if soft is not None and holds_soft[i]:
             h.update(soft)
         key = h.digest()

@@ -18,7 +18,7 @@ from genrec.attention import ContextGroup
 from genrec.catalog.item_index import ItemIndex
 from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
-from genrec.engine.prefix_cache import block_keys
+from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.results import check_finite
 from genrec.errors import InvalidRequestError
 from genrec.staging import fetch, to_device
@@ -97,7 +97,8 @@ class Ranker:
         return PreparedHistory(req, kind, events, kv_tokens, candidate_rows=candidate_rows, tasks=tasks)
 
     def block_keys(self, prepared: PreparedHistory, salt: bytes) -> list[bytes]:
-        return block_keys(prepared.token_ids.numpy(), salt, None, None)
+        """Scoped by the request (its shared prefix counted in events)."""
+        return block_keys(prepared.token_ids.numpy(), salt, None, None, Scope.of(prepared.request))
 
     # -- passes ----------------------------------------------------------------------------------
 

@@ -40,7 +40,16 @@ from genrec.serving.args import FAMILY, IngressSection
 from genrec.serving.http_errors import EngineUnavailable, NotServed, UnknownUser, error_response
 from genrec.serving.metrics import IngressMetrics
 from genrec.serving.router import ROUTING_KEY, routing_key
-from genrec.serving.schemas import ErrorBody, ModelInfo, RankBody, RankerFacts, RecommendBody, RetrieveBody, ScoreBody
+from genrec.serving.schemas import (
+    ErrorBody,
+    ModelInfo,
+    RankBody,
+    RankerFacts,
+    RecommendBody,
+    RetrieveBody,
+    ScoreBody,
+    cache_scope,
+)
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +235,8 @@ class Ingress:
     async def _stage2(self, body: RecommendBody, items, deadline: float):
         """(the ranker's ranking of the items, None when there are none; the ranker's version)."""
         ranking = funnel.stage2(body, items)
+        if ranking is not None:  # in the cache scope of stage 1's request (the user's, by default)
+            ranking = ranking.model_copy(update={"cache_scope": cache_scope(body)})
         if ranking is None:  # nothing to rank: the answer still names the ranker's version
             info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker")
             return None, info.version

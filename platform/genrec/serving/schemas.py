@@ -1,9 +1,10 @@
 """HTTP bodies: the genrec.api requests plus an optional `user_id` (the ingress looks up its embedding for a
-Qwen3 model and routes by it) and, for /v1/recommend, the ranker's `history` (a two-stage recommend, see
-funnel.py), what /v1/model describes, and the error body."""
+Qwen3 model, routes by it and scopes the prefix cache by it) and, for /v1/recommend, the ranker's `history` (a
+two-stage recommend, see funnel.py), what /v1/model describes, and the error body."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, Discriminator, Field, StrictInt, StrictStr, Tag, model_validator
@@ -33,18 +34,31 @@ UserId = Annotated[
 ]
 
 
+def cache_scope(body) -> str | None:
+    """The prefix-cache scope of the engine requests a body makes (genrec.engine.prefix_cache): its `cache_scope`
+    when given (one it declares shared, e.g. a tenant's); else its user's, from `user_id` (a digest: any user_id
+    fits the field's length; 42 and "42" are two users, as in the routing key); else None, private. The user_id is
+    not authenticated: a caller who sends another user's ID is in that user's scope."""
+    if body.cache_scope is not None:
+        return body.cache_scope
+    if body.user_id is None:
+        return None
+    return "user:" + hashlib.blake2b(repr(body.user_id).encode(), digest_size=16).hexdigest()
+
+
 class _ByUser(BaseModel):
     api_model: ClassVar[type[BaseModel]]
     ingress_fields: ClassVar[set[str]] = {"user_id"}  # what the ingress reads and the engine's request lacks
     user_id: UserId | None = Field(
         None,
-        description="fills user_embedding from the embedding cache (an inline user_embedding wins), and routes "
-        "the request to the engine replica that holds this user's prompts",
+        description="fills user_embedding from the embedding cache (an inline user_embedding wins), routes the "
+        "request to the engine replica that holds this user's prompts, and scopes the prefix cache: what this "
+        "request leaves there is reused by this user's requests only (unless cache_scope names another scope)",
     )
 
     def to_request(self, user_embedding: list[float] | None):
-        """The engine's request: the same fields without user_id, with the resolved embedding."""
-        fields = self.model_dump(exclude=self.ingress_fields)
+        """The engine's request: the same fields without user_id, with the resolved embedding and the cache scope."""
+        fields = self.model_dump(exclude=self.ingress_fields) | {"cache_scope": cache_scope(self)}
         if user_embedding is not None:
             fields["user_embedding"] = user_embedding
         return self.api_model.model_validate(fields)
@@ -83,12 +97,15 @@ class RecommendBody(RecommendRequest, _ByUser):
 
 class RankBody(RankRequest):
     user_id: UserId | None = Field(
-        None, description="routes the request to the engine replica that holds this user's history (no lookup)"
+        None,
+        description="routes the request to the engine replica that holds this user's history (no lookup), and "
+        "scopes the prefix cache by the user (unless cache_scope names another scope)",
     )
 
     def to_request(self, user_embedding: None = None) -> RankRequest:
-        """The engine's request: the same fields without user_id (a ranking model has no soft token)."""
-        return RankRequest.model_validate(self.model_dump(exclude={"user_id"}))
+        """The engine's request: the same fields without user_id (a ranking model has no soft token), with the
+        cache scope."""
+        return RankRequest.model_validate(self.model_dump(exclude={"user_id"}) | {"cache_scope": cache_scope(self)})
 
 
 class RankerFacts(BaseModel):

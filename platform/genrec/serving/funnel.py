@@ -44,8 +44,8 @@ DEGRADED_REASONS = (
 REASONS = (*(reason for _, reason in DEGRADED_REASONS), "ranker_error")  # ranker_error: anything else (a bug)
 
 
-def check_body(body: RecommendBody, ranker: RankerFacts) -> str:
-    """What the ranker would refuse, refused before stage 1 runs; returns the task the items are ordered by."""
+def check_form(body: RecommendBody) -> None:
+    """What no ranker takes, whatever its limits: the label's fields, candidates that are not catalog items."""
     for name in LABEL_FIELDS:
         if name in body.model_fields_set:
             raise InvalidRequestError(name, "a two-stage recommend (with history) is ranked by the ranker: omit it")
@@ -56,6 +56,12 @@ def check_body(body: RecommendBody, ranker: RankerFacts) -> str:
                     f"candidates[{i}].{form}",
                     "a two-stage recommend (with history) ranks catalog items only: give candidates as item_id",
                 )
+
+
+def check_body(body: RecommendBody, ranker: RankerFacts) -> str:
+    """What the ranker would refuse, refused before stage 1 runs (before stage 2 when the ranker's facts must be
+    asked of it); returns the task the items are ordered by."""
+    check_form(body)
     if len(body.history) > ranker.max_history_events:
         raise InvalidRequestError(
             "history", f"{len(body.history)} events exceed the ranker's limit of {ranker.max_history_events}"

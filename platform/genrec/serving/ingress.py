@@ -212,7 +212,12 @@ class Ingress:
             self._deployment_of("recommend")
             if self.handles["ranker"] is None:
                 raise InvalidRequestError("history", "this deployment has no ranker to rank by a history: leave it out")
-            task = funnel.check_body(body, await self._ranker(first_deadline))
+            # Refused before stage 1 runs; without the builder's facts of the ranker, checked by stage 2 (a ranker
+            # that does not answer must not hold stage 1 up).
+            if self.ranker_facts is not None:
+                funnel.check_body(body, self.ranker_facts)
+            else:
+                funnel.check_form(body)
             request = body.to_request(await self._user_embedding(body, first_deadline))
             first = funnel.stage1(request)
             key = routing_key(body, first, self.routing_blocks)
@@ -221,7 +226,7 @@ class Ingress:
             items = funnel.candidates(request, retrieved)
             response.headers[MODEL_VERSION_HEADER] = version
             try:
-                ranked, ranker_version = await self._stage2(body, items, deadline)
+                task, ranked, ranker_version = await self._stage2(body, items, deadline)
             except Exception as err:  # noqa: BLE001 - funnel.degraded_reason tells the client's mistakes apart
                 reason = funnel.degraded_reason(err)
                 if reason is None or self.settings.funnel_on_ranker_failure == "fail":
@@ -233,15 +238,18 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def _stage2(self, body: RecommendBody, items, deadline: float):
-        """(the ranker's ranking of the items, None when there are none; the ranker's version)."""
+        """(the task the items are ordered by; the ranker's ranking of them, None when there are none; the ranker's
+        version)."""
+        task = funnel.check_body(body, await self._ranker(deadline))
         ranking = funnel.stage2(body, items)
         if ranking is not None:  # in the cache scope of stage 1's request (the user's, by default)
             ranking = ranking.model_copy(update={"cache_scope": cache_scope(body)})
         if ranking is None:  # nothing to rank: the answer still names the ranker's version
             info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker")
-            return None, info.version
+            return task, None, info.version
         key = routing_key(body, ranking, self.routing_blocks)
-        return await self._call("ranker", "rank_known", ranking, deadline, key)
+        ranked, version = await self._call("ranker", "rank_known", ranking, deadline, key)
+        return task, ranked, version
 
     def _degraded(self, items, retrieved, num_results: int | None, reason: str, err: Exception):
         """Stage 1's answer after stage 2 failed: counted, and logged with its traceback when it was a bug."""

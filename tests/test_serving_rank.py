@@ -70,6 +70,8 @@ def test_model_info_describes_the_ranker(rank_url, client, hstu_dir):
     assert "/v1/rank" in client.get(f"{rank_url}/openapi.json").json()["paths"]
 
 
+# Two finite times whose gap is not: 1.7e308 - (-1.7e308) overflows a float.
+FAR = [{"item_id": item(1), "timestamp": -1.7e308}, {"item_id": item(2), "timestamp": 1.7e308}]
 GOOD = {"history": [{"item_id": item(1), "action": 0, "timestamp": 1e9}, {"item_id": item(2)}], "candidates": [item(3)]}
 BAD = [
     ({**GOOD, "history": [{"item_id": item(1)}, {"item_id": "no-such-item"}]}, "history[1].item_id"),
@@ -77,6 +79,8 @@ BAD = [
     ({**GOOD, "history": [{"item_id": item(1), "action": SPEC.actions}]}, "history[0].action"),
     ({**GOOD, "history": [{"item_id": item(1), "action": -1}]}, "history[0].action"),
     ({**GOOD, "history": [{"item_id": item(1), "timestamp": "noon"}]}, "history[0].timestamp"),
+    ({**GOOD, "history": [{"item_id": item(1), "timestamp": 10**400}]}, "history[0].timestamp"),  # beyond a float
+    ({**GOOD, "history": FAR}, "history[0].timestamp"),
     ({**GOOD, "tasks": ["purchase"]}, "tasks"),
     ({**GOOD, "candidates": []}, "candidates"),
     ({**GOOD, "history": []}, "history"),

@@ -251,11 +251,15 @@ class RecommendResult(BaseModel):
 # -- ranking (the HSTU family): a user's event history, then candidates scored per task -----------------------
 
 Timestamp = Annotated[StrictFloat | StrictInt, BeforeValidator(_plain)]
+# An event time's bound, in seconds either side of its epoch (~31,700 years). Any two times within it differ by a
+# finite float64, so no history's gaps can overflow; and epoch milliseconds of today (1.7e12) are refused, not read
+# as seconds 1000 times too far apart.
+MAX_TIMESTAMP_S = 1e12
 
 
 class Event(_Strict):
     """One event of a user's history, oldest first: the item, what the user did (an action index of the model;
-    None: no action recorded) and when (seconds, any epoch; None: unknown)."""
+    None: no action recorded) and when (seconds, any epoch, within ±MAX_TIMESTAMP_S; None: unknown)."""
 
     item_id: Text
     action: Int | None = Field(None, ge=0)
@@ -263,10 +267,15 @@ class Event(_Strict):
 
     @field_validator("timestamp")
     @classmethod
-    def _finite_time(cls, value):
-        if value is not None and not math.isfinite(value):
+    def _bounded_time(cls, value):
+        # Compared, never converted: a JSON integer beyond a float compares exactly (float() would overflow).
+        if value is None or -MAX_TIMESTAMP_S <= value <= MAX_TIMESTAMP_S:
+            return value
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError("'timestamp' is not a finite number")
-        return value
+        raise ValueError(
+            f"'timestamp' is beyond ±{MAX_TIMESTAMP_S:.0e} seconds (epoch milliseconds? send seconds: divide by 1000)"
+        )
 
 
 class RankRequest(_Strict):

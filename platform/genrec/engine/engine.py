@@ -31,7 +31,7 @@ from genrec.engine.ranker import Ranker
 from genrec.engine.runner import ModelRunner
 from genrec.engine.scheduler import Scheduler, SchedulerConfig, check_int
 from genrec.engine_options import EngineOptions
-from genrec.errors import GenrecError, InvalidRequestError
+from genrec.errors import InvalidRequestError
 from genrec.model.directory import ModelDir
 from genrec.staging import host_side
 
@@ -117,14 +117,16 @@ class Engine:
             return self.family.prepare(request, kind)
 
     def run(self, requests: list, kind: str | None = None) -> list:
-        """Every request's result, or the GenrecError it failed with, in order (`kind`: each must be that kind).
-        Each request is prepared once; the valid ones run together."""
+        """Every request's result, or the exception it failed with, in order (`kind`: each must be that kind).
+        Each request is prepared once; the valid ones run together. A GenrecError is the request's fault; any other
+        exception is a bug one request's data hit (the scheduler fails only the culprit), returned so that the
+        caller (a batch job) can keep the other requests' results."""
         outcomes: list = [None] * len(_listed(requests))
         prepared = []
         for i, request in enumerate(requests):
             try:
                 prepared.append((i, self.prepare(request, kind)))
-            except GenrecError as err:
+            except Exception as err:  # noqa: BLE001 - see above: this request's outcome
                 outcomes[i] = err
         for i, outcome in self._execute(prepared):
             outcomes[i] = outcome
@@ -144,22 +146,23 @@ class Engine:
 
     def _execute(self, prepared: list[tuple[int, Prepared]]) -> list[tuple[int, object]]:
         """Submit the prepared requests as the queue has room and step the scheduler until all are done: (index,
-        result or the GenrecError it failed with). Any other exception is a bug: raised."""
-        pending, futures = deque(prepared), []
+        result or the exception it failed with), in the order given."""
+        pending, futures, refused = deque(prepared), [], []
         scheduler = self._claim()
         while pending or not all(f.done() for _, f in futures):
             while pending and scheduler.has_room:
                 i, one = pending.popleft()
-                futures.append((i, scheduler.submit(one, timeout_s=math.inf)))
+                try:
+                    futures.append((i, scheduler.submit(one, timeout_s=math.inf)))
+                except Exception as err:  # noqa: BLE001 - e.g. more KV than the budget: this request's outcome
+                    refused.append((i, err))
             if not scheduler.step() and scheduler.idle and pending:
                 raise RuntimeError("the scheduler made no progress")  # a bug: never expected
-        outcomes = []
+        outcomes = refused
         for i, future in futures:
             error = future.exception()
-            if error is not None and not isinstance(error, GenrecError):
-                raise error
             outcomes.append((i, error if error is not None else future.result()))
-        return outcomes
+        return sorted(outcomes, key=lambda outcome: outcome[0])
 
     def _claim(self) -> Scheduler:
         if self.driver is not None and self.driver.healthy:

@@ -8,8 +8,9 @@ Input vocabularies and their reserved indices (the engine maps requests onto the
   and every candidate (its action is what the model predicts).
 * time buckets (optional, num_time_buckets > 0): the log2 of an event's gap in seconds to the previous event
   (`time_buckets`), 0 .. num_time_buckets-1; `unknown_bucket` (= num_time_buckets) is the first event, an
-  event without a timestamp, and by default a candidate. A gap never changes once the event is in the
-  history, so cached K/V stay exact.
+  event without a timestamp, and by default a candidate. Event times are within ±genrec.api.MAX_TIMESTAMP_S
+  (the API refuses others) and a gap is clamped to [0, MAX_GAP_S], so no history can overflow. A gap never
+  changes once the event is in the history, so cached K/V stay exact.
 * positions: history event j (0-based over the user's whole history) is position j; every candidate takes
   position T (the history length), so a candidate's output never depends on the other candidates. A history
   can therefore hold at most `max_history_events` = max_positions - 1 events.
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from genrec.api import MAX_TIMESTAMP_S
 from genrec.errors import ModelDirectoryError
 
 HSTU_MODEL_TYPE = "genrec_hstu"
@@ -71,13 +74,17 @@ class HSTUConfig:
     def time_buckets(self, timestamps: Sequence[float | None], previous: float | None = None) -> list[int]:
         """Each event's gap bucket: floor(log2(1 + gap seconds)) capped at num_time_buckets - 1, where gap is
         to the event before it (`previous` is the timestamp of the last event already cached, when appending);
-        `unknown_bucket` where either timestamp is missing. Clock skew (a negative gap) counts as 0."""
+        `unknown_bucket` where either timestamp is missing. Total, never raising: clock skew (a negative gap)
+        counts as 0, the gap is clamped to MAX_GAP_S, and a time that is not a number within ±MAX_TIMESTAMP_S
+        (the API refuses those) counts as missing."""
         out = []
+        previous = _seconds(previous)
         for t in timestamps:
+            t = _seconds(t)
             if t is None or previous is None:
                 out.append(self.unknown_bucket)
             else:
-                gap = max(float(t) - float(previous), 0.0)
+                gap = min(max(t - previous, 0.0), MAX_GAP_S)
                 out.append(min(int(math.log2(1.0 + gap)), self.num_time_buckets - 1))
             previous = t
         return out
@@ -119,6 +126,19 @@ class HSTUConfig:
         except json.JSONDecodeError as err:
             raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
         return cls.from_dict(raw, path)
+
+
+# The largest gap of two valid event times (genrec.api.MAX_TIMESTAMP_S): a gap is clamped to it, so its bucket is
+# always a finite log2 (what a valid history gets is unchanged by the clamp).
+MAX_GAP_S = 2 * MAX_TIMESTAMP_S
+
+
+def _seconds(t) -> float | None:
+    """An event time as float seconds, or None: missing, or not a real number within ±MAX_TIMESTAMP_S (NaN
+    included; compared before any conversion, so an integer beyond a float is None, not an OverflowError)."""
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not -MAX_TIMESTAMP_S <= t <= MAX_TIMESTAMP_S:
+        return None
+    return float(t)
 
 
 _POSITIVE = ("num_items", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "head_hidden")

@@ -113,8 +113,9 @@ def test_two_stages_equal_retrieve_then_rank_in_process(reference, users, engine
     tasks = ("click", "like", "long_view")
     assert table.column_names == [
         "user_id", "rank", "retrieval_rank", "item_id", "semantic_id", "retrieval_logprob", "code_logprob", "score",
-        *(f"prob_{t}" for t in tasks), "model_version", "ranker_version", "run_id",
+        *(f"prob_{t}" for t in tasks), "degraded", "degraded_reason", "model_version", "ranker_version", "run_id",
     ]  # fmt: skip
+    assert not any(table.column("degraded").to_pylist()) and table.column("degraded_reason").null_count == len(table)
     expected = expected_rows(engine, ranker, users[1])
     got = table.to_pylist()
     assert [(r["user_id"], r["rank"], r["retrieval_rank"], r["item_id"]) for r in got] == [e[:4] for e in expected]
@@ -128,7 +129,7 @@ def test_two_stages_equal_retrieve_then_rank_in_process(reference, users, engine
     for user in {r["user_id"] for r in unknown}:  # unknown items come after the ranked ones
         flags = [r["prob_like"] is None for r in got if r["user_id"] == user]
         assert flags == sorted(flags)
-    assert (summary.users, summary.processed, summary.errors) == (USERS, USERS, len(BAD))
+    assert (summary.users, summary.processed, summary.errors, summary.degraded_users) == (USERS, USERS, len(BAD), 0)
     assert summary.rows_written == len(got) == (USERS - len(BAD)) * RESULTS
     assert summary.model_version == model_version(tiny_dir) == table.column("model_version").unique().to_pylist()[0]
     assert summary.ranker_version == model_version(hstu_dir) == table.column("ranker_version").unique().to_pylist()[0]

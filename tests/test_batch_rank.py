@@ -136,7 +136,8 @@ def test_every_kind_of_bad_rank_row_becomes_an_error_naming_its_field(ranker, hs
     good = [i for i, (_, field) in enumerate(cases) if field is None]
     assert written_rows(output) == expected_rows(ranker, [rows[i] for i in good], len(rows), "click", set())
     assert output.column("prob_long_view").to_pylist()[-3:] == [None] * 3  # the last row asked for 2 tasks
-    assert report == {"shard": 0, "users": len(cases), "rows": output.num_rows, "errors": len(want), "skipped": False}
+    counts = {"rows": output.num_rows, "errors": len(want), "degraded": 0}
+    assert report == {"shard": 0, "users": len(cases), **counts, "skipped": False}
     again = run_shard(worker, shard)  # a retried task: nothing recomputed
     assert again["skipped"] and again["rows"] == output.num_rows
 

@@ -62,7 +62,8 @@ def test_every_kind_of_bad_row_becomes_an_error_naming_its_field(engine, tiny_di
     assert error_rows(spec.out, shard) == want
     output = pq.read_table(tmp_path / "out" / "recommendations" / shard.name).to_pylist()
     assert {r["user_id"] for r in output} == {0, len(cases) - 1}
-    assert report == {"shard": 0, "users": len(cases), "rows": len(output), "errors": len(want), "skipped": False}
+    counts = {"rows": len(output), "errors": len(want), "degraded": 0}
+    assert report == {"shard": 0, "users": len(cases), **counts, "skipped": False}
     again = run_shard(worker, shard)  # a retried task: nothing recomputed
     assert again["skipped"] and again["rows"] == len(output)
 

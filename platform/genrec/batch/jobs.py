@@ -2,8 +2,10 @@
 results go (`results`), and does three things with a shard (the ShardWorker runs any of them):
 
     parse(rows)                      the rows as API requests; a bad row is a RowError naming its field
-    infer(engine, requests)          one Engine.run: each request's result, or the GenrecError it failed with
+    infer(engine, requests)          one Engine.run: each request's result, or the exception it failed with
     table(rows, positions, results)  the results of shard rows `positions` as output rows
+
+No row's data can fail more than its own row: any exception while parsing or running one is that row's error.
 
 Retrieve and Recommend (retrieve, then label-score on the same prefill) are the recommend job; Rank the rank job;
 the funnel chains Retrieve or Recommend with RankRetrieved, the HSTU ranker over stage 1's items (`stages`)."""
@@ -22,9 +24,18 @@ from genrec.api import RankRequest, RecommendRequest, RetrieveRequest
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS
 from genrec.batch.shards import InputLayout
 from genrec.batch.spec import Execution, FunnelSpec, JobSpec, RankingExecution, RankSpec, RecommendSpec, ranking_config
-from genrec.batch.tables import ROW, RowError, funnel_table, rankings_table, recommendations_table, user_spans
+from genrec.batch.tables import (
+    ROW,
+    Degraded,
+    RowError,
+    described,
+    funnel_table,
+    rankings_table,
+    recommendations_table,
+    user_spans,
+)
 from genrec.batch.user_embeddings import lookup
-from genrec.errors import GenrecError
+from genrec.errors import GenrecError, InvalidRequestError
 from genrec.funnel import known
 from genrec.model.directory import ModelDir
 
@@ -63,9 +74,7 @@ class Job:
 class Retrieve(Job):
     """Constrained beam search for each user's prompt (and user embedding: the row's, or the cache's)."""
 
-    layout = InputLayout(
-        required=(("prompt", "prompt_token_ids"),), optional=("user_embedding", "exclude_item_ids", "candidates")
-    )
+    layout = InputLayout(required=(("prompt", "prompt_token_ids"),), optional=("user_embedding", "exclude_item_ids"))
     results = RECOMMENDATIONS
     kind, request = "retrieve", RetrieveRequest
     columns = ["prompt", "prompt_token_ids", "user_embedding", "exclude_item_ids"]
@@ -115,6 +124,7 @@ class Recommend(Retrieve):
     """Retrieve, then score the retrieved items and the given candidates with the label on the same prefill."""
 
     kind, request, columns = "recommend", RecommendRequest, [*Retrieve.columns, "candidates"]
+    layout = InputLayout(Retrieve.layout.required, (*Retrieve.layout.optional, "candidates"))
 
     def settings(self) -> dict:
         return {**super().settings(), "rank_by": self.spec.order_by, "score_weight": self.spec.score_weight}
@@ -152,7 +162,8 @@ class Rank(Job):
 
 class RankRetrieved(Job):
     """The funnel's stage 2: each user's stage 1 items ranked after the user's history, those the ranker does not
-    know (genrec.funnel.known) after the ranked ones. A user whose history the ranker refuses is an error row."""
+    know (genrec.funnel.known) after the ranked ones. A user whose history the ranker refuses is an error row; a
+    user the ranker fails for otherwise is degraded: stage 1's items in beam order, marked (tables.Degraded)."""
 
     layout = InputLayout(required=(("history",),))
     results = RECOMMENDATIONS
@@ -184,11 +195,11 @@ class RankRetrieved(Job):
 
     def infer(self, engine, requests: list) -> list:
         """The known items of every user ranked in one run; a user with none has nothing to rank (None), but the
-        history is still checked."""
+        history is still checked. A failure other than a refusal of the request is Degraded."""
         knows = lambda item: engine.catalog.row_of(item) is not None  # noqa: E731
         asked = [r.model_copy(update={"candidates": known(r.candidates, knows)}) for r in requests]
         ranked = iter(engine.run([r for r in asked if r.candidates], "rank"))
-        return [next(ranked) if r.candidates else _checked(engine, r) for r in asked]
+        return [_degraded(next(ranked) if r.candidates else _checked(engine, r)) for r in asked]
 
     def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
         by_row = dict(zip(positions, results, strict=True))
@@ -205,12 +216,19 @@ def stages(spec: JobSpec, execution: Execution, ranking: RankingExecution) -> li
     return [(first, execution)]
 
 
-def _checked(engine, request) -> GenrecError | None:
+def _checked(engine, request) -> Exception | None:
     try:
         engine.prepare(request, "rank")
-    except GenrecError as err:
+    except Exception as err:  # noqa: BLE001 - the request's outcome, as in Engine.run
         return err
     return None
+
+
+def _degraded(outcome):
+    """A ranker's outcome for one funnel user: a failure that is not a refusal of the user's input is Degraded."""
+    if isinstance(outcome, Exception) and not isinstance(outcome, InvalidRequestError):
+        return Degraded(f"ranker_error: {described(outcome)}")  # the online funnel's reason, with what failed
+    return outcome
 
 
 def validate_rows(
@@ -222,7 +240,8 @@ def validate_rows(
 ) -> Parsed:
     """Every row as a `kind` request (the API model validates it) made of its non-null `wanted` columns and the
     job's `settings`; `complete(row, fields)` may add to a row's fields or refuse the row. A null user_id, a
-    refused row or a failed validation becomes a RowError naming the field."""
+    refused row or a failed validation becomes a RowError naming the field; any other exception one row's data
+    causes, a RowError of the request."""
     columns = {name: table.column(name).to_pylist() for name in wanted if name in table.column_names}
     parsed = Parsed()
     for row, user_id in enumerate(table.column("user_id").to_pylist()):
@@ -230,15 +249,19 @@ def validate_rows(
             parsed.errors.append(RowError(row, "user_id", "is null"))
             continue
         fields = {name: values[row] for name, values in columns.items() if values[row] is not None}
-        refused = complete(row, fields) if complete else None
+        try:
+            refused = complete(row, fields) if complete else None
+            if refused is None:
+                request = kind(**fields, **settings)
+        except ValidationError as err:
+            refused = _validation_error(row, err, kind)
+        except Exception as err:  # noqa: BLE001 - one row's data: that row's error, never the job's
+            refused = RowError.of(row, err)
         if refused is not None:
             parsed.errors.append(refused)
             continue
-        try:
-            parsed.requests.append(kind(**fields, **settings))
-            parsed.positions.append(row)
-        except ValidationError as err:
-            parsed.errors.append(_validation_error(row, err, kind))
+        parsed.requests.append(request)
+        parsed.positions.append(row)
     return parsed
 
 

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from genrec.batch.shards import Shard, filesystem
 from genrec.batch.spec import run_id_of
+from genrec.batch.tables import degraded_users
 from genrec.errors import GenrecError
 
 RECOMMENDATIONS, RANKINGS, ERRORS, MANIFEST = "recommendations", "rankings", "errors", "manifest.json"
@@ -36,6 +37,10 @@ TMP_SUFFIX = ".tmp"
 class ShardCounts:
     rows: int  # result rows
     errors: int
+    degraded: int = 0  # funnel users whose stage 1 order was kept because the ranker failed
+
+
+DEGRADED_KEY = b"genrec.degraded_users"  # in a funnel results file's footer: its degraded users
 
 
 class OutputDir:
@@ -115,14 +120,21 @@ class OutputDir:
         return {index: done for index, done in counts.items() if done is not None}
 
     def counts(self, shard: Shard) -> ShardCounts | None:
-        rows = self._rows(f"{self.results}/{shard.name}")
-        errors = self._rows(f"{self.errors}/{shard.name}") if rows is not None else None
-        return ShardCounts(rows, errors) if errors is not None else None
+        results = self._footer(f"{self.results}/{shard.name}")
+        errors = self._footer(f"{self.errors}/{shard.name}") if results is not None else None
+        if errors is None:
+            return None
+        degraded = int((results.metadata or {}).get(DEGRADED_KEY, b"0"))
+        return ShardCounts(results.num_rows, errors.num_rows, degraded)
 
     def commit(self, shard: Shard, results: pa.Table, errors: pa.Table) -> ShardCounts:
+        degraded = degraded_users(results)
+        if degraded:  # counted once here, read from the footer when a rerun finds the shard committed
+            metadata = {**(results.schema.metadata or {}), DEGRADED_KEY: str(degraded).encode()}
+            results = results.replace_schema_metadata(metadata)
         self._write(f"{self.errors}/{shard.name}", lambda stream: pq.write_table(errors, stream))
         self._write(f"{self.results}/{shard.name}", lambda stream: pq.write_table(results, stream))  # the commit
-        return ShardCounts(results.num_rows, errors.num_rows)
+        return ShardCounts(results.num_rows, errors.num_rows, degraded)
 
     def _write(self, path: str, write: Callable) -> None:
         """`write(stream)` to a hidden temporary file (Parquet dataset readers skip it), then moved to `path`."""
@@ -132,10 +144,11 @@ class OutputDir:
             write(stream)
         self.fs.move(tmp, path)
 
-    def _rows(self, path: str) -> int | None:
-        """Rows of a complete Parquet file; None when it is missing or unreadable (e.g. cut by a machine crash)."""
+    def _footer(self, path: str) -> pq.FileMetaData | None:
+        """The footer of a complete Parquet file; None when it is missing or unreadable (e.g. cut by a machine
+        crash)."""
         try:
             with self.fs.open_input_file(path) as handle:
-                return pq.ParquetFile(handle).metadata.num_rows
+                return pq.ParquetFile(handle).metadata
         except (OSError, pa.ArrowException):
             return None

@@ -16,6 +16,7 @@ rerun recomputes exactly the missing ones, and every shard's results depend on i
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -46,6 +47,7 @@ class Summary:
     model_version: str
     out: str
     ranker_version: str | None = None  # the funnel's ranking model
+    degraded_users: int | None = None  # the funnel's: users the ranker failed for, stage 1's order kept (all runs)
 
     def line(self) -> str:
         return "batch summary: " + json.dumps(asdict(self))
@@ -69,6 +71,8 @@ def run(
     for _, run_on in plan:
         _check_device(spec, run_on)
     users = UsersInput(spec.users, _layout([job for job, _ in plan]))
+    if users.unread:
+        print(f"warning: {spec.users}: no stage of this job reads column(s) {', '.join(users.unread)}", file=sys.stderr)
     version = ModelDir.open(spec.model).version
     out = OutputDir(spec.out, plan[-1][0].results)
     identity = spec.identity(version, users.fingerprint())
@@ -94,7 +98,7 @@ def run(
                 skipped += report["users"]
             else:
                 processed += report["users"]
-            counts[report["shard"]] = ShardCounts(report["rows"], report["errors"])
+            counts[report["shard"]] = ShardCounts(report["rows"], report["errors"], report["degraded"])
     errors = sum(c.errors for c in counts.values())
     seconds = time.perf_counter() - start
     return Summary(
@@ -113,6 +117,7 @@ def run(
         model_version=version,
         out=spec.out,
         ranker_version=identity.get("ranker_version"),
+        degraded_users=sum(c.degraded for c in counts.values()) if len(plan) > 1 else None,
     )
 
 

@@ -121,7 +121,8 @@ class UsersInput:
         if not paths:
             raise GenrecError(f"{uri}: no .parquet files in this directory")
         self.files = [self._describe(path) for path in paths]
-        self.columns = self._check_schema()
+        self.names: list[str] = []  # the input's columns
+        self.columns = self._check_schema()  # those the job reads
         self._read: tuple[tuple, pa.Table] | None = None  # the row groups `read` read last
 
     def _describe(self, path: str) -> InputFile:
@@ -144,6 +145,7 @@ class UsersInput:
             with self.fs.open_input_file(file.path) as handle:
                 schemas.append((file.path, pq.read_schema(handle)))
         path, schema = schemas[0]
+        self.names = schema.names
         for other_path, other in schemas[1:]:
             if other.names != schema.names:
                 raise GenrecError(f"{other_path}: columns {other.names} differ from {path}'s {schema.names}")
@@ -164,6 +166,12 @@ class UsersInput:
     @property
     def rows(self) -> int:
         return sum(f.rows for f in self.files)
+
+    @property
+    def unread(self) -> list[str]:
+        """The input's columns the job does not read (a misspelled or misplaced column, e.g. candidates without
+        scoring): the driver warns of them."""
+        return [name for name in self.names if name not in self.columns]
 
     def fingerprint(self) -> str:
         text = json.dumps([(f.path.rsplit("/", 1)[-1], f.footer) for f in self.files])

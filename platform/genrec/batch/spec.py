@@ -20,6 +20,7 @@ from genrec.model.directory import GENREC_SUBDIR, ModelDir
 from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
 
 FORMAT = 3  # bump when the output layout or columns change (3: repeated user_ids refused)
+FUNNEL_FORMAT = 4  # the funnel's own (4: the degraded and degraded_reason columns); the other jobs keep FORMAT
 WRONG_FAMILY = {  # a job's refusal of the other family's model directory
     "qwen3": "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
     "Qwen3 semantic-ID model",
@@ -139,7 +140,7 @@ class FunnelSpec(RecommendSpec):
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         ranker = {"job": "funnel", "ranker_version": ModelDir.open(self.ranker).version, "rank_task": self.rank_task}
-        return {**super().identity(model_version, input_fingerprint), **ranker}
+        return {**super().identity(model_version, input_fingerprint), **ranker, "format": FUNNEL_FORMAT}
 
 
 class RankSpec(JobSpec):

@@ -2,7 +2,8 @@
 
     recommend  user_id, rank, item_id, semantic_id, retrieval_logprob, code_logprob, score, model_version, run_id
     rank       user_id, rank, item_id, prob_<task>..., model_version, run_id
-    funnel     recommend's, with retrieval_rank after rank, prob_<task>... before model_version, ranker_version after
+    funnel     recommend's, with retrieval_rank after rank; prob_<task>..., degraded, degraded_reason before
+               model_version, ranker_version after
 
 Each user's rows are together, best first (rank 1)."""
 
@@ -12,8 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from genrec.api import RankResult
+from genrec.errors import GenrecError, InvalidRequestError
 from genrec.funnel import final_order
 
 TASK_PREFIX = "prob_"
@@ -25,6 +28,27 @@ class RowError:
     position: int  # row in the shard
     field: str
     reason: str
+
+    @classmethod
+    def of(cls, position: int, failure: Exception) -> RowError:
+        """The row error of a request that failed: the field the model refused, else the request as a whole."""
+        if isinstance(failure, InvalidRequestError):
+            return cls(position, failure.field, failure.problem)
+        return cls(position, "request", described(failure))
+
+
+@dataclass(frozen=True)
+class Degraded:
+    """A funnel user the ranker failed for (not one it refused): stage 1's items kept, in beam order."""
+
+    reason: str
+
+
+def described(failure: Exception) -> str:
+    """A GenrecError's own message; any other exception (a bug one row's data hit) as an internal error."""
+    if isinstance(failure, GenrecError):
+        return str(failure)
+    return f"internal error ({type(failure).__name__}: {failure})"
 
 
 def errors_table(user_ids: pa.Array, errors: list[RowError], first_row: int, run_id: str) -> pa.Table:
@@ -77,28 +101,45 @@ def rankings_table(
 
 
 def funnel_table(
-    retrieved: pa.Table, results: dict[int, RankResult | None], tasks: tuple[str, ...], rank_task: str, version: str
+    retrieved: pa.Table,
+    results: dict[int, RankResult | Degraded | None],
+    tasks: tuple[str, ...],
+    rank_task: str,
+    version: str,
 ) -> pa.Table:
     """`retrieved`: stage 1's rows (with ROW), each user's together in stage 1's order. `results`: shard row ->
-    the RankResult of that user's items the ranker knows (None: it knows none); the users left out (refused by the
-    ranker) are left out. The final order and the unknown items' place (their probabilities null):
-    genrec.funnel.final_order."""
+    the RankResult of that user's items the ranker knows (None: it knows none; Degraded: the ranker failed, so
+    none is ranked and `degraded` is true with its reason); the users left out (refused by the ranker) are left
+    out. The final order and the unranked items' place (their probabilities null): genrec.funnel.final_order."""
     item_ids = retrieved.column("item_id").to_pylist()
-    order, scores, counts = [], [], []
+    order, scores, counts, reasons = [], [], [], []
     for position, lo, hi in user_spans(retrieved.column(ROW).to_numpy()):
         if position not in results:
             continue
-        ranked = {item.item_id: item.scores for item in results[position].items} if results[position] else {}
+        result = results[position]
+        ranked = {item.item_id: item.scores for item in result.items} if isinstance(result, RankResult) else {}
         for k in final_order(item_ids[lo:hi], ranked, rank_task):
             order.append(lo + k)
             scores.append(ranked.get(item_ids[lo + k]))
         counts.append(hi - lo)
+        reasons += [result.reason if isinstance(result, Degraded) else None] * (hi - lo)
     kept = retrieved.take(pa.array(order, pa.int64()))
     columns = {"user_id": kept["user_id"], "rank": _ranks(counts), "retrieval_rank": kept["rank"]}
     columns |= {name: kept[name] for name in ("item_id", "semantic_id", "retrieval_logprob", "code_logprob", "score")}
     columns |= {TASK_PREFIX + t: _floats(None if s is None else s[t] for s in scores) for t in tasks}
+    columns |= {
+        "degraded": pa.array([r is not None for r in reasons], pa.bool_()),
+        "degraded_reason": pa.array(reasons, pa.string()),
+    }
     columns |= {"model_version": kept["model_version"], "ranker_version": pa.array([version] * len(order), pa.string())}
     return pa.table(columns | {"run_id": kept["run_id"]})
+
+
+def degraded_users(results: pa.Table) -> int:
+    """Users of a funnel table whose stage 1 order was kept because the ranker failed (0 for the other jobs)."""
+    if "degraded" not in results.column_names:
+        return 0
+    return int(pc.sum(pc.and_(results["degraded"], pc.equal(results["rank"], 1))).as_py() or 0)
 
 
 def user_spans(rows: np.ndarray) -> list[tuple[int, int, int]]:

@@ -20,9 +20,10 @@ from genrec.batch.output import OutputDir
 from genrec.batch.shards import SHARD_SCHEMA, Shard, UsersInput
 from genrec.batch.spec import Execution
 from genrec.batch.tables import ROW, RowError, errors_table
-from genrec.errors import GenrecError, InvalidRequestError
 
-REPORT = pa.schema([*((name, pa.int64()) for name in ("shard", "users", "rows", "errors")), ("skipped", pa.bool_())])
+REPORT = pa.schema(
+    [*((name, pa.int64()) for name in ("shard", "users", "rows", "errors", "degraded")), ("skipped", pa.bool_())]
+)
 HANDOFF = pa.schema([*SHARD_SCHEMA, ("results", pa.large_binary()), ("errors", pa.large_binary())])
 
 
@@ -57,10 +58,12 @@ class ShardWorker:
         skipped = done is not None
         if not skipped:
             done = self.out.commit(shard, *self.compute(shard, handed))
-        return {"shard": shard.index, "users": shard.rows, "rows": done.rows, "errors": done.errors, "skipped": skipped}
+        counts = {"rows": done.rows, "errors": done.errors, "degraded": done.degraded}
+        return {"shard": shard.index, "users": shard.rows, **counts, "skipped": skipped}
 
     def compute(self, shard: Shard, handed: tuple | None = None) -> tuple[pa.Table, pa.Table]:
-        """The shard's (results, errors) tables: its rows parsed, one engine run, a request that fails a row error."""
+        """The shard's (results, errors) tables: its rows parsed, one engine run, a request that fails (with any
+        exception: the engine returns each request's) a row error, never the shard's or the job's."""
         rows = Rows(self.users.read(shard), self.engine.model_version, self.run_id, handed and handed[0])
         parsed = self.job.parse(rows)
         if handed and handed[1] is not None:  # the stage before's errors
@@ -69,10 +72,8 @@ class ShardWorker:
         positions, results = [], []
         outcomes = self.job.infer(self.engine, parsed.requests) if parsed.requests else []
         for position, outcome in zip(parsed.positions, outcomes, strict=True):
-            if isinstance(outcome, InvalidRequestError):
-                parsed.errors.append(RowError(position, outcome.field, outcome.problem))
-            elif isinstance(outcome, GenrecError):
-                parsed.errors.append(RowError(position, "request", str(outcome)))
+            if isinstance(outcome, Exception):
+                parsed.errors.append(RowError.of(position, outcome))
             else:
                 positions.append(position)
                 results.append(outcome)

@@ -14,7 +14,9 @@ the ranker does not know keep stage 1's order after the ranked ones; a user whos
 is an error row.
 Rerun with the same arguments after a failure: committed shards are skipped, the rest are computed.
 Exit status: 0, or 1 when the fraction of bad rows (repeated user_ids among them) passes --max-error-fraction,
-or 2 for bad arguments (an --out that cannot be written, --num-gpus that the cluster cannot give among them).
+or 2 for bad arguments (a model directory its engines could not load, e.g. a config.json that disagrees with
+its tensors; an --out that cannot be written; --num-gpus that the cluster cannot give among them). Local paths
+are made absolute here, on the driver, before any actor starts.
 """
 
 import _need_genrec  # noqa: F401  (first: one clear line when this python lacks genrec)

@@ -1,10 +1,11 @@
 """Before Serve replaces anything: the app builder checks what the engine replicas will load.
 
 A redeploy whose replicas cannot start (a mistyped `model_dir`, a corrupt catalog, a truncated
-`model.safetensors`) would otherwise stop healthy replicas for ones that fail. The builder runs these checks
-first; a failure refuses the deploy with the file named (Serve marks the app DEPLOY_FAILED) and the running
-version keeps serving. Each engine section's directory is checked without building the model (`ModelDir.check`:
-config.json, the tokenizer, the catalog, each safetensors file's header against the file's size, the soft-token
+`model.safetensors`, a config.json edited apart from its weights) would otherwise stop healthy replicas for ones
+that fail. The builder runs these checks first; a failure refuses the deploy with the file named (Serve marks the
+app DEPLOY_FAILED) and the running version keeps serving. Each engine section's directory is checked without
+reading the weights (`ModelDir.check`: config.json, the tokenizer, the catalog, each safetensors file's header
+against the file's size and each tensor's shape and dtype in it against what config.json implies, the soft-token
 projector), and its family: the retriever's a Qwen3 model, the ranker's an HSTU one; then that a configured
 embedding cache's `dim` is what the retriever's projector takes.
 

@@ -132,7 +132,7 @@ def test_a_deadline_is_checked_between_scoring_passes(tiny_dir, rng):
     from genrec.engine import Engine
     from genrec.errors import RequestTimeout
 
-    engine = Engine.from_pretrained(tiny_dir, score_max_tokens=32)
+    engine = Engine.from_pretrained(tiny_dir, score_max_tokens=64)
     clock = ManualClock()
     scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0), clock)
     future = scheduler.submit(engine.prepare(big_score(engine, rng)), timeout_s=2)

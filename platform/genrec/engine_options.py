@@ -17,10 +17,25 @@ class EngineOptions(BaseModel):
         None, description="default: bfloat16 on CUDA, float32 on the CPU"
     )
     max_candidates: int = Field(2048, ge=1, description="candidates per score or recommend request")
-    score_max_tokens: int = Field(16384, ge=1, description="padded tokens per scoring pass")
+    score_max_tokens: int = Field(
+        16384,
+        ge=1,
+        description="one scoring or ranking pass's estimated cost, in token-equivalents (padded tokens plus their "
+        "attention; docs/engine.md)",
+    )
     max_candidate_tokens: int = Field(65536, ge=1, description="candidate tokens of one request in all; beyond: 4xx")
+    max_candidate_len: int | None = Field(
+        None,
+        ge=1,
+        description="tokens of one score or recommend candidate; beyond: 4xx (default: the longest candidate one "
+        "scoring pass holds)",
+    )
     cuda_fast: bool = Field(False, description="the unverified CUDA fast path (custom kernels, CUDA graphs)")
 
     def engine_kwargs(self) -> dict:
-        """Keyword arguments of `Engine.from_pretrained` (besides the model directory and the device)."""
-        return self.model_dump(include=set(EngineOptions.model_fields))
+        """Keyword arguments of `Engine.from_pretrained` (besides the model directory and the device). A derived
+        default is left out: the options it derives from name it, so a batch run's identity stays as it was."""
+        kwargs = self.model_dump(include=set(EngineOptions.model_fields))
+        if kwargs["max_candidate_len"] is None:
+            del kwargs["max_candidate_len"]
+        return kwargs

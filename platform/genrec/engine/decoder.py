@@ -59,13 +59,14 @@ class Decoder:
         max_candidates: int = 2048,
         score_max_tokens: int = 16384,
         max_candidate_tokens: int = 65536,
+        max_candidate_len: int | None = None,
         fast: bool = False,
     ):
         self.model, self.tokenizer, self.catalog = model, tokenizer, catalog
         self.device = model.device
         self.projector = projector.to(self.device, model.dtype) if projector is not None else None
         self.max_candidates = max_candidates
-        self.score_max_tokens = score_max_tokens  # one scoring pass, padded
+        self.score_max_tokens = score_max_tokens  # one scoring pass, in token-equivalents (its estimated cost)
         self.max_candidate_tokens = max_candidate_tokens  # one request's candidates in all
         self.fast = fast
         self.levels = catalog.levels
@@ -73,6 +74,10 @@ class Decoder:
         self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
         self.max_prompt_tokens = model.config.prompt_room(catalog.levels)  # room for the code after it
         self.scorer = Scorer(model, fast)
+        self.cost = self.scorer.cost  # what a pass costs: the scheduler bounds prefill chunks with it too
+        # One candidate's tokens; by default the longest row one scoring pass holds alone (at least an item's code).
+        longest = max(self.cost.longest_row(score_max_tokens), self.levels)
+        self.max_candidate_len = longest if max_candidate_len is None else max_candidate_len
 
     @classmethod
     def from_dir(cls, directory, device, dtype, **limits) -> Decoder:
@@ -174,7 +179,8 @@ class Decoder:
         return None
 
     def rows_pass(self, jobs: list, budget: int) -> None:
-        """One scoring pass of at most `budget` padded tokens over the jobs' candidate rows, in order."""
+        """One scoring pass over the jobs' candidate rows, in order, of at most `budget` token-equivalents: rows
+        padded to the pass's widest, their attention included (genrec.engine.pass_cost)."""
         for job in jobs:
             if job.work is None:
                 job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved)

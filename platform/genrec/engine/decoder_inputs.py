@@ -48,6 +48,7 @@ def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: i
         )
     vocab = decoder.model.config.vocab_size
     room = decoder.model.config.max_position_embeddings - prompt_tokens
+    longest = decoder.max_candidate_len  # one candidate's row: what one bounded scoring pass holds
     lists, total = [], 0
     for i, cand in enumerate(candidates):
         field = f"candidates[{i}]"
@@ -57,7 +58,7 @@ def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: i
                 raise InvalidRequestError(f"{field}.item_id", f"unknown item {cand.item_id!r}")
             tokens = decoder.catalog.codes[index].tolist()
         elif cand.text is not None:
-            check_text_fits(f"{field}.text", cand.text, room)
+            check_text_fits(f"{field}.text", cand.text, min(room, longest))
             tokens = decoder.tokenizer(cand.text, add_special_tokens=False)["input_ids"]
             if not tokens:
                 raise InvalidRequestError(f"{field}.text", "tokenizes to no tokens")
@@ -69,6 +70,10 @@ def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: i
         if len(tokens) > room:
             raise InvalidRequestError(
                 field, f"prompt plus candidate exceed the model's {room + prompt_tokens} positions"
+            )
+        if len(tokens) > longest:
+            raise InvalidRequestError(
+                field, f"{len(tokens)} tokens exceed this engine's limit of {longest} tokens per candidate"
             )
         total += len(tokens)
         if total > decoder.max_candidate_tokens:  # checked as it goes: the rest is never tokenized

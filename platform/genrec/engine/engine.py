@@ -36,7 +36,8 @@ from genrec.model.directory import ModelDir
 from genrec.staging import host_side
 
 FAMILIES = {"qwen3": Decoder, "hstu": Ranker}  # a model directory's family -> the engine's
-LIMITS = ("max_candidates", "score_max_tokens", "max_candidate_tokens")  # the families' request limits
+LIMITS = ("max_candidates", "score_max_tokens", "max_candidate_tokens", "max_candidate_len")  # the families' limits
+DERIVED = ("max_candidate_len",)  # limits whose None means "worked out from the others"
 
 
 class Engine:
@@ -72,7 +73,7 @@ class Engine:
         (dtype aside: bfloat16 on CUDA and float32 on the CPU unless given)."""
         directory = ModelDir.open(model_dir)
         for name in LIMITS:  # strictly: a bool or a float is refused, not read as a number
-            if name in options:
+            if name in options and not (options[name] is None and name in DERIVED):
                 check_int(name, options[name])
         options = EngineOptions(**options)
         if not isinstance(dtype, torch.dtype):

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.engine.pass_cost import PassCost
 from genrec.errors import InvalidRequestError
 
 # The request class of each kind, the most specific first (a RecommendRequest is also a RetrieveRequest).
@@ -57,6 +58,7 @@ class Family(Protocol):
     kinds: tuple[str, ...]  # the request kinds it answers
     model: torch.nn.Module  # its `config` has the KV shape (num_hidden_layers, num_key_value_heads, head_dim)
     catalog: object  # item IDs <-> what the model reads of them
+    cost: PassCost  # what its passes cost in token-equivalents: rows passes and prefill chunks are bounded by it
 
     def prepare(self, request, kind: str) -> Prepared:
         """Check a request of one of `kinds` against the model; raise InvalidRequestError naming the field."""
@@ -76,8 +78,8 @@ class Family(Protocol):
         """A prefilled job on to its next state: True if it now generates (Generating only), False if it runs rows."""
 
     def rows_pass(self, jobs: list, budget: int) -> None:
-        """One pass of at most `budget` (padded tokens, or rows) of the jobs' next rows, in order; a job whose rows
-        are all done gets its `result`."""
+        """One pass of the jobs' next rows, in order, estimated (`cost`) at most `budget` token-equivalents unless
+        its first row alone costs more; a job whose rows are all done gets its `result`."""
 
     def describe(self) -> dict:
         """What /v1/model says of this family's model (the other family's fields None)."""

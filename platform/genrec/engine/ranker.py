@@ -18,6 +18,7 @@ from genrec.attention import ContextGroup
 from genrec.catalog.item_index import ItemIndex
 from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
+from genrec.engine.pass_cost import PassCost
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.results import check_finite
 from genrec.errors import InvalidRequestError
@@ -35,12 +36,14 @@ class Ranker:
     kinds = FAMILY_KINDS["hstu"]
 
     def __init__(self, model, items: ItemIndex, max_candidates: int = 2048, score_max_tokens: int = 16384, **_):
-        """`score_max_tokens`: candidate rows in one pass (the scoring passes' bound, in rows here). Options only
-        the decoder has (max_candidate_tokens, fast) are accepted and unused."""
+        """`score_max_tokens`: one ranking pass's estimated cost in token-equivalents (a candidate row costs one,
+        plus its attention over the history: genrec.engine.pass_cost). Options only the decoder has
+        (max_candidate_tokens, max_candidate_len, fast) are accepted and unused."""
         self.model, self.catalog = model, items
         self.device = model.device
         self.max_candidates = max_candidates
         self.score_max_tokens = score_max_tokens
+        self.cost = PassCost.hstu(model.config)
         self.levels = 0  # nothing generates
 
     @classmethod
@@ -119,10 +122,11 @@ class Ranker:
         return JobState.SCORING
 
     def rows_pass(self, jobs: list, budget: int) -> None:
-        """One pass of at most `budget` candidate rows, taken in order from the jobs; a job whose candidates are
-        all ranked gets its result."""
+        """One pass of candidate rows taken in order from the jobs, of at most `budget` token-equivalents (each row
+        attends its whole history); a job whose candidates are all ranked gets its result."""
         model, device = self.model, self.device
-        part = next(_row_chunks([len(j.prepared.candidate_rows) - j.rows_done for j in jobs], budget), [])
+        left = [(len(j.prepared.candidate_rows) - j.rows_done, self.cost.rows(1, 1, j.ctx.length)) for j in jobs]
+        part = next(_row_chunks(left, budget), [])
         groups, items, positions, offset = [], [], [], 0
         for k, a, b in part:
             job = jobs[k]
@@ -164,17 +168,23 @@ class Ranker:
         }
 
 
-def _row_chunks(counts: list[int], max_rows: int):
-    """Rows of many jobs in order, cut into passes of at most `max_rows`: per pass, (job, first, stop) pieces."""
-    part, used = [], 0
-    for j, n in enumerate(counts):
+def _row_chunks(jobs: list[tuple[int, float]], budget: float):
+    """Rows of many jobs in order, (rows left, cost of one row) per job, cut into passes whose rows cost at most
+    `budget` in all (a row that alone costs more goes alone): per pass, (job, first, stop) pieces."""
+    part, used = [], 0.0
+    for j, (n, each) in enumerate(jobs):
         a = 0
         while a < n:
-            take = min(n - a, max_rows - used)
+            take = min(n - a, int((budget - used) // each))
+            while take > 0 and used + take * each > budget:  # float rounding in the division
+                take -= 1
+            if take <= 0:
+                if part:
+                    yield part
+                    part, used = [], 0.0
+                    continue
+                take = 1
             part.append((j, a, a + take))
-            a, used = a + take, used + take
-            if used == max_rows:
-                yield part
-                part, used = [], 0
+            a, used = a + take, used + take * each
     if part:
         yield part

@@ -1,9 +1,10 @@
 """The continuous-batching scheduler: the one place that sequences work. One `step()` is one iteration.
 
-Each iteration (1) drops cancelled and timed-out requests, freeing their KV at once; (2) admits waiting
-requests in arrival order while the KV budget allows, each reusing its longest cached prefix (the prefix
-cache); (3) prefills the rest of their contexts under a token budget, in chunks, so a long prompt does not
-starve running decodes; (4) moves the prefilled ones on (their family says whether they generate or run rows); (5)
+Each iteration (1) drops cancelled and timed-out requests, freeing their KV at once (and again between its
+passes: a request ends within one pass of its deadline); (2) admits waiting requests in arrival order while the KV
+budget allows, each reusing its longest cached prefix (the prefix cache); (3) prefills the rest of their contexts
+under a token budget and a cost bound (genrec.engine.pass_cost), in chunks, so a long prompt does not starve
+running decodes; (4) moves the prefilled ones on (their family says whether they generate or run rows); (5)
 runs ONE decode pass for every generating row of every request; (6) runs one bounded pass of rows (scoring
 candidates, or ranking them) for the requests that have them, and finishes those whose rows are all done. A
 job's state (`JobState`) says which of these it is in. Nothing here knows a model family: the family
@@ -153,8 +154,10 @@ class Scheduler:
         self._reap(self.clock())
         self._admit()
         prefill_tokens, ready = self._prefill()
-        self._start(ready)
+        self._reap(self.clock())  # deadlines are checked between the passes of a step, too
+        self._start([job for job in ready if not job.finished])
         rows = self._decode()
+        self._reap(self.clock())
         scored = self._score()
         m = self.metrics
         m.queue_depth, m.running = len(self.waiting), len(self.running)
@@ -211,17 +214,24 @@ class Scheduler:
                 return None
 
     def _prefill(self) -> tuple[int, list[Job]]:
-        """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass."""
+        """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass. The pass
+        is also bounded by its estimated cost (genrec.engine.pass_cost): at most what one chunk of the whole budget
+        from a prompt's start costs. Prompts no longer than the budget prefill as by tokens alone; a chunk deep
+        into a long prompt, whose attention reads every token before it, is shorter."""
         budget, chunks = self.config.prefill_tokens_per_step, []
+        cost = self.family.cost
+        spend = cost.prefill(0, budget)
         for job in self.in_state(PREFILLING):
-            if budget <= 0:
-                break
             start = job.ctx.length
+            n = min(len(job.prepared.token_ids) - start, budget, cost.prefill_fits(start, spend))
+            if n <= 0 and chunks:
+                break
+            n = max(n, 1)  # the pass's first chunk moves on even where one token costs more than the budget
             if start == job.ctx.prefix_length:
                 self._first_step(job)
-            n = min(len(job.prepared.token_ids) - start, budget)
             chunks.append((job, start, n))
             budget -= n
+            spend -= cost.prefill(start, n)
         done: list[Job] = []
         self._guarded([job for job, _, _ in chunks], lambda jobs: done.extend(self._run_chunks(chunks, jobs)))
         return self.config.prefill_tokens_per_step - budget, done

@@ -1,6 +1,7 @@
 """Multi-candidate scoring, host side: what to score and how rows pack into passes (the runner runs them).
 
-Every candidate is a row over its request's shared ContextKV, all in one pass.
+Every candidate is a row over its request's shared ContextKV; rows of many requests share a pass, passes bounded
+by their estimated cost (genrec.engine.pass_cost).
 
 Each candidate's tokens see the prompt (through the shared context) and themselves (causal), nothing else,
 at positions that continue the prompt: its score is exactly what it would be if it alone followed the prompt.
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from genrec.attention import ContextGroup, ContextRows
+from genrec.engine.pass_cost import PassCost
 from genrec.model.kv_pool import ContextKV
 from genrec.staging import to_device
 
@@ -83,20 +85,22 @@ class Chunk:
     segments: list[Segment]
 
 
-def chunks(jobs: list[ScoreJob], max_tokens: int):
-    """Split the candidates of all jobs into passes of at most `max_tokens` padded tokens, in order."""
-    chunk, rows, longest = Chunk([], []), 0, 0
+def chunks(jobs: list[ScoreJob], budget: float, cost: PassCost):
+    """Split the candidates of all jobs into passes, in order, each estimated to cost at most `budget`
+    token-equivalents (`cost`: rows padded to the pass's widest, their own attention and their context's); a
+    row that alone costs more goes alone."""
+    chunk, rows, longest, keys = Chunk([], []), 0, 0, 0
     for index, job in enumerate(jobs):
-        start = 0
+        start, context = 0, job.ctx.length
         for i, cand in enumerate(job.candidates):
             widest = max(longest, len(cand))
-            if rows and (rows + 1) * widest > max_tokens:
+            if rows and cost.rows(rows + 1, widest, keys + context) > budget:
                 if i > start:
                     chunk.job_index.append(index)
                     chunk.segments.append(Segment(job, start, job.candidates[start:i]))
                 yield chunk
-                chunk, rows, widest, start = Chunk([], []), 0, len(cand), i
-            rows, longest = rows + 1, widest
+                chunk, rows, widest, keys, start = Chunk([], []), 0, len(cand), 0, i
+            rows, longest, keys = rows + 1, widest, keys + context
         if start < len(job.candidates):  # a job of no rows adds no segment: zero rows never reach attention
             chunk.job_index.append(index)
             chunk.segments.append(Segment(job, start, job.candidates[start:]))
@@ -145,17 +149,19 @@ class Scorer:
 
     def __init__(self, model, fast: bool = False):
         self.model, self.device, self.fast = model, model.device, fast
+        self.cost = PassCost.qwen3(model.config)
 
     @torch.inference_mode()
-    def score_pass(self, jobs: list[ScoreJob], max_tokens: int) -> list[tuple[int, LabelScores]]:
-        """One pass of at most `max_tokens` padded tokens, candidates taken in order from the jobs: (job index,
-        scores of its next rows) per job reached. Every candidate is a row over its job's context."""
-        chunk = next(chunks(jobs, max_tokens), None)
+    def score_pass(self, jobs: list[ScoreJob], max_tokens: float) -> list[tuple[int, LabelScores]]:
+        """One pass of at most `max_tokens` token-equivalents (genrec.engine.pass_cost), candidates taken in order
+        from the jobs: (job index, scores of its next rows) per job reached. Every candidate is a row over its
+        job's context."""
+        chunk = next(chunks(jobs, max_tokens, self.cost), None)
         if chunk is None:
             return []
         return list(zip(chunk.job_index, self._score_chunk(chunk.segments), strict=True))
 
-    def score(self, jobs: list[ScoreJob], max_tokens: int) -> list[LabelScores]:
+    def score(self, jobs: list[ScoreJob], max_tokens: float) -> list[LabelScores]:
         """Every job's candidates, pass after pass (what the scheduler spreads over its steps)."""
         parts: list[list[LabelScores]] = [[LabelScores.empty(self.device)] for _ in jobs]
         done = [0] * len(jobs)

@@ -1,0 +1,88 @@
+"""What a pass costs, in token-equivalents: the unit the engine's pass budgets (`score_max_tokens`, the prefill
+budget) are counted in.
+
+One token-equivalent is what one token costs in the projections and MLPs of every layer. A query token that attends
+K keys also pays K / span for its attention, where `span` is how many keys cost as much as its projections: the
+FLOPs ratio of the two (from the model's config), times how efficiently that kind of attention runs. So a short row
+over a short context costs about its tokens (a budget set in tokens keeps its meaning), while a long candidate, a
+long prompt or a long history pays for attention that grows with the keys it reads.
+
+Two kinds of attention, two spans:
+- context: rows over their pooled context, and prefill chunks over their prompt (fused or SDPA kernels);
+- own: a scoring row over its own tokens (dense scores over the padded row, masked: every row of a pass is
+  padded to its widest, so a pass's own attention is rows x width x width).
+
+Efficiencies measured on this repository's CPU (process CPU time, one thread, scoring passes of R rows of L tokens
+over contexts of C tokens, L from 4 to 4096, C from 16 to 4096, on the `tiny` and `realistic` presets; HSTU ranking
+passes of 256-4096 rows over 16-4000 events on the `tiny` HSTU preset). Seconds = a x tokens + b x token-keys fitted
+per kind; the span is a / b. `genrec bench deadline` prints seconds per token-equivalent over such shapes, the check
+that one number fits them all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Context attention ran at its FLOPs ratio (span 1750 measured / 1536 from FLOPs on `tiny`, 3010 / 3072 on
+# `realistic`); a row's own attention about 6x slower per key (270 / 1536, 509 / 3072: float32 scores, mask, exp
+# over every pair); HSTU's SiLU attention about half its ratio (300-490 / 640).
+CONTEXT_EFFICIENCY = 1.0
+OWN_EFFICIENCY = 1 / 6
+HSTU_EFFICIENCY = 0.5
+
+
+@dataclass(frozen=True)
+class PassCost:
+    context_span: float  # context keys that cost one token-equivalent per query token
+    own_span: float  # own keys that cost one token-equivalent per query token
+
+    @classmethod
+    def qwen3(cls, config) -> PassCost:
+        """Per token and layer: q, k, v, o projections and the gated MLP; per key: q.k and p.v over every head."""
+        heads, kv_heads, head_dim, hidden = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.hidden_size,
+        )
+        per_token = hidden * (2 * heads + 2 * kv_heads) * head_dim + 3 * hidden * config.intermediate_size
+        span = per_token / (2 * heads * head_dim)
+        return cls(span * CONTEXT_EFFICIENCY, span * OWN_EFFICIENCY)
+
+    @classmethod
+    def hstu(cls, config) -> PassCost:
+        """Per row and layer: the u, v, q, k projection and the output one; per key: q.k and the SiLU-weighted v."""
+        width = config.num_attention_heads * config.head_dim
+        span = 5 * config.hidden_size * width / (2 * width) * HSTU_EFFICIENCY
+        return cls(span, span)
+
+    def rows(self, count: int, width: int, context_keys: int) -> float:
+        """`count` rows padded to `width` tokens, over contexts of `context_keys` keys in all (summed over rows)."""
+        return count * width * (1 + width / self.own_span) + width * context_keys / self.context_span
+
+    def longest_row(self, budget: float) -> int:
+        """The longest row that alone, over no context, costs at most `budget`."""
+        n = int(self.own_span * (math.sqrt(1 + 4 * budget / self.own_span) - 1) / 2)  # root of n + n²/span = budget
+        return _settle(n, lambda m: self.rows(1, m, 0) <= budget)
+
+    def prefill(self, start: int, tokens: int) -> float:
+        """A prefill chunk of `tokens` after `start` context tokens (each attends to all of them and, at most, to
+        every token of the chunk)."""
+        return tokens * (1 + (start + tokens) / self.context_span)
+
+    def prefill_fits(self, start: int, budget: float) -> int:
+        """The most tokens a chunk after `start` can take within `budget`."""
+        a = 1 + start / self.context_span  # n * a + n² / span = budget
+        n = int(self.context_span * (math.sqrt(a * a + 4 * budget / self.context_span) - a) / 2)
+        return _settle(n, lambda m: self.prefill(start, m) <= budget)
+
+
+def _settle(n: int, fits) -> int:
+    """The largest m >= 0 with fits(m), from an estimate n that float rounding may have put one off."""
+    n = max(n, 0)
+    while fits(n + 1):
+        n += 1
+    while n > 0 and not fits(n):
+        n -= 1
+    return n

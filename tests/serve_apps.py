@@ -32,6 +32,21 @@ def deploy_many(apps: dict[str, tuple[list[dict] | None, dict]], timeout_s: floa
     _get_global_client().wait_for_proxies_serving(wait_for_applications_running=True)
 
 
+def deploy_started(name: str, deployments: list[dict] | None = None, **args) -> None:
+    """Send the app's new config and return once the controller has it, without waiting for it to run (a version
+    that never runs: e.g. a ranker no node can host)."""
+    _record(name, deployments, args)
+    _apply()
+
+
+def deployment_states(app: str) -> dict[str, dict[str, int]]:
+    """Each deployment's replicas by state (RUNNING, STARTING, STOPPING...)."""
+    from ray import serve
+
+    found = serve.status().applications.get(app)
+    return {name: dict(d.replica_states) for name, d in found.deployments.items()} if found else {}
+
+
 def _statuses(names: list[str]) -> dict[str, str | None]:
     from ray import serve
 

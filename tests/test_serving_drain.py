@@ -3,10 +3,20 @@ replaced ingress replica (its graceful shutdown), so a request in flight ends wi
 deadline, never the HTTP proxy's plain-text 500. Settings first, without Ray; then a real Serve app under load,
 redeployed so that its ingress and its ranker are replaced and the new ranker never starts."""
 
+import itertools
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
 import pytest
 from pydantic import ValidationError
 
 from genrec.serving.args import DRAIN_MARGIN_S, AppArgs, IngressLimits
+from tests.serve_apps import delete, deploy, deploy_started, deployment_states, replica_actor_names
 
 
 def ingress(**fields):
@@ -37,3 +47,123 @@ def test_a_live_deadline_the_drain_cannot_cover_is_refused_and_the_running_one_s
     assert kept is running and f"graceful_shutdown_timeout_s of at least {25.5 + DRAIN_MARGIN_S:g}" in refused
     kept, refused = section.live({"request_timeout_s": -1}, running)  # what live_limits refuses, as before
     assert kept is running and "request_timeout_s" in refused
+
+
+# -- redeploys that replace the ingress and its ranker, under load ----------------------------------------------
+
+DEADLINE_S = 40.0  # well over Serve's default graceful shutdown (20 s), which killed requests in flight
+LATE_S = 3.0  # past its deadline, what an answer may take on a loaded 2-core machine (proxy, threads)
+
+
+def funnel_args(tiny_dir, hstu_dir, max_candidates: int, ranker_cpus: float, retry_after_s: int = 1) -> dict:
+    return {
+        "retriever": {"model_dir": str(tiny_dir), "torch_threads": 1},
+        "ranker": {
+            "model_dir": str(hstu_dir),
+            "max_candidates": max_candidates,
+            "deployment": {"ray_actor_options": {"num_cpus": ranker_cpus}},
+        },
+        # two ingress replicas: Serve replaces one at a time, so the proxy always has a running one
+        "ingress": {
+            "limits": {"request_timeout_s": DEADLINE_S},
+            "retry_after_s": retry_after_s,
+            "deployment": {"num_replicas": 2},
+        },
+    }
+
+
+def history(seed: int, n: int = 20) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"item_id": f"item-{rng.randrange(120):06d}", "action": 1, "timestamp": 1e9 + 60 * i} for i in range(n)]
+
+
+def recommend_body(i: int) -> dict:
+    return {"prompt": f"user {i} listened to comedy", "beam_width": 8, "history": history(i)}
+
+
+def rank_body(i: int) -> dict:
+    return {"history": history(i), "candidates": ["item-000001", "item-000002"]}
+
+
+@dataclass
+class Answer:
+    route: str
+    seconds: float
+    status: int
+    content_type: str
+    retry_after: str | None
+    body: dict | str
+
+
+def post(base: str, route: str, body: dict) -> Answer:
+    """One request, its answer and how long it took."""
+    with httpx.Client(timeout=120) as client:
+        started = time.monotonic()
+        r = client.post(f"{base}/v1/{route}", json=body)
+        seconds = time.monotonic() - started
+    kind = r.headers.get("content-type", "")
+    parsed = r.json() if kind.startswith("application/json") else r.text
+    return Answer(route, seconds, r.status_code, kind, r.headers.get("retry-after"), parsed)
+
+
+def load(base: str, stop: threading.Event, answers: list[Answer], route: str, body) -> None:
+    """Requests to one route in a loop until `stop`."""
+    for i in itertools.count():
+        if stop.is_set():
+            return
+        answers.append(post(base, route, body(i)))
+
+
+def replace_ingress(app: str, redeploy) -> None:
+    """Run `redeploy` (a new version of the app whose ingress differs) and wait until none of the ingress replicas
+    of before is left and two new ones run (the new ranker never does)."""
+    before = set(replica_actor_names(app, "Ingress"))
+    redeploy()
+    deadline = time.monotonic() + 180
+    while set(replica_actor_names(app, "Ingress")) & before or deployment_states(app).get("Ingress") != {"RUNNING": 2}:
+        assert time.monotonic() < deadline, deployment_states(app)
+        time.sleep(0.5)
+
+
+def test_redeploys_replacing_the_ingress_and_its_ranker_end_every_request_in_json_by_its_deadline(
+    serve_url, tiny_dir, hstu_dir
+):
+    """Under load: (1) a redeploy changes the ranker section (its max_candidates: the ingress is rebuilt too) and
+    asks for a ranker no node can host: Serve stops the old ranker, the new one never starts; (2) a redeploy
+    replaces the ingress again while both its replicas hold a burst of requests waiting on the gone ranker, with
+    most of their deadline ahead. Every answer is genrec's JSON by the request's deadline: a 200 (degraded while
+    the ranker is gone: the retrieval alone), a 503 with Retry-After or a 504, never the HTTP proxy's plain-text
+    500 that Serve's default 20 s graceful shutdown caused (the replaced ingress killed under its requests)."""
+    deploy("rollout", **funnel_args(tiny_dir, hstu_dir, 64, ranker_cpus=0.2))
+    base, answers, stop = f"{serve_url}/rollout", [], threading.Event()
+    routes = [("recommend", recommend_body), ("recommend", recommend_body), ("rank", rank_body)]
+    workers = [threading.Thread(target=load, args=(base, stop, answers, *route)) for route in routes]
+    burst = []
+    try:
+        for w in workers:
+            w.start()
+        time.sleep(2)
+        gone = funnel_args(tiny_dir, hstu_dir, 65, ranker_cpus=64)
+        replace_ingress("rollout", lambda: deploy_started("rollout", **gone))
+        with ThreadPoolExecutor(8) as pool:
+            waiting = [pool.submit(post, base, "recommend", recommend_body(100 + i)) for i in range(8)]
+            time.sleep(1)
+            again = funnel_args(tiny_dir, hstu_dir, 65, ranker_cpus=64, retry_after_s=2)
+            replace_ingress("rollout", lambda: deploy_started("rollout", **again))
+            burst = [f.result() for f in waiting]
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+        delete("rollout")
+    every = answers + burst
+    plain = [a for a in every if not a.content_type.startswith("application/json")]
+    assert plain == [], plain[:3]  # the proxy's own answers (its 500 when it lost a replica mid-request)
+    assert {a.status for a in every} <= {200, 503, 504}, Counter(a.status for a in every)
+    assert all(a.retry_after is not None for a in every if a.status == 503)
+    late = [a for a in every if a.seconds > DEADLINE_S + LATE_S]
+    assert late == [], late[:3]
+    # The burst was held by the replaced replicas: each request ended at its deadline, with the retrieval alone.
+    assert [(a.status, a.body["degraded_reason"]) for a in burst] == [(200, "ranker_timeout")] * 8
+    assert all(DEADLINE_S - 2 < a.seconds for a in burst), [a.seconds for a in burst]
+    assert any(a.route == "rank" and a.status == 504 for a in answers)  # no ranker: /v1/rank ends at the deadline

@@ -277,8 +277,7 @@ class Ingress:
 
     async def _call(self, target: str, method: str, request, deadline: float, key: str, engine_deadline=None):
         """(result, model version) of one engine deployment's method. The engine is given until `engine_deadline`
-        (default: the deadline less the time to answer); the ingress waits for it until then too, or until the
-        deadline when an earlier engine_deadline is given."""
+        (default: the deadline less the time to answer); the ingress waits for its answer until the latter."""
         if engine_deadline is None:
             engine_deadline = deadline - ANSWER_MARGIN_S
         remaining = engine_deadline - time.monotonic()

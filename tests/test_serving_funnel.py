@@ -8,6 +8,7 @@ import random
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -31,7 +32,16 @@ from genrec.serving.http_errors import EngineUnavailable, NotServed, error_respo
 from genrec.serving.router import ROUTING_KEY, rendezvous_order
 from genrec.serving.schemas import ModelInfo, RecommendBody
 from tests.conftest import HSTU_TINY, TINY
-from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names, sticky
+from tests.serve_apps import (
+    delete,
+    deploy,
+    deploy_many,
+    deploy_refused,
+    deploy_started,
+    deployment_states,
+    replica_actor_names,
+    sticky,
+)
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 RANKER_LIMIT = 64  # the ranker's max_candidates in the funnel app
@@ -428,3 +438,122 @@ def under_load(url: str, during, threads: int = 2) -> list[tuple[str, int, str |
         for w in workers:
             w.join()
     return answers
+
+
+# -- the ranker gone: the funnel degrades (or, set to, fails) -----------------------------------------------------
+
+FRAIL_DEADLINE_S = 4.0
+LATE_S = 1.5  # past its deadline, what an answer may take on a loaded 2-core machine (proxy, threads)
+
+
+def frail_args(tiny_dir, hstu_dir, ranker_gone: bool, on_failure: str = "degrade") -> dict:
+    ranker = {"model_dir": str(hstu_dir), "max_candidates": RANKER_LIMIT}
+    if ranker_gone:  # no node can host it: Serve stops the running replica and the new one never starts; past one
+        # request waiting for it, the ingress's handle refuses the next (its queue is full)
+        ranker["deployment"] = {"ray_actor_options": {"num_cpus": 64}, "max_queued_requests": 1}
+    ingress = {"limits": {"request_timeout_s": FRAIL_DEADLINE_S}, "funnel_reserve_s": 1.0}
+    return {
+        "retriever": {"model_dir": str(tiny_dir), "torch_threads": 1},
+        "ranker": ranker,
+        "ingress": ingress | {"funnel_on_ranker_failure": on_failure},
+    }
+
+
+@pytest.fixture(scope="module")
+def frail(serve_url, tiny_dir, hstu_dir):
+    """A funnel app of one replica each, its deadline short: its ranker is made to go away."""
+    deploy("frail", **frail_args(tiny_dir, hstu_dir, ranker_gone=False))
+    yield f"{serve_url}/frail"
+    delete("frail")
+
+
+def without_a_ranker(tiny_dir, hstu_dir, on_failure: str) -> None:
+    """Redeploy frail with a ranker that never starts (a new ingress too) and wait until the old ranker is gone
+    and the new ingress answers."""
+    before = set(replica_actor_names("frail", "Ingress"))
+    deploy_started("frail", **frail_args(tiny_dir, hstu_dir, ranker_gone=True, on_failure=on_failure))
+    deadline = time.monotonic() + 180
+    while True:
+        states = deployment_states("frail")
+        ingress = set(replica_actor_names("frail", "Ingress"))
+        ranker_gone = states.get("RankerServer", {}).get("RUNNING", 0) == 0
+        if ranker_gone and states.get("Ingress") == {"RUNNING": 1} and not ingress & before:
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.5)
+
+
+def timed_post(client: httpx.Client, url: str, body: dict) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    response = client.post(url, json=body)
+    return response, time.monotonic() - started
+
+
+def two_at_once(url: str, body: dict) -> list[tuple[httpx.Response, float]]:
+    """A request that waits for the ranker, and a second sent while it waits: ordered by how long they took."""
+    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=60) as client:
+        first = pool.submit(timed_post, client, url, body)
+        time.sleep(1.0)
+        second = timed_post(client, url, body)
+        return sorted([first.result(), second], key=lambda answer: answer[1])
+
+
+def degraded_counts(client: httpx.Client) -> dict[str, float | None]:
+    import ray
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+    text = client.get(f"http://127.0.0.1:{port}/metrics").text
+    lines = [ln for ln in text.splitlines() if 'application="frail"' in ln]
+    counts = {}
+    for reason in funnel.REASONS:
+        found = [ln for ln in lines if ln.startswith("ray_genrec_funnel_degraded_total") and f'reason="{reason}"' in ln]
+        counts[reason] = sum(float(ln.rsplit(" ", 1)[1]) for ln in found) if found else None
+    return counts
+
+
+def test_without_its_ranker_the_funnel_answers_the_retrieval_in_beam_order_within_the_deadline(
+    frail, client, engine, tiny_dir, hstu_dir
+):
+    body = {"prompt": PROMPT, "user_embedding": vector(7), "beam_width": 8, "num_results": 6, "history": history(7),
+            "candidates": [{"item_id": item(250)}, {"item_id": item(7)}]}  # fmt: skip
+    ranked = client.post(f"{frail}/v1/recommend", json=body)
+    assert ranked.status_code == 200 and ranked.json()["degraded"] is False
+    assert ranked.headers["x-ranker-version"] == model_version(hstu_dir)
+
+    without_a_ranker(tiny_dir, hstu_dir, on_failure="degrade")
+    (overloaded, fast), (waited, slow) = two_at_once(f"{frail}/v1/recommend", body)
+    assert slow <= FRAIL_DEADLINE_S + LATE_S and fast < FRAIL_DEADLINE_S / 2, (fast, slow)
+    fields = {k: v for k, v in body.items() if k not in ("history", "candidates", "num_results")}
+    (stage1,) = engine.retrieve([RetrieveRequest(**fields)])  # every beam, in beam order
+    beam = [i.item_id for i in stage1.items]  # (given candidates would follow it: see the merge's tests)
+    for response, reason in ((waited, "ranker_timeout"), (overloaded, "ranker_overloaded")):
+        assert response.status_code == 200, response.text
+        got = response.json()
+        assert (got["degraded"], got["degraded_reason"]) == (True, reason)
+        assert got["rank_task"] is got["ranker_version"] is None and "x-ranker-version" not in response.headers
+        assert response.headers["x-model-version"] == model_version(tiny_dir)
+        assert [i["item_id"] for i in got["items"]] == beam[:6]
+        assert [i["retrieval_logprob"] for i in got["items"]] == pytest.approx(
+            [i.logprob for i in stage1.items[:6]], abs=1e-4
+        )
+        assert all(i["ranker_scores"] is None for i in got["items"])
+
+    by = time.monotonic() + 60
+    while (counts := degraded_counts(client))["ranker_overloaded"] is None or counts["ranker_timeout"] is None:
+        assert time.monotonic() < by, counts  # Ray exports every few seconds
+        time.sleep(2)
+    assert counts["ranker_unavailable"] == 0  # every reason's series starts at 0
+    while counts["ranker_timeout"] < 1 or counts["ranker_overloaded"] < 1:
+        assert time.monotonic() < by, counts
+        time.sleep(2)
+        counts = degraded_counts(client)
+
+
+def test_set_to_fail_the_funnel_without_its_ranker_answers_503_and_504(frail, tiny_dir, hstu_dir):
+    without_a_ranker(tiny_dir, hstu_dir, on_failure="fail")
+    body = {"prompt": PROMPT, "user_embedding": vector(8), "beam_width": 8, "history": history(8)}
+    (overloaded, fast), (waited, slow) = two_at_once(f"{frail}/v1/recommend", body)
+    assert slow <= FRAIL_DEADLINE_S + LATE_S and fast < FRAIL_DEADLINE_S / 2, (fast, slow)
+    assert (waited.status_code, waited.json()["code"]) == (504, "timeout")
+    assert (overloaded.status_code, overloaded.json()["code"]) == (503, "overloaded")
+    assert overloaded.headers["retry-after"] == "1"

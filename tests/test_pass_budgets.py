@@ -291,3 +291,28 @@ def test_the_cap_is_a_setting_checked_by_name(tiny_dir, rng):
     for bad in (0, True, 2.5):
         with pytest.raises(InvalidRequestError, match="max_candidate_len"):
             Engine.from_pretrained(tiny_dir, max_candidate_len=bad)
+
+
+# -- the benchmark -------------------------------------------------------------------------------------------
+
+
+def test_bench_deadline_reports_the_pass_shapes_the_text_refusal_and_the_issue_case(tiny_dir, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from genrec.cli import app
+
+    out = tmp_path / "deadline.json"
+    args = ["--model", str(tiny_dir), "--candidates", "3", "--candidate-len", "100", "--words", "1000"]
+    result = CliRunner().invoke(
+        app, ["bench", "deadline", *args, "--deadline-s", "0.5", "--repeats", "1", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    shapes = report["passes"]["shapes"]
+    assert [s["shape"] for s in shapes][-1] == "longest_row" and shapes[-1]["rows"] == 1
+    assert all(s["token_equivalents"] <= report["engine"]["score_max_tokens"] or s["rows"] == 1 for s in shapes)
+    assert report["text_candidates"]["refused"] and "tokens per candidate" in report["text_candidates"]["error"]
+    (run,) = report["issue_case"]["runs"]
+    assert run["score_status"] in ("ok", "RequestTimeout") and run["retrieve_s"] > 0

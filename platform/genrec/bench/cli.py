@@ -187,6 +187,24 @@ class RankOptions:
     new_events: int = opt(10, "events a returning user adds (warm vs cold)", min=1)
 
 
+@bench("deadline", "deadline.run")
+class DeadlineOptions:
+    """A long-candidate score request with a short deadline and a small retrieve behind it (AsyncEngine): when the
+    caller is released against its deadline and one pass; seconds per token-equivalent over passes of several shapes."""
+
+    preset: str = opt("tiny", "a Qwen3 preset")
+    model: Path | None = opt(None, "a Qwen3 model directory instead of a preset")
+    device: str = device_opt()
+    candidates: int = opt(12, "long candidates in the score request", min=1)
+    candidate_len: int | None = opt(None, "tokens per candidate (default: the engine's max_candidate_len)", min=1)
+    words: int = opt(3000, "the issue's text candidates: words each (refused when over the cap)", min=1)
+    deadline_s: float = opt(2.0, "the score request's deadline", min=0.01)
+    repeats: int = opt(5, "deadline runs, and timings of each pass shape", min=1)
+    threads: int | None = opt(None, "torch threads (default: torch's, one per core)", min=1)
+    score_max_tokens: int = opt(16384, "the engine's pass budget, token-equivalents", min=1)
+    max_candidate_len: int | None = opt(None, "the engine's cap on one candidate (default: what one pass holds)", min=1)
+
+
 @bench("funnel", "serve.funnel")
 class FunnelOptions:
     """Two-stage /v1/recommend (Qwen3 retrieval, then HSTU ranking) against /v1/retrieve alone, through a local

@@ -25,6 +25,26 @@ def test_bench_retrieve(tiny_dir, tmp_path):
     assert report["ratios"]["soft_token_over_token_only"] > 0
 
 
+def test_bench_retrieve_times_a_prefix_cache_miss(tiny_dir, tmp_path):
+    report = run(
+        tmp_path, "retrieve", "--model", str(tiny_dir), "--prompt-len", "40", "--beam-width", "4", "--repeats", "2",
+        "--no-hf-baseline", "--prefix-cache",
+    )  # fmt: skip
+    assert report["seconds"]["genrec_retrieve_cache_miss"] > 0 and report["ratios"]["cache_miss_over_cache_off"] > 0
+
+
+def test_bench_isolation(tmp_path):
+    report = run(
+        tmp_path, "isolation", "--prompt-len", "48", "--beam-width", "4", "--events", "48", "--candidates", "2",
+        "--guesses", "4", "--calibration", "1",
+    )  # fmt: skip
+    for family in ("retriever", "ranker"):
+        modes = [report[family][m] for m in ("own_scope", "no_scope", "victims_scope")]
+        assert all(0 <= m["accuracy"] <= 1 and m["wrong_guess_median_s"] > 0 for m in modes)
+        assert all(m["calibration"]["cold_over_warm"] > 0 and m["threshold_s"] > 0 for m in modes)
+    assert report["cross_user_accuracy_max"] <= 1 and report["goals"]
+
+
 def test_bench_score(tiny_dir, tmp_path):
     report = run(
         tmp_path, "score", "--model", str(tiny_dir), "--prefix-len", "20", "--candidates", "10",

@@ -20,6 +20,7 @@ bench_app = typer.Typer(
     help="Benchmarks: each prints JSON with ratios against a baseline of the same run.", no_args_is_help=True
 )
 CUDA_FAST = "CUDA: FA2 varlen + decode graphs (unverified)"
+BLOCK_TOKENS = 16  # a prefix-cache block (genrec.engine.prefix_cache.BLOCK; this module stays free of torch)
 PEER = "vllm: also run vLLM on the same model and prompts (`make peers`)"
 
 
@@ -83,6 +84,9 @@ class RetrieveOptions:
     repeats: int = opt(3, min=1)
     hf_baseline: bool = opt(True, "also time transformers generate(num_beams=...)")
     user_embedding: bool = opt(False, "also time the soft-token path against token-only prompts")
+    prefix_cache: bool = opt(
+        False, "also time a cache miss: the same prompts on an engine with the prefix cache on, each a new user's"
+    )
     peer: str | None = opt(None, PEER)
     cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
 
@@ -203,6 +207,22 @@ class DeadlineOptions:
     threads: int | None = opt(None, "torch threads (default: torch's, one per core)", min=1)
     score_max_tokens: int = opt(16384, "the engine's pass budget, token-equivalents", min=1)
     max_candidate_len: int | None = opt(None, "the engine's cap on one candidate (default: what one pass holds)", min=1)
+
+
+@bench("isolation", "isolation.run")
+class IsolationOptions:
+    """The prefix cache as a timing side channel across users: one-try accuracy of guessing, by wall time, whether
+    a prompt (retriever) or history (ranker) was recently served for another user; in the attacker's own scope and
+    with none (chance is 0.5), and in the victim's scope (the control)."""
+
+    preset: str = opt("tiny", "the Qwen3 and HSTU presets (tiny: hidden 256, 4 layers)")
+    device: str = device_opt()
+    prompt_len: int = opt(1000, "retriever: prompt tokens", min=BLOCK_TOKENS)
+    beam_width: int = opt(32, "retriever", min=1)
+    events: int = opt(2000, "ranker: history events", min=BLOCK_TOKENS)
+    candidates: int = opt(16, "ranker: candidates per request", min=1)
+    guesses: int = opt(40, "timed guesses per way of guessing, half of them right", min=4)
+    calibration: int = opt(9, "the attacker's cold and warm requests that set its threshold (per way)", min=1)
 
 
 @bench("funnel", "serve.funnel")

@@ -1,6 +1,8 @@
 """One in-process Engine call against its floor and baselines, timed round-robin in the same run.
 
 - `bench retrieve`: Engine.retrieve vs one plain prefill of the prompts (the floor) vs transformers beam search;
+  with --prefix-cache, also a miss of the prefix cache (the same prompts, each a new user's: keyed, looked up,
+  held by the cache) against the cache off;
 - `bench score`: one-pass scoring vs one transformers forward per candidate vs one plain forward of as many tokens;
 - `bench rank`: HSTU ranking of many candidates after a long history, in one pass, vs one request per candidate (a
   sample timed, scaled to all) vs the plain forward of [history + candidates] under the dense ranking mask; then a
@@ -12,6 +14,7 @@ Every round repeats the same prompts, so the engines run with the prefix cache o
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 from pathlib import Path
 
@@ -59,6 +62,8 @@ def retrieve(o: RetrieveOptions) -> dict:
     if o.user_embedding:
         soft = _soft_token_requests(engine, requests)
         calls["genrec_retrieve_soft_token"] = lambda: engine.retrieve(soft)
+    if o.prefix_cache:
+        calls["genrec_retrieve_cache_miss"] = _cache_misses(model_dir, o, requests)
     seconds = interleaved_medians(calls, o.repeats, o.device)
     retrieve_s = seconds["genrec_retrieve"]
     report = {
@@ -77,6 +82,8 @@ def retrieve(o: RetrieveOptions) -> dict:
     }
     if o.user_embedding:
         report["ratios"]["soft_token_over_token_only"] = seconds["genrec_retrieve_soft_token"] / retrieve_s
+    if o.prefix_cache:
+        report["ratios"]["cache_miss_over_cache_off"] = seconds["genrec_retrieve_cache_miss"] / retrieve_s
     if o.hf_baseline:
         hf_s, agreement = _hf_generate(engine, model_dir, requests, o.device, max(1, min(o.repeats, 2)))
         report["seconds"]["hf_generate"] = hf_s
@@ -85,6 +92,21 @@ def retrieve(o: RetrieveOptions) -> dict:
     if o.peer:
         report[o.peer] = peer_vllm.compare_retrieve(engine, model_dir, requests, o.device, o.repeats)
     return report
+
+
+def _cache_misses(model_dir, o: RetrieveOptions, requests):
+    """A call that retrieves the requests on an engine with the prefix cache on (the default), each time as new
+    users: every prompt keyed in its own scope, a miss, handed to the cache (which grows, then evicts)."""
+    warm = Engine.from_pretrained(model_dir, device=o.device, cuda_fast=o.cuda_fast)
+    visits = itertools.count()
+
+    def call():
+        visit = next(visits)
+        return warm.retrieve(
+            [r.model_copy(update={"cache_scope": f"user-{visit}-{i}"}) for i, r in enumerate(requests)]
+        )
+
+    return call
 
 
 def _soft_token_requests(engine, requests):

@@ -1,8 +1,10 @@
-"""A replaced ingress finishes its requests: Serve waits longer than a request's deadline before it kills a
-replaced ingress replica (its graceful shutdown), so a request in flight ends with genrec's JSON answer by its
-deadline, never the HTTP proxy's plain-text 500. Settings first, without Ray; then a real Serve app under load,
-redeployed so that its ingress and its ranker are replaced and the new ranker never starts."""
+"""Every request ends by its deadline, counted from its arrival, and a replaced ingress finishes its requests:
+Serve waits longer than a request's deadline before it kills a replaced ingress replica (its graceful shutdown),
+so a request in flight ends with genrec's JSON answer by its deadline, never the HTTP proxy's plain-text 500.
+Settings and the edge's arrival time first, without Ray; then a real Serve app under load, redeployed so that its
+ingress and its ranker are replaced and the new ranker never starts."""
 
+import asyncio
 import itertools
 import random
 import threading
@@ -13,9 +15,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from pydantic import ValidationError
 
+from genrec.serving import edge
 from genrec.serving.args import DRAIN_MARGIN_S, AppArgs, IngressLimits
+from genrec.serving.schemas import RetrieveBody
 from tests.serve_apps import delete, deploy, deploy_started, deployment_states, replica_actor_names
 
 
@@ -47,6 +52,35 @@ def test_a_live_deadline_the_drain_cannot_cover_is_refused_and_the_running_one_s
     assert kept is running and f"graceful_shutdown_timeout_s of at least {25.5 + DRAIN_MARGIN_S:g}" in refused
     kept, refused = section.live({"request_timeout_s": -1}, running)  # what live_limits refuses, as before
     assert kept is running and "request_timeout_s" in refused
+
+
+def test_a_deadline_counts_from_the_requests_arrival_its_body_included():
+    """The route reads when the request reached the edge (edge.arrived), before its body had arrived; outside a
+    request, now."""
+    api, seen = FastAPI(), {}
+    edge.install(api, edge.EdgeSettings(body_timeout_s=5.0, routes=frozenset({"/v1/retrieve"})))
+
+    @api.post("/v1/retrieve")
+    async def retrieve(body: RetrieveBody):
+        seen["since_arrival"] = time.monotonic() - edge.arrived()
+        return {}
+
+    chunks = [b'{"prompt": "user listened", ', b'"beam_width": 4}']
+
+    async def receive():
+        await asyncio.sleep(0.3)  # a body that takes its time
+        chunk = chunks.pop(0) if chunks else b""
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            seen["status"] = message["status"]
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/retrieve", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    asyncio.run(api(scope, receive, send))
+    assert seen["status"] == 200 and seen["since_arrival"] >= 0.6, seen  # both chunks' waits counted
+    assert abs(edge.arrived() - time.monotonic()) < 0.1
 
 
 # -- redeploys that replace the ingress and its ranker, under load ----------------------------------------------

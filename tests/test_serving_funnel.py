@@ -1,7 +1,8 @@
 """The two-stage funnel in one Serve app (a Qwen3 retriever, an HSTU ranker): the merge of the stages without Ray;
 then over real HTTP, the answer equal to Engine.recommend then Engine.rank in process, each user on one replica of
 both deployments, client mistakes a 422 naming the field, the one deadline, without `history` the retriever's
-recommend as ever, and a redeploy with a ranker whose config.json disagrees with its tensors refused under load."""
+recommend as ever, a redeploy with a ranker whose config.json disagrees with its tensors refused under load, and
+without its ranker the retrieval alone in beam order, marked degraded and counted (or, set to fail, 503 and 504)."""
 
 import json
 import random

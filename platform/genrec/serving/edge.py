@@ -6,7 +6,9 @@ In front of every route (an ASGI middleware around the FastAPI app):
   it arrives and answered 413 the moment it passes the limit, without reading the rest;
 - the whole body must arrive within `body_timeout_s` of the request reaching the ingress, else 408: a client
   trickling its body holds an ingress slot for that long at most;
-- every answer is counted by route and status (metrics.IngressMetrics).
+- every answer is counted by route and status (metrics.IngressMetrics);
+- when a request arrived is kept for the route (`arrived`): its deadline counts from then, the body's reading and
+  validation included.
 
 Serve's HTTP proxy (uvicorn inside, Ray 2.60) offers no connection limit, no header or body timeout and no
 body size limit of its own (`http_options` has `request_timeout_s`, 408 on the whole request, and
@@ -20,6 +22,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, HTTPException
@@ -34,6 +37,7 @@ from genrec.serving.http_errors import (
     validation_error_handler,
 )
 
+_ARRIVED: ContextVar[float | None] = ContextVar("genrec_arrived", default=None)
 MAX_BODY_BYTES = 32 << 20  # far above any valid request (the longest prompt as token IDs is < 1 MiB)
 AUTH_PREFIX = "/v1/"  # routes that need the token (when auth is on); /healthz and the docs do not
 
@@ -47,6 +51,12 @@ class EdgeSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     routes: frozenset[str] = frozenset()  # the app's paths (for requests refused before routing; see _route)
     answered: Callable[[str, int], None] = field(default=lambda route, status: None)
+
+
+def arrived() -> float:
+    """When the request being served reached the edge (time.monotonic(); outside a request: now)."""
+    found = _ARRIVED.get()
+    return time.monotonic() if found is None else found
 
 
 def install(app: FastAPI, settings: EdgeSettings) -> None:
@@ -68,6 +78,7 @@ class Edge:
             return await self.app(scope, receive, send)
         settings, path = self.settings, _app_path(scope)
         status = 500  # if nothing was sent: the client saw the connection fail
+        arrival = _ARRIVED.set(time.monotonic())  # the route runs in this context: it reads when the request came
 
         async def counted(message):
             nonlocal status
@@ -83,6 +94,7 @@ class Edge:
                 await self.app(scope, _Body(receive, settings), counted)
         finally:
             settings.answered(_route(scope, path, settings), status)
+            _ARRIVED.reset(arrival)
 
 
 def _refusal(scope, path: str, settings: EdgeSettings):
@@ -106,7 +118,7 @@ class _Body:
 
     def __init__(self, receive, settings: EdgeSettings):
         self.receive, self.settings = receive, settings
-        self.deadline = time.monotonic() + settings.body_timeout_s
+        self.deadline = arrived() + settings.body_timeout_s
         self.size, self.done = 0, False
 
     async def __call__(self):

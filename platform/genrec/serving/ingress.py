@@ -191,7 +191,7 @@ class Ingress:
     async def _serve(self, kind: str, body, response: Response):
         """One deadline for the whole request: the embedding lookup, then the engine with the time left."""
         try:
-            deadline = time.monotonic() + self.request_timeout_s
+            deadline = edge.arrived() + self.request_timeout_s  # the body's reading and validation included
             target = self._deployment_of(kind)
             request = body.to_request(await self._user_embedding(body, deadline))
             key = routing_key(body, blocks=self.routing_blocks)
@@ -206,7 +206,7 @@ class Ingress:
         stage 1 is given the deadline less the funnel's reserve, stage 2 what is left. A stage 2 that fails answers
         stage 1's items, degraded, unless the ingress is set to fail (then its 503 or 504)."""
         try:
-            started = time.monotonic()
+            started = edge.arrived()  # the body's reading and validation included
             deadline = started + self.request_timeout_s
             first_deadline = started + funnel.stage1_timeout(self.request_timeout_s, self.settings.funnel_reserve_s)
             self._deployment_of("recommend")

@@ -2,6 +2,7 @@
 are one line naming the flag, the deprecated recommend flags still work with a warning, and the run identity holds
 what changes results (the engine's options) but not how the run executes (the KV budget)."""
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from genrec.batch import CacheConfig, Execution, FunnelSpec, RankingExecution, RankSpec, RecommendSpec
-from genrec.batch.job_args import parse, run_job
+from genrec.batch.job_args import add_cache_flags, cache_config, parse, run_job
 
 RECOMMEND = ((RecommendSpec, Execution), (FunnelSpec, Execution, RankingExecution))
 REPO = Path(__file__).resolve().parents[1]
@@ -49,6 +50,18 @@ def test_engine_and_cache_flags_reach_the_spec_and_the_identity():
         "max_candidates",
         "score_max_tokens",
     ]
+
+
+def test_a_relative_cache_file_is_the_drivers(tmp_path, monkeypatch):
+    """The cache's actor runs in the cluster's working directory: a relative SQLite file is made absolute on the
+    driver, in the recommend job's spec and in the flags the loader job reads (issue #29 item 7)."""
+    monkeypatch.chdir(tmp_path)
+    spec = spec_from("--cache", "users", "--cache-store-path", "emb/users.sqlite")
+    assert spec.cache.store_path == str(tmp_path / "emb" / "users.sqlite")
+    parser = argparse.ArgumentParser()
+    add_cache_flags(parser, required=True)
+    loader = cache_config(parser.parse_args(["--cache", "users", "--cache-store-path", "~/users.sqlite"]))
+    assert loader.store_path == str(Path.home() / "users.sqlite")
 
 
 def test_the_kv_budget_is_how_a_run_executes_not_what_it_computes():

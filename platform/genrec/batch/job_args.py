@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, Field, ValidationError
 
 from genrec.batch.pipeline import run
+from genrec.batch.spec import with_absolute_store
 from genrec.cache.config import CacheConfig
 from genrec.errors import GenrecError
 
@@ -100,7 +101,9 @@ class _CacheFlags(BaseModel):
 
 def cache_config(args: argparse.Namespace) -> CacheConfig | None:
     given = settings(vars(args), _CacheFlags)
-    return _CacheFlags(**given).cache if given else None
+    if not given:
+        return None
+    return with_absolute_store(_CacheFlags(**given).cache)
 
 
 def run_job(main: Callable[[], int]) -> None:

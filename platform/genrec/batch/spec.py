@@ -79,6 +79,11 @@ class RecommendSpec(JobSpec):
     )
     cache: CacheConfig | None = Field(None, description="user embeddings by user_id when the input has none")
 
+    @field_validator("cache")
+    @classmethod
+    def _absolute_store(cls, cache: CacheConfig | None) -> CacheConfig | None:
+        return cache if cache is None else with_absolute_store(cache)
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.num_results is not None and self.num_results > self.beam_width:
@@ -225,3 +230,9 @@ class RankingExecution(BaseModel):
     def over(self, run: Execution) -> Execution:
         """The ranking stage's Execution: the run's, with this pool."""
         return run.model_copy(update={"actors": self.rank_actors, "cpus_per_actor": self.rank_cpus_per_actor})
+
+
+def with_absolute_store(cache: CacheConfig) -> CacheConfig:
+    """The cache's SQLite file made absolute on the driver: the cache's actor runs in the cluster's working
+    directory, not the driver's, so a relative `store_path` is the driver's, as the job's other local paths are."""
+    return cache.model_copy(update={"store_path": absolute(cache.store_path)})

@@ -288,6 +288,7 @@ def test_the_cap_is_a_setting_checked_by_name(tiny_dir, rng):
     assert e.value.field == "candidates[0]"
     (ok,) = capped.score([ScoreRequest(prompt_token_ids=prompt, candidates=[Candidate(item_id="item-000002")])])
     assert len(ok.scores) == 1
+    assert capped.family.describe()["max_candidate_len"] == 4  # what /v1/model tells clients
     for bad in (0, True, 2.5):
         with pytest.raises(InvalidRequestError, match="max_candidate_len"):
             Engine.from_pretrained(tiny_dir, max_candidate_len=bad)

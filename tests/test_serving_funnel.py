@@ -177,7 +177,7 @@ def test_what_the_stages_are_sent():
 
 
 def ranker_info(**fields) -> ModelInfo:
-    unset = dict.fromkeys(("levels", "max_beam_width", "max_prompt_tokens", "user_dim"))
+    unset = dict.fromkeys(("levels", "max_beam_width", "max_prompt_tokens", "max_candidate_len", "user_dim"))
     base = {"version": "v", "model_dir": "/r", "device": "cpu", "family": "hstu", "serves": ["rank"],
             "catalog_items": 5, "max_candidates": 10, "tasks": ["click", "like"], "max_history_events": 4}  # fmt: skip
     return ModelInfo(**base | unset | fields)

@@ -204,5 +204,6 @@ class Decoder:
             "levels": self.levels,
             "max_beam_width": MAX_BEAM_WIDTH,
             "max_prompt_tokens": self.max_prompt_tokens,
+            "max_candidate_len": self.max_candidate_len,
             "user_dim": self.projector.user_dim if self.projector is not None else None,
         }

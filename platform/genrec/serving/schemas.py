@@ -136,6 +136,7 @@ class ModelInfo(BaseModel):
     levels: int | None = Field(None, description="qwen3: semantic-ID code length")
     max_beam_width: int | None = Field(None, description="qwen3")
     max_prompt_tokens: int | None = Field(None, description="qwen3")
+    max_candidate_len: int | None = Field(None, description="qwen3: tokens of one score or recommend candidate")
     user_dim: int | None = Field(None, description="qwen3: soft-token input size; None: the model has no projector")
     tasks: list[str] | None = Field(None, description="hstu: the head's tasks (scores per candidate)")
     max_history_events: int | None = Field(None, description="hstu: events a history may hold")

@@ -52,6 +52,18 @@ def dashboard_cluster(num_cpus: int = 2):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def job_submit(address: str, env: dict, job: list[str], working_dir: Path, timeout_s: float = 300):
+    """`ray job submit` of `job`, finished. The dashboard answers before its agent can take jobs ("No available
+    agent to submit job, please try again later" on a loaded machine): the submission is tried again then."""
+    command = [RAY_BIN, "job", "submit", "--address", address, "--working-dir", str(working_dir), "--", *job]
+    deadline = time.monotonic() + 120
+    while True:
+        done = subprocess.run(command, env=env, cwd=working_dir, capture_output=True, text=True, timeout=timeout_s)
+        if "No available agent to submit job" not in done.stderr + done.stdout or time.monotonic() > deadline:
+            return done
+        time.sleep(2)
+
+
 def free_ports(n):
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:

@@ -3,7 +3,6 @@
 of its own (tests/dashboard_cluster.py)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from genrec.catalog import Catalog
 from genrec.catalog.build_ids import build_catalog
 from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
 from tests import rank_inputs
-from tests.dashboard_cluster import RAY_BIN, dashboard_cluster
+from tests.dashboard_cluster import dashboard_cluster, job_submit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,8 +55,7 @@ def test_ray_job_submit_runs_the_batch_jobs(tiny_dir, tmp_path):
 
         def submit(script: str, *flags: str) -> dict:
             job = [sys.executable, f"jobs/{script}", *flags, "--batch-size", "4", "--no-progress"]
-            command = [RAY_BIN, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", *job]
-            done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+            done = job_submit(address, env, job, REPO)
             assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
             line = next(x for x in done.stdout.splitlines() if x.startswith("batch summary: "))
             return json.loads(line.removeprefix("batch summary: "))

@@ -137,6 +137,9 @@ class ModelInfo(BaseModel):
     max_beam_width: int | None = Field(None, description="qwen3")
     max_prompt_tokens: int | None = Field(None, description="qwen3")
     user_dim: int | None = Field(None, description="qwen3: soft-token input size; None: the model has no projector")
+    chat_template: bool | None = Field(
+        None, description="qwen3: the model has a chat template, so a prompt may be given as `messages`"
+    )
     tasks: list[str] | None = Field(None, description="hstu: the head's tasks (scores per candidate)")
     max_history_events: int | None = Field(None, description="hstu: events a history may hold")
     ranker: ModelInfo | None = Field(

@@ -283,3 +283,38 @@ def test_a_system_prompt_without_a_chat_template_fails_the_load_and_the_prefligh
         with pytest.raises(ModelDirectoryError, match="no chat template") as err:
             load()
         assert err.value.path.endswith("genrec/prompt.json")
+
+
+# -- the batch job's messages column -----------------------------------------------------------------
+
+
+def test_the_recommend_job_reads_a_messages_column(chat_dir, chat_engine, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from genrec.batch import RecommendSpec
+    from genrec.batch.jobs import Retrieve
+    from tests.shard_runs import error_rows, run_in_process
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    schema = pa.schema([("user_id", pa.int64()), ("prompt", pa.string()), ("messages", pa.list_(message))])
+    plain = [{"role": "user", "content": "user listened to comedy podcast episode"}]
+    rows = [
+        {"user_id": 0, "messages": plain},
+        {"user_id": 1, "messages": [{"role": "tool", "content": "x"}]},  # the template refuses it
+        {"user_id": 2, "prompt": "user listened", "messages": plain},  # two forms
+        {"user_id": 3, "messages": []},
+        {"user_id": 4, "prompt": chat_engine.render_prompt(PromptRequest(messages=plain)).text},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows, schema), tmp_path / "users.parquet")
+    spec = RecommendSpec(
+        model=str(chat_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), beam_width=4
+    )
+    shard, _, report = run_in_process(Retrieve(spec))
+    assert error_rows(spec.out, shard) == [(1, "messages", 1), (2, "prompt", 2), (3, "messages", 3)]
+    output = pq.read_table(tmp_path / "out" / "recommendations" / shard.name).to_pylist()
+    (want,) = chat_engine.retrieve([RetrieveRequest(messages=plain, beam_width=4)])
+    for user in (0, 4):  # the chat and its rendered text: the same items
+        got = [r for r in output if r["user_id"] == user]
+        assert [r["item_id"] for r in got] == [i.item_id for i in want.items]
+        assert [r["retrieval_logprob"] for r in got] == pytest.approx([i.logprob for i in want.items], abs=1e-5)

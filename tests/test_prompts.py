@@ -318,3 +318,55 @@ def test_the_recommend_job_reads_a_messages_column(chat_dir, chat_engine, tmp_pa
         got = [r for r in output if r["user_id"] == user]
         assert [r["item_id"] for r in got] == [i.item_id for i in want.items]
         assert [r["retrieval_logprob"] for r in got] == pytest.approx([i.logprob for i in want.items], abs=1e-5)
+
+
+# -- genrec prompt ---------------------------------------------------------------------------------
+
+
+def genrec_prompt(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
+    """`genrec prompt ARGV` through the entry point: (exit code, stdout, stderr)."""
+    from genrec.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr("sys.argv", ["genrec", "prompt", *map(str, argv)])
+    code = 0
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_cli_prints_what_the_engine_runs(chat_dir, chat_engine, tmp_path, monkeypatch, capsys):
+    (tmp_path / "chat.json").write_text(json.dumps(MESSAGES))
+    code, out, _ = genrec_prompt(monkeypatch, capsys, chat_dir, "--messages", tmp_path / "chat.json")
+    want = chat_engine.render_prompt(PromptRequest(messages=MESSAGES))
+    assert code == 0 and json.loads(out) == want.model_dump(exclude={"request_id"})
+    (tmp_path / "ids.json").write_text(json.dumps(want.token_ids))
+    code, out, _ = genrec_prompt(monkeypatch, capsys, chat_dir, "--token-ids", tmp_path / "ids.json")
+    assert code == 0 and (json.loads(out)["text"], json.loads(out)["form"]) == (want.text, "prompt_token_ids")
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO(json.dumps(MESSAGES)))
+    code, out, _ = genrec_prompt(monkeypatch, capsys, chat_dir, "--messages", "-")
+    assert code == 0 and json.loads(out)["token_ids"] == want.token_ids
+    code, out, _ = genrec_prompt(monkeypatch, capsys, chat_dir, "--text", "user <|user|> listened", "--show-tokens")
+    shown = json.loads(out)
+    assert code == 0 and shown["text"] == "user <|user|> listened" and shown["user_placeholders"] == 1
+    assert shown["tokens"] == chat_engine.family.tokenizer.convert_ids_to_tokens(shown["token_ids"])
+    assert USER_TOKEN in shown["tokens"]
+
+
+def test_the_cli_refuses_bad_input_in_one_line(tiny_dir, chat_dir, tmp_path, monkeypatch, capsys, hstu_dir):
+    (tmp_path / "chat.json").write_text(json.dumps(MESSAGES))
+    (tmp_path / "bad.json").write_text(json.dumps([{"role": "tool", "content": "x"}]))
+    cases = [
+        ((tiny_dir, "--messages", tmp_path / "chat.json"), "messages: this model has no chat template"),
+        ((chat_dir, "--messages", tmp_path / "bad.json"), "messages: the model's chat template refused them"),
+        ((chat_dir, "--text", "a", "--messages", tmp_path / "chat.json"), "exactly one of --messages, --text"),
+        ((chat_dir,), "exactly one of --messages, --text"),
+        ((chat_dir, "--messages", tmp_path / "missing.json"), "missing.json"),
+        ((hstu_dir, "--text", "a"), "an HSTU ranking model, not a Qwen3 semantic-ID model"),
+    ]
+    for argv, fragment in cases:
+        code, _, err = genrec_prompt(monkeypatch, capsys, *argv)
+        assert code == 2 and fragment in err and "Traceback" not in err, err

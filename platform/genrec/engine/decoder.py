@@ -31,7 +31,7 @@ from genrec.engine.decoder_inputs import (
     inject_user_embedding,
     label_token_ids,
     prompt_token_ids,
-    rendered_prompt,
+    render_prompt,
 )
 from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
@@ -121,16 +121,8 @@ class Decoder:
 
     def render_prompt(self, req: PromptForms) -> PromptResult:
         """The request's prompt as `prepare` runs it (its text and token IDs), checked the same way."""
-        text, token_ids = rendered_prompt(req, self.chat, self.model.config.vocab_size, self.max_prompt_tokens)
-        ids = token_ids.tolist()
-        return PromptResult(
-            request_id=getattr(req, "request_id", None),
-            form=req.prompt_form,
-            text=text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False),
-            token_ids=ids,
-            prompt_tokens=len(ids),
-            user_placeholders=ids.count(self.placeholder_id) if self.placeholder_id is not None else 0,
-        )
+        vocab_size = self.model.config.vocab_size
+        return render_prompt(req, self.chat, vocab_size, self.max_prompt_tokens, self.placeholder_id)
 
     def _kept(self, candidates: list[Candidate], exclusions: list[int]) -> list[int]:
         """Recommend: the given candidates to rank, in order: no excluded item, each item once."""

@@ -261,6 +261,7 @@ def test_a_ranker_takes_no_prompt(ranker):
         ("{not json", "cannot be read as JSON"),
         ("[]", "must be a JSON object"),
         ('{"system": "x"}', "unknown keys \\['system'\\]"),
+        ('{"version": 2}', "version 2 is not one this genrec reads"),
         ('{"system_prompt": 3}', "system_prompt must be a non-empty string"),
         ('{"system_prompt": "  "}', "system_prompt must be a non-empty string"),
         ('{"chat_template_kwargs": []}', "chat_template_kwargs must be a JSON object"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from genrec.api import FAMILY_KINDS, MAX_BEAM_WIDTH, Candidate, RetrieveRequest, RetrieveResult
@@ -74,6 +75,7 @@ class Decoder:
         self.layout = layout if layout is not None else SidLayout.infer(tokenizer)
         self.trie = CodeTrie.build(catalog.codes, self.device, catalog.lengths, self.layout.ending, catalog.popularity)
         self.levels = self.trie.levels  # decode steps: the longest code and its ending
+        self.largest_code = int(np.diff(self.trie.code_ptr).max())  # items of the most shared code
         self.begin = self.layout.begin
         self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
         # Room for the code after the prompt, and for the begin token the engine may append.
@@ -145,7 +147,8 @@ class Decoder:
         if prepared.candidate_tokens is not None:
             tokens += sum(map(len, prepared.candidate_tokens))
             if prepared.kind == "recommend":
-                tokens += prepared.request.num_results * self.levels
+                retrieved = min(prepared.request.num_results * self.largest_code, len(self.catalog))
+                tokens += retrieved * self.levels  # every item of a retrieved shared code is a row
         return tokens
 
     def block_keys(self, prepared: PreparedPrompt, salt: bytes) -> list[bytes]:

@@ -371,3 +371,28 @@ def test_the_cli_refuses_bad_input_in_one_line(tiny_dir, chat_dir, tmp_path, mon
     for argv, fragment in cases:
         code, _, err = genrec_prompt(monkeypatch, capsys, *argv)
         assert code == 2 and fragment in err and "Traceback" not in err, err
+
+
+# -- a layout with a begin token (OpenOneRec's) ---------------------------------------------------------
+
+
+def test_a_chat_on_openonerecs_layout_opens_the_code_after_the_think_block(tmp_path):
+    """OpenOneRec prompts with the Qwen3 template, thinking off, then `<|sid_begin|>`: the engine appends the begin
+    token after the rendered chat (the prompt does not end with it), as it does after the same text; token IDs that
+    already end with it are taken as they are. All three answer alike."""
+    from genrec.model.tiny import ModelSpec
+    from tests.sid_tokenizers import openonerec_tokenizer
+
+    spec = ModelSpec(items=40, levels=3, codebook=4, seed=3, user_dim=0, hidden=32, layers=2, heads=2, kv_heads=1)
+    model = write_chat_model_dir(tmp_path / "oor", spec, {"system_prompt": SYSTEM}, openonerec_tokenizer(3, 4))
+    engine = Engine.from_pretrained(model, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    chat = [{"role": "user", "content": "<|sid_begin|><s_a_1><s_b_2><s_c_3><|sid_end|> /no_think"}]
+    shown = engine.render_prompt(PromptRequest(messages=chat))
+    assert shown.text.endswith(EMPTY_THINK) and shown.begin_token_appended
+    begin = engine.family.begin
+    begun = engine.render_prompt(PromptRequest(prompt_token_ids=[*shown.token_ids, begin]))
+    assert not begun.begin_token_appended
+    forms = [{"messages": chat}, {"prompt": shown.text}, {"prompt_token_ids": [*shown.token_ids, begin]}]
+    results = engine.retrieve([RetrieveRequest(**fields, beam_width=8) for fields in forms])
+    assert all(same_results(r, results[0]) for r in results)
+    assert results[0].prompt_tokens == shown.prompt_tokens + 1  # the begin token the engine appended

@@ -74,11 +74,9 @@ def build_ids(
     """Semantic IDs by residual k-means per level plus a last, disambiguating level."""
     from genrec.catalog.build_ids import build_catalog
     from genrec.model.directory import ModelDir
-    from genrec.model.tokenizer import semantic_token_ranges
 
     directory = ModelDir.open(model, family="qwen3")
-    ranges = semantic_token_ranges(directory.load_tokenizer())
-    catalog = build_catalog(embeddings, ranges, iters=iters, seed=seed)
+    catalog = build_catalog(embeddings, directory.load_sid_layout(), iters=iters, seed=seed)
     target = out or directory.catalog_path
     catalog.save(target)
     typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))
@@ -116,11 +114,13 @@ def prompt(
     request = PromptRequest(**{name: value for name, value in fields.items() if value is not None})
     directory = ModelDir.open(model, family="qwen3")
     tokenizer = directory.load_tokenizer()
-    room = directory.config.prompt_room(directory.load_catalog(tokenizer).levels)  # as the engine's Decoder
-    vocab = directory.config.vocab_size
-    rendered = render_prompt(
-        request, directory.load_chat(tokenizer), vocab, room, tokenizer.get_vocab().get(USER_TOKEN)
-    )
+    layout = directory.load_sid_layout(tokenizer)
+    # As the engine's Decoder.max_prompt_tokens: room after the prompt for the longest code, its ending and the
+    # begin token the engine may append.
+    steps = directory.load_catalog(tokenizer, layout).levels + len(layout.ending) + (layout.begin is not None)
+    room, vocab, placeholder = directory.config.prompt_room(steps), directory.config.vocab_size, tokenizer.get_vocab()
+    chat = directory.load_chat(tokenizer)
+    rendered = render_prompt(request, chat, vocab, room, placeholder.get(USER_TOKEN), layout.begin)
     shown = rendered.model_dump(exclude={"request_id"})
     if show_tokens:
         shown["tokens"] = tokenizer.convert_ids_to_tokens(rendered.token_ids)

@@ -68,10 +68,11 @@ def rendered_prompt(
 
 
 def render_prompt(
-    req: PromptForms, chat: ChatTemplate, vocab_size: int, max_len: int, placeholder_id: int | None
+    req: PromptForms, chat: ChatTemplate, vocab_size: int, max_len: int, placeholder_id: int | None, begin: int | None
 ) -> PromptResult:
-    """What the engine runs of the request's prompt: its text (token IDs decoded when given as such), its token IDs
-    and how many soft-token placeholders they hold, checked as `prepare` checks them."""
+    """What the engine runs of the request's prompt: its text (token IDs decoded when given as such), its token IDs,
+    how many soft-token placeholders they hold and whether a code's `begin` token (None: the layout has none) would
+    be appended, checked as `prepare` checks them."""
     text, token_ids = rendered_prompt(req, chat, vocab_size, max_len)
     ids = token_ids.tolist()
     return PromptResult(
@@ -81,10 +82,13 @@ def render_prompt(
         token_ids=ids,
         prompt_tokens=len(ids),
         user_placeholders=ids.count(placeholder_id) if placeholder_id is not None else 0,
+        begin_token_appended=begin is not None and ids[-1] != begin,
     )
 
 
-def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: int) -> list[list[int]]:
+def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: int, begun: bool) -> list[list[int]]:
+    """Each candidate's row; an item's is its code as the decode generates it (`Decoder.item_row`; `begun`: the
+    prompt ends with the layout's begin token, or it has none)."""
     if len(candidates) > decoder.max_candidates:
         raise InvalidRequestError(
             "candidates", f"{len(candidates)} candidates exceed this engine's limit of {decoder.max_candidates}"
@@ -99,7 +103,7 @@ def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: i
             index = decoder.catalog.index_of(cand.item_id)
             if index is None:
                 raise InvalidRequestError(f"{field}.item_id", f"unknown item {cand.item_id!r}")
-            tokens = decoder.catalog.codes[index].tolist()
+            tokens = decoder.item_row(index, begun)
         elif cand.text is not None:
             check_text_fits(f"{field}.text", cand.text, min(room, longest))
             tokens = decoder.tokenizer(cand.text, add_special_tokens=False)["input_ids"]

@@ -376,7 +376,7 @@ def test_the_cli_refuses_bad_input_in_one_line(tiny_dir, chat_dir, tmp_path, mon
 # -- a layout with a begin token (OpenOneRec's) ---------------------------------------------------------
 
 
-def test_a_chat_on_openonerecs_layout_opens_the_code_after_the_think_block(tmp_path):
+def test_a_chat_on_openonerecs_layout_opens_the_code_after_the_think_block(tmp_path, monkeypatch, capsys):
     """OpenOneRec prompts with the Qwen3 template, thinking off, then `<|sid_begin|>`: the engine appends the begin
     token after the rendered chat (the prompt does not end with it), as it does after the same text; token IDs that
     already end with it are taken as they are. All three answer alike."""
@@ -396,3 +396,12 @@ def test_a_chat_on_openonerecs_layout_opens_the_code_after_the_think_block(tmp_p
     results = engine.retrieve([RetrieveRequest(**fields, beam_width=8) for fields in forms])
     assert all(same_results(r, results[0]) for r in results)
     assert results[0].prompt_tokens == shown.prompt_tokens + 1  # the begin token the engine appended
+    # genrec prompt: the same answer and the engine's limit (room after the prompt for begin, code and end token)
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    code, out, _ = genrec_prompt(monkeypatch, capsys, model, "--messages", tmp_path / "chat.json")
+    assert code == 0 and json.loads(out) == shown.model_dump(exclude={"request_id"})
+    room = engine.family.max_prompt_tokens
+    for length, fits in ((room, True), (room + 1, False)):
+        (tmp_path / "ids.json").write_text(json.dumps([shown.token_ids[0]] * length))
+        code, out, err = genrec_prompt(monkeypatch, capsys, model, "--token-ids", tmp_path / "ids.json")
+        assert (code == 0) == fits and (fits or f"serves at most {room}" in err), err

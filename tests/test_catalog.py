@@ -12,7 +12,8 @@ from genrec.catalog.build_ids import residual_codes
 from genrec.catalog.reference import allowed_tokens_fn
 from genrec.cli import app
 from genrec.errors import CatalogError
-from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
+from genrec.model.sid_layout import SidLayout
+from genrec.model.tokenizer import load_tokenizer
 
 
 def test_trie_children_equal_plain_prefix_sets():
@@ -66,8 +67,7 @@ def test_build_ids_cli_writes_a_valid_catalog(tiny_dir, tmp_path):
     out = tmp_path / "catalog.parquet"
     result = CliRunner().invoke(app, ["build-ids", str(emb), "--model", str(tiny_dir), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    ranges = semantic_token_ranges(load_tokenizer(tiny_dir))
-    catalog = Catalog.load(out, ranges)
+    catalog = Catalog.load(out, SidLayout.infer(load_tokenizer(tiny_dir)))
     assert len(catalog) == 120 and catalog.levels == 3
 
 
@@ -85,16 +85,17 @@ def write_catalog(path, semantic_id, item_id=None):
         ("plain int column", lambda c: pa.array(c[:, 0]), "not int64"),
         ("null element", lambda c: pa.array([[c[0, 0], None, c[0, 2]], *c[1:].tolist()]), "1 null token ID"),
         ("null row", lambda c: pa.array([None, *c[1:].tolist()], pa.list_(pa.int64())), "null on 1 row"),
-        ("ragged", lambda c: pa.array([c[0, :2].tolist(), *c[1:].tolist()]), "ragged"),
-        ("fewer levels", lambda c: pa.array(c[:, :2].tolist()), "2 levels but the tokenizer defines 3"),
-        ("token out of range", lambda c: pa.array([c[0, ::-1].tolist(), *c[1:].tolist()]), "outside"),
+        ("empty code", lambda c: pa.array([[], *c[1:].tolist()], pa.list_(pa.int64())), "empty on 1 row"),
+        ("proper prefix", lambda c: pa.array([c[1, :2].tolist(), *c[1:].tolist()]), "is a proper prefix of item"),
+        ("more levels", lambda c: pa.array([[*c[0], c[0, 2]], *c[1:].tolist()]), "has 4 tokens; this model's"),
+        ("token of another level", lambda c: pa.array([c[0, ::-1].tolist(), *c[1:].tolist()]), "not level 0"),
     ],
 )
 def test_bad_semantic_id_column_names_file_and_column(engine, tmp_path, name, column, fragment):
-    ranges = semantic_token_ranges(engine.family.tokenizer)
+    layout = engine.family.layout
     path = write_catalog(tmp_path / "catalog.parquet", column(engine.catalog.codes[:4]))
     with pytest.raises(CatalogError) as info:
-        Catalog.load(path, ranges)
+        Catalog.load(path, layout)
     message = str(info.value)
     assert str(path) in message and "'semantic_id'" in message and fragment in message, (name, message)
 
@@ -103,15 +104,13 @@ def test_bad_semantic_id_column_names_file_and_column(engine, tmp_path, name, co
 def test_bad_item_id_column_names_file_and_column(engine, tmp_path, item_id):
     path = write_catalog(tmp_path / "catalog.parquet", pa.array(engine.catalog.codes[:4].tolist()), item_id)
     with pytest.raises(CatalogError, match=r"catalog\.parquet: column 'item_id'"):
-        Catalog.load(path, semantic_token_ranges(engine.family.tokenizer))
+        Catalog.load(path, engine.family.layout)
 
 
 def test_catalog_of_any_integer_list_type_loads(engine, tmp_path):
     codes = engine.catalog.codes[:4]
     column = pa.array(codes.tolist(), pa.list_(pa.uint16(), 3))  # fixed-size list of unsigned ints
-    catalog = Catalog.load(
-        write_catalog(tmp_path / "catalog.parquet", column), semantic_token_ranges(engine.family.tokenizer)
-    )
+    catalog = Catalog.load(write_catalog(tmp_path / "catalog.parquet", column), engine.family.layout)
     assert catalog.codes.dtype == np.int64 and (catalog.codes == codes).all()
 
 
@@ -123,3 +122,50 @@ def test_catalog_path_that_is_a_directory(tmp_path):
 def test_in_memory_float_codes_are_refused_not_truncated():
     with pytest.raises(CatalogError, match="integer token IDs"):
         Catalog.validated(np.array(["a", "b"], dtype=object), np.array([[1.5, 2.0], [3.0, 4.0]]), None)
+
+
+def test_trie_of_codes_with_endings_shared_codes_and_popularity():
+    """Codes of 1-3 tokens plus a 1-token ending, one code named by three items: leaves are codes, finished codes
+    pad with free steps, a shared code's items come by popularity (ties in row order)."""
+    pad, end = -1, 99
+    codes = np.array([[10, 20, 30], [10, 20, pad], [11, pad, pad], [10, 20, 30], [10, 20, 30]])
+    lengths = np.array([3, 2, 1, 3, 3])
+    trie = CodeTrie.build(codes, lengths=lengths, ending=(end,), popularity=[1.0, 5.0, 0.0, 2.0, 2.0])
+    assert trie.levels == 4 and trie.codes == 3
+    allowed = allowed_tokens_fn([[10, 20, 30, end], [10, 20, end], [11, end]])
+    frontier, prefixes = torch.zeros(1, dtype=torch.int64), [()]
+    for level in range(trie.levels):
+        token, child, valid = trie.children(level, frontier)
+        free = trie.free[level]
+        next_frontier, next_prefixes = [], []
+        for row, prefix in enumerate(prefixes):
+            kids, tokens = child[row][valid[row]], token[row][valid[row]].tolist()
+            finished = bool(prefix) and prefix[-1] == end
+            assert (free is not None and free[kids].all().item()) if finished else tokens == allowed(list(prefix))
+            next_frontier += kids.tolist()
+            next_prefixes += [prefix] if finished else [(*prefix, t) for t in tokens]
+        frontier, prefixes = torch.tensor(next_frontier), next_prefixes
+    items = {prefixes[k]: trie.items_of(int(code)).tolist() for k, code in enumerate(frontier)}
+    assert items == {(10, 20, 30, end): [3, 4, 0], (10, 20, end): [1], (11, end): [2]}
+
+
+def test_catalog_round_trip_of_ragged_codes_popularity_and_attributes(tmp_path):
+    path = tmp_path / "catalog.parquet"
+    table = pa.table(
+        {
+            "item_id": ["a", "b", "c"],
+            "semantic_id": [[1, 2, 3], [1, 2], [1, 2, 3]],
+            "popularity": [3, 1, 7],
+            "genre": ["x", "y", "z"],  # an item attribute: ignored, never refused
+        }
+    )
+    pq.write_table(table, path)
+    catalog = Catalog.load(path)
+    assert catalog.code(1) == [1, 2] and catalog.lengths.tolist() == [3, 2, 3]
+    catalog.save(tmp_path / "again.parquet")
+    again = Catalog.load(tmp_path / "again.parquet")
+    assert [again.code(i) for i in range(3)] == [[1, 2, 3], [1, 2], [1, 2, 3]]
+    assert again.popularity.tolist() == [3.0, 1.0, 7.0]
+    pq.write_table(table.set_column(2, "popularity", pa.array([3.0, None, 1.0])), path)
+    with pytest.raises(CatalogError, match="column 'popularity', item 'b': null or not finite"):
+        Catalog.load(path)

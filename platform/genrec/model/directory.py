@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from genrec.errors import ModelDirectoryError
+from genrec.model.chat import PROMPT_FILE
 from genrec.model.config import Qwen3Config
 from genrec.model.digests import RECORD, DigestRecord
 from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
@@ -139,13 +140,31 @@ class Qwen3Dir(ModelDir):
         check_token_ids(tokenizer, self.config.vocab_size, self.path)
         return tokenizer
 
-    def load_catalog(self, tokenizer=None):
-        """The item catalog, its codes checked against the tokenizer's semantic-ID levels."""
-        from genrec.catalog.catalog import Catalog
-        from genrec.model.tokenizer import semantic_token_ranges
+    def load_sid_layout(self, tokenizer=None):
+        """The SID layout: `genrec/sid_layout.json`, else inferred from the tokenizer (genrec.model.sid_layout)."""
+        from genrec.model.sid_layout import SidLayout
 
         tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
-        return Catalog.load(self.catalog_path, semantic_token_ranges(tokenizer))
+        return SidLayout.for_model(self.path, tokenizer)
+
+    def load_catalog(self, tokenizer=None, layout=None):
+        """The item catalog, every code checked against the model's SID layout."""
+        from genrec.catalog.catalog import Catalog
+
+        layout = layout if layout is not None else self.load_sid_layout(tokenizer)
+        return Catalog.load(self.catalog_path, layout)
+
+    @property
+    def prompt_path(self) -> Path:
+        return self.path / GENREC_SUBDIR / PROMPT_FILE
+
+    def load_chat(self, tokenizer=None):
+        """How `messages` prompts are rendered: the tokenizer's chat template with the options in
+        `genrec/prompt.json` (genrec.model.chat)."""
+        from genrec.model.chat import ChatOptions, ChatTemplate
+
+        tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
+        return ChatTemplate(tokenizer, ChatOptions.load(self.prompt_path), self.prompt_path)
 
     def load_projector(self):
         """The soft-token projector, or None when the model has none."""
@@ -169,6 +188,7 @@ class Qwen3Dir(ModelDir):
     def check(self) -> None:
         super().check()  # the tokenizer and the catalog, then the weights
         self.load_projector()
+        self.load_chat()
 
 
 class HSTUDir(ModelDir):

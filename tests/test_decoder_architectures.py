@@ -90,11 +90,13 @@ def test_a_window_that_is_off_is_accepted_whatever_its_size():
     assert config == full == Qwen3Config.from_dict(QWEN25_SHAPED)
 
 
-def test_an_unknown_architecture_is_refused_by_the_spec_and_the_config():
+def test_an_unknown_architecture_or_an_odd_qwen2_shape_is_refused():
     with pytest.raises(ValueError, match="architecture must be one of"):
         ModelSpec(architecture="llama")
     with pytest.raises(ValueError, match="architecture must be one of"):
         Qwen3Config(8, 8, 8, 1, 1, 1, 8, architecture="llama")
+    with pytest.raises(ValueError, match="heads x head_dim = hidden, not 4 x 32 != 64"):
+        ModelSpec(architecture="qwen2", head_dim=32)
 
 
 def test_a_window_turned_on_refuses_the_directory_at_open(tmp_path):

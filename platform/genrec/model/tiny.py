@@ -71,6 +71,9 @@ def _spec_problems(spec: ModelSpec):
         yield f"architecture must be one of {sorted(ARCHITECTURES)}, not {spec.architecture!r}"
     if spec.levels > len(LEVEL_LETTERS):
         yield f"levels must be at most {len(LEVEL_LETTERS)} (one letter per level in token names), not {spec.levels}"
+    if spec.architecture == "qwen2" and spec.heads * spec.head_dim != spec.hidden:
+        # Qwen2 implementations that predate head_dim in its config take hidden / heads: all then read one model.
+        yield f"a qwen2 model needs heads x head_dim = hidden, not {spec.heads} x {spec.head_dim} != {spec.hidden}"
     if spec.heads % spec.kv_heads:
         yield f"heads ({spec.heads}) must be a multiple of kv_heads ({spec.kv_heads})"
     if spec.head_dim % 2:

@@ -208,7 +208,7 @@ def _random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torc
         if c.arch.qk_norm:
             w[p + "self_attn.q_norm.weight"] = norm(c.head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(c.head_dim)
-        if c.qkv_bias:  # as large as the projections' outputs (std ~1): a bias left out would change the logits
+        if c.qkv_bias:  # half the projections' output scale (std ~1): a bias left out would change the logits
             for name, size in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
                 w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
         if c.attention_bias:

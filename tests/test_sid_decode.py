@@ -21,9 +21,11 @@ TOL = 1e-4
 SMALL = dict(user_dim=0, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64)
 
 
-def _served(path, tokenizer, item_ids, codes, popularity=None, layout=None, levels=3, codebook=4):
-    """A tiny random Qwen3 directory with this tokenizer and catalog (and sid_layout.json): (engine, hf, catalog)."""
-    write_model_dir(path, ModelSpec(items=8, levels=levels, codebook=codebook, seed=3, **SMALL), tokenizer=tokenizer)
+def _served(path, tokenizer, item_ids, codes, popularity=None, layout=None, levels=3, codebook=4, arch="qwen3"):
+    """A tiny random decoder directory (Qwen3, or Qwen2 as MiniOneRec's) with this tokenizer and catalog (and
+    sid_layout.json): (engine, hf)."""
+    spec = ModelSpec(items=8, levels=levels, codebook=codebook, seed=3, architecture=arch, **SMALL)
+    write_model_dir(path, spec, tokenizer=tokenizer)
     if layout is not None:
         (path / "genrec" / "sid_layout.json").write_text(json.dumps(layout))
     catalog = Catalog.validated(np.array(item_ids, dtype=object), codes, None, popularity=popularity)
@@ -72,7 +74,8 @@ def minionerec(tmp_path_factory):
     codes = [[vocab[t] for t in code] for code in MINI]
     items = [f"m{i}" for i in range(len(codes))]
     layout = {"preset": "minionerec"}
-    engine, hf = _served(tmp_path_factory.mktemp("mini") / "model", tok, items, codes, layout=layout, levels=4)
+    path = tmp_path_factory.mktemp("mini") / "model"
+    engine, hf = _served(path, tok, items, codes, layout=layout, levels=4, arch="qwen2")  # Qwen2.5, as MiniOneRec
     return engine, hf, vocab
 
 

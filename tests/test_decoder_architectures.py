@@ -139,7 +139,7 @@ def test_the_cli_writes_a_qwen2_directory_the_engine_serves(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
     engine = Engine.from_pretrained(out)
-    assert engine.model.config.architecture == "qwen2"
+    assert engine.model.config.architecture == engine.family.describe()["architecture"] == "qwen2"  # /v1/model's
     (found,) = engine.retrieve([RetrieveRequest(prompt="a user", beam_width=4)])
     assert len(found.items) == 4
 

@@ -256,6 +256,7 @@ class Decoder:
 
     def describe(self) -> dict:
         return {
+            "architecture": self.model.config.architecture,
             "catalog_items": len(self.catalog),
             "max_candidates": self.max_candidates,
             "levels": self.catalog.levels,

@@ -130,6 +130,7 @@ class ModelInfo(BaseModel):
     model_dir: str
     device: str
     family: Literal["qwen3", "hstu"] = Field("qwen3", description="qwen3: semantic-ID decoder; hstu: ranker")
+    architecture: str | None = Field(None, description="qwen3 family: the decoder's architecture, qwen3 or qwen2")
     serves: list[str] = Field(description="the request kinds (routes) this model answers")
     catalog_items: int
     max_candidates: int = Field(description="candidates per score, recommend or rank request")

@@ -1,6 +1,7 @@
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ import torch
 from genrec.model.tiny import HSTUSpec, ModelSpec, write_hstu_dir, write_model_dir
 
 TINY = ModelSpec(items=300, levels=3, codebook=8, user_dim=6, seed=1)
+# The same model as Qwen2 (q/k/v biases, no q/k norm), with tied embeddings like Qwen2.5-0.5B to 3B.
+QWEN2_TINY = replace(TINY, architecture="qwen2", tie_word_embeddings=True)
 
 # The integration tier (`make test` runs it, `make test-fast` skips it): tests that start Ray, Serve, a Ray job,
 # a redis-server or the whole demo. A test is in it when it uses one of these fixtures, lives in one of these
@@ -35,6 +38,41 @@ def engine(tiny_dir):
     from genrec.engine import Engine, SchedulerConfig
 
     return Engine.from_pretrained(tiny_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+
+
+# The equivalence tests of every fast path run on each decoder architecture: they take `arch_dir`, `arch_engine`
+# and `arch_hf_model` (qwen3: the session's `tiny_dir`, `engine` and `hf_model` themselves).
+@pytest.fixture(scope="session", params=["qwen3", "qwen2"])
+def architecture(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def arch_dir(architecture, request, tmp_path_factory):
+    if architecture == "qwen3":
+        return request.getfixturevalue("tiny_dir")
+    return write_model_dir(tmp_path_factory.mktemp(f"tiny-{architecture}") / "model", QWEN2_TINY)
+
+
+@pytest.fixture(scope="session")
+def arch_engine(architecture, arch_dir, request):
+    from genrec.engine import Engine, SchedulerConfig
+
+    if architecture == "qwen3":
+        return request.getfixturevalue("engine")
+    return Engine.from_pretrained(arch_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+
+
+@pytest.fixture(scope="session")
+def arch_hf_model(architecture, arch_dir, request):
+    """transformers' own class for the architecture (Qwen3ForCausalLM, Qwen2ForCausalLM): the reference."""
+    from transformers import AutoModelForCausalLM
+
+    if architecture == "qwen3":
+        return request.getfixturevalue("hf_model")
+    model = AutoModelForCausalLM.from_pretrained(str(arch_dir), dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    return model
 
 
 # The tiny HSTU ranking model the ranking tests share.

@@ -1,4 +1,5 @@
-"""Our Qwen3 forward pass against transformers' Qwen3ForCausalLM (the numerical reference)."""
+"""Our decoder's forward pass against transformers (the numerical reference), on each architecture: Qwen3 against
+Qwen3ForCausalLM, Qwen2 (q/k/v biases, no q/k norm) against Qwen2ForCausalLM."""
 
 import json
 
@@ -14,8 +15,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def ours(tiny_dir):
-    return ModelDir.open(tiny_dir).load_model()
+def ours(arch_dir):
+    return ModelDir.open(arch_dir).load_model()
 
 
 def full_prefill(model, ids):
@@ -25,25 +26,25 @@ def full_prefill(model, ids):
 
 
 @pytest.mark.parametrize("length", [1, 5, 33, 200])
-def test_prefill_logits_equal_transformers(ours, hf_model, rng, length):
+def test_prefill_logits_equal_transformers(ours, arch_hf_model, rng, length):
     ids = torch.randint(0, ours.config.vocab_size, (length,), generator=rng)
     with torch.no_grad():
-        ref = hf_model(ids[None]).logits[0]
+        ref = arch_hf_model(ids[None]).logits[0]
     logits, ctx = full_prefill(ours, ids)
     assert ctx.length == length
     assert (logits - ref).abs().max().item() <= TOL
 
 
-def test_chunked_prefill_equals_one_pass(ours, hf_model, rng):
+def test_chunked_prefill_equals_one_pass(ours, arch_hf_model, rng):
     ids = torch.randint(0, ours.config.vocab_size, (90,), generator=rng)
     with torch.no_grad():
-        ref = hf_model(ids[None]).logits[0]
+        ref = arch_hf_model(ids[None]).logits[0]
     ctx = ContextKV.allocate(ours.config, 90, "cpu", torch.float32)
     parts = [ours.prefill(ours.embed(chunk), ctx, torch.arange(len(chunk))) for chunk in ids.split([40, 1, 49])]
     assert (torch.cat(parts) - ref).abs().max().item() <= TOL
 
 
-def test_rows_over_shared_context_equal_transformers(ours, hf_model, rng):
+def test_rows_over_shared_context_equal_transformers(ours, arch_hf_model, rng):
     """Rows of 1..4 new tokens over one shared prompt: each equals prompt+row run alone in transformers."""
     prompt = torch.randint(0, ours.config.vocab_size, (25,), generator=rng)
     _, ctx = full_prefill(ours, prompt)
@@ -53,11 +54,11 @@ def test_rows_over_shared_context_equal_transformers(ours, hf_model, rng):
     logits = ours.logits(hidden)
     assert new_k.shape == (ours.config.num_hidden_layers, 6, 4, ours.config.num_key_value_heads, ours.config.head_dim)
     with torch.no_grad():
-        ref = hf_model(torch.cat([prompt.expand(6, 25), rows], dim=1)).logits[:, 25:]
+        ref = arch_hf_model(torch.cat([prompt.expand(6, 25), rows], dim=1)).logits[:, 25:]
     assert (logits - ref).abs().max().item() <= TOL
 
 
-def test_rows_with_past_suffix_equal_transformers(ours, hf_model, rng):
+def test_rows_with_past_suffix_equal_transformers(ours, arch_hf_model, rng):
     """A row whose first tokens come as past K/V (like a beam's ancestors) equals the plain sequence."""
     prompt = torch.randint(0, ours.config.vocab_size, (12,), generator=rng)
     _, ctx = full_prefill(ours, prompt)
@@ -66,14 +67,15 @@ def test_rows_with_past_suffix_equal_transformers(ours, hf_model, rng):
     _, k1, v1 = ours.forward_rows(ours.embed(rows[:, :2]), torch.arange(12, 14).expand(3, 2), ContextRows(groups, 3, 2))
     hidden, _, _ = ours.forward_rows(ours.embed(rows[:, 2:]), torch.full((3, 1), 14), ContextRows(groups, 3), k1, v1)
     with torch.no_grad():
-        ref = hf_model(torch.cat([prompt.expand(3, 12), rows], dim=1)).logits[:, -1]
+        ref = arch_hf_model(torch.cat([prompt.expand(3, 12), rows], dim=1)).logits[:, -1]
     assert (ours.logits(hidden[:, -1]) - ref).abs().max().item() <= TOL
 
 
-def test_tied_embeddings_and_sharded_weights(tmp_path, rng):
+def test_tied_embeddings_and_sharded_weights(tmp_path, rng, architecture):
     from transformers import AutoModelForCausalLM
 
-    model_dir = write_model_dir(tmp_path / "tied", ModelSpec(items=50, levels=2, codebook=8, tie_word_embeddings=True))
+    spec = ModelSpec(items=50, levels=2, codebook=8, tie_word_embeddings=True, architecture=architecture)
+    model_dir = write_model_dir(tmp_path / "tied", spec)
     tensors = load_file(str(model_dir / "model.safetensors"))
     assert "lm_head.weight" not in tensors
     names = sorted(tensors)
@@ -92,8 +94,8 @@ def test_tied_embeddings_and_sharded_weights(tmp_path, rng):
     assert (full_prefill(ours, ids)[0] - ref).abs().max().item() <= TOL
 
 
-def test_bfloat16_runs_on_the_same_code(tiny_dir, ours, rng):
-    half = ModelDir.open(tiny_dir).load_model(dtype=torch.bfloat16)
+def test_bfloat16_runs_on_the_same_code(arch_dir, ours, rng):
+    half = ModelDir.open(arch_dir).load_model(dtype=torch.bfloat16)
     ids = torch.randint(0, half.config.vocab_size, (20,), generator=rng)
     ctx = ContextKV.allocate(half.config, 20, "cpu", torch.bfloat16)
     logits = half.prefill(half.embed(ids), ctx)
@@ -102,7 +104,7 @@ def test_bfloat16_runs_on_the_same_code(tiny_dir, ours, rng):
     assert torch.allclose(logits, ref, atol=0.5), "bf16 logits drift far from float32"
 
 
-def test_packed_prefill_equals_separate_prefills(ours, hf_model, rng):
+def test_packed_prefill_equals_separate_prefills(ours, arch_hf_model, rng):
     """Prompts and prompt chunks packed into one pass give each prompt's own logits and K/V."""
     prompts = [torch.randint(0, ours.config.vocab_size, (n,), generator=rng) for n in (9, 1, 30)]
     ctxs = [ContextKV.allocate(ours.config, len(p), "cpu", torch.float32) for p in prompts]
@@ -115,7 +117,7 @@ def test_packed_prefill_equals_separate_prefills(ours, hf_model, rng):
     logits = ours.prefill_packed(segments)
     for prompt, ctx, row in zip(prompts, ctxs, logits, strict=True):
         with torch.no_grad():
-            ref = hf_model(prompt[None]).logits[0, -1]
+            ref = arch_hf_model(prompt[None]).logits[0, -1]
         assert ctx.length == len(prompt)
         assert (row - ref).abs().max().item() <= TOL
         _, alone = full_prefill(ours, prompt)

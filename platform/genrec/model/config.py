@@ -1,4 +1,4 @@
-"""The subset of a Hugging Face Qwen3 `config.json` that our forward pass needs, validated."""
+"""The subset of a Hugging Face Qwen3 or Qwen2 `config.json` that our forward pass needs, validated."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from genrec.errors import ModelDirectoryError
+from genrec.model.architecture import ARCHITECTURES, DecoderArchitecture
 
 
 @dataclass(frozen=True)
 class Qwen3Config:
+    """The semantic-ID decoder's config; `architecture` (config.json's model_type) is qwen3 or qwen2."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -23,13 +26,31 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    architecture: str = "qwen3"
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, not {self.architecture!r}")
+
+    @property
+    def arch(self) -> DecoderArchitecture:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q, k and v projections have biases (Qwen2 always; Qwen3 with attention_bias)."""
+        return self.arch.qkv_bias or self.attention_bias
 
     def to_hf_dict(self) -> dict:
-        """A config.json body that transformers (v4 and v5) and vLLM read as Qwen3."""
+        """A config.json body that transformers (v4 and v5) and vLLM read as Qwen3 (or Qwen2)."""
         body = asdict(self)
+        del body["architecture"]
+        if self.architecture == "qwen2":  # Qwen2.5's own keys: its window is off, as genrec requires
+            del body["attention_bias"]
+            body.update(sliding_window=self.max_position_embeddings, max_window_layers=self.num_hidden_layers)
         body.update(
-            architectures=["Qwen3ForCausalLM"],
-            model_type="qwen3",
+            architectures=[self.arch.hf_class],
+            model_type=self.arch.model_type,
             hidden_act="silu",
             use_sliding_window=False,
             attention_dropout=0.0,
@@ -65,10 +86,12 @@ class Qwen3Config:
     def from_dict(cls, raw: dict, path: Path | str = "config.json") -> Qwen3Config:
         if not isinstance(raw, dict):
             raise ModelDirectoryError(path, f"config.json must be a JSON object, not {type(raw).__name__}")
-        if raw.get("model_type") != "qwen3":
-            raise ModelDirectoryError(path, f"model_type is {raw.get('model_type')!r}, genrec serves 'qwen3' only")
-        if raw.get("use_sliding_window"):
-            raise ModelDirectoryError(path, "sliding-window attention is not supported")
+        arch = ARCHITECTURES.get(raw.get("model_type"))
+        if arch is None:
+            raise ModelDirectoryError(
+                path, f"model_type is {raw.get('model_type')!r}; genrec's decoders are {' and '.join(ARCHITECTURES)}"
+            )
+        _refuse_sliding_window(raw, path)
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelDirectoryError(path, f"hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -99,7 +122,29 @@ class Qwen3Config:
             rope_theta=_positive_float(rope, "rope_theta", path, _positive_float(raw, "rope_theta", path, 1e6)),
             max_position_embeddings=_positive_int(raw, "max_position_embeddings", path, default=40960),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            attention_bias=arch.reads_attention_bias and bool(raw.get("attention_bias", False)),
+            architecture=arch.model_type,
+        )
+
+
+def _refuse_sliding_window(raw: dict, path) -> None:
+    """Full attention only: a window turned on (Qwen2's use_sliding_window) or a sliding layer is refused by name."""
+    if raw.get("use_sliding_window"):
+        raise ModelDirectoryError(
+            path,
+            f"use_sliding_window is true (sliding_window {raw.get('sliding_window')!r}, max_window_layers "
+            f"{raw.get('max_window_layers')!r}): sliding-window attention is not supported, genrec runs full "
+            "attention only",
+        )
+    layer_types = raw.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise ModelDirectoryError(path, f"layer_types must be a list, not {layer_types!r}")
+    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if sliding:
+        raise ModelDirectoryError(
+            path,
+            f"layer_types[{sliding[0]}] is {layer_types[sliding[0]]!r}: genrec runs full attention only "
+            "('full_attention' in every layer)",
         )
 
 

@@ -104,7 +104,9 @@ class ModelDir:
 
 
 class Qwen3Dir(ModelDir):
-    """A Qwen3 semantic-ID decoder: tokenizer files, the catalog of item codes, optionally a soft-token projector."""
+    """A semantic-ID decoder: tokenizer files, the catalog of item codes, optionally a soft-token projector. The
+    family is `qwen3` whatever the decoder's architecture (`config.architecture`, config.json's model_type: qwen3,
+    or qwen2 for Qwen2 / Qwen2.5 checkpoints); the architecture is the model's business alone."""
 
     family = "qwen3"
 

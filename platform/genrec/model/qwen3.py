@@ -1,4 +1,5 @@
-"""Our own Qwen3 forward pass, numerically equal to transformers' `Qwen3ForCausalLM`.
+"""Our own Qwen3 forward pass, numerically equal to transformers' `Qwen3ForCausalLM`, and, configured as Qwen2
+(`config.architecture`: q/k/v biases, no q/k norm; see model/architecture.py), to `Qwen2ForCausalLM`.
 
 Two entry points, both built on the same decoder layers:
 
@@ -77,32 +78,40 @@ class Attention(nn.Module):
     def __init__(self, c: Qwen3Config):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.arch.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.eps = c.rms_norm_eps
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after fuse()
-        self.qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim] after fuse()
+        self.qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim] after fuse(), with q/k norm
+        self.position_qk = self._norm_and_rotate  # RoPE alone after fuse() where the architecture has no q/k norm
 
     def fuse(self) -> None:
-        """One product for q, k and v; one norm and one rotation over the q and k heads together."""
+        """One product for q, k and v; one norm and one rotation over the q and k heads together. Whether q and k
+        are normalised is settled here, once, not on every pass."""
         self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self.qk_norm = torch.cat(
-            [self.q_norm.weight.expand(self.heads, -1), self.k_norm.weight.expand(self.kv_heads, -1)]
-        )
+        if self.q_norm is not None:
+            self.qk_norm = torch.cat(
+                [self.q_norm.weight.expand(self.heads, -1), self.k_norm.weight.expand(self.kv_heads, -1)]
+            )
+        else:
+            self.position_qk = Rotary.apply
+
+    def _norm_and_rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return Rotary.apply(rms_norm(qk, self.qk_norm, self.eps), cos, sin)
 
     def qkv_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x: [..., hidden] -> q [..., heads, hd], k/v [..., kv_heads, hd] with q/k norm and RoPE applied."""
+        """x: [..., hidden] -> q [..., heads, hd], k/v [..., kv_heads, hd] with q/k norm (if any) and RoPE applied."""
         lead = x.shape[:-1]
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         projected = F.linear(x, *self.qkv)
         qk = projected[..., : (H + KV) * D].view(*lead, H + KV, D)
         v = projected[..., (H + KV) * D :].view(*lead, KV, D)
-        qk = Rotary.apply(rms_norm(qk, self.qk_norm, self.eps), cos, sin)
+        qk = self.position_qk(qk, cos, sin)
         return qk[..., :H, :], qk[..., H:, :], v
 
 
@@ -142,7 +151,8 @@ class Qwen3Backbone(nn.Module):
 
 
 class Qwen3(nn.Module):
-    """Parameter names match the Hugging Face checkpoint (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+    """Parameter names match the Hugging Face checkpoint (`model.layers.0.self_attn.q_proj.weight`, ...), of a
+    Qwen3 or a Qwen2 model (`config.architecture`)."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()

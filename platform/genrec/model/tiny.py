@@ -1,4 +1,5 @@
-"""Write complete, deterministic model directories with random weights of the real architectures, Qwen3 and HSTU.
+"""Write complete, deterministic model directories with random weights of the real architectures: Qwen3 (or Qwen2,
+`ModelSpec(architecture="qwen2")`) and HSTU.
 
 Used by tests and the benchmarks (no model hub is reachable). Qwen3 weights are initialised so that next-token
 distributions are peaked like a trained model's: beam-search tests are then not decided by near-ties. An HSTU
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 
 from genrec.catalog.catalog import Catalog
 from genrec.errors import ModelDirectoryError
+from genrec.model.architecture import ARCHITECTURES
 from genrec.model.config import Qwen3Config
 from genrec.model.directory import GENREC_SUBDIR
 from genrec.model.hstu import HSTU
@@ -48,6 +50,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     max_positions: int = 8192
     seed: int = 0
+    architecture: str = "qwen3"  # or "qwen2": q/k/v biases, no q/k norm (config.json model_type qwen2)
 
     def __post_init__(self):
         problem = next(_spec_problems(self), None)
@@ -64,6 +67,8 @@ def _spec_problems(spec: ModelSpec):
     for name, low in _MINIMUM.items():
         if getattr(spec, name) < low:
             yield f"{name} must be at least {low}, not {getattr(spec, name)}"
+    if spec.architecture not in ARCHITECTURES:
+        yield f"architecture must be one of {sorted(ARCHITECTURES)}, not {spec.architecture!r}"
     if spec.levels > len(LEVEL_LETTERS):
         yield f"levels must be at most {len(LEVEL_LETTERS)} (one letter per level in token names), not {spec.levels}"
     if spec.heads % spec.kv_heads:
@@ -151,6 +156,7 @@ def write_model_dir(
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=spec.tie_word_embeddings,
+        architecture=spec.architecture,
     )
     body = config.to_hf_dict()
     body.update(
@@ -196,8 +202,14 @@ def _random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torc
         w[p + "self_attn.k_proj.weight"] = linear(kv_out, c.hidden_size)
         w[p + "self_attn.v_proj.weight"] = linear(kv_out, c.hidden_size)
         w[p + "self_attn.o_proj.weight"] = linear(c.hidden_size, q_out)
-        w[p + "self_attn.q_norm.weight"] = norm(c.head_dim)
-        w[p + "self_attn.k_norm.weight"] = norm(c.head_dim)
+        if c.arch.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = norm(c.head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(c.head_dim)
+        if c.qkv_bias:  # as large as the projections' outputs (std ~1): a bias left out would change the logits
+            for name, size in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+                w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
+        if c.attention_bias:
+            w[p + "self_attn.o_proj.bias"] = normal(c.hidden_size, std=0.1)
         w[p + "mlp.gate_proj.weight"] = linear(c.intermediate_size, c.hidden_size)
         w[p + "mlp.up_proj.weight"] = linear(c.intermediate_size, c.hidden_size)
         w[p + "mlp.down_proj.weight"] = linear(c.hidden_size, c.intermediate_size)

@@ -15,7 +15,8 @@ import pytest
 from genrec.batch.semantic_ids import build_semantic_ids, fixed_size_block
 from genrec.catalog import Catalog
 from genrec.catalog.build_ids import build_catalog
-from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
+from genrec.model.sid_layout import SidLayout
+from genrec.model.tokenizer import load_tokenizer
 from tests import rank_inputs
 from tests.dashboard_cluster import RAY_BIN, dashboard_cluster
 
@@ -33,9 +34,9 @@ def test_semantic_ids_through_ray_data_equal_build_ids(ray_cluster, tiny_dir, tm
 
     report = build_semantic_ids(str(tmp_path / "items"), str(tiny_dir), str(tmp_path / "catalog.parquet"), iters=5)
     assert report["items"] == 300 and report["dim"] == 12
-    ranges = semantic_token_ranges(load_tokenizer(tiny_dir))
-    built = Catalog.load(tmp_path / "catalog.parquet", ranges)
-    reference = build_catalog(tmp_path / "whole.parquet", ranges, iters=5)  # what `genrec build-ids` computes
+    layout = SidLayout.infer(load_tokenizer(tiny_dir))
+    built = Catalog.load(tmp_path / "catalog.parquet", layout)
+    reference = build_catalog(tmp_path / "whole.parquet", layout, iters=5)  # what `genrec build-ids` computes
     assert built.item_ids.tolist() == reference.item_ids.tolist()
     assert np.array_equal(built.codes, reference.codes)
 

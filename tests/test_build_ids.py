@@ -11,7 +11,14 @@ from genrec.catalog import Catalog
 from genrec.catalog.build_ids import balanced_assign, build_catalog, residual_codes
 from genrec.cli import app
 from genrec.errors import GenrecError
-from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
+from genrec.model.sid_layout import SidLayout
+from genrec.model.tokenizer import load_tokenizer
+
+
+def ranges_layout(*ranges):
+    """A SID layout of contiguous token-ID ranges [first, last] per level."""
+    ids = tuple(np.arange(lo, hi + 1) for lo, hi in ranges)
+    return SidLayout(level_ids=ids, level_indices=tuple(np.arange(len(i)) for i in ids))
 
 
 def _write(path, vectors, ids=None):
@@ -26,7 +33,7 @@ def test_200_random_items_fit_a_3x8_model(tiny_dir, tmp_path):
     out = tmp_path / "catalog.parquet"
     result = CliRunner().invoke(app, ["build-ids", str(emb), "--model", str(tiny_dir), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    catalog = Catalog.load(out, semantic_token_ranges(load_tokenizer(tiny_dir)))
+    catalog = Catalog.load(out, SidLayout.infer(load_tokenizer(tiny_dir)))
     assert len(catalog) == 200 and len(np.unique(catalog.codes, axis=0)) == 200
 
 
@@ -81,14 +88,14 @@ def test_nan_embedding_names_the_item_and_row(tmp_path):
     vectors[17, 2] = np.nan
     path = _write(tmp_path / "nan.parquet", vectors)
     with pytest.raises(GenrecError, match=r"nan.parquet: item 'x17' \(row 17\) has a non-finite embedding"):
-        build_catalog(path, [(10, 17), (18, 25), (26, 33)])
+        build_catalog(path, ranges_layout((10, 17), (18, 25), (26, 33)))
 
 
 def test_null_or_ragged_embedding_names_the_row(tmp_path):
     vectors = [[0.0, 1.0]] * 5 + [None] + [[1.0, 0.0]] * 4
     path = _write(tmp_path / "null.parquet", vectors)
     with pytest.raises(GenrecError, match=r"null, empty or of another length on row 5 \(item 'x5'"):
-        build_catalog(path, [(10, 17), (18, 25)])
+        build_catalog(path, ranges_layout((10, 17), (18, 25)))
     path = _write(tmp_path / "ragged.parquet", [[0.0, 1.0]] * 3 + [[1.0]])
     with pytest.raises(GenrecError, match=r"on row 3 \(item 'x3': 1 values"):
-        build_catalog(path, [(10, 17), (18, 25)])
+        build_catalog(path, ranges_layout((10, 17), (18, 25)))

@@ -12,7 +12,8 @@ from genrec.catalog.build_ids import residual_codes
 from genrec.catalog.reference import allowed_tokens_fn
 from genrec.cli import app
 from genrec.errors import CatalogError
-from genrec.model.tokenizer import load_tokenizer, semantic_token_ranges
+from genrec.model.sid_layout import SidLayout
+from genrec.model.tokenizer import load_tokenizer
 
 
 def test_trie_children_equal_plain_prefix_sets():
@@ -66,8 +67,7 @@ def test_build_ids_cli_writes_a_valid_catalog(tiny_dir, tmp_path):
     out = tmp_path / "catalog.parquet"
     result = CliRunner().invoke(app, ["build-ids", str(emb), "--model", str(tiny_dir), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    ranges = semantic_token_ranges(load_tokenizer(tiny_dir))
-    catalog = Catalog.load(out, ranges)
+    catalog = Catalog.load(out, SidLayout.infer(load_tokenizer(tiny_dir)))
     assert len(catalog) == 120 and catalog.levels == 3
 
 
@@ -85,16 +85,17 @@ def write_catalog(path, semantic_id, item_id=None):
         ("plain int column", lambda c: pa.array(c[:, 0]), "not int64"),
         ("null element", lambda c: pa.array([[c[0, 0], None, c[0, 2]], *c[1:].tolist()]), "1 null token ID"),
         ("null row", lambda c: pa.array([None, *c[1:].tolist()], pa.list_(pa.int64())), "null on 1 row"),
-        ("ragged", lambda c: pa.array([c[0, :2].tolist(), *c[1:].tolist()]), "ragged"),
-        ("fewer levels", lambda c: pa.array(c[:, :2].tolist()), "2 levels but the tokenizer defines 3"),
-        ("token out of range", lambda c: pa.array([c[0, ::-1].tolist(), *c[1:].tolist()]), "outside"),
+        ("empty code", lambda c: pa.array([[], *c[1:].tolist()], pa.list_(pa.int64())), "empty on 1 row"),
+        ("proper prefix", lambda c: pa.array([c[1, :2].tolist(), *c[1:].tolist()]), "is a proper prefix of item"),
+        ("more levels", lambda c: pa.array([[*c[0], c[0, 2]], *c[1:].tolist()]), "has 4 tokens; this model's"),
+        ("token of another level", lambda c: pa.array([c[0, ::-1].tolist(), *c[1:].tolist()]), "not level 0"),
     ],
 )
 def test_bad_semantic_id_column_names_file_and_column(engine, tmp_path, name, column, fragment):
-    ranges = semantic_token_ranges(engine.family.tokenizer)
+    layout = engine.family.layout
     path = write_catalog(tmp_path / "catalog.parquet", column(engine.catalog.codes[:4]))
     with pytest.raises(CatalogError) as info:
-        Catalog.load(path, ranges)
+        Catalog.load(path, layout)
     message = str(info.value)
     assert str(path) in message and "'semantic_id'" in message and fragment in message, (name, message)
 
@@ -103,15 +104,13 @@ def test_bad_semantic_id_column_names_file_and_column(engine, tmp_path, name, co
 def test_bad_item_id_column_names_file_and_column(engine, tmp_path, item_id):
     path = write_catalog(tmp_path / "catalog.parquet", pa.array(engine.catalog.codes[:4].tolist()), item_id)
     with pytest.raises(CatalogError, match=r"catalog\.parquet: column 'item_id'"):
-        Catalog.load(path, semantic_token_ranges(engine.family.tokenizer))
+        Catalog.load(path, engine.family.layout)
 
 
 def test_catalog_of_any_integer_list_type_loads(engine, tmp_path):
     codes = engine.catalog.codes[:4]
     column = pa.array(codes.tolist(), pa.list_(pa.uint16(), 3))  # fixed-size list of unsigned ints
-    catalog = Catalog.load(
-        write_catalog(tmp_path / "catalog.parquet", column), semantic_token_ranges(engine.family.tokenizer)
-    )
+    catalog = Catalog.load(write_catalog(tmp_path / "catalog.parquet", column), engine.family.layout)
     assert catalog.codes.dtype == np.int64 and (catalog.codes == codes).all()
 
 

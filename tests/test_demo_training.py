@@ -8,8 +8,9 @@ import transformers
 from genrec.api import Candidate, ScoreRequest
 from genrec.catalog import Catalog
 from genrec.engine import Engine
+from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer, semantic_token_ranges
+from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer
 from genrec_demo.batches import IGNORE, NegativeSampler, Vocab, epoch_windows, make_batch
 from genrec_demo.config import DemoConfig
 from genrec_demo.prompts import prompt_text, prompt_token_ids
@@ -112,7 +113,7 @@ def served(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "model"
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    (lo_a, _), (lo_b, _) = semantic_token_ranges(tokenizer)
+    lo_a, lo_b = (int(ids[0]) for ids in SidLayout.infer(tokenizer).level_ids)
     codes = np.array([[lo_a + i // 4, lo_b + i % 4] for i in range(16)])
     catalog = Catalog.validated(np.array([f"m{i}" for i in range(16)], dtype=object), codes, None)
     catalog.save(out / "genrec" / "catalog.parquet")

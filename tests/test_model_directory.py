@@ -17,8 +17,9 @@ from genrec.cli import app
 from genrec.engine import Engine
 from genrec.errors import CatalogError, ModelDirectoryError
 from genrec.model.directory import model_version
+from genrec.model.sid_layout import SidLayout
 from genrec.model.tiny import ModelSpec, write_model_dir
-from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, semantic_token_ranges
+from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN
 
 
 def test_layout_is_a_plain_hf_directory_plus_genrec_subfolder(tiny_dir):
@@ -34,9 +35,9 @@ def test_tokenizer_has_genrec_tokens(tiny_dir):
     for label in LABEL_TOKENS:
         assert len(tok(label, add_special_tokens=False)["input_ids"]) == 1
     assert tok.convert_tokens_to_ids(USER_TOKEN) != tok.unk_token_id
-    ranges = semantic_token_ranges(tok)
-    assert [hi - lo + 1 for lo, hi in ranges] == [8, 8, 8]
-    assert tok("<a_3><b_0>", add_special_tokens=False)["input_ids"] == [ranges[0][0] + 3, ranges[1][0]]
+    levels = SidLayout.infer(tok).level_ids
+    assert [len(ids) for ids in levels] == [8, 8, 8]
+    assert tok("<a_3><b_0>", add_special_tokens=False)["input_ids"] == [levels[0][3], levels[1][0]]
 
 
 def test_catalog_codes_are_valid(engine):
@@ -129,23 +130,17 @@ def test_catalog_duplicate_item_ids(broken, engine):
     expect_error(broken, CatalogError, "catalog.parquet", "duplicate item_id", "'a'")
 
 
-def test_catalog_duplicate_codes(broken, engine):
-    codes = engine.catalog.codes[:3].tolist()
-    write_catalog(broken, ["a", "b", "c"], [codes[0], codes[1], codes[0]])
-    expect_error(broken, CatalogError, "duplicate semantic_id")
-
-
-def test_catalog_ragged_codes(broken, engine):
+def test_catalog_code_that_prefixes_another_needs_an_ending(broken, engine):
     codes = engine.catalog.codes[:2].tolist()
-    write_catalog(broken, ["a", "b"], [codes[0], codes[1][:2]])
-    expect_error(broken, CatalogError, "ragged")
+    write_catalog(broken, ["a", "b"], [codes[0], codes[0][:2]])
+    expect_error(broken, CatalogError, "item 'b'", "proper prefix of item 'a'", "ending")
 
 
 def test_catalog_token_outside_level_range(broken, engine):
     codes = engine.catalog.codes[:2].tolist()
     codes[1][1] = codes[1][0]  # a level-0 token at level 1
     write_catalog(broken, ["a", "b"], codes)
-    expect_error(broken, CatalogError, "item 'b'", "level 1", "outside")
+    expect_error(broken, CatalogError, "item 'b'", "belongs to level 0, not level 1")
 
 
 def test_catalog_missing_column(broken):

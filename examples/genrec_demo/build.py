@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from genrec.catalog.build_ids import catalog_from_embeddings
-from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer, semantic_token_ranges
+from genrec.model.sid_layout import SidLayout
+from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer
 from genrec_demo.batches import Vocab, near_items
 from genrec_demo.config import DemoConfig
 from genrec_demo.data import MovieLens
@@ -18,7 +19,7 @@ def build_model(data: MovieLens, factors: Factors, out: Path, cfg: DemoConfig, p
     """Train on every user's training items; returns the training figures (also in genrec/demo.json)."""
     tokenizer = build_tokenizer(cfg.levels, cfg.codebook, seed=cfg.seed)
     catalog = catalog_from_embeddings(
-        data.item_ids, factors.items, semantic_token_ranges(tokenizer), seed=cfg.seed, source="SVD item factors"
+        data.item_ids, factors.items, SidLayout.infer(tokenizer), seed=cfg.seed, source="SVD item factors"
     )
     yes, no = tokenizer.convert_tokens_to_ids(list(LABEL_TOKENS))
     vocab = Vocab(catalog.codes, tokenizer.convert_tokens_to_ids(USER_TOKEN), yes, no)

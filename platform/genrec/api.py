@@ -124,6 +124,9 @@ class RetrievedItem(BaseModel):
 class RetrieveResult(BaseModel):
     request_id: str | None = None
     items: list[RetrievedItem]
+    codes: int | None = Field(
+        None, description="distinct codes the items came from (several items may share one code: adjacent)"
+    )
     prompt_tokens: int
     unknown_exclusions: int = Field(0, description="exclude_item_ids not in the catalog (ignored)")
 
@@ -149,9 +152,12 @@ class Candidate(_Strict):
         return self
 
 
+LABELS_HELP = "(positive, negative) label tokens; default: the model's (genrec/sid_layout.json 'labels', else yes/no)"
+
+
 class ScoreRequest(PromptInput):
     candidates: list[Candidate] = Field(min_length=1)
-    labels: tuple[Text, Text] = Field(("yes", "no"), description="(positive, negative) label tokens")
+    labels: tuple[Text, Text] | None = Field(None, description=LABELS_HELP)
 
 
 class CandidateScore(BaseModel):
@@ -176,7 +182,7 @@ class RecommendRequest(RetrieveRequest):
     """
 
     candidates: list[Candidate] = Field(default_factory=list)
-    labels: tuple[Text, Text] = ("yes", "no")
+    labels: tuple[Text, Text] | None = Field(None, description=LABELS_HELP)
     rank_by: Literal["score", "joint"] = Field(
         "score",
         description="'score': by score_logprob, log P(positive label | prompt, item). 'joint': by "

@@ -76,11 +76,9 @@ def build_ids(
     """Semantic IDs by residual k-means per level plus a last, disambiguating level."""
     from genrec.catalog.build_ids import build_catalog
     from genrec.model.directory import ModelDir
-    from genrec.model.tokenizer import semantic_token_ranges
 
     directory = ModelDir.open(model, family="qwen3")
-    ranges = semantic_token_ranges(directory.load_tokenizer())
-    catalog = build_catalog(embeddings, ranges, iters=iters, seed=seed)
+    catalog = build_catalog(embeddings, directory.load_sid_layout(), iters=iters, seed=seed)
     target = out or directory.catalog_path
     catalog.save(target)
     typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))

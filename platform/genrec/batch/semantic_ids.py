@@ -16,12 +16,11 @@ from genrec.errors import GenrecError
 def build_semantic_ids(embeddings: str, model: str, out: str | None = None, iters: int = 20, seed: int = 0) -> dict:
     from genrec.batch.spec import model_dir
     from genrec.catalog.build_ids import catalog_from_embeddings
-    from genrec.model.tokenizer import semantic_token_ranges
 
     directory = model_dir(model, "qwen3")  # a bad model directory fails before any reading
-    ranges = semantic_token_ranges(directory.load_tokenizer())
+    layout = directory.load_sid_layout()
     item_ids, matrix = read_embeddings(embeddings)
-    catalog = catalog_from_embeddings(item_ids, matrix, ranges, iters=iters, seed=seed, source=embeddings)
+    catalog = catalog_from_embeddings(item_ids, matrix, layout, iters=iters, seed=seed, source=embeddings)
     target = Path(out) if out else directory.catalog_path
     catalog.save(target)
     return {"items": len(catalog), "levels": catalog.levels, "dim": matrix.shape[1], "catalog": str(target)}

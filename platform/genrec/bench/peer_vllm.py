@@ -165,8 +165,9 @@ def compare_score(engine, model_dir: Path, request, device: str, repeats: int) -
     and logprob_token_ids on one generated token. The ratio is against the faster.
     """
     prompt = request.prompt_token_ids
-    candidates = candidate_token_lists(decoder(engine), request.candidates, len(prompt))
-    label = label_token_ids(decoder(engine).tokenizer, request.labels)[0]
+    family = decoder(engine)
+    candidates = candidate_token_lists(family, request.candidates, len(prompt), family.begin in (None, prompt[-1]))
+    label = label_token_ids(family.tokenizer, request.labels or family.layout.labels)[0]
     base = {"task": "score", "prompt": prompt, "candidates": candidates, "label": label}
     jobs = {f"vllm_{mode}": {**base, "mode": mode} for mode in ("prompt_logprobs", "label_logprobs")}
     longest = len(prompt) + max(map(len, candidates)) + 2  # the label, then one generated token

@@ -102,17 +102,16 @@ def _checked_matrix(embeddings, item_ids, source: str) -> torch.Tensor:
     return x
 
 
-def catalog_from_embeddings(
-    item_ids, embeddings, level_ranges: list[tuple[int, int]], iters=20, seed=0, source="embeddings"
-) -> Catalog:
-    """Item IDs + embeddings [n, dim] -> a validated catalog whose codes use the tokenizer's level ranges."""
-    sizes = [hi - lo + 1 for lo, hi in level_ranges]
+def catalog_from_embeddings(item_ids, embeddings, layout, iters=20, seed=0, source="embeddings") -> Catalog:
+    """Item IDs + embeddings [n, dim] -> a validated catalog of the model's SID layout (`SidLayout`): level l's
+    codebook is that level's tokens, in code-index order."""
+    sizes = layout.level_sizes
     codes = residual_codes(embeddings, sizes[:-1], sizes[-1], iters, seed, item_ids, source)
-    token_ids = codes + np.array([lo for lo, _ in level_ranges])
-    return Catalog.validated(np.asarray(item_ids, dtype=object), token_ids, level_ranges, source)
+    token_ids = np.stack([layout.level_ids[level][codes[:, level]] for level in range(len(sizes))], axis=1)
+    return Catalog.validated(np.asarray(item_ids, dtype=object), token_ids, layout, source)
 
 
-def build_catalog(embeddings_path: Path, level_ranges: list[tuple[int, int]], iters=20, seed=0) -> Catalog:
+def build_catalog(embeddings_path: Path, layout, iters=20, seed=0) -> Catalog:
     if not Path(embeddings_path).is_file():
         raise GenrecError(f"{embeddings_path}: no such file (expected Parquet with item_id, embedding)")
     table = pq.read_table(embeddings_path)
@@ -128,4 +127,4 @@ def build_catalog(embeddings_path: Path, level_ranges: list[tuple[int, int]], it
             f"{embeddings_path}: column 'embedding' is null, empty or of another length on row {row} "
             f"(item {item_ids[row]!r}: {lengths[row]} values; lengths seen: {sorted(set(lengths))})"
         )
-    return catalog_from_embeddings(item_ids, vectors, level_ranges, iters, seed, str(embeddings_path))
+    return catalog_from_embeddings(item_ids, vectors, layout, iters, seed, str(embeddings_path))

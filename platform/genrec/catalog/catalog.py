@@ -1,4 +1,10 @@
-"""The item catalog: item IDs <-> semantic-ID codes (token IDs, one per level), validated at load."""
+"""The item catalog: item IDs <-> semantic-ID codes (token IDs, 1..levels per item), validated at load.
+
+Codes may have different lengths (MiniOneRec's 4th token only on colliding items) and several items may share
+one code (OpenOneRec has no disambiguating level). Items sharing a code are ordered by the optional `popularity`
+column, highest first, ties (and no column) in catalog row order. Every other column is an item attribute and is
+ignored here.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +18,20 @@ import pyarrow.parquet as pq
 
 from genrec.errors import CatalogError
 
+PAD = -1  # past the end of a shorter code in `Catalog.codes`
+
 
 @dataclass
 class Catalog:
     item_ids: np.ndarray  # [N] object (str)
-    codes: np.ndarray  # [N, D] int64 token IDs
+    codes: np.ndarray  # [N, D] int64 token IDs, PAD past each item's length; D = the longest code
+    lengths: np.ndarray = None  # [N] int64 tokens of each code (default: all D)
+    popularity: np.ndarray | None = None  # [N] float64, or None: items sharing a code keep row order
     _index: dict[str, int] = field(default=None, repr=False)
 
     def __post_init__(self):
+        if self.lengths is None:
+            self.lengths = np.full(len(self.codes), self.codes.shape[1], dtype=np.int64)
         if self._index is None:
             self._index = {item: i for i, item in enumerate(self.item_ids.tolist())}
 
@@ -28,13 +40,19 @@ class Catalog:
 
     @property
     def levels(self) -> int:
+        """The longest code's tokens."""
         return self.codes.shape[1]
+
+    def code(self, index: int) -> list[int]:
+        """Item `index`'s code: its token IDs, no padding."""
+        return self.codes[index, : self.lengths[index]].tolist()
 
     def index_of(self, item_id: str) -> int | None:
         return self._index.get(item_id)
 
     @classmethod
-    def load(cls, path: Path, level_ranges: list[tuple[int, int]] | None = None) -> Catalog:
+    def load(cls, path: Path, layout=None) -> Catalog:
+        """`layout`: the model's SidLayout (genrec.model.sid_layout), every code checked against it."""
         if path.is_dir():
             raise CatalogError(path, "is a directory; the catalog must be one Parquet file")
         if not path.exists():
@@ -46,30 +64,35 @@ class Catalog:
         for column in ("item_id", "semantic_id"):
             if column not in table.column_names:
                 raise CatalogError(path, f"column {column!r} is missing (have {table.column_names})")
-        return cls.validated(_item_ids(table, path), _codes(table, path), level_ranges, path)
+        item_ids = _item_ids(table, path)
+        popularity = _popularity(table, item_ids, path) if "popularity" in table.column_names else None
+        return cls.validated(item_ids, _codes(table, path), layout, path, popularity)
 
     @classmethod
-    def validated(cls, item_ids, codes, level_ranges, path="catalog") -> Catalog:
+    def validated(cls, item_ids, codes, layout=None, path="catalog", popularity=None) -> Catalog:
+        """`codes`: an integer matrix [N, D] or rows of integers of 1..D tokens each."""
         if len(item_ids) == 0:
             raise CatalogError(path, "catalog has no items")
         if any(not isinstance(i, str) or not i for i in item_ids):
             raise CatalogError(path, "column 'item_id' must be a non-empty string on every row")
-        code_array = _code_matrix(codes, path)
+        code_array, lengths = codes if isinstance(codes, tuple) else _code_matrix(codes, item_ids, path)
         _check_unique(item_ids, path, "item_id")
-        if level_ranges is not None:  # before uniqueness: codes cut short look like duplicates
-            _check_ranges(code_array, item_ids, level_ranges, path)
-        _check_unique_rows(code_array, item_ids, path)
-        return cls(np.asarray(item_ids, dtype=object), code_array)
+        if layout is not None:
+            layout.check_codes(code_array, lengths, item_ids, path)
+            if not layout.has_ending:
+                _check_no_proper_prefix(code_array, lengths, item_ids, path)
+        pop = None if popularity is None else np.asarray(popularity, dtype=np.float64)
+        return cls(np.asarray(item_ids, dtype=object), code_array, lengths, pop)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        table = pa.table(
-            {
-                "item_id": pa.array(self.item_ids.tolist(), pa.string()),
-                "semantic_id": pa.array(self.codes.tolist(), pa.list_(pa.int32())),
-            }
-        )
-        pq.write_table(table, path)
+        columns = {
+            "item_id": pa.array(self.item_ids.tolist(), pa.string()),
+            "semantic_id": pa.array([self.code(i) for i in range(len(self))], pa.list_(pa.int32())),
+        }
+        if self.popularity is not None:
+            columns["popularity"] = pa.array(self.popularity, pa.float64())
+        pq.write_table(pa.table(columns), path)
 
 
 def _item_ids(table: pa.Table, path) -> np.ndarray:
@@ -81,8 +104,22 @@ def _item_ids(table: pa.Table, path) -> np.ndarray:
     return np.array(table.column("item_id").to_pylist(), dtype=object)
 
 
-def _codes(table: pa.Table, path) -> np.ndarray:
-    """The semantic_id column as [N, D] int64, read by its Arrow type: lists of integers, no nulls."""
+def _popularity(table: pa.Table, item_ids, path) -> np.ndarray:
+    kind = table.schema.field("popularity").type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise CatalogError(path, f"column 'popularity' must hold numbers, not {kind}")
+    values = table.column("popularity").to_numpy(zero_copy_only=False).astype(np.float64)  # nulls become NaN
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        raise CatalogError(
+            path, f"column 'popularity', item {item_ids[bad[0]]!r}: null or not finite ({len(bad)} rows affected)"
+        )
+    return values
+
+
+def _codes(table: pa.Table, path) -> tuple[np.ndarray, np.ndarray]:
+    """The semantic_id column as ([N, D] int64 padded with PAD, lengths [N]), read by its Arrow type: lists of
+    integers, no nulls, none empty."""
     kind = table.schema.field("semantic_id").type
     is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
     if not is_list or not pa.types.is_integer(kind.value_type):
@@ -93,33 +130,46 @@ def _codes(table: pa.Table, path) -> np.ndarray:
     values = column.flatten()
     if values.null_count:
         raise CatalogError(path, f"column 'semantic_id' has {values.null_count} null token ID(s)")
-    lengths = pc.list_value_length(column).to_numpy()
-    if len(lengths) and (lengths.min() != lengths.max() or lengths.min() == 0):
-        raise _ragged(path, lengths)
+    lengths = pc.list_value_length(column).to_numpy().astype(np.int64)
+    if len(lengths) and lengths.min() == 0:
+        raise CatalogError(path, f"column 'semantic_id' is empty on {int((lengths == 0).sum())} row(s)")
     try:
         flat = values.cast(pa.int64()).to_numpy()
     except pa.ArrowInvalid as err:
         raise CatalogError(path, f"column 'semantic_id' holds a token ID outside int64 ({err})") from None
-    return flat.reshape(len(lengths), int(lengths[0]) if len(lengths) else 0)
+    return _padded(flat, lengths), lengths
 
 
-def _code_matrix(codes, path) -> np.ndarray:
-    """[N, D] int64 from an integer matrix or equal-length rows of integers; never truncates floats."""
-    if not isinstance(codes, np.ndarray):
-        lengths = [len(c) if c is not None else 0 for c in codes]
-        if len(set(lengths)) != 1 or 0 in lengths:
-            raise _ragged(path, lengths)
-        codes = np.asarray(codes)
-    if codes.ndim != 2 or codes.shape[1] == 0:
-        raise CatalogError(path, f"column 'semantic_id' must be one code per item, got shape {codes.shape}")
-    if codes.dtype.kind not in "iu":
-        raise CatalogError(path, f"column 'semantic_id' must hold integer token IDs, not {codes.dtype}")
-    return codes.astype(np.int64)
+def _padded(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Rows of these lengths, concatenated in `flat`, as a PAD-filled [N, longest] matrix (one scatter)."""
+    width = int(lengths.max()) if len(lengths) else 0
+    if len(lengths) and lengths.min() == width:
+        return flat.reshape(len(lengths), width)
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    col = np.arange(len(flat)) - np.repeat(lengths.cumsum() - lengths, lengths)
+    out = np.full((len(lengths), width), PAD, dtype=np.int64)
+    out[row, col] = flat
+    return out
 
 
-def _ragged(path, lengths) -> CatalogError:
-    seen = sorted(set(np.asarray(lengths).tolist()))
-    return CatalogError(path, f"column 'semantic_id' lengths are ragged or empty (lengths seen: {seen[:10]})")
+def _code_matrix(codes, item_ids, path) -> tuple[np.ndarray, np.ndarray]:
+    """([N, D] int64, lengths) from an integer matrix or rows of integers; never truncates floats."""
+    if isinstance(codes, np.ndarray):
+        if codes.ndim != 2 or codes.shape[1] == 0:
+            raise CatalogError(path, f"column 'semantic_id' must be one code per item, got shape {codes.shape}")
+        if codes.dtype.kind not in "iu":
+            raise CatalogError(path, f"column 'semantic_id' must hold integer token IDs, not {codes.dtype}")
+        return codes.astype(np.int64), np.full(len(codes), codes.shape[1], dtype=np.int64)
+    rows = [np.asarray(c if c is not None else []) for c in codes]
+    for i, row in enumerate(rows):
+        if row.ndim != 1 or len(row) == 0:
+            raise CatalogError(path, f"column 'semantic_id', item {item_ids[i]!r}: empty or not a list of token IDs")
+        if row.dtype.kind not in "iu":
+            raise CatalogError(
+                path, f"column 'semantic_id', item {item_ids[i]!r}: must hold integer token IDs, not {row.dtype}"
+            )
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    return _padded(np.concatenate(rows).astype(np.int64), lengths), lengths
 
 
 def _check_unique(values, path, name):
@@ -129,26 +179,22 @@ def _check_unique(values, path, name):
         raise CatalogError(path, f"duplicate {name}s: {dup[:5].tolist()}{' ...' if len(dup) > 5 else ''}")
 
 
-def _check_unique_rows(codes, item_ids, path):
-    _, first, counts = np.unique(codes, axis=0, return_index=True, return_counts=True)
-    if (counts > 1).any():
-        row = first[np.argmax(counts > 1)]
-        raise CatalogError(path, f"duplicate semantic_id {codes[row].tolist()} (first on item {item_ids[row]!r})")
-
-
-def _check_ranges(codes, item_ids, level_ranges, path):
-    if codes.shape[1] != len(level_ranges):
-        raise CatalogError(
-            path,
-            f"column 'semantic_id' has codes of {codes.shape[1]} levels but the tokenizer defines "
-            f"{len(level_ranges)} levels",
-        )
-    for level, (lo, hi) in enumerate(level_ranges):
-        bad = np.flatnonzero((codes[:, level] < lo) | (codes[:, level] > hi))
-        if len(bad):
-            row = bad[0]
+def _check_no_proper_prefix(codes: np.ndarray, lengths: np.ndarray, item_ids, path) -> None:
+    """Without an ending token, a code that is a proper prefix of another cannot be told apart from it by the
+    decode: refuse it, naming both items."""
+    for k in np.unique(lengths[lengths < codes.shape[1]]).tolist():
+        short = np.flatnonzero(lengths == k)
+        longer = np.flatnonzero(lengths > k)
+        both = np.concatenate([codes[short, :k], codes[longer, :k]])
+        _, key = np.unique(both, axis=0, return_inverse=True)
+        key = key.reshape(-1)
+        hit = np.isin(key[: len(short)], key[len(short) :])
+        if hit.any():
+            row = short[np.argmax(hit)]
+            other = longer[np.argmax(key[len(short) :] == key[np.argmax(hit)])]
             raise CatalogError(
                 path,
-                f"column 'semantic_id', item {item_ids[row]!r}: token {codes[row, level]} at level {level} is "
-                f"outside that level's range [{lo}, {hi}] ({len(bad)} rows affected)",
+                f"column 'semantic_id', item {item_ids[row]!r}: its code {codes[row, :k].tolist()} is a proper prefix "
+                f"of item {item_ids[other]!r}'s code; that needs an ending token in the model's SID layout "
+                f"(genrec/sid_layout.json 'ending'): {int(hit.sum())} codes affected",
             )

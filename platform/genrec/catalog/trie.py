@@ -1,9 +1,16 @@
 """The catalog's prefix trie as flat tensors, for constrained decoding without Python per beam.
 
-Nodes at depth p are the distinct code prefixes of length p (depth 0: the root). For each step l
-(choosing the level-l token) a CSR maps a depth-l node to its children: `ptr[l][node]..ptr[l][node+1]`
-indexes `token[l]` (the token ID) and `child[l]` (the depth-(l+1) node; at the last level, the item
-index). One gather per step yields every beam's allowed tokens.
+The trie holds every item's token sequence as the decode generates it: its code, then the layout's ending tokens
+(an end token, `\\n` + EOS, EOS, or none). Sequences of different lengths are padded to the longest with free
+steps: a finished sequence's node has one child, a pad edge whose log-probability counts as 0, so a finished code
+keeps its beam at its final score while longer ones go on. Items sharing a code share one path; its last node is
+the code, and `code_items` lists its items in the catalog's order for shared codes.
+
+Nodes at depth p are the distinct sequence prefixes of length p (depth 0: the root). For each step l (choosing
+the l-th token) a CSR maps a depth-l node to its children: `ptr[l][node]..ptr[l][node+1]` indexes `token[l]` (the
+token ID: what the next pass is fed) and `child[l]` (the depth-(l+1) node; at the last step, the code). One gather
+per step yields every beam's allowed tokens; `free[l]` (None when the step has no pad edge) says which
+depth-(l+1) nodes are pads.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+PAD = -1
+
 
 @dataclass
 class CodeTrie:
@@ -20,43 +29,63 @@ class CodeTrie:
     token: list[torch.Tensor]  # per step: [edges_l]
     child: list[torch.Tensor]  # per step: [edges_l]
     max_children: list[int]  # per step, host-side
-    node_of_item: list[np.ndarray]  # per depth p = 1..D: [N] the item's depth-p node (depth D = item index)
-    leaves: list[np.ndarray]  # per depth p = 1..D: [nodes_p] items below each node (host: used before decoding)
+    node_of_item: list[np.ndarray]  # per depth p = 1..S: [N] the item's depth-p node (depth S: its code)
+    leaves: list[np.ndarray]  # per depth p = 1..S: [nodes_p] items below each node (host: used before decoding)
+    free: list[torch.Tensor | None] = None  # per step: [nodes_{l+1}] bool, the pad nodes; None: no pad at this step
+    code_ptr: np.ndarray = None  # [codes + 1] host: code c's items are code_items[code_ptr[c]:code_ptr[c+1]]
+    code_items: np.ndarray = None  # [N] host: catalog indices grouped by code, each code's in the catalog's order
 
     @property
     def levels(self) -> int:
+        """Decode steps: the longest code plus its ending."""
         return len(self.ptr)
+
+    @property
+    def codes(self) -> int:
+        return self.nodes_at(self.levels)
 
     def nodes_at(self, depth: int) -> int:
         return len(self.leaves[depth - 1])
 
+    def items_of(self, code: int) -> np.ndarray:
+        """The catalog indices of a code's items, in order (popularity, highest first; ties in catalog order)."""
+        return self.code_items[self.code_ptr[code] : self.code_ptr[code + 1]]
+
     @classmethod
-    def build(cls, codes: np.ndarray, device="cpu") -> CodeTrie:
-        n, levels = codes.shape
+    def build(cls, codes: np.ndarray, device="cpu", lengths=None, ending=(), popularity=None) -> CodeTrie:
+        """codes [N, D] token IDs (PAD past each row's `lengths`, default all D); `ending`: token IDs forced after
+        every code; `popularity` [N] orders the items of a shared code (highest first)."""
+        sequences = _sequences(codes, lengths, ending)
+        feed = ending[-1] if len(ending) else 0  # what a pad edge feeds the next pass: any valid token
+        n = len(sequences)
         parent = np.zeros(n, dtype=np.int64)  # every item's depth-0 node is the root
-        ptr, token, child, max_children, node_of_item, leaves = [], [], [], [], [], []
-        for level in range(levels):
-            last = level == levels - 1
-            if last:
-                node = np.arange(n, dtype=np.int64)  # codes are unique: depth-D nodes are the items
-            else:
-                _, node = np.unique(codes[:, : level + 1], axis=0, return_inverse=True)
-                node = node.reshape(-1)
-            # One edge per distinct (parent, child), sorted by parent so a CSR can index it.
-            edge_keys, first = np.unique(np.stack([parent, node], 1), axis=0, return_index=True)
-            counts = np.bincount(edge_keys[:, 0], minlength=int(parent.max()) + 1)
+        ptr, token, child, max_children, node_of_item, leaves, free = [], [], [], [], [], [], []
+        nodes_before = 1
+        for step in range(sequences.shape[1]):
+            # One node per distinct (parent, token): sorting the packed pairs sorts edges by parent (a CSR).
+            base = int(sequences[:, step].max()) + 2
+            edge_keys, node = np.unique(parent * base + (sequences[:, step] + 1), return_inverse=True)
+            node = node.reshape(-1)
+            edge_token = edge_keys % base - 1
+            counts = np.bincount(edge_keys // base, minlength=nodes_before)
+            pads = edge_token == PAD
             ptr.append(np.concatenate([[0], np.cumsum(counts)]))
-            token.append(codes[first, level])
-            child.append(edge_keys[:, 1])
+            token.append(np.where(pads, feed, edge_token))
+            child.append(np.arange(len(edge_keys)))
             max_children.append(int(counts.max()))
             node_of_item.append(node)
-            leaves.append(np.bincount(node))
-            parent = node
+            leaves.append(np.bincount(node, minlength=len(edge_keys)))
+            free.append(torch.as_tensor(pads, device=device) if pads.any() else None)
+            parent, nodes_before = node, len(edge_keys)
+        order = _shared_code_order(parent, popularity)
 
         def tensors(arrays):
             return [torch.as_tensor(a, dtype=torch.int64, device=device) for a in arrays]
 
-        return cls(tensors(ptr), tensors(token), tensors(child), max_children, node_of_item, leaves)
+        code_ptr = np.concatenate([[0], np.cumsum(np.bincount(parent, minlength=nodes_before))])
+        return cls(
+            tensors(ptr), tensors(token), tensors(child), max_children, node_of_item, leaves, free, code_ptr, order
+        )
 
     def children(self, level: int, nodes: torch.Tensor):
         """For nodes [R] at depth `level`: (token [R, C], child [R, C], valid [R, C]), C = max children."""
@@ -69,8 +98,36 @@ class CodeTrie:
 
     def to(self, device) -> CodeTrie:
         def move(ts):
-            return [t.to(device) for t in ts]
+            return [t.to(device) if t is not None else None for t in ts]
 
         return CodeTrie(
-            move(self.ptr), move(self.token), move(self.child), self.max_children, self.node_of_item, self.leaves
+            move(self.ptr),
+            move(self.token),
+            move(self.child),
+            self.max_children,
+            self.node_of_item,
+            self.leaves,
+            move(self.free),
+            self.code_ptr,
+            self.code_items,
         )
+
+
+def _sequences(codes: np.ndarray, lengths, ending) -> np.ndarray:
+    """[N, D + len(ending)]: each code, then the ending right after its last token, PAD after that."""
+    n, width = codes.shape
+    lengths = np.full(n, width, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
+    out = np.full((n, width + len(ending)), PAD, dtype=np.int64)
+    out[:, :width] = np.where(np.arange(width)[None, :] < lengths[:, None], codes, PAD)
+    rows = np.arange(n)
+    for k, token_id in enumerate(ending):  # a few tokens at most: one scatter each
+        out[rows, lengths + k] = token_id
+    return out
+
+
+def _shared_code_order(code_of_item: np.ndarray, popularity) -> np.ndarray:
+    """Catalog indices grouped by code; within a code, popularity descending, ties in catalog order."""
+    rows = np.arange(len(code_of_item))
+    if popularity is None:
+        return np.lexsort((rows, code_of_item))
+    return np.lexsort((rows, -np.asarray(popularity, dtype=np.float64), code_of_item))

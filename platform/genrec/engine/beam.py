@@ -82,7 +82,8 @@ class BeamCohort:
         self.level += 1
 
     def results(self, host: tuple[list[float], list[int]] | None = None) -> list[list[tuple[int, float]]]:
-        """Per request, (item index, logprob) best first. `host`: this cohort's part of `fetch_finals`."""
+        """Per request, (code, logprob) best first (`CodeTrie.items_of` gives a code's items). `host`: this
+        cohort's part of `fetch_finals`."""
         scores, items = host if host is not None else fetch_finals([self])[0]
         out = []
         for off, n in zip(self._offsets(), self.rows_per_req, strict=True):
@@ -136,7 +137,10 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
     current, chosen = _layout(tuple(rows_per_req), device), _layout(tuple(new_rows), device)
 
     token, child, valid = trie.children(level, nodes)
-    cand = scores[:, None] + logprobs.gather(1, token)
+    gain = logprobs.gather(1, token)
+    if trie.free[level] is not None:  # a finished code's pad step keeps its score (trie.py)
+        gain = gain.masked_fill(trie.free[level][child], 0.0)
+    cand = scores[:, None] + gain
     allowed = valid & ~_excluded(cohorts, level, current["row_req"], child)
     cand = cand.masked_fill(~allowed, NEG_INF)
     C = token.shape[1]

@@ -28,6 +28,7 @@ from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.scoring import LabelScores, Scorer, score_job
+from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import USER_TOKEN
 from genrec.staging import to_device
@@ -56,6 +57,7 @@ class Decoder:
         tokenizer,
         catalog: Catalog,
         projector: SoftTokenProjector | None = None,
+        layout: SidLayout | None = None,
         max_candidates: int = 2048,
         score_max_tokens: int = 16384,
         max_candidate_tokens: int = 65536,
@@ -69,42 +71,59 @@ class Decoder:
         self.score_max_tokens = score_max_tokens  # one scoring pass, in token-equivalents (its estimated cost)
         self.max_candidate_tokens = max_candidate_tokens  # one request's candidates in all
         self.fast = fast
-        self.levels = catalog.levels
-        self.trie = CodeTrie.build(catalog.codes, device=self.device)
+        self.layout = layout if layout is not None else SidLayout.infer(tokenizer)
+        self.trie = CodeTrie.build(catalog.codes, self.device, catalog.lengths, self.layout.ending, catalog.popularity)
+        self.levels = self.trie.levels  # decode steps: the longest code and its ending
+        self.begin = self.layout.begin
         self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
-        self.max_prompt_tokens = model.config.prompt_room(catalog.levels)  # room for the code after it
+        # Room for the code after the prompt, and for the begin token the engine may append.
+        self.max_prompt_tokens = model.config.prompt_room(self.levels + (self.begin is not None))
         self.scorer = Scorer(model, fast)
         self.cost = self.scorer.cost  # what a pass costs: the scheduler bounds prefill chunks with it too
         # One candidate's tokens; by default the longest row one scoring pass holds alone (at least an item's code).
-        longest = max(self.cost.longest_row(score_max_tokens), self.levels)
+        longest = max(self.cost.longest_row(score_max_tokens), self.levels + (self.begin is not None))
         self.max_candidate_len = longest if max_candidate_len is None else max_candidate_len
 
     @classmethod
     def from_dir(cls, directory, device, dtype, **limits) -> Decoder:
         """A Qwen3 model directory (`genrec.model.directory.Qwen3Dir`) loaded onto the device."""
         tokenizer = directory.load_tokenizer()
-        catalog = directory.load_catalog(tokenizer)
+        layout = directory.load_sid_layout(tokenizer)
+        catalog = directory.load_catalog(tokenizer, layout)
         model = directory.load_model(device, dtype)
-        return cls(model, tokenizer, catalog, directory.load_projector(), **limits)
+        return cls(model, tokenizer, catalog, directory.load_projector(), layout, **limits)
 
     # -- requests --------------------------------------------------------------------------------
 
     def prepare(self, req, kind: str) -> PreparedPrompt:
         token_ids = prompt_token_ids(req, self.tokenizer, self.model.config.vocab_size, self.max_prompt_tokens)
         check_user_embedding(token_ids, self.placeholder_id, req.user_embedding, self.projector)
+        if kind in ("retrieve", "recommend") and not self._begun(token_ids):
+            token_ids = torch.cat((token_ids, torch.tensor([self.begin])))  # the code's begin token, forced
         prepared = PreparedPrompt(req, kind, token_ids)
         if isinstance(req, RetrieveRequest):
             known = [i for i in map(self.catalog.index_of, req.exclude_item_ids) if i is not None]
             prepared.exclusions = sorted(set(known))
             prepared.unknown_exclusions = len(req.exclude_item_ids) - len(known)
         if kind in ("score", "recommend"):
-            tokens = candidate_token_lists(self, req.candidates, len(token_ids))  # every candidate validated
+            begun = self._begun(token_ids)
+            tokens = candidate_token_lists(self, req.candidates, len(token_ids), begun)  # every candidate validated
             keep = self._kept(req.candidates, prepared.exclusions) if kind == "recommend" else None
             prepared.given = req.candidates if keep is None else [req.candidates[k] for k in keep]
             prepared.candidate_tokens = tokens if keep is None else [tokens[k] for k in keep]
-            prepared.labels = label_token_ids(self.tokenizer, req.labels)
+            prepared.labels = label_token_ids(self.tokenizer, req.labels or self.layout.labels)
         prepared.kv_tokens = self._kv_tokens(prepared)
         return prepared
+
+    def _begun(self, token_ids: torch.Tensor) -> bool:
+        """Whether a code may follow these tokens as they are: the layout has no begin token, or they end with it."""
+        return self.begin is None or int(token_ids[-1]) == self.begin
+
+    def item_row(self, index: int, begun: bool) -> list[int]:
+        """Catalog item `index` as a scoring row: its code and ending, as beam search generates them (so its sequence
+        log-probability is its beam logprob); after the begin token when the prompt does not end with it."""
+        row = [*self.catalog.code(index), *self.layout.ending]
+        return row if begun else [self.begin, *row]
 
     def _kept(self, candidates: list[Candidate], exclusions: list[int]) -> list[int]:
         """Recommend: the given candidates to rank, in order: no excluded item, each item once."""
@@ -172,7 +191,7 @@ class Decoder:
 
     def generated(self, job, beams: list[tuple[int, float]]) -> RetrieveResult | None:
         """A retrieve's result; a recommend keeps its beams to score them with its candidates (None)."""
-        result = results.retrieve_result(self.catalog, job.prepared, beams)
+        result = results.retrieve_result(self.catalog, self.trie, job.prepared, beams)
         if job.kind == "retrieve":
             return result
         job.retrieved = result
@@ -183,7 +202,7 @@ class Decoder:
         padded to the pass's widest, their attention included (genrec.engine.pass_cost)."""
         for job in jobs:
             if job.work is None:
-                job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved)
+                job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved, self._retrieved_rows(job))
                 job.scored = [LabelScores.empty(self.device)]
         views = [job.work.after(job.rows_done) for job in jobs]
         for k, scores in self.scorer.score_pass(views, budget):
@@ -197,11 +216,19 @@ class Decoder:
                 else:
                     job.result = results.recommend_result(self.catalog, job.prepared, job.retrieved, scores)
 
+    def _retrieved_rows(self, job) -> list[list[int]] | None:
+        """A recommend's retrieved items as scoring rows over its context (which ends with the begin token)."""
+        if job.retrieved is None:
+            return None
+        return [self.item_row(self.catalog.index_of(item.item_id), True) for item in job.retrieved.items]
+
     def describe(self) -> dict:
         return {
             "catalog_items": len(self.catalog),
             "max_candidates": self.max_candidates,
-            "levels": self.levels,
+            "levels": self.catalog.levels,
+            "codes": self.trie.codes,
+            "code_ending": self.layout.ending_kind,
             "max_beam_width": MAX_BEAM_WIDTH,
             "max_prompt_tokens": self.max_prompt_tokens,
             "user_dim": self.projector.user_dim if self.projector is not None else None,

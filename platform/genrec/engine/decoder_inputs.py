@@ -41,7 +41,9 @@ def prompt_token_ids(req: PromptInput, tokenizer, vocab_size: int, max_len: int)
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: int) -> list[list[int]]:
+def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: int, begun: bool) -> list[list[int]]:
+    """Each candidate's row; an item's is its code as the decode generates it (`Decoder.item_row`; `begun`: the
+    prompt ends with the layout's begin token, or it has none)."""
     if len(candidates) > decoder.max_candidates:
         raise InvalidRequestError(
             "candidates", f"{len(candidates)} candidates exceed this engine's limit of {decoder.max_candidates}"
@@ -56,7 +58,7 @@ def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: i
             index = decoder.catalog.index_of(cand.item_id)
             if index is None:
                 raise InvalidRequestError(f"{field}.item_id", f"unknown item {cand.item_id!r}")
-            tokens = decoder.catalog.codes[index].tolist()
+            tokens = decoder.item_row(index, begun)
         elif cand.text is not None:
             check_text_fits(f"{field}.text", cand.text, min(room, longest))
             tokens = decoder.tokenizer(cand.text, add_special_tokens=False)["input_ids"]

@@ -19,22 +19,27 @@ from genrec.api import (
     RetrieveResult,
     ScoreResult,
 )
-from genrec.catalog import Catalog
+from genrec.catalog import Catalog, CodeTrie
 from genrec.engine.scoring import LabelScores, not_retrieved
 from genrec.errors import InvalidRequestError
 from genrec.staging import fetch
 
 
-def retrieve_result(catalog: Catalog, prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
-    """beams: (catalog index, logprob) best first, from `BeamCohort.results`."""
+def retrieve_result(catalog: Catalog, trie: CodeTrie, prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
+    """beams: (code, logprob) best first, from `BeamCohort.results`. The first `num_results` codes, each with
+    every item it names that is not excluded, adjacent, in the catalog's order for a shared code."""
     check_finite([s for _, s in beams])
-    items = [
-        RetrievedItem(item_id=catalog.item_ids[i], semantic_id=catalog.codes[i].tolist(), logprob=s)
-        for i, s in beams[: prepared.request.num_results]
-    ]
+    excluded = set(prepared.exclusions or ())
+    items = []
+    codes = beams[: prepared.request.num_results]
+    for code, logprob in codes:
+        for i in trie.items_of(code).tolist():
+            if i not in excluded:
+                items.append(RetrievedItem(item_id=catalog.item_ids[i], semantic_id=catalog.code(i), logprob=logprob))
     return RetrieveResult(
         request_id=prepared.request.request_id,
         items=items,
+        codes=len(codes),
         prompt_tokens=len(prepared.token_ids),
         unknown_exclusions=prepared.unknown_exclusions,
     )
@@ -62,7 +67,7 @@ def recommend_result(catalog: Catalog, prepared, retrieved: RetrieveResult, scor
     ]
     given = [prepared.given[k] for k in not_retrieved(prepared, retrieved)]
     for cand, lp, pr, code_lp in zip(given, logprobs[offset:], probs[offset:], given_code, strict=True):
-        code = catalog.codes[catalog.index_of(cand.item_id)].tolist() if cand.item_id else None
+        code = catalog.code(catalog.index_of(cand.item_id)) if cand.item_id else None
         items.append(
             RecommendedItem(
                 item_id=cand.item_id,

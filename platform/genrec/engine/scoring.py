@@ -124,14 +124,14 @@ def ragged(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return row, np.arange(len(row)) - np.repeat(lengths.cumsum() - lengths, lengths)
 
 
-def score_job(prepared, ctx: ContextKV, last_logits: torch.Tensor, retrieved=None) -> ScoreJob:
-    """A request's rows to score: its given candidates (score); for a recommend, the retrieved items, then the
-    given candidates beam search did not find. Joint ranking also asks for the given ones' code logprob (the
-    retrieved ones have theirs from the beam)."""
+def score_job(prepared, ctx: ContextKV, last_logits: torch.Tensor, retrieved=None, retrieved_rows=None) -> ScoreJob:
+    """A request's rows to score: its given candidates (score); for a recommend, the retrieved items (their rows:
+    `retrieved_rows`), then the given candidates beam search did not find. Joint ranking also asks for the given
+    ones' code logprob (the retrieved ones have theirs from the beam)."""
     if retrieved is None:
         return ScoreJob(ctx, prepared.candidate_tokens, prepared.labels)
     given = [prepared.candidate_tokens[k] for k in not_retrieved(prepared, retrieved)]
-    tokens = [i.semantic_id for i in retrieved.items] + given
+    tokens = list(retrieved_rows) + given
     if prepared.request.rank_by != "joint" or not given:
         return ScoreJob(ctx, tokens, prepared.labels)
     prompt_logprobs = torch.log_softmax(last_logits.float(), dim=-1)

@@ -141,13 +141,19 @@ class Qwen3Dir(ModelDir):
         check_token_ids(tokenizer, self.config.vocab_size, self.path)
         return tokenizer
 
-    def load_catalog(self, tokenizer=None):
-        """The item catalog, its codes checked against the tokenizer's semantic-ID levels."""
-        from genrec.catalog.catalog import Catalog
-        from genrec.model.tokenizer import semantic_token_ranges
+    def load_sid_layout(self, tokenizer=None):
+        """The SID layout: `genrec/sid_layout.json`, else inferred from the tokenizer (genrec.model.sid_layout)."""
+        from genrec.model.sid_layout import SidLayout
 
         tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
-        return Catalog.load(self.catalog_path, semantic_token_ranges(tokenizer))
+        return SidLayout.for_model(self.path, tokenizer)
+
+    def load_catalog(self, tokenizer=None, layout=None):
+        """The item catalog, every code checked against the model's SID layout."""
+        from genrec.catalog.catalog import Catalog
+
+        layout = layout if layout is not None else self.load_sid_layout(tokenizer)
+        return Catalog.load(self.catalog_path, layout)
 
     def load_projector(self):
         """The soft-token projector, or None when the model has none."""

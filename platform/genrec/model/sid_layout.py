@@ -127,12 +127,14 @@ class SidLayout:
             longest = int(np.argmax(lengths))
             raise CatalogError(
                 where,
-                f"item {item_ids[longest]!r}: its code has {int(lengths[longest])} tokens; this model's layout has "
-                f"{self.levels} levels",
+                f"column 'semantic_id', item {item_ids[longest]!r}: its code has {int(lengths[longest])} tokens; "
+                f"this model's layout has {self.levels} levels",
             )
         short = np.flatnonzero(lengths < 1)
         if len(short):
-            raise CatalogError(where, f"item {item_ids[short[0]]!r}: empty semantic_id ({len(short)} rows affected)")
+            raise CatalogError(
+                where, f"column 'semantic_id', item {item_ids[short[0]]!r}: empty code ({len(short)} rows affected)"
+            )
         position = np.arange(codes.shape[1])[None, :]
         real = position < lengths[:, None]
         wrong = real & (self.level_of(codes) != position)
@@ -146,7 +148,7 @@ class SidLayout:
         what = "is not a semantic-ID token of this model" if level < 0 else f"belongs to level {level}"
         raise CatalogError(
             where,
-            f"item {item_ids[row]!r}: token {token} at position {pos} {what}, not level {pos} "
+            f"column 'semantic_id', item {item_ids[row]!r}: token {token} at position {pos} {what}, not level {pos} "
             f"({len(bad)} of {n} rows affected)",
         )
 

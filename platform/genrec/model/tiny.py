@@ -30,8 +30,9 @@ from genrec.model.config import Qwen3Config
 from genrec.model.directory import GENREC_SUBDIR
 from genrec.model.hstu import HSTU
 from genrec.model.hstu_config import HSTUConfig
+from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import LEVEL_LETTERS, build_tokenizer, semantic_token_ranges
+from genrec.model.tokenizer import LEVEL_LETTERS, build_tokenizer
 
 
 @dataclass(frozen=True)
@@ -171,10 +172,11 @@ def write_model_dir(
     save_file(_random_weights(config, generator, dtype), str(out / "model.safetensors"))
     generator = torch.Generator().manual_seed(spec.seed + 1)
 
-    ranges = semantic_token_ranges(tokenizer)
-    codes = _random_codes(spec.items, spec.levels, spec.codebook, spec.seed) + np.array([lo for lo, _ in ranges])
+    layout = SidLayout.infer(tokenizer)
+    indices = _random_codes(spec.items, spec.levels, spec.codebook, spec.seed)
+    codes = np.stack([layout.token_ids(level, indices[:, level]) for level in range(spec.levels)], axis=1)
     item_ids = np.array([f"item-{i:06d}" for i in range(spec.items)], dtype=object)
-    Catalog.validated(item_ids, codes, ranges).save(out / GENREC_SUBDIR / "catalog.parquet")
+    Catalog.validated(item_ids, codes, layout).save(out / GENREC_SUBDIR / "catalog.parquet")
     if spec.user_dim:
         projector = SoftTokenProjector(spec.user_dim, spec.hidden)
         with torch.no_grad():

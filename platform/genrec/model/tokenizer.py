@@ -1,12 +1,12 @@
 """Tokenizer conventions: semantic-ID tokens, the soft-token placeholder, label tokens.
 
-Semantic-ID tokens are ordinary added tokens named `<{letter}_{index}>`, one letter per code level
-(`<a_0>..<a_255>`, `<b_0>..`), each level a contiguous ID range. `<|user|>` is the soft-token placeholder.
+genrec's own models name their semantic-ID tokens `<{letter}_{index}>`, one letter per code level (`<a_0>..<a_255>`,
+`<b_0>..`); which tokens form each level of a model is its SID layout (genrec.model.sid_layout). `<|user|>` is the
+soft-token placeholder.
 """
 
 from __future__ import annotations
 
-import re
 import string
 from pathlib import Path
 
@@ -20,7 +20,6 @@ USER_TOKEN = "<|user|>"
 EOS_TOKEN = "<|endoftext|>"
 LABEL_TOKENS = ("yes", "no")
 LEVEL_LETTERS = string.ascii_lowercase
-_SEMANTIC = re.compile(r"^<([a-z])_(\d+)>$")
 
 
 def semantic_token(level: int, index: int) -> str:
@@ -45,29 +44,6 @@ def check_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, model_d
         raise ModelDirectoryError(
             model_dir, f"the tokenizer has token IDs up to {top} ({name!r}); config.json's vocab_size is {vocab_size}"
         )
-
-
-def semantic_token_ranges(tokenizer: PreTrainedTokenizerBase) -> list[tuple[int, int]]:
-    """Per level, the [first, last] token ID of its semantic-ID tokens; each level must be contiguous."""
-    by_level: dict[int, dict[int, int]] = {}
-    for token, token_id in tokenizer.get_vocab().items():
-        match = _SEMANTIC.match(token)
-        if match:
-            level = LEVEL_LETTERS.index(match.group(1))
-            by_level.setdefault(level, {})[int(match.group(2))] = token_id
-    ranges = []
-    for level in range(len(by_level)):
-        if level not in by_level:
-            raise ModelDirectoryError("tokenizer", f"semantic-ID level {LEVEL_LETTERS[level]!r} has no tokens")
-        ids = by_level[level]
-        first = ids.get(0)
-        expected = [first + i for i in range(len(ids))] if first is not None else None
-        if expected is None or [ids.get(i) for i in range(len(ids))] != expected:
-            raise ModelDirectoryError(
-                "tokenizer", f"semantic-ID tokens of level {LEVEL_LETTERS[level]!r} are not one contiguous ID range"
-            )
-        ranges.append((first, first + len(ids) - 1))
-    return ranges
 
 
 def build_tokenizer(levels: int, codebook: int, seed: int = 0, base_vocab: int = 600) -> PreTrainedTokenizerFast:

@@ -66,29 +66,74 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PromptInput(_Strict):
-    """A prompt given as text or as token IDs (exactly one), with an optional soft-token user vector.
+class ChatMessage(_Strict):
+    """One chat message, rendered with the others by the model's own chat template."""
+
+    role: Annotated[Text, Field(min_length=1, max_length=64)]
+    content: Text
+
+
+# A prompt's forms: exactly one per request.
+PROMPT_FORMS = ("prompt", "messages", "prompt_token_ids")
+
+
+class PromptForms(_Strict):
+    """A prompt as raw text (`prompt`), as chat messages (`messages`, rendered by the model's chat template with
+    its system prompt and options, the assistant's turn opened) or as token IDs (`prompt_token_ids`): exactly
+    one. The soft-token placeholder `<|user|>` may appear in any form (as its token ID in `prompt_token_ids`)."""
+
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: TokenIds | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        given = [name for name in PROMPT_FORMS if getattr(self, name) is not None]
+        if not given:
+            raise ValueError("give exactly one of 'prompt' (text), 'messages' (chat) or 'prompt_token_ids'")
+        if len(given) > 1:  # the message quotes only the fields given: the batch jobs name the first
+            both = " and ".join(f"'{name}'" for name in given)
+            raise ValueError(f"{both} were given: give exactly one prompt form (text, chat messages or token IDs)")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("'prompt' is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' is empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("'prompt_token_ids' is empty")
+        return self
+
+    @property
+    def prompt_form(self) -> str:
+        """The form this request's prompt is given in: one of PROMPT_FORMS."""
+        return next(name for name in PROMPT_FORMS if getattr(self, name) is not None)
+
+
+class PromptRequest(PromptForms):
+    """POST /v1/prompt, `Engine.render_prompt`: a prompt in any form, rendered as the engine would run it."""
+
+    request_id: Annotated[Text, Field(max_length=256)] | None = None
+
+
+class PromptResult(BaseModel):
+    request_id: str | None = None
+    form: Literal["prompt", "messages", "prompt_token_ids"] = Field(description="the form the prompt was given in")
+    text: str = Field(description="the prompt as text: the rendered chat, the text given, or the token IDs decoded")
+    token_ids: list[int] = Field(description="what the engine runs (and the prefix cache keys)")
+    prompt_tokens: int
+    user_placeholders: int = Field(description="<|user|> placeholder tokens: where a user_embedding would go")
+
+
+class PromptInput(PromptForms):
+    """A prompt (`PromptForms`) with an optional soft-token user vector and the request's cache fields.
 
     `user_embedding` replaces the embedding of every `<|user|>` placeholder in the prompt with
     `weight @ user_embedding + bias` (one vector for all placeholders of the prompt).
     """
 
-    prompt: Text | None = None
-    prompt_token_ids: TokenIds | None = None
     user_embedding: Vector | None = None
     request_id: Annotated[Text, Field(max_length=256)] | None = None
     cache_scope: CacheScope | None = Field(None, description=CACHE_SCOPE)
     shared_prefix: Int = Field(0, ge=0, description=SHARED_PREFIX)
-
-    @model_validator(mode="after")
-    def _one_prompt(self):
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of 'prompt' (text) or 'prompt_token_ids'")
-        if self.prompt is not None and not self.prompt.strip():
-            raise ValueError("'prompt' is empty")
-        if self.prompt_token_ids is not None and not self.prompt_token_ids:
-            raise ValueError("'prompt_token_ids' is empty")
-        return self
 
     @field_validator("user_embedding")
     @classmethod

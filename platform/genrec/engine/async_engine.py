@@ -20,6 +20,8 @@ from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
 from genrec.api import (
+    PromptForms,
+    PromptResult,
     RankRequest,
     RankResult,
     RecommendRequest,
@@ -88,6 +90,11 @@ class AsyncEngine:
 
     async def rank(self, request: RankRequest, timeout_s: float | None = None) -> RankResult:
         return await asyncio.wrap_future(self.submit(request, timeout_s, "rank"))
+
+    def render_prompt(self, request: PromptForms) -> PromptResult:
+        """Thread-safe: `Engine.render_prompt`, one caller at a time like a submit (the tokenizer is shared)."""
+        with self._lock:
+            return self.engine.render_prompt(request)
 
     def submit(self, request, timeout_s: float | None = None, kind: str | None = None) -> Future:
         """Thread-safe, non-blocking: validate (as `kind` when given), queue, return a future of the request's kind

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec.api import FAMILY_KINDS, MAX_BEAM_WIDTH, Candidate, RetrieveRequest, RetrieveResult
+from genrec.api import (
+    FAMILY_KINDS,
+    MAX_BEAM_WIDTH,
+    Candidate,
+    PromptForms,
+    PromptResult,
+    RetrieveRequest,
+    RetrieveResult,
+)
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import results
 from genrec.engine.beam import start_cohort
@@ -23,11 +31,13 @@ from genrec.engine.decoder_inputs import (
     inject_user_embedding,
     label_token_ids,
     prompt_token_ids,
+    rendered_prompt,
 )
 from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.scoring import LabelScores, Scorer, score_job
+from genrec.model.chat import ChatTemplate
 from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import USER_TOKEN
@@ -63,8 +73,10 @@ class Decoder:
         max_candidate_tokens: int = 65536,
         max_candidate_len: int | None = None,
         fast: bool = False,
+        chat: ChatTemplate | None = None,
     ):
         self.model, self.tokenizer, self.catalog = model, tokenizer, catalog
+        self.chat = chat if chat is not None else ChatTemplate(tokenizer)  # renders `messages` prompts
         self.device = model.device
         self.projector = projector.to(self.device, model.dtype) if projector is not None else None
         self.max_candidates = max_candidates
@@ -91,12 +103,13 @@ class Decoder:
         layout = directory.load_sid_layout(tokenizer)
         catalog = directory.load_catalog(tokenizer, layout)
         model = directory.load_model(device, dtype)
-        return cls(model, tokenizer, catalog, directory.load_projector(), layout, **limits)
+        chat = directory.load_chat(tokenizer)
+        return cls(model, tokenizer, catalog, directory.load_projector(), layout, chat=chat, **limits)
 
     # -- requests --------------------------------------------------------------------------------
 
     def prepare(self, req, kind: str) -> PreparedPrompt:
-        token_ids = prompt_token_ids(req, self.tokenizer, self.model.config.vocab_size, self.max_prompt_tokens)
+        token_ids = prompt_token_ids(req, self.chat, self.model.config.vocab_size, self.max_prompt_tokens)
         check_user_embedding(token_ids, self.placeholder_id, req.user_embedding, self.projector)
         if kind in ("retrieve", "recommend") and not self._begun(token_ids):
             token_ids = torch.cat((token_ids, torch.tensor([self.begin])))  # the code's begin token, forced
@@ -124,6 +137,19 @@ class Decoder:
         log-probability is its beam logprob); after the begin token when the prompt does not end with it."""
         row = [*self.catalog.code(index), *self.layout.ending]
         return row if begun else [self.begin, *row]
+
+    def render_prompt(self, req: PromptForms) -> PromptResult:
+        """The request's prompt as `prepare` runs it (its text and token IDs), checked the same way."""
+        text, token_ids = rendered_prompt(req, self.chat, self.model.config.vocab_size, self.max_prompt_tokens)
+        ids = token_ids.tolist()
+        return PromptResult(
+            request_id=getattr(req, "request_id", None),
+            form=req.prompt_form,
+            text=text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False),
+            token_ids=ids,
+            prompt_tokens=len(ids),
+            user_placeholders=ids.count(self.placeholder_id) if self.placeholder_id is not None else 0,
+        )
 
     def _kept(self, candidates: list[Candidate], exclusions: list[int]) -> list[int]:
         """Recommend: the given candidates to rank, in order: no excluded item, each item once."""
@@ -232,4 +258,5 @@ class Decoder:
             "max_beam_width": MAX_BEAM_WIDTH,
             "max_prompt_tokens": self.max_prompt_tokens,
             "user_dim": self.projector.user_dim if self.projector is not None else None,
+            "chat_template": self.chat.available,
         }

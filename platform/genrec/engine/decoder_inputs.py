@@ -1,13 +1,15 @@
 """The Qwen3 decoder's request inputs as token IDs, each checked against the model before any compute: the
-prompt, the candidates to score, the label tokens, and the user embedding that replaces the `<|user|>`
-placeholder (the soft token). A problem is an InvalidRequestError naming the field."""
+prompt (text, chat messages rendered by the model's template, or token IDs), the candidates to score, the label
+tokens, and the user embedding that replaces the `<|user|>` placeholder (the soft token). A problem is an
+InvalidRequestError naming the field."""
 
 from __future__ import annotations
 
 import torch
 
-from genrec.api import Candidate, PromptInput
+from genrec.api import Candidate, PromptForms
 from genrec.errors import InvalidRequestError
+from genrec.model.chat import ChatTemplate
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.staging import to_device
 
@@ -23,14 +25,38 @@ def check_text_fits(field: str, text: str, max_tokens: int) -> None:
         )
 
 
-def prompt_token_ids(req: PromptInput, tokenizer, vocab_size: int, max_len: int) -> torch.Tensor:
+def prompt_text(req: PromptForms, chat: ChatTemplate, max_len: int) -> str | None:
+    """The text a `prompt` or `messages` request's prompt is (None for token IDs), refused untokenized when it
+    cannot fit: the messages' contents before they are rendered, the rendered text after."""
     if req.prompt is not None:
         check_text_fits("prompt", req.prompt, max_len)
-        ids = tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-        field = "prompt"
+        return req.prompt
+    if req.messages is None:
+        return None
+    if len(req.messages) > max_len:  # every template spends a token or more on each message
+        raise InvalidRequestError("messages", f"{len(req.messages)} messages cannot fit in {max_len} tokens")
+    check_text_fits("messages", "".join(m.content for m in req.messages), max_len)
+    text = chat.render([m.model_dump() for m in req.messages])
+    check_text_fits("messages", text, max_len)
+    return text
+
+
+def prompt_token_ids(req: PromptForms, chat: ChatTemplate, vocab_size: int, max_len: int) -> torch.Tensor:
+    return rendered_prompt(req, chat, vocab_size, max_len)[1]
+
+
+def rendered_prompt(
+    req: PromptForms, chat: ChatTemplate, vocab_size: int, max_len: int
+) -> tuple[str | None, torch.Tensor]:
+    """The request's prompt as (its text, None for token IDs; its token IDs), whichever its form: text tokenized,
+    messages rendered by the model's chat template then tokenized (as transformers' apply_chat_template does), token
+    IDs checked against the vocabulary."""
+    field = req.prompt_form
+    text = prompt_text(req, chat, max_len)
+    if text is not None:
+        ids = chat.tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = req.prompt_token_ids
-        field = "prompt_token_ids"
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise InvalidRequestError(field, f"token IDs {bad[:5]} are outside the vocabulary (size {vocab_size})")
@@ -38,7 +64,7 @@ def prompt_token_ids(req: PromptInput, tokenizer, vocab_size: int, max_len: int)
         raise InvalidRequestError(field, "the prompt has no tokens")
     if len(ids) > max_len:
         raise InvalidRequestError(field, f"the prompt has {len(ids)} tokens; this model serves at most {max_len}")
-    return torch.tensor(ids, dtype=torch.int64)
+    return text, torch.tensor(ids, dtype=torch.int64)
 
 
 def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: int, begun: bool) -> list[list[int]]:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from genrec.api import (
+    PromptForms,
+    PromptResult,
     RankRequest,
     RankResult,
     RecommendRequest,
@@ -105,6 +107,17 @@ class Engine:
     def rank(self, requests: list[RankRequest]) -> list[RankResult]:
         """A ranking model (HSTU): each request's candidates after its history, every task's probability."""
         return self._raising(requests, "rank")
+
+    def render_prompt(self, request: PromptForms) -> PromptResult:
+        """A request's prompt as this engine runs it: its text (a chat rendered by the model's template) and token
+        IDs, checked as a request's prompt is. No compute, no scheduler: any request with a prompt will do."""
+        render = getattr(self.family, "render_prompt", None)
+        if render is None:
+            raise InvalidRequestError("request", f"this engine's model ({self.family.name}) takes no prompt")
+        if not isinstance(request, PromptForms):
+            raise InvalidRequestError("request", f"expected a PromptRequest, got {type(request).__name__}")
+        with host_side():
+            return render(request)
 
     def prepare(self, request, kind: str | None = None) -> Prepared:
         """The request checked against the model (its kind first: one this family serves, `kind` when given)."""

@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from genrec.errors import ModelDirectoryError
+from genrec.model.chat import PROMPT_FILE
 from genrec.model.config import Qwen3Config
 from genrec.model.digests import RECORD, DigestRecord
 from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
@@ -155,6 +156,18 @@ class Qwen3Dir(ModelDir):
         layout = layout if layout is not None else self.load_sid_layout(tokenizer)
         return Catalog.load(self.catalog_path, layout)
 
+    @property
+    def prompt_path(self) -> Path:
+        return self.path / GENREC_SUBDIR / PROMPT_FILE
+
+    def load_chat(self, tokenizer=None):
+        """How `messages` prompts are rendered: the tokenizer's chat template with the options in
+        `genrec/prompt.json` (genrec.model.chat)."""
+        from genrec.model.chat import ChatOptions, ChatTemplate
+
+        tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
+        return ChatTemplate(tokenizer, ChatOptions.load(self.prompt_path), self.prompt_path)
+
     def load_projector(self):
         """The soft-token projector, or None when the model has none."""
         from genrec.model.soft_token import SoftTokenProjector
@@ -177,6 +190,7 @@ class Qwen3Dir(ModelDir):
     def check(self) -> None:
         super().check()  # the tokenizer and the catalog, then the weights
         self.load_projector()
+        self.load_chat()
 
 
 class HSTUDir(ModelDir):

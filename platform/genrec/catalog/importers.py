@@ -44,6 +44,13 @@ class ImportedCatalog:
     popularity: list[float] | None = None
     attributes: pa.Table | None = None
 
+    def check_loads(self, layout, source: Path) -> None:
+        """What the engine's catalog loader checks, so the written catalog is known to load."""
+        from genrec.catalog.catalog import Catalog
+
+        popularity = np.asarray(self.popularity, dtype=np.float64) if self.popularity is not None else None
+        Catalog.validated(self.item_ids, self.codes, layout, source, popularity)
+
     def table(self) -> pa.Table:
         columns = {
             "item_id": pa.array(self.item_ids, pa.string()),
@@ -82,6 +89,7 @@ def import_catalog(
         raise CatalogError(source, f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
     imported = READERS[fmt](source, tokenizer, layout)
     check_rows(imported, layout, source)
+    imported.check_loads(layout, source)
     target = Path(out) if out is not None else model_dir / "genrec" / "catalog.parquet"
     write_atomically(imported.table(), target)
     return summarize(imported, fmt, target)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.catalog.importers import import_catalog, write_layout_preset
 from genrec.engine import Engine, SchedulerConfig
-from genrec.model.open_layouts import alpaca_prompt, openonerec_prompt
+from genrec.model.open_layouts import alpaca_prompt, openonerec_messages, openonerec_prompt
 from tests.open_checkpoints import fresh_copy, hf_constrained_beams, hf_sequence_logprobs
 
 TOL = 1e-4
@@ -161,3 +161,34 @@ def test_scoring_equals_a_plain_forward(which, request, openonerec, minionerec):
     assert [s.item_id for s in result.scores] == [item for item, _ in picked]
     assert max(abs(s.logprob - lp) for s, (lp, _) in zip(result.scores, want, strict=True)) <= TOL
     assert max(abs(s.prob - p) for s, (_, p) in zip(result.scores, want, strict=True)) <= TOL
+
+
+def test_openonerec_chat_messages_run_as_its_own_template_renders_them(oo, openonerec):
+    """A `messages` request is the checkpoint's chat template with thinking off; the engine appends the begin token
+    the assistant's code starts with, so it retrieves what OpenOneRec's own prompt (template + begin) does."""
+    from genrec.api import PromptRequest
+
+    history = [openonerec.codes[str(1000 + u)] for u in (0, 1, 2)]
+    messages = openonerec_messages(history)
+    rendered = oo.engine.render_prompt(PromptRequest(messages=messages))
+    assert rendered.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert rendered.token_ids == oo_prompt(oo, openonerec)[:-1]  # all but the begin token the engine appends
+    by_chat, by_ids = oo.engine.retrieve(
+        [
+            RetrieveRequest(messages=messages, beam_width=8),
+            RetrieveRequest(prompt_token_ids=oo_prompt(oo, openonerec), beam_width=8),
+        ]
+    )
+    assert [i.item_id for i in by_chat.items] == [i.item_id for i in by_ids.items]
+    assert [i.logprob for i in by_chat.items] == pytest.approx([i.logprob for i in by_ids.items], abs=TOL)
+
+
+def test_minionerec_text_prompt_runs_as_its_tokens(mo, minionerec):
+    text = alpaca_prompt([minionerec.codes[str(u)] for u in (0, 1, 2)])
+    by_text, by_ids = mo.engine.retrieve(
+        [
+            RetrieveRequest(prompt=text, beam_width=8),
+            RetrieveRequest(prompt_token_ids=mo_prompt(mo, minionerec), beam_width=8),
+        ]
+    )
+    assert [(i.item_id, i.logprob) for i in by_text.items] == [(i.item_id, i.logprob) for i in by_ids.items]

@@ -76,14 +76,23 @@ def test_jsonl_raw_token_ids_and_popularity_and_genrec_round_trip(openonerec, oo
     assert catalog_rows(model_dir) == [{**r, "genre": "x"} for r in again]  # attributes carried over, not refused
 
 
-def test_wrapped_codes_are_stored_without_their_wrappers(openonerec, oo):
+def test_wrapped_codes_are_stored_without_their_wrappers(openonerec, minionerec, oo, mo):
     model_dir, item_map = oo
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     begin, end = tok.convert_tokens_to_ids(["<|sid_begin|>", "<|sid_end|>"])
     codes = expected_codes(openonerec)
-    jsonl = write_sidgr_jsonl(model_dir.parent / "c.jsonl", [(i, [begin, *c, end]) for i, c in codes.items()])
-    import_catalog(model_dir, jsonl)
+    wrapped = [(i, [begin, *c, end] if n % 3 else c) for n, (i, c) in enumerate(codes.items())]  # some bare
+    import_catalog(model_dir, write_sidgr_jsonl(model_dir.parent / "c.jsonl", wrapped))
     assert {r["item_id"]: r["semantic_id"] for r in catalog_rows(model_dir)} == codes
+
+    model_dir, _ = mo
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ending = [*tok("\n", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    codes = expected_codes(minionerec)
+    ended = [(i, [*c, *ending] if n % 2 else c) for n, (i, c) in enumerate(codes.items())]  # 3 or 4 tokens, then \n EOS
+    summary = import_catalog(model_dir, write_sidgr_jsonl(model_dir.parent / "m.jsonl", ended))
+    assert {r["item_id"]: r["semantic_id"] for r in catalog_rows(model_dir)} == codes
+    assert set(summary.code_lengths) == {3, 4}
 
 
 def test_format_is_told_from_name_and_contents_and_can_be_forced(oo, mo, tmp_path):

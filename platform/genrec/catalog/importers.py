@@ -26,8 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from genrec.catalog.catalog import PAD, Catalog, _padded
 from genrec.errors import CatalogError, ModelDirectoryError
 
 FORMATS = ("pid2sid", "index-json", "jsonl", "genrec")
@@ -36,25 +38,33 @@ CATALOG_COLUMNS = ("item_id", "semantic_id", "popularity")
 
 @dataclass
 class ImportedCatalog:
-    """Rows read from a source file: item IDs (strings), codes as token IDs (no wrappers), optional popularity, and
-    the other columns of a genrec catalog (item attributes), carried over as they are."""
+    """Rows read from a source file: item IDs (strings), codes as token IDs ([N, longest] int64, PAD past each row's
+    length; no wrappers), optional popularity, and the other columns of a genrec catalog (item attributes), carried
+    over as they are."""
 
     item_ids: list[str]
-    codes: list[list[int]]
+    codes: np.ndarray
+    lengths: np.ndarray
     popularity: list[float] | None = None
     attributes: pa.Table | None = None
 
+    @classmethod
+    def from_rows(cls, item_ids, rows: list[list[int]], layout, popularity=None) -> ImportedCatalog:
+        lengths = np.array([len(r) for r in rows], dtype=np.int64)
+        flat = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
+        return cls(item_ids, *unwrapped(_padded(flat, lengths), lengths, layout), popularity)
+
     def check_loads(self, layout, source: Path) -> None:
         """What the engine's catalog loader checks, so the written catalog is known to load."""
-        from genrec.catalog.catalog import Catalog
-
         popularity = np.asarray(self.popularity, dtype=np.float64) if self.popularity is not None else None
-        Catalog.validated(self.item_ids, self.codes, layout, source, popularity)
+        Catalog.validated(self.item_ids, (self.codes, self.lengths), layout, source, popularity)
 
     def table(self) -> pa.Table:
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
+        values = self.codes[np.arange(self.codes.shape[1])[None, :] < self.lengths[:, None]]
         columns = {
             "item_id": pa.array(self.item_ids, pa.string()),
-            "semantic_id": pa.array(self.codes, pa.list_(pa.int32())),
+            "semantic_id": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32())),
         }
         if self.popularity is not None:
             columns["popularity"] = pa.array(self.popularity, pa.float64())
@@ -128,23 +138,27 @@ def detect_format(source: Path) -> str:
 def read_pid2sid(source: Path, tokenizer, layout) -> ImportedCatalog:
     """OpenOneRec's pid2sid.parquet: per-level code indexes, mapped to the layout's token IDs level by level."""
     table = _read_parquet(source, ("pid", "sid"))
-    item_ids = _string_ids(table.column("pid").to_pylist(), source, "pid")
-    sids = table.column("sid").to_pylist()
-    codes = []
-    for row, (item, sid) in enumerate(zip(item_ids, sids, strict=True)):
-        if not isinstance(sid, list) or not sid or not all(isinstance(c, int) for c in sid):
-            raise _row_error(source, row, item, f"sid must be a non-empty list of integers, not {sid!r}")
-        if len(sid) > layout.levels:
-            raise _row_error(source, row, item, f"sid has {len(sid)} levels; the model's layout has {layout.levels}")
-        ids = [int(layout.token_ids(level, [index])[0]) for level, index in enumerate(sid)]
-        bad = next((level for level, token in enumerate(ids) if token < 0), None)
-        if bad is not None:
-            size = layout.level_sizes[bad]
-            raise _row_error(
-                source, row, item, f"sid[{bad}] = {sid[bad]} is not a code of level {bad} (it has {size} codes)"
-            )
-        codes.append(ids)
-    return ImportedCatalog(item_ids, codes, _popularity_column(table, source))
+    pids = table.column("pid")
+    if pa.types.is_integer(pids.type) and not pids.null_count:  # OpenOneRec's: integers, as strings at once
+        item_ids = pids.cast(pa.string()).to_pylist()
+    else:
+        item_ids = _string_ids(pids.to_pylist(), source, "pid")
+    indexes, lengths = _list_column(table, "sid", source, item_ids)
+    too_long = np.flatnonzero(lengths > layout.levels)
+    if len(too_long):
+        row = int(too_long[0])
+        raise _row_error(source, row, item_ids[row], f"sid has {lengths[row]} levels; the layout has {layout.levels}")
+    codes = np.full(indexes.shape, PAD, dtype=np.int64)
+    for level in range(indexes.shape[1]):
+        present = lengths > level
+        codes[present, level] = layout.token_ids(level, indexes[present, level])
+    unknown = (codes == PAD) & (np.arange(codes.shape[1])[None, :] < lengths[:, None])
+    if unknown.any():
+        row = int(np.flatnonzero(unknown.any(axis=1))[0])
+        level = int(np.argmax(unknown[row]))
+        problem = f"sid[{level}] = {indexes[row, level]} is not a code of level {level}"
+        raise _row_error(source, row, item_ids[row], f"{problem} (it has {layout.level_sizes[level]} codes)")
+    return ImportedCatalog(item_ids, codes, lengths, _popularity_column(table, source))
 
 
 def read_index_json(source: Path, tokenizer, layout) -> ImportedCatalog:
@@ -161,8 +175,8 @@ def read_index_json(source: Path, tokenizer, layout) -> ImportedCatalog:
         if unknown:
             raise _row_error(source, row, item, f"token {unknown[0]!r} is not in the model's vocabulary")
         item_ids.append(item)
-        codes.append(_unwrapped([vocab[n] for n in names], layout))
-    return ImportedCatalog(item_ids, codes)
+        codes.append([vocab[n] for n in names])
+    return ImportedCatalog.from_rows(item_ids, codes, layout)
 
 
 def read_jsonl(source: Path, tokenizer, layout) -> ImportedCatalog:
@@ -184,7 +198,7 @@ def read_jsonl(source: Path, tokenizer, layout) -> ImportedCatalog:
                     source, row, item, f"token ID {outside[0]} is outside the vocabulary [0, {vocab_size})"
                 )
             item_ids.append(str(item))
-            codes.append(_unwrapped(ids, layout))
+            codes.append(ids)
             popularity.append(_record_popularity(record, source, row, item))
     if not item_ids:
         raise CatalogError(source, "has no rows")
@@ -192,7 +206,7 @@ def read_jsonl(source: Path, tokenizer, layout) -> ImportedCatalog:
     if any(given) and not all(given):
         row = given.index(False)
         raise _row_error(source, row, item_ids[row], "popularity is given on some rows; give it on every row or none")
-    return ImportedCatalog(item_ids, codes, popularity if all(given) else None)
+    return ImportedCatalog.from_rows(item_ids, codes, layout, popularity if all(given) else None)
 
 
 def read_genrec(source: Path, tokenizer, layout) -> ImportedCatalog:
@@ -202,13 +216,9 @@ def read_genrec(source: Path, tokenizer, layout) -> ImportedCatalog:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise CatalogError(source, f"column 'item_id' must hold strings, not {kind}")
     item_ids = table.column("item_id").to_pylist()
-    codes = []
-    for row, (item, code) in enumerate(zip(item_ids, table.column("semantic_id").to_pylist(), strict=True)):
-        if not isinstance(code, list) or not code or not all(_is_int(t) for t in code):
-            raise _row_error(source, row, item, f"semantic_id must be a non-empty list of token IDs, not {code!r}")
-        codes.append(_unwrapped(code, layout))
+    codes, lengths = unwrapped(*_list_column(table, "semantic_id", source, item_ids), layout)
     attributes = table.drop_columns([c for c in CATALOG_COLUMNS if c in table.column_names])
-    return ImportedCatalog(item_ids, codes, _popularity_column(table, source), attributes)
+    return ImportedCatalog(item_ids, codes, lengths, _popularity_column(table, source), attributes)
 
 
 READERS = {"pid2sid": read_pid2sid, "index-json": read_index_json, "jsonl": read_jsonl, "genrec": read_genrec}
@@ -224,32 +234,43 @@ def check_rows(imported: ImportedCatalog, layout, source: Path) -> None:
     empty = next((row for row, item in enumerate(ids) if not isinstance(item, str) or not item), None)
     if empty is not None:
         raise _row_error(source, empty, ids[empty], "the item ID must be a non-empty string")
-    first_row: dict[str, int] = {}
-    for row, item in enumerate(ids):
-        if item in first_row:
-            raise _row_error(source, row, item, f"duplicate item ID (first on row {first_row[item] + 1})")
-        first_row[item] = row
-    for row, code in enumerate(imported.codes):
-        if len(code) > layout.levels:
-            raise _row_error(source, row, ids[row], f"the code has {len(code)} tokens; the layout has {layout.levels}")
-        levels = layout.level_of(code)
-        wrong = np.flatnonzero(levels != np.arange(len(code)))
-        if len(wrong):
-            pos = int(wrong[0])
-            found = "is not a semantic-ID token" if levels[pos] < 0 else f"is a level-{int(levels[pos])} token"
-            raise _row_error(source, row, ids[row], f"token {code[pos]} at position {pos} {found}, not level {pos}")
+    if len(set(ids)) != len(ids):
+        first_row: dict[str, int] = {}
+        for row, item in enumerate(ids):
+            if item in first_row:
+                raise _row_error(source, row, item, f"duplicate item ID (first on row {first_row[item] + 1})")
+            first_row[item] = row
+    codes, lengths = imported.codes, imported.lengths
+    too_long = np.flatnonzero(lengths > layout.levels)
+    if len(too_long):
+        row = int(too_long[0])
+        raise _row_error(source, row, ids[row], f"the code has {lengths[row]} tokens; the layout has {layout.levels}")
+    empty_codes = np.flatnonzero(lengths < 1)
+    if len(empty_codes):
+        row = int(empty_codes[0])
+        raise _row_error(source, row, ids[row], "the code is empty (only wrapper tokens)")
+    position = np.arange(codes.shape[1])[None, :]
+    levels = layout.level_of(codes)
+    wrong = (position < lengths[:, None]) & (levels != position)
+    if wrong.any():
+        row = int(np.flatnonzero(wrong.any(axis=1))[0])
+        pos = int(np.argmax(wrong[row]))
+        found = "is not a semantic-ID token" if levels[row, pos] < 0 else f"is a level-{int(levels[row, pos])} token"
+        raise _row_error(source, row, ids[row], f"token {codes[row, pos]} at position {pos} {found}, not level {pos}")
 
 
 def summarize(imported: ImportedCatalog, fmt: str, target: Path) -> ImportSummary:
-    keys = [tuple(code) for code in imported.codes]
-    counts: dict[tuple, int] = {}
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    lengths: dict[int, int] = {}
-    for key in keys:
-        lengths[len(key)] = lengths.get(len(key), 0) + 1
-    shared = sum(1 for n in counts.values() if n > 1)
-    return ImportSummary(target, fmt, len(keys), len(counts), shared, dict(sorted(lengths.items())))
+    rows = np.ascontiguousarray(imported.codes)  # one opaque value per row: np.unique without axis=0 (faster)
+    _, counts = np.unique(rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))), return_counts=True)
+    sizes, items = np.unique(imported.lengths, return_counts=True)
+    return ImportSummary(
+        target,
+        fmt,
+        len(imported.lengths),
+        len(counts),
+        int((counts > 1).sum()),
+        dict(zip(sizes.tolist(), items.tolist(), strict=True)),
+    )
 
 
 def write_atomically(table: pa.Table, target: Path) -> None:
@@ -304,15 +325,47 @@ def _model_tokens(model_dir: Path):
     return tokenizer, SidLayout.for_model(model_dir, tokenizer)
 
 
-def _unwrapped(ids: list[int], layout) -> list[int]:
-    """The code without the layout's begin token in front or its ending after, when the source wrote them."""
-    ids = [int(t) for t in ids]
-    if layout.begin is not None and ids[:1] == [layout.begin]:
-        ids = ids[1:]
-    ending = list(layout.ending)
-    if ending and len(ids) > len(ending) and ids[-len(ending) :] == ending:
-        ids = ids[: -len(ending)]
-    return ids
+def unwrapped(codes: np.ndarray, lengths: np.ndarray, layout) -> tuple[np.ndarray, np.ndarray]:
+    """The codes without the layout's begin token in front or its ending after, where the source wrote them."""
+    codes, lengths = codes.copy(), lengths.copy()
+    if layout.begin is not None and codes.shape[1]:
+        begun = codes[:, 0] == layout.begin
+        codes[begun, :-1] = codes[begun, 1:]
+        codes[begun, -1] = PAD
+        lengths[begun] -= 1
+    ending = np.asarray(layout.ending, dtype=np.int64)
+    if len(ending) and codes.shape[1]:
+        tail = lengths[:, None] - len(ending) + np.arange(len(ending))[None, :]
+        has = lengths > len(ending)
+        tokens = np.take_along_axis(codes, tail.clip(0, codes.shape[1] - 1), axis=1)
+        ended = has & (tokens == ending[None, :]).all(axis=1)
+        rows = np.flatnonzero(ended)
+        codes[rows[:, None], tail[rows]] = PAD
+        lengths[ended] -= len(ending)
+    return codes[:, : max(int(lengths.max(initial=0)), 1)], lengths  # no column of PAD only
+
+
+def _list_column(table: pa.Table, name: str, source: Path, item_ids) -> tuple[np.ndarray, np.ndarray]:
+    """A column of integer lists as ([N, longest] int64 PAD-filled, lengths); nulls and empty lists named by row."""
+    kind = table.schema.field(name).type
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    if not is_list or not pa.types.is_integer(kind.value_type):
+        raise CatalogError(source, f"column {name!r} must hold lists of integers, not {kind}")
+    column = table.column(name).combine_chunks()
+    lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    empty = np.flatnonzero(lengths == 0)
+    if len(empty):
+        row = int(empty[0])
+        raise _row_error(source, row, item_ids[row], f"{name} is null or empty")
+    values = pc.list_flatten(column)
+    if values.null_count:
+        row = int(np.flatnonzero(pc.list_value_length(column).to_numpy() != _non_null_lengths(column))[0])
+        raise _row_error(source, row, item_ids[row], f"{name} holds a null")
+    return _padded(values.cast(pa.int64()).to_numpy(), lengths), lengths
+
+
+def _non_null_lengths(column) -> np.ndarray:
+    return np.array([sum(v is not None for v in row) for row in column.to_pylist()], dtype=np.int64)
 
 
 def _read_parquet(source: Path, required: tuple[str, ...]) -> pa.Table:

@@ -20,7 +20,8 @@ def pooled_cohorts(engine, rng, shape):
     return pool, gpu_check.pooled_cohorts(engine, prepared, pool)
 
 
-def test_bucketed_passes_equal_passes_sized_to_the_rows(engine, rng):
+def test_bucketed_passes_equal_passes_sized_to_the_rows(arch_engine, rng):
+    engine = arch_engine  # each decoder architecture's
     shape = [(23, 5), (40, 9), (11, 30)]
     state = rng.get_state()
     pool, static = pooled_cohorts(engine, rng, shape)

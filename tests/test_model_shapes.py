@@ -50,6 +50,10 @@ def drop(name: str):
     return lambda tensors: tensors.pop(name)
 
 
+def cut(name: str):
+    return lambda tensors: tensors.__setitem__(name, tensors[name][:-1])
+
+
 def add(name: str):
     return lambda tensors: tensors.__setitem__(name, torch.zeros(3, 2))
 
@@ -69,6 +73,11 @@ QWEN3_CASES = [
     ("an integer tensor", to_int("model.layers.1.mlp.down_proj.weight"), ["down_proj.weight", "torch.int32"]),
     ("a tensor missing", drop("model.layers.0.self_attn.k_norm.weight"), ["lack 1 tensors", "k_norm.weight"]),
 ]
+# Qwen2 (q/k/v biases, no q/k norm): kv_heads 2 x head_dim 16 = 32 outputs of k_proj.
+QWEN2_CASES = [
+    ("a bias missing", drop("model.layers.1.self_attn.v_proj.bias"), ["lack 1 tensors", "v_proj.bias"]),
+    ("a bias cut short", cut("model.layers.0.self_attn.k_proj.bias"), ["k_proj.bias", "[31]", "implies shape [32]"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +88,12 @@ def hstu_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
     return write_model_dir(tmp_path_factory.mktemp("shapes") / "qwen3", ModelSpec(items=40, levels=2, codebook=8))
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    spec = ModelSpec(items=40, levels=2, codebook=8, architecture="qwen2")
+    return write_model_dir(tmp_path_factory.mktemp("shapes") / "qwen2", spec)
 
 
 def broken_copy(source: Path, tmp_path: Path, how) -> Path:
@@ -132,6 +147,40 @@ def test_a_qwen3_directory_that_disagrees_with_its_config_is_refused(qwen3_dir, 
     with pytest.raises(DeployRefused, match="retriever.model_dir: ") as err:
         build_app(AppArgs(retriever={"model_dir": str(model_dir)}))
     assert fragments[0] in str(err.value)
+
+
+def test_a_qwen2_layout_expects_qkv_biases_and_no_qk_norm(qwen2_dir):
+    directory = ModelDir.open(qwen2_dir)
+    directory.check()
+    names = set(directory.layout().shapes)
+    assert {f"model.layers.1.self_attn.{p}_proj.bias" for p in "qkv"} <= names
+    assert not {name for name in names if "q_norm" in name or "k_norm" in name or "o_proj.bias" in name}
+
+
+@pytest.mark.parametrize(("case", "how", "fragments"), QWEN2_CASES, ids=[c[0] for c in QWEN2_CASES])
+def test_a_qwen2_directory_that_disagrees_with_its_config_is_refused(qwen2_dir, tmp_path, case, how, fragments):
+    model_dir = broken_copy(qwen2_dir, tmp_path, how)
+    refused_alike(model_dir, fragments)
+    with pytest.raises(DeployRefused, match="retriever.model_dir: ") as err:
+        build_app(AppArgs(retriever={"model_dir": str(model_dir)}))
+    assert fragments[0] in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "labelled", "fragments"),
+    [
+        ("qwen3", "qwen2", ["lack 6 tensors", "model.layers.0.self_attn.k_proj.bias"]),
+        ("qwen2", "qwen3", ["lack 4 tensors", "model.layers.0.self_attn.k_norm.weight"]),
+    ],
+)
+def test_a_checkpoint_of_the_other_architecture_is_refused_naming_what_it_lacks(
+    qwen3_dir, qwen2_dir, tmp_path, source, labelled, fragments
+):
+    """A Qwen3 checkpoint whose config.json says qwen2 lacks the biases; a Qwen2 one that says qwen3, the q/k norms."""
+    model_dir = shutil.copytree(qwen3_dir if source == "qwen3" else qwen2_dir, tmp_path / "relabelled")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"model_type": labelled}))
+    refused_alike(model_dir, fragments)
 
 
 def test_the_error_names_the_shard_that_holds_the_tensor(qwen3_dir, tmp_path):

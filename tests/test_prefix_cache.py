@@ -51,7 +51,8 @@ def returning_user(engine, rng, start=70, appends=(9, 23, 1, 40, 16, 5)):
 
 
 @pytest.mark.parametrize("kind", ["retrieve", "score", "recommend"])
-def test_a_returning_user_reuses_the_cached_prefix_and_equals_a_cold_run(engine, rng, kind):
+def test_a_returning_user_reuses_the_cached_prefix_and_equals_a_cold_run(arch_engine, rng, kind):
+    engine = arch_engine  # each decoder architecture's
     scheduler = Scheduler(engine)  # prefix cache on (the default)
     cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:6]] + [Candidate(text="news")]
     make = {

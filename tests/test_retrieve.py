@@ -24,7 +24,8 @@ def exhaustive_ranking(engine, hf_model, prompt, keep=None):
 
 
 @pytest.mark.parametrize("prompt_len", [3, 40])
-def test_full_width_beam_equals_exhaustive_scoring(engine, hf_model, rng, prompt_len):
+def test_full_width_beam_equals_exhaustive_scoring(arch_engine, arch_hf_model, rng, prompt_len):
+    engine, hf_model = arch_engine, arch_hf_model  # each decoder architecture's
     prompt = random_prompt(engine, prompt_len, rng)
     (result,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=len(engine.catalog))])
     want = exhaustive_ranking(engine, hf_model, prompt)
@@ -33,7 +34,8 @@ def test_full_width_beam_equals_exhaustive_scoring(engine, hf_model, rng, prompt
 
 
 @pytest.mark.parametrize("beam_width", [1, 3, 7])
-def test_narrow_beam_equals_transformers_beam_search(engine, hf_model, rng, beam_width):
+def test_narrow_beam_equals_transformers_beam_search(arch_engine, arch_hf_model, rng, beam_width):
+    engine, hf_model = arch_engine, arch_hf_model  # each decoder architecture's
     prompt = random_prompt(engine, 30, rng)
     (result,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=beam_width)])
     codes, scores = hf_constrained_beams(
@@ -54,7 +56,8 @@ def test_every_returned_code_is_a_catalog_item(engine, rng):
         assert logprobs == sorted(logprobs, reverse=True)
 
 
-def test_exclusions_never_come_back_and_take_no_beams(engine, hf_model, rng):
+def test_exclusions_never_come_back_and_take_no_beams(arch_engine, arch_hf_model, rng):
+    engine, hf_model = arch_engine, arch_hf_model  # each decoder architecture's
     prompt = random_prompt(engine, 20, rng)
     (plain,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=5)])
     # Exclude the best item and every item under the best first-level token: a whole subtree dies.

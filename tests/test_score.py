@@ -31,7 +31,8 @@ def label_ids(engine):
     return [engine.family.tokenizer.convert_tokens_to_ids(t) for t in ("yes", "no")]
 
 
-def test_each_candidate_equals_scoring_it_alone(engine, hf_model, rng):
+def test_each_candidate_equals_scoring_it_alone(arch_engine, arch_hf_model, rng):
+    engine, hf_model = arch_engine, arch_hf_model  # each decoder architecture's
     prompt = random_prompt(engine, 30, rng)
     candidates = [
         Candidate(item_id="item-000004"),

@@ -32,7 +32,8 @@ def reference_embeds(engine, hf_model, tokens, vector):
 
 
 @pytest.mark.parametrize("placeholders", [1, 2])
-def test_retrieve_with_user_embedding_equals_transformers(engine, hf_model, rng, placeholders):
+def test_retrieve_with_user_embedding_equals_transformers(arch_engine, arch_hf_model, rng, placeholders):
+    engine, hf_model = arch_engine, arch_hf_model  # each decoder architecture's
     tokens = prompt_with_placeholders(engine, rng, placeholders)
     vector = torch.randn(engine.family.projector.user_dim, generator=rng).tolist()
     request = RetrieveRequest(prompt_token_ids=tokens, user_embedding=vector, beam_width=len(engine.catalog))
@@ -44,7 +45,8 @@ def test_retrieve_with_user_embedding_equals_transformers(engine, hf_model, rng,
     assert np.allclose([i.logprob for i in result.items], scores[order].numpy(), atol=TOL)
 
 
-def test_score_with_user_embedding_equals_transformers(engine, hf_model, rng):
+def test_score_with_user_embedding_equals_transformers(arch_engine, arch_hf_model, rng):
+    engine, hf_model = arch_engine, arch_hf_model  # each decoder architecture's
     tokens = prompt_with_placeholders(engine, rng)
     vector = torch.randn(engine.family.projector.user_dim, generator=rng).tolist()
     candidates = [[engine.catalog.codes[i].tolist()] for i in (0, 9, 77)]

@@ -105,12 +105,13 @@ def test_varlen_reference_is_softmax_per_sequence_with_its_lse(causal):
     assert none is None and (no_lse - out).abs().max().item() <= 1e-5
 
 
-def test_the_gpu_check_runs_its_engine_part_on_cpu_where_the_switch_changes_nothing():
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen2"])
+def test_the_gpu_check_runs_its_engine_part_on_cpu_where_the_switch_changes_nothing(architecture):
     """The prepared GPU script's pieces import and run here (on the CPU the fast switch falls back)."""
     from genrec.bench import gpu_check
 
     assert gpu_check.versions()["schema_has_seqused_k"]
-    got = gpu_check.engine_checks("cpu")
+    got = gpu_check.engine_checks("cpu", architecture)
     assert got == {
         "retrieve_items_equal": [True, True],
         "retrieve_max_logprob_diff": 0.0,

@@ -34,13 +34,16 @@ def tiny_model(
     intermediate: int = 128,
     seed: int = 0,
     family: str = typer.Option("qwen3", help="qwen3 (semantic-ID retrieval) | hstu (ranking after a history)"),
+    architecture: str = typer.Option("qwen3", help="qwen3 | qwen2 (q/k/v biases, no q/k norm): the decoder's"),
     force: bool = typer.Option(False, "--force", help="replace a model directory already at OUT_DIR"),
 ):
-    """Write a complete model directory with random weights of the real architecture (Qwen3, or HSTU)."""
+    """Write a complete model directory with random weights of the real architecture (Qwen3 or Qwen2, or HSTU)."""
     from genrec.model.tiny import ModelSpec, make_room, write_model_dir
 
     if family not in ("qwen3", "hstu"):
         raise typer.BadParameter("--family must be qwen3 or hstu")
+    if family == "hstu" and architecture != "qwen3":
+        raise typer.BadParameter("--architecture is the qwen3 family's decoder; an HSTU model has none")
     if family == "hstu":
         from genrec.model.tiny import HSTUSpec, write_hstu_dir
 
@@ -60,6 +63,7 @@ def tiny_model(
         head_dim=head_dim,
         intermediate=intermediate,
         seed=seed,
+        architecture=architecture,
     )
     make_room(out_dir, force)
     typer.echo(str(write_model_dir(out_dir, spec)))

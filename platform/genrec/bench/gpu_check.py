@@ -107,10 +107,10 @@ def agreement(a: Engine, b: Engine, retrieve: list, score: list) -> tuple[list[b
     return same, beams, scores
 
 
-def engine_checks(device) -> dict:
-    """A tiny engine, bf16: retrieve and score with the CUDA fast path off, then on."""
+def engine_checks(device, architecture: str = "qwen3") -> dict:
+    """A tiny engine of the decoder architecture, bf16: retrieve and score with the CUDA fast path off, then on."""
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny"))
+        model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny", architecture=architecture))
         engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
         fast_engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16, cuda_fast=True)
         g = torch.Generator().manual_seed(3)
@@ -227,6 +227,7 @@ def main() -> None:
     part("versions", versions)
     part("varlen", lambda: varlen_checks(device))
     part("engine", lambda: engine_checks(device))
+    part("engine qwen2", lambda: engine_checks(device, "qwen2"))
 
     def shape(command: str, prompt_len: int, beam: int, levels: int) -> list[str]:
         sizes = ["--prompt-len", str(prompt_len), "--beam-width", str(beam), "--levels", str(levels)]

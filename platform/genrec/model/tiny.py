@@ -72,6 +72,9 @@ def _spec_problems(spec: ModelSpec):
         yield f"architecture must be one of {sorted(ARCHITECTURES)}, not {spec.architecture!r}"
     if spec.levels > len(LEVEL_LETTERS):
         yield f"levels must be at most {len(LEVEL_LETTERS)} (one letter per level in token names), not {spec.levels}"
+    if spec.architecture == "qwen2" and spec.heads * spec.head_dim != spec.hidden:
+        # Qwen2 implementations that predate head_dim in its config take hidden / heads: all then read one model.
+        yield f"a qwen2 model needs heads x head_dim = hidden, not {spec.heads} x {spec.head_dim} != {spec.hidden}"
     if spec.heads % spec.kv_heads:
         yield f"heads ({spec.heads}) must be a multiple of kv_heads ({spec.kv_heads})"
     if spec.head_dim % 2:
@@ -207,7 +210,7 @@ def _random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torc
         if c.arch.qk_norm:
             w[p + "self_attn.q_norm.weight"] = norm(c.head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(c.head_dim)
-        if c.qkv_bias:  # as large as the projections' outputs (std ~1): a bias left out would change the logits
+        if c.qkv_bias:  # half the projections' output scale (std ~1): a bias left out would change the logits
             for name, size in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
                 w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
         if c.attention_bias:

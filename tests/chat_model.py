@@ -37,12 +37,13 @@ QWEN3_STYLE_TEMPLATE = r"""
 """.strip()
 
 
-def write_chat_model_dir(out: Path, spec: ModelSpec, prompt_options: dict | None = None) -> Path:
-    """The tiny model of `spec` with the chat template in tokenizer_config.json's `chat_template` and, when given,
-    `prompt_options` as genrec/prompt.json."""
-    base = len(build_tokenizer(spec.levels, spec.codebook, seed=spec.seed))
+def write_chat_model_dir(out: Path, spec: ModelSpec, prompt_options: dict | None = None, tokenizer=None) -> Path:
+    """The tiny model of `spec` (with `tokenizer`, e.g. an open checkpoint's SID naming; default genrec's) with the
+    chat template in tokenizer_config.json's `chat_template` and, when given, `prompt_options` as
+    genrec/prompt.json."""
+    base = len(tokenizer if tokenizer is not None else build_tokenizer(spec.levels, spec.codebook, seed=spec.seed))
     padded = -(-(base + len(CONTROL_TOKENS) + len(THINK_TOKENS)) // 64) * 64
-    write_model_dir(out, replace(spec, vocab_size=padded))
+    write_model_dir(out, replace(spec, vocab_size=padded), tokenizer=tokenizer)
     tokenizer = load_tokenizer(out)
     tokenizer.add_tokens(CONTROL_TOKENS, special_tokens=True)
     tokenizer.add_tokens(THINK_TOKENS)

@@ -95,3 +95,30 @@ class GroupedContext:
 def layer_groups(groups, layer: int) -> list[LayerContext]:
     """ContextGroups over pooled ContextKVs as plain per-layer tensors."""
     return [LayerContext(g.start, g.stop, *g.ctx.layer(layer)) for g in groups]
+
+
+@torch.no_grad()
+def sequence_logprobs(hf_model, prompt: list[int], sequences: list[list[int]]) -> list[float]:
+    """log P(sequence | prompt) of each token sequence (any lengths), one plain forward per sequence."""
+    out = []
+    for seq in sequences:
+        logits = hf_model(torch.tensor([prompt + list(seq)])).logits[0].float()
+        logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        out.append(logp.gather(1, torch.tensor(seq)[:, None]).sum().item())
+    return out
+
+
+def exhaustive_retrieval(catalog, ending, hf_model, prompt: list[int], excluded=(), popularity=None):
+    """Every code scored by `sequence_logprobs` (code + ending after the prompt), best first, each with its items
+    not excluded (popularity descending, ties in catalog order): [(code, logprob, [item_id, ...])]."""
+    by_code: dict[tuple, list[int]] = {}
+    for i in range(len(catalog)):
+        by_code.setdefault(tuple(catalog.code(i)), []).append(i)
+    excluded = set(excluded)
+    codes = [code for code, rows in by_code.items() if any(catalog.item_ids[r] not in excluded for r in rows)]
+    scores = sequence_logprobs(hf_model, prompt, [[*code, *ending] for code in codes])
+    ranked = []
+    for code, score in sorted(zip(codes, scores, strict=True), key=lambda pair: -pair[1]):
+        rows = sorted(by_code[code], key=lambda r: (-(popularity[r] if popularity is not None else 0), r))
+        ranked.append((list(code), score, [catalog.item_ids[r] for r in rows if catalog.item_ids[r] not in excluded]))
+    return ranked

@@ -122,3 +122,50 @@ def test_catalog_path_that_is_a_directory(tmp_path):
 def test_in_memory_float_codes_are_refused_not_truncated():
     with pytest.raises(CatalogError, match="integer token IDs"):
         Catalog.validated(np.array(["a", "b"], dtype=object), np.array([[1.5, 2.0], [3.0, 4.0]]), None)
+
+
+def test_trie_of_codes_with_endings_shared_codes_and_popularity():
+    """Codes of 1-3 tokens plus a 1-token ending, one code named by three items: leaves are codes, finished codes
+    pad with free steps, a shared code's items come by popularity (ties in row order)."""
+    pad, end = -1, 99
+    codes = np.array([[10, 20, 30], [10, 20, pad], [11, pad, pad], [10, 20, 30], [10, 20, 30]])
+    lengths = np.array([3, 2, 1, 3, 3])
+    trie = CodeTrie.build(codes, lengths=lengths, ending=(end,), popularity=[1.0, 5.0, 0.0, 2.0, 2.0])
+    assert trie.levels == 4 and trie.codes == 3
+    allowed = allowed_tokens_fn([[10, 20, 30, end], [10, 20, end], [11, end]])
+    frontier, prefixes = torch.zeros(1, dtype=torch.int64), [()]
+    for level in range(trie.levels):
+        token, child, valid = trie.children(level, frontier)
+        free = trie.free[level]
+        next_frontier, next_prefixes = [], []
+        for row, prefix in enumerate(prefixes):
+            kids, tokens = child[row][valid[row]], token[row][valid[row]].tolist()
+            finished = bool(prefix) and prefix[-1] == end
+            assert (free is not None and free[kids].all().item()) if finished else tokens == allowed(list(prefix))
+            next_frontier += kids.tolist()
+            next_prefixes += [prefix] if finished else [(*prefix, t) for t in tokens]
+        frontier, prefixes = torch.tensor(next_frontier), next_prefixes
+    items = {prefixes[k]: trie.items_of(int(code)).tolist() for k, code in enumerate(frontier)}
+    assert items == {(10, 20, 30, end): [3, 4, 0], (10, 20, end): [1], (11, end): [2]}
+
+
+def test_catalog_round_trip_of_ragged_codes_popularity_and_attributes(tmp_path):
+    path = tmp_path / "catalog.parquet"
+    table = pa.table(
+        {
+            "item_id": ["a", "b", "c"],
+            "semantic_id": [[1, 2, 3], [1, 2], [1, 2, 3]],
+            "popularity": [3, 1, 7],
+            "genre": ["x", "y", "z"],  # an item attribute: ignored, never refused
+        }
+    )
+    pq.write_table(table, path)
+    catalog = Catalog.load(path)
+    assert catalog.code(1) == [1, 2] and catalog.lengths.tolist() == [3, 2, 3]
+    catalog.save(tmp_path / "again.parquet")
+    again = Catalog.load(tmp_path / "again.parquet")
+    assert [again.code(i) for i in range(3)] == [[1, 2, 3], [1, 2], [1, 2, 3]]
+    assert again.popularity.tolist() == [3.0, 1.0, 7.0]
+    pq.write_table(table.set_column(2, "popularity", pa.array([3.0, None, 1.0])), path)
+    with pytest.raises(CatalogError, match="column 'popularity', item 'b': null or not finite"):
+        Catalog.load(path)

@@ -261,6 +261,7 @@ def test_a_ranker_takes_no_prompt(ranker):
         ("{not json", "cannot be read as JSON"),
         ("[]", "must be a JSON object"),
         ('{"system": "x"}', "unknown keys \\['system'\\]"),
+        ('{"version": 2}', "version 2 is not one this genrec reads"),
         ('{"system_prompt": 3}', "system_prompt must be a non-empty string"),
         ('{"system_prompt": "  "}', "system_prompt must be a non-empty string"),
         ('{"chat_template_kwargs": []}', "chat_template_kwargs must be a JSON object"),
@@ -283,3 +284,124 @@ def test_a_system_prompt_without_a_chat_template_fails_the_load_and_the_prefligh
         with pytest.raises(ModelDirectoryError, match="no chat template") as err:
             load()
         assert err.value.path.endswith("genrec/prompt.json")
+
+
+# -- the batch job's messages column -----------------------------------------------------------------
+
+
+def test_the_recommend_job_reads_a_messages_column(chat_dir, chat_engine, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from genrec.batch import RecommendSpec
+    from genrec.batch.jobs import Retrieve
+    from tests.shard_runs import error_rows, run_in_process
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    schema = pa.schema([("user_id", pa.int64()), ("prompt", pa.string()), ("messages", pa.list_(message))])
+    plain = [{"role": "user", "content": "user listened to comedy podcast episode"}]
+    rows = [
+        {"user_id": 0, "messages": plain},
+        {"user_id": 1, "messages": [{"role": "tool", "content": "x"}]},  # the template refuses it
+        {"user_id": 2, "prompt": "user listened", "messages": plain},  # two forms
+        {"user_id": 3, "messages": []},
+        {"user_id": 4, "prompt": chat_engine.render_prompt(PromptRequest(messages=plain)).text},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows, schema), tmp_path / "users.parquet")
+    spec = RecommendSpec(
+        model=str(chat_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), beam_width=4
+    )
+    shard, _, report = run_in_process(Retrieve(spec))
+    assert error_rows(spec.out, shard) == [(1, "messages", 1), (2, "prompt", 2), (3, "messages", 3)]
+    output = pq.read_table(tmp_path / "out" / "recommendations" / shard.name).to_pylist()
+    (want,) = chat_engine.retrieve([RetrieveRequest(messages=plain, beam_width=4)])
+    for user in (0, 4):  # the chat and its rendered text: the same items
+        got = [r for r in output if r["user_id"] == user]
+        assert [r["item_id"] for r in got] == [i.item_id for i in want.items]
+        assert [r["retrieval_logprob"] for r in got] == pytest.approx([i.logprob for i in want.items], abs=1e-5)
+
+
+# -- genrec prompt ---------------------------------------------------------------------------------
+
+
+def genrec_prompt(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
+    """`genrec prompt ARGV` through the entry point: (exit code, stdout, stderr)."""
+    from genrec.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr("sys.argv", ["genrec", "prompt", *map(str, argv)])
+    code = 0
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_cli_prints_what_the_engine_runs(chat_dir, chat_engine, tmp_path, monkeypatch, capsys):
+    (tmp_path / "chat.json").write_text(json.dumps(MESSAGES))
+    code, out, _ = genrec_prompt(monkeypatch, capsys, chat_dir, "--messages", tmp_path / "chat.json")
+    want = chat_engine.render_prompt(PromptRequest(messages=MESSAGES))
+    assert code == 0 and json.loads(out) == want.model_dump(exclude={"request_id"})
+    (tmp_path / "ids.json").write_text(json.dumps(want.token_ids))
+    code, out, _ = genrec_prompt(monkeypatch, capsys, chat_dir, "--token-ids", tmp_path / "ids.json")
+    assert code == 0 and (json.loads(out)["text"], json.loads(out)["form"]) == (want.text, "prompt_token_ids")
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO(json.dumps(MESSAGES)))
+    code, out, _ = genrec_prompt(monkeypatch, capsys, chat_dir, "--messages", "-")
+    assert code == 0 and json.loads(out)["token_ids"] == want.token_ids
+    code, out, _ = genrec_prompt(monkeypatch, capsys, chat_dir, "--text", "user <|user|> listened", "--show-tokens")
+    shown = json.loads(out)
+    assert code == 0 and shown["text"] == "user <|user|> listened" and shown["user_placeholders"] == 1
+    assert shown["tokens"] == chat_engine.family.tokenizer.convert_ids_to_tokens(shown["token_ids"])
+    assert USER_TOKEN in shown["tokens"]
+
+
+def test_the_cli_refuses_bad_input_in_one_line(tiny_dir, chat_dir, tmp_path, monkeypatch, capsys, hstu_dir):
+    (tmp_path / "chat.json").write_text(json.dumps(MESSAGES))
+    (tmp_path / "bad.json").write_text(json.dumps([{"role": "tool", "content": "x"}]))
+    cases = [
+        ((tiny_dir, "--messages", tmp_path / "chat.json"), "messages: this model has no chat template"),
+        ((chat_dir, "--messages", tmp_path / "bad.json"), "messages: the model's chat template refused them"),
+        ((chat_dir, "--text", "a", "--messages", tmp_path / "chat.json"), "exactly one of --messages, --text"),
+        ((chat_dir,), "exactly one of --messages, --text"),
+        ((chat_dir, "--messages", tmp_path / "missing.json"), "missing.json"),
+        ((hstu_dir, "--text", "a"), "an HSTU ranking model, not a Qwen3 semantic-ID model"),
+    ]
+    for argv, fragment in cases:
+        code, _, err = genrec_prompt(monkeypatch, capsys, *argv)
+        assert code == 2 and fragment in err and "Traceback" not in err, err
+
+
+# -- a layout with a begin token (OpenOneRec's) ---------------------------------------------------------
+
+
+def test_a_chat_on_openonerecs_layout_opens_the_code_after_the_think_block(tmp_path, monkeypatch, capsys):
+    """OpenOneRec prompts with the Qwen3 template, thinking off, then `<|sid_begin|>`: the engine appends the begin
+    token after the rendered chat (the prompt does not end with it), as it does after the same text; token IDs that
+    already end with it are taken as they are. All three answer alike."""
+    from genrec.model.tiny import ModelSpec
+    from tests.sid_tokenizers import openonerec_tokenizer
+
+    spec = ModelSpec(items=40, levels=3, codebook=4, seed=3, user_dim=0, hidden=32, layers=2, heads=2, kv_heads=1)
+    model = write_chat_model_dir(tmp_path / "oor", spec, {"system_prompt": SYSTEM}, openonerec_tokenizer(3, 4))
+    engine = Engine.from_pretrained(model, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    chat = [{"role": "user", "content": "<|sid_begin|><s_a_1><s_b_2><s_c_3><|sid_end|> /no_think"}]
+    shown = engine.render_prompt(PromptRequest(messages=chat))
+    assert shown.text.endswith(EMPTY_THINK) and shown.begin_token_appended
+    begin = engine.family.begin
+    begun = engine.render_prompt(PromptRequest(prompt_token_ids=[*shown.token_ids, begin]))
+    assert not begun.begin_token_appended
+    forms = [{"messages": chat}, {"prompt": shown.text}, {"prompt_token_ids": [*shown.token_ids, begin]}]
+    results = engine.retrieve([RetrieveRequest(**fields, beam_width=8) for fields in forms])
+    assert all(same_results(r, results[0]) for r in results)
+    assert results[0].prompt_tokens == shown.prompt_tokens + 1  # the begin token the engine appended
+    # genrec prompt: the same answer and the engine's limit (room after the prompt for begin, code and end token)
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    code, out, _ = genrec_prompt(monkeypatch, capsys, model, "--messages", tmp_path / "chat.json")
+    assert code == 0 and json.loads(out) == shown.model_dump(exclude={"request_id"})
+    room = engine.family.max_prompt_tokens
+    for length, fits in ((room, True), (room + 1, False)):
+        (tmp_path / "ids.json").write_text(json.dumps([shown.token_ids[0]] * length))
+        code, out, err = genrec_prompt(monkeypatch, capsys, model, "--token-ids", tmp_path / "ids.json")
+        assert (code == 0) == fits and (fits or f"serves at most {room}" in err), err

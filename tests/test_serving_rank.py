@@ -100,9 +100,11 @@ def test_bad_rank_requests_are_422_naming_the_field(rank_url, client, body, fiel
     assert error["code"] == "invalid_request" and field in response.text
 
 
-@pytest.mark.parametrize("route", ["retrieve", "score", "recommend"])
+@pytest.mark.parametrize("route", ["retrieve", "score", "recommend", "prompt"])
 def test_the_qwen3_routes_are_a_clear_404_on_a_ranker(rank_url, client, route):
-    body = {"prompt": "user listened", "user_id": "u-1"}  # no embedding lookup either: the ranker takes none
+    body = {"prompt": "user listened"}
+    if route != "prompt":  # a prompt body has no user; no embedding lookup either: the ranker takes none
+        body["user_id"] = "u-1"
     if route == "score":
         body["candidates"] = [{"item_id": item(3)}]
     response = client.post(f"{rank_url}/v1/{route}", json=body)

@@ -121,6 +121,11 @@ class PromptResult(BaseModel):
     token_ids: list[int] = Field(description="what the engine runs (and the prefix cache keys)")
     prompt_tokens: int
     user_placeholders: int = Field(description="<|user|> placeholder tokens: where a user_embedding would go")
+    begin_token_appended: bool = Field(
+        False,
+        description="retrieve and recommend append the model's code begin token (e.g. <|sid_begin|>) after these "
+        "tokens, which do not end with it (genrec/sid_layout.json 'begin')",
+    )
 
 
 class PromptInput(PromptForms):

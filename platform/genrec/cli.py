@@ -1,4 +1,4 @@
-"""`genrec ...` commands: tiny-model, build-ids, model-version, deploy, bench, catalog."""
+"""`genrec ...` commands: tiny-model, build-ids, model-version, prompt, deploy, bench, catalog."""
 
 from __future__ import annotations
 
@@ -116,6 +116,49 @@ def model_version_command(model: Path = typer.Argument(..., help="model director
     from genrec.model.directory import ModelDir
 
     typer.echo(ModelDir.open(model).version)
+
+
+@app.command("prompt")
+def prompt(
+    model: Path = typer.Argument(..., help="model directory (a Qwen3 semantic-ID model)"),
+    messages: Path = typer.Option(None, help="a JSON file of chat messages, [{role, content}, ...] ('-': stdin)"),
+    text: str = typer.Option(None, help="the prompt as raw text"),
+    token_ids: Path = typer.Option(None, help="a JSON file of token IDs, [1, 2, ...] ('-': stdin)"),
+    show_tokens: bool = typer.Option(False, "--show-tokens", help="also each token ID's token, as `tokens`"),
+):
+    """Print the prompt as the engine would run it, as JSON: its text (chat messages rendered by the model's chat
+    template, with its system prompt and options), token IDs and soft-token placeholders; what POST /v1/prompt
+    answers. Reads the tokenizer, config and catalog, not the weights."""
+    from genrec.api import PromptRequest
+    from genrec.engine.decoder_inputs import render_prompt
+    from genrec.model.directory import ModelDir
+    from genrec.model.tokenizer import USER_TOKEN
+
+    given = {"messages": messages, "prompt": text, "prompt_token_ids": token_ids}
+    if sum(value is not None for value in given.values()) != 1:
+        raise typer.BadParameter("give exactly one of --messages, --text, --token-ids")
+    fields = {name: _json_file(value) if isinstance(value, Path) else value for name, value in given.items()}
+    request = PromptRequest(**{name: value for name, value in fields.items() if value is not None})
+    directory = ModelDir.open(model, family="qwen3")
+    tokenizer = directory.load_tokenizer()
+    layout = directory.load_sid_layout(tokenizer)
+    # As the engine's Decoder.max_prompt_tokens: room after the prompt for the longest code, its ending and the
+    # begin token the engine may append.
+    steps = directory.load_catalog(tokenizer, layout).levels + len(layout.ending) + (layout.begin is not None)
+    room, vocab, placeholder = directory.config.prompt_room(steps), directory.config.vocab_size, tokenizer.get_vocab()
+    chat = directory.load_chat(tokenizer)
+    rendered = render_prompt(request, chat, vocab, room, placeholder.get(USER_TOKEN), layout.begin)
+    shown = rendered.model_dump(exclude={"request_id"})
+    if show_tokens:
+        shown["tokens"] = tokenizer.convert_ids_to_tokens(rendered.token_ids)
+    # one line per field (a list on one line): the text stays readable beside thousands of token IDs
+    lines = [f"  {json.dumps(name)}: {json.dumps(value, ensure_ascii=False)}" for name, value in shown.items()]
+    typer.echo("{\n" + ",\n".join(lines) + "\n}")
+
+
+def _json_file(path: Path):
+    """A JSON value from a file, or from stdin for '-'."""
+    return json.loads(sys.stdin.read() if str(path) == "-" else path.read_text())
 
 
 @app.command("deploy")

@@ -74,10 +74,12 @@ class Job:
 class Retrieve(Job):
     """Constrained beam search for each user's prompt (and user embedding: the row's, or the cache's)."""
 
-    layout = InputLayout(required=(("prompt", "prompt_token_ids"),), optional=("user_embedding", "exclude_item_ids"))
+    layout = InputLayout(
+        required=(("prompt", "messages", "prompt_token_ids"),), optional=("user_embedding", "exclude_item_ids")
+    )
     results = RECOMMENDATIONS
     kind, request = "retrieve", RetrieveRequest
-    columns = ["prompt", "prompt_token_ids", "user_embedding", "exclude_item_ids"]
+    columns = ["prompt", "messages", "prompt_token_ids", "user_embedding", "exclude_item_ids"]
 
     def __init__(self, spec: RecommendSpec):
         self.spec, self.model, self.cache = spec, spec.model, None

@@ -91,6 +91,25 @@ class RetrieveOptions:
     cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
 
 
+@bench("sid-catalog", "sid_catalog.run")
+class SidCatalogOptions:
+    """A large SID catalog (OpenOneRec's 3 x 8,192 levels, 1 M items): its trie's build time, and beam search over it
+    against the same model over a catalog of 256 codes per level (same items, same prompts, round-robin)."""
+
+    items: int = opt(1_000_000, "catalog items", min=1)
+    per_level: int = opt(8192, "codes per level of the large catalog (the model's vocabulary has as many)", min=2)
+    small_per_level: int = opt(256, "codes per level of the baseline catalog", min=2)
+    levels: int = opt(3, min=1)
+    beam_width: int = opt(256, min=1)
+    prompt_len: int = opt(1000, min=1)
+    batch: int = opt(1, "requests per Engine.retrieve call", min=1)
+    preset: str = opt("tiny", "the model's dimensions: tiny | small | qwen3-1.7b (random weights)")
+    device: str = device_opt()
+    repeats: int = opt(5, min=1)
+    build_repeats: int = opt(3, "trie builds timed", min=1)
+    cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
+
+
 @bench("score", "engine.score")
 class ScoreOptions:
     """One-pass scoring against one forward per candidate and one plain forward of as many tokens."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from genrec.api import (
@@ -31,7 +32,7 @@ from genrec.engine.decoder_inputs import (
     inject_user_embedding,
     label_token_ids,
     prompt_token_ids,
-    rendered_prompt,
+    render_prompt,
 )
 from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
@@ -86,6 +87,7 @@ class Decoder:
         self.layout = layout if layout is not None else SidLayout.infer(tokenizer)
         self.trie = CodeTrie.build(catalog.codes, self.device, catalog.lengths, self.layout.ending, catalog.popularity)
         self.levels = self.trie.levels  # decode steps: the longest code and its ending
+        self.largest_code = int(np.diff(self.trie.code_ptr).max())  # items of the most shared code
         self.begin = self.layout.begin
         self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
         # Room for the code after the prompt, and for the begin token the engine may append.
@@ -128,6 +130,11 @@ class Decoder:
         prepared.kv_tokens = self._kv_tokens(prepared)
         return prepared
 
+    def render_prompt(self, req: PromptForms) -> PromptResult:
+        """The request's prompt as `prepare` runs it (its text and token IDs), checked the same way."""
+        vocab_size = self.model.config.vocab_size
+        return render_prompt(req, self.chat, vocab_size, self.max_prompt_tokens, self.placeholder_id, self.begin)
+
     def _begun(self, token_ids: torch.Tensor) -> bool:
         """Whether a code may follow these tokens as they are: the layout has no begin token, or they end with it."""
         return self.begin is None or int(token_ids[-1]) == self.begin
@@ -137,19 +144,6 @@ class Decoder:
         log-probability is its beam logprob); after the begin token when the prompt does not end with it."""
         row = [*self.catalog.code(index), *self.layout.ending]
         return row if begun else [self.begin, *row]
-
-    def render_prompt(self, req: PromptForms) -> PromptResult:
-        """The request's prompt as `prepare` runs it (its text and token IDs), checked the same way."""
-        text, token_ids = rendered_prompt(req, self.chat, self.model.config.vocab_size, self.max_prompt_tokens)
-        ids = token_ids.tolist()
-        return PromptResult(
-            request_id=getattr(req, "request_id", None),
-            form=req.prompt_form,
-            text=text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False),
-            token_ids=ids,
-            prompt_tokens=len(ids),
-            user_placeholders=ids.count(self.placeholder_id) if self.placeholder_id is not None else 0,
-        )
 
     def _kept(self, candidates: list[Candidate], exclusions: list[int]) -> list[int]:
         """Recommend: the given candidates to rank, in order: no excluded item, each item once."""
@@ -171,7 +165,8 @@ class Decoder:
         if prepared.candidate_tokens is not None:
             tokens += sum(map(len, prepared.candidate_tokens))
             if prepared.kind == "recommend":
-                tokens += prepared.request.num_results * self.levels
+                retrieved = min(prepared.request.num_results * self.largest_code, len(self.catalog))
+                tokens += retrieved * self.levels  # every item of a retrieved shared code is a row
         return tokens
 
     def block_keys(self, prepared: PreparedPrompt, salt: bytes) -> list[bytes]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from genrec.api import Candidate, PromptForms
+from genrec.api import Candidate, PromptForms, PromptResult
 from genrec.errors import InvalidRequestError
 from genrec.model.chat import ChatTemplate
 from genrec.model.soft_token import SoftTokenProjector
@@ -65,6 +65,25 @@ def rendered_prompt(
     if len(ids) > max_len:
         raise InvalidRequestError(field, f"the prompt has {len(ids)} tokens; this model serves at most {max_len}")
     return text, torch.tensor(ids, dtype=torch.int64)
+
+
+def render_prompt(
+    req: PromptForms, chat: ChatTemplate, vocab_size: int, max_len: int, placeholder_id: int | None, begin: int | None
+) -> PromptResult:
+    """What the engine runs of the request's prompt: its text (token IDs decoded when given as such), its token IDs,
+    how many soft-token placeholders they hold and whether a code's `begin` token (None: the layout has none) would
+    be appended, checked as `prepare` checks them."""
+    text, token_ids = rendered_prompt(req, chat, vocab_size, max_len)
+    ids = token_ids.tolist()
+    return PromptResult(
+        request_id=getattr(req, "request_id", None),
+        form=req.prompt_form,
+        text=text if text is not None else chat.tokenizer.decode(ids, skip_special_tokens=False),
+        token_ids=ids,
+        prompt_tokens=len(ids),
+        user_placeholders=ids.count(placeholder_id) if placeholder_id is not None else 0,
+        begin_token_appended=begin is not None and ids[-1] != begin,
+    )
 
 
 def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: int, begun: bool) -> list[list[int]]:

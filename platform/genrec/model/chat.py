@@ -3,8 +3,11 @@ the model's system prompt and template options from `genrec/prompt.json`, the as
 
 `genrec/prompt.json` (optional; every key optional):
 
-    {"system_prompt": "You are a recommender ...",         # a system turn put first when the messages have none
+    {"version": 1,
+     "system_prompt": "You are a recommender ...",         # a system turn put first when the messages have none
      "chat_template_kwargs": {"enable_thinking": false}}  # the template's own variables
+
+(the model's SID layout has its own file, genrec/sid_layout.json: genrec.model.sid_layout.)
 
 Without the file: no system prompt, and `enable_thinking` false (Qwen3 templates then open the assistant's turn
 with an empty think block: a semantic-ID model answers with a code, not with reasoning). Templates that do not
@@ -20,6 +23,8 @@ from pathlib import Path
 from genrec.errors import InvalidRequestError, ModelDirectoryError
 
 PROMPT_FILE = "prompt.json"
+PROMPT_VERSION = 1
+_KEYS = ("version", "system_prompt", "chat_template_kwargs")
 DEFAULT_TEMPLATE_KWARGS = {"enable_thinking": False}
 # apply_chat_template's own arguments: a template variable of one of these names would change what it does.
 RESERVED_KWARGS = frozenset(
@@ -47,9 +52,13 @@ class ChatOptions:
             raise ModelDirectoryError(path, f"cannot be read as JSON ({err})") from None
         if not isinstance(raw, dict):
             raise ModelDirectoryError(path, "must be a JSON object")
-        unknown = sorted(set(raw) - {"system_prompt", "chat_template_kwargs"})
+        unknown = sorted(set(raw) - set(_KEYS))
         if unknown:
-            raise ModelDirectoryError(path, f"unknown keys {unknown} (known: system_prompt, chat_template_kwargs)")
+            raise ModelDirectoryError(path, f"unknown keys {unknown} (known: {', '.join(_KEYS)})")
+        if raw.get("version", PROMPT_VERSION) != PROMPT_VERSION:
+            raise ModelDirectoryError(
+                path, f"version {raw['version']!r} is not one this genrec reads ({PROMPT_VERSION})"
+            )
         system = raw.get("system_prompt")
         if system is not None and (not isinstance(system, str) or not system.strip()):
             raise ModelDirectoryError(path, "system_prompt must be a non-empty string (or null)")

@@ -141,12 +141,18 @@ def make_room(out: Path, force: bool) -> None:
 
 
 def write_model_dir(
-    out: str | Path, spec: ModelSpec = ModelSpec(), dtype: torch.dtype = torch.float32, init_device: str = "cpu"
+    out: str | Path,
+    spec: ModelSpec = ModelSpec(),
+    dtype: torch.dtype = torch.float32,
+    init_device: str = "cpu",
+    tokenizer=None,
 ) -> Path:
-    """Write the directory. Weights are deterministic per (seed, init_device); a GPU draws 2B numbers fast."""
+    """Write the directory. Weights are deterministic per (seed, init_device); a GPU draws 2B numbers fast.
+    `tokenizer`: genrec's own by default; another (e.g. an open checkpoint's SID naming) has its layout inferred,
+    and the random catalog takes level l's codes by position among that level's tokens."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(spec.levels, spec.codebook, seed=spec.seed)
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer(spec.levels, spec.codebook, seed=spec.seed)
     vocab = spec.vocab_size or len(tokenizer)
     if vocab < len(tokenizer):
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer ({len(tokenizer)} tokens)")
@@ -177,7 +183,8 @@ def write_model_dir(
 
     layout = SidLayout.infer(tokenizer)
     indices = _random_codes(spec.items, spec.levels, spec.codebook, spec.seed)
-    codes = np.stack([layout.token_ids(level, indices[:, level]) for level in range(spec.levels)], axis=1)
+    levels = layout.level_ids[: spec.levels]  # a level smaller than the codebook (another tokenizer's) wraps
+    codes = np.stack([ids[indices[:, level] % len(ids)] for level, ids in enumerate(levels)], axis=1)
     item_ids = np.array([f"item-{i:06d}" for i in range(spec.items)], dtype=object)
     Catalog.validated(item_ids, codes, layout).save(out / GENREC_SUBDIR / "catalog.parquet")
     if spec.user_dim:

@@ -85,6 +85,11 @@ class EngineServer:
             request = kept
         return await self._run("rank", request, timeout_s)
 
+    async def render_prompt(self, request, timeout_s: float, routing_key: str | None = None):
+        """POST /v1/prompt: the request's prompt as this replica's engine runs it (text, token IDs); no compute,
+        so not queued: rendered in a worker thread, this event loop also answers health checks."""
+        return await asyncio.to_thread(self.engine.render_prompt, request), self.info.version
+
     def model_info(self, routing_key: str | None = None) -> ModelInfo:
         return self.info
 

@@ -9,6 +9,8 @@ cache (the retriever's soft token; awaiting the actor, never blocking the event 
 handle under the request's deadline, with the request's routing key (the user, see router.py) for its
 request router, and turns every failure into the status the client can act on (see http_errors).
 
+POST /v1/prompt goes to the retriever too: a prompt rendered as its engine runs it (text and token IDs; no compute).
+
 With both, a /v1/recommend whose body has `history` runs two stages under the request's one deadline: the
 retriever's beam search, then the ranker's rank of the retrieved items (funnel.py), both calls with the user's
 routing key, so that each user stays on one replica of each deployment. Stage 1 leaves a reserve of the deadline
@@ -32,7 +34,15 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-from genrec.api import FAMILY_KINDS, RankResult, RecommendResult, RetrieveResult, ScoreResult
+from genrec.api import (
+    FAMILY_KINDS,
+    PromptRequest,
+    PromptResult,
+    RankResult,
+    RecommendResult,
+    RetrieveResult,
+    ScoreResult,
+)
 from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
 from genrec.serving import edge, funnel
@@ -61,6 +71,7 @@ RANKER_VERSION_HEADER = "X-Ranker-Version"  # a two-stage recommend: the ranking
 NAMES = {"retriever": ("the engines'", "the engine replica"), "ranker": ("the ranker's", "the ranker replica")}
 # The deployment each route's kind goes to.
 SECTION_OF = {kind: section for section, family in FAMILY.items() for kind in FAMILY_KINDS[family]}
+SECTION_OF["prompt"] = "retriever"  # POST /v1/prompt: the rendered prompt of the model that reads prompts
 ERROR_CODES = (400, 401, 404, 408, 413, 422, 503, 504)
 # The routes declare the bearer scheme for the OpenAPI docs; the edge checks the token, before the body is read.
 bearer = HTTPBearer(auto_error=False, description="set when the deployment has auth_token_env")
@@ -99,6 +110,7 @@ def build_api(ingress) -> FastAPI:
         ("/v1/score", ingress.score, ScoreResult),
         ("/v1/recommend", ingress.recommend, RecommendResult),
         ("/v1/rank", ingress.rank, RankResult),
+        ("/v1/prompt", ingress.prompt, PromptResult),
     ):
         api.add_api_route(path, method, methods=["POST"], response_model=result)
     api.add_api_route("/v1/model", ingress.model, methods=["GET"], response_model=ModelInfo)
@@ -158,6 +170,18 @@ class Ingress:
 
     async def rank(self, body: RankBody, response: Response, auth=Depends(bearer)):
         return await self._serve("rank", body, response)
+
+    async def prompt(self, body: PromptRequest, response: Response, auth=Depends(bearer)):
+        """The prompt rendered as the retriever's engine runs it: its text and token IDs (a chat by the model's
+        template), checked as a request's prompt is."""
+        try:
+            deadline = edge.arrived() + self.request_timeout_s
+            target = self._deployment_of("prompt")
+            result, version = await self._call(target, "render_prompt", body, deadline, routing_key(body))
+            response.headers[MODEL_VERSION_HEADER] = version
+            return result
+        except Exception as err:  # noqa: BLE001
+            return error_response(err, self.retry_after_s)
 
     async def model(self, auth=Depends(bearer)):
         """The retriever's model, with the ranker's under `ranker`; an app of a ranker alone: the ranker's."""

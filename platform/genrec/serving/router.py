@@ -3,7 +3,8 @@
 The key (`routing_key`, made by the ingress): the user ID when the request has one. Without one, a digest of the
 prompt's first block (by default): a returning user's prompt starts like their last one (history first, oldest
 first: docs/engine.md, "Prompt layouts that reuse"), so it still finds the replica that holds it. The ingress has
-no tokenizer, so a text prompt's first block is approximated by its first characters. Prompts that all open with
+no tokenizer, so a text prompt's first block is approximated by its first characters (a chat's: its messages'
+roles and contents, before the model's template renders them). Prompts that all open with
 the same template would all share that key (one replica's traffic): with `blocks` (the app's
 `routing_prefix_blocks`) the digest covers the first `blocks` blocks, template included, so prompts that differ
 after it get their own keys. A two-stage recommend calls two deployments: both get the user's key; without a user,
@@ -53,6 +54,9 @@ def _first_blocks(body, blocks: int) -> str:
         return json.dumps([[e.item_id, e.action, e.timestamp] for e in history[: FIRST_BLOCK * blocks]])
     if getattr(body, "prompt_token_ids", None) is not None:
         return json.dumps(list(body.prompt_token_ids[: FIRST_BLOCK * blocks]))
+    if getattr(body, "messages", None) is not None:  # the first characters of the conversation, roles included
+        chat = "".join(f"{m.role}\0{m.content}\0" for m in body.messages)
+        return "chat:" + chat[: FIRST_TEXT_CHARS * blocks]
     return "text:" + (body.prompt or "")[: FIRST_TEXT_CHARS * blocks]
 
 

@@ -133,10 +133,15 @@ class ModelInfo(BaseModel):
     serves: list[str] = Field(description="the request kinds (routes) this model answers")
     catalog_items: int
     max_candidates: int = Field(description="candidates per score, recommend or rank request")
-    levels: int | None = Field(None, description="qwen3: semantic-ID code length")
+    levels: int | None = Field(None, description="qwen3: semantic-ID code length (the longest code's)")
+    codes: int | None = Field(None, description="qwen3: distinct codes in the catalog (items may share one)")
+    code_ending: str | None = Field(None, description="qwen3: what follows a code (sid_layout.json 'ending')")
     max_beam_width: int | None = Field(None, description="qwen3")
     max_prompt_tokens: int | None = Field(None, description="qwen3")
     user_dim: int | None = Field(None, description="qwen3: soft-token input size; None: the model has no projector")
+    chat_template: bool | None = Field(
+        None, description="qwen3: the model has a chat template, so a prompt may be given as `messages`"
+    )
     tasks: list[str] | None = Field(None, description="hstu: the head's tasks (scores per candidate)")
     max_history_events: int | None = Field(None, description="hstu: events a history may hold")
     ranker: ModelInfo | None = Field(

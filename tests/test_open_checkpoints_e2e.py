@@ -1,5 +1,6 @@
 """One OpenOneRec-layout checkpoint, as downloaded plus `genrec catalog import`, served end to end (issue #30 item
-8): over HTTP by the Serve app and by the batch job, each equal to the engine called directly."""
+8): over HTTP by the Serve app and by the batch job (chat messages, as OpenOneRec prompts), each equal to the engine
+called directly."""
 
 import httpx
 import numpy as np
@@ -62,6 +63,12 @@ def test_served_over_http_equals_the_engine(serve_url, onerec_dir, onerec_engine
             got_lp = [s["logprob"] for s in scored.json()["scores"]]
             assert got_lp == pytest.approx([s.logprob for s in want_scores.scores], abs=1e-4)
 
+            prompt = client.post(f"{url}/v1/prompt", json={"messages": messages})
+            assert prompt.status_code == 200, prompt.text
+            want_ids = openonerec_prompt(onerec_engine.family.tokenizer, history(openonerec, (0, 1)))[:-1]
+            assert prompt.json()["token_ids"] == want_ids  # the template, thinking off; the engine appends the begin
+            assert prompt.json()["begin_token_appended"] is True
+
             bad = client.post(f"{url}/v1/score", json={"messages": messages, "candidates": [{"item_id": "nope"}]})
             assert bad.status_code == 422 and "candidates[0].item_id" in bad.text
     finally:
@@ -69,13 +76,9 @@ def test_served_over_http_equals_the_engine(serve_url, onerec_dir, onerec_engine
 
 
 def test_the_batch_job_equals_the_engine(ray_cluster, onerec_dir, onerec_engine, openonerec, tmp_path):
-    tokenizer = onerec_engine.family.tokenizer
-    rows = [
-        {"user_id": f"u{u}", "prompt_token_ids": openonerec_prompt(tokenizer, history(openonerec, (u, u + 1)))}
-        for u in range(6)
-    ]
+    rows = [{"user_id": f"u{u}", "messages": openonerec_messages(history(openonerec, (u, u + 1)))} for u in range(6)]
     users = tmp_path / "users.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), users)
+    pq.write_table(pa.Table.from_pylist(rows), users)  # messages: list<struct<role, content>>
     spec = RecommendSpec(
         model=str(onerec_dir), users=str(users), out=str(tmp_path / "out"), beam_width=BEAM, num_results=RESULTS
     )
@@ -83,7 +86,7 @@ def test_the_batch_job_equals_the_engine(ray_cluster, onerec_dir, onerec_engine,
     table = pq.read_table(tmp_path / "out" / "recommendations").to_pylist()
     assert summary.errors == 0 and summary.processed == len(rows)
     results = onerec_engine.retrieve(
-        [RetrieveRequest(prompt_token_ids=r["prompt_token_ids"], beam_width=BEAM, num_results=RESULTS) for r in rows]
+        [RetrieveRequest(messages=r["messages"], beam_width=BEAM, num_results=RESULTS) for r in rows]
     )
     want = [
         (r["user_id"], i.item_id, i.semantic_id, i.logprob)

@@ -106,6 +106,10 @@ def test_format_is_told_from_name_and_contents_and_can_be_forced(oo, mo, tmp_pat
     assert detect_format(lines) == "jsonl"
     with pytest.raises(CatalogError, match="--format"):
         detect_format(_write(tmp_path / "x.csv", "item,code\n"))
+    with pytest.raises(CatalogError, match="not a readable Parquet file"):
+        detect_format(_write(tmp_path / "broken.parquet", "PAR1 and nothing else"))
+    with pytest.raises(CatalogError, match="no such file"):
+        import_catalog(oo[0], tmp_path / "missing.jsonl", "jsonl")
     with pytest.raises(CatalogError, match="unknown format 'csv'"):
         import_catalog(oo[0], oo[1], "csv")
     with pytest.raises(CatalogError, match="column 'item_id' is missing"):

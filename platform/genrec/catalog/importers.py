@@ -93,6 +93,8 @@ def import_catalog(
     """Read `source` (format `fmt`, or told from the file), check every code against the model's tokenizer and SID
     layout, and write the model's catalog (`out`, default MODEL_DIR/genrec/catalog.parquet) atomically."""
     model_dir, source = Path(model_dir), Path(source)
+    if not source.is_file():
+        raise CatalogError(source, "no such file")
     tokenizer, layout = _model_tokens(model_dir)
     fmt = fmt or detect_format(source)
     if fmt not in FORMATS:
@@ -117,7 +119,10 @@ def detect_format(source: Path) -> str:
     with source.open("rb") as f:
         head = f.read(4096)
     if head.startswith(b"PAR1"):
-        names = pq.read_schema(source).names
+        try:
+            names = pq.read_schema(source).names
+        except (pa.ArrowException, OSError) as err:
+            raise CatalogError(source, f"not a readable Parquet file ({err})") from None
         if {"pid", "sid"} <= set(names):
             return "pid2sid"
         if {"item_id", "semantic_id"} <= set(names):

@@ -128,3 +128,13 @@ def test_bench_threads(tiny_dir, tmp_path):
         assert figures["rounds"] == 1 and figures["saturation_qps"] > 0 and figures["sequential_s"] > 0, name
         assert (figures["pinned_cores"] is not None) == ("pinned" in name), name
     assert report["ratios"]["1 thread, pinned"]["vs_unpinned"]["baseline"] == "1 thread"
+
+
+def test_bench_sid_catalog(tmp_path):
+    report = run(
+        tmp_path, "sid-catalog", "--items", "3000", "--per-level", "64", "--small-per-level", "8", "--prompt-len", "16",
+        "--beam-width", "8", "--repeats", "1", "--build-repeats", "1",
+    )  # fmt: skip
+    assert report["codes"]["large"] > report["codes"]["small"] > 8**2
+    assert report["trie_build_s"] > 0 and report["ratios"]["retrieve_large_over_small"] > 0
+    assert isinstance(report["meets_goals"], bool)

@@ -190,14 +190,16 @@ def test_score_and_recommend_follow_the_logprob_rule(openonerec, rng):
         with torch.no_grad():
             logits = hf(torch.tensor([row])).logits[0, -1].float()
         assert abs(got.logprob - torch.log_softmax(logits, -1)[yes].item()) <= TOL
-    (retrieved,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=2)])
+    (retrieved,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=6)])
+    assert len(retrieved.items) > retrieved.codes  # a shared code among them: its items share one scoring row
     found = {i.item_id for i in retrieved.items}
     given = next(f"v{k}" for k in range(30) if f"v{k}" not in found)
     request = RecommendRequest(
-        prompt_token_ids=prompt, beam_width=2, candidates=[Candidate(item_id=given)], rank_by="joint"
+        prompt_token_ids=prompt, beam_width=6, candidates=[Candidate(item_id=given)], rank_by="joint"
     )
     (rec,) = engine.recommend([request])
     by_id = {i.item_id: i for i in rec.items}
+    assert len(rec.items) == len(retrieved.items) + 1
     want = sequence_logprobs(hf, prompt + [begin], [[*catalog.code(catalog.index_of(given)), end]])[0]
     assert abs(by_id[given].code_logprob - want) <= TOL
     for item in retrieved.items:

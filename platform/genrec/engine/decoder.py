@@ -87,7 +87,6 @@ class Decoder:
         self.layout = layout if layout is not None else SidLayout.infer(tokenizer)
         self.trie = CodeTrie.build(catalog.codes, self.device, catalog.lengths, self.layout.ending, catalog.popularity)
         self.levels = self.trie.levels  # decode steps: the longest code and its ending
-        self.largest_code = int(np.diff(self.trie.code_ptr).max())  # items of the most shared code
         self.begin = self.layout.begin
         self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
         # Room for the code after the prompt, and for the begin token the engine may append.
@@ -165,8 +164,7 @@ class Decoder:
         if prepared.candidate_tokens is not None:
             tokens += sum(map(len, prepared.candidate_tokens))
             if prepared.kind == "recommend":
-                retrieved = min(prepared.request.num_results * self.largest_code, len(self.catalog))
-                tokens += retrieved * self.levels  # every item of a retrieved shared code is a row
+                tokens += prepared.request.num_results * self.levels  # a row per retrieved code
         return tokens
 
     def block_keys(self, prepared: PreparedPrompt, salt: bytes) -> list[bytes]:
@@ -223,7 +221,8 @@ class Decoder:
         padded to the pass's widest, their attention included (genrec.engine.pass_cost)."""
         for job in jobs:
             if job.work is None:
-                job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved, self._retrieved_rows(job))
+                rows, job.row_of_retrieved = self._retrieved_rows(job)
+                job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved, rows)
                 job.scored = [LabelScores.empty(self.device)]
         views = [job.work.after(job.rows_done) for job in jobs]
         for k, scores in self.scorer.score_pass(views, budget):
@@ -235,13 +234,25 @@ class Decoder:
                 if job.kind == "score":
                     job.result = results.score_result(job.prepared, scores)
                 else:
+                    scores = scores.rows(self._row_of_each_item(job, len(scores)))
                     job.result = results.recommend_result(self.catalog, job.prepared, job.retrieved, scores)
 
-    def _retrieved_rows(self, job) -> list[list[int]] | None:
-        """A recommend's retrieved items as scoring rows over its context (which ends with the begin token)."""
+    def _retrieved_rows(self, job) -> tuple[list[list[int]] | None, list[int] | None]:
+        """A recommend's retrieved items as scoring rows over its context (which ends with the begin token): one row
+        per code, as the items of a shared code (adjacent) score alike; and each item's row."""
         if job.retrieved is None:
-            return None
-        return [self.item_row(self.catalog.index_of(item.item_id), True) for item in job.retrieved.items]
+            return None, None
+        rows, row_of_item, items = [], [], job.retrieved.items
+        for k, item in enumerate(items):
+            if not k or item.semantic_id != items[k - 1].semantic_id:
+                rows.append(self.item_row(self.catalog.index_of(item.item_id), True))
+            row_of_item.append(len(rows) - 1)
+        return rows, row_of_item
+
+    def _row_of_each_item(self, job, scored: int) -> torch.Tensor:
+        """Scored rows -> one per item: each retrieved item's code row, then the given candidates' rows."""
+        codes = job.row_of_retrieved[-1] + 1 if job.row_of_retrieved else 0
+        return to_device(np.concatenate([job.row_of_retrieved, np.arange(codes, scored)]).astype(np.int64), self.device)
 
     def describe(self) -> dict:
         return {

@@ -45,6 +45,7 @@ class Job:
     last_logits: torch.Tensor | None = None  # once prefilled
     cohort: BeamCohort | None = None  # DECODING
     retrieved: RetrieveResult | None = None  # SCORING a recommend: its beams, ranked with the given candidates
+    row_of_retrieved: list[int] | None = None  # SCORING a recommend: each retrieved item's row (one per code)
     work: ScoreJob | None = None  # SCORING (score, recommend): its rows, built when it starts scoring
     scored: list = field(default_factory=list)  # SCORING: the outputs of its rows done so far, pass by pass
     rows_done: int = 0

@@ -60,6 +60,10 @@ class LabelScores:
     def __len__(self) -> int:
         return len(self.logprob)
 
+    def rows(self, index: torch.Tensor) -> LabelScores:
+        """These scores at `index` (rows repeated or reordered: e.g. one per item of a shared code)."""
+        return LabelScores(self.logprob[index], self.prob[index], self.sequence[index])
+
     @classmethod
     def cat(cls, parts: list[LabelScores]) -> LabelScores:
         return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprob", "prob", "sequence")))
@@ -135,7 +139,7 @@ def score_job(prepared, ctx: ContextKV, last_logits: torch.Tensor, retrieved=Non
     if prepared.request.rank_by != "joint" or not given:
         return ScoreJob(ctx, tokens, prepared.labels)
     prompt_logprobs = torch.log_softmax(last_logits.float(), dim=-1)
-    return ScoreJob(ctx, tokens, prepared.labels, len(retrieved.items), prompt_logprobs)
+    return ScoreJob(ctx, tokens, prepared.labels, len(retrieved_rows), prompt_logprobs)
 
 
 def not_retrieved(prepared, retrieved) -> list[int]:

@@ -167,3 +167,21 @@ def serve_url(ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def openonerec(tmp_path_factory):
+    """A tiny checkpoint in OpenOneRec's layout, as downloaded (no genrec/ files): a WrittenCheckpoint."""
+    from genrec.model.open_layouts import write_openonerec_dir
+    from tests.open_checkpoints import OPEN_SPEC
+
+    return write_openonerec_dir(tmp_path_factory.mktemp("openonerec") / "OneRec-tiny", OPEN_SPEC)
+
+
+@pytest.fixture(scope="session")
+def minionerec(tmp_path_factory):
+    """A tiny checkpoint in MiniOneRec's layout, as downloaded (no genrec/ files): a WrittenCheckpoint."""
+    from genrec.model.open_layouts import write_minionerec_dir
+    from tests.open_checkpoints import OPEN_SPEC
+
+    return write_minionerec_dir(tmp_path_factory.mktemp("minionerec") / "MiniOneRec-tiny", OPEN_SPEC)

@@ -1,4 +1,4 @@
-"""`genrec ...` commands: tiny-model, build-ids, model-version, prompt, deploy, bench."""
+"""`genrec ...` commands: tiny-model, build-ids, model-version, prompt, deploy, bench, catalog."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ app = typer.Typer(
     help="genrec: generative recommendation with semantic IDs.", no_args_is_help=True, pretty_exceptions_enable=False
 )
 app.add_typer(bench_app, name="bench")
+catalog_app = typer.Typer(help="The item catalog of a model directory.", no_args_is_help=True)
+app.add_typer(catalog_app, name="catalog")
 
 
 @app.command("tiny-model")
@@ -84,6 +86,27 @@ def build_ids(
     target = out or directory.catalog_path
     catalog.save(target)
     typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))
+
+
+@catalog_app.command("import")
+def catalog_import(
+    model_dir: Path = typer.Argument(..., help="the model directory whose tokenizer the codes must fit"),
+    source: Path = typer.Argument(..., help="pid2sid.parquet, *.index.json, a SID-GR *.jsonl, or a catalog.parquet"),
+    fmt: str = typer.Option(None, "--format", help="pid2sid | index-json | jsonl | genrec (default: from the file)"),
+    layout: str = typer.Option(
+        None,
+        "--layout",
+        help="first write MODEL_DIR/genrec/sid_layout.json naming this preset (openonerec | minionerec | genrec), "
+        "for a layout the token names do not tell (MiniOneRec: codes end with \\n then EOS)",
+    ),
+):
+    """Read an item map into MODEL_DIR/genrec/catalog.parquet (written atomically), every code checked against
+    the model's tokenizer and SID layout (an error names the row and the item); prints a JSON summary."""
+    from genrec.catalog.importers import import_catalog, write_layout_preset
+
+    if layout is not None:
+        write_layout_preset(model_dir, layout)
+    typer.echo(json.dumps(import_catalog(model_dir, source, fmt).as_dict()))
 
 
 @app.command("model-version")

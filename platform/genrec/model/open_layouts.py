@@ -1,0 +1,297 @@
+"""Tiny random-weight checkpoints laid out exactly as OpenOneRec and MiniOneRec ship theirs, plus catalog files in
+the forms other engines read (NVIDIA SID-GR's JSONL). Our own code, written from the layouts' published facts
+(docs/open-checkpoints.md): token names, token-ID order, wrappers and endings, item-map files and prompt styles.
+
+Tests and the docs' walkthrough use them in place of a downloaded checkpoint (no model hub is reachable here).
+Neither writer writes genrec's catalog: `genrec catalog import` makes it from the item-map file, as a user would.
+
+- OpenOneRec: Qwen3; a base vocabulary, then `<s_a_N>`, `<s_b_N>`, `<s_c_N>` in numeric order, then
+  `<|sid_begin|>`, `<|sid_end|>`; the vocabulary padded to a multiple of 256; a Qwen3-style chat template (system
+  prompt, thinking switch); labels `是` / `否`; `pid2sid.parquet` (`pid`, `sid`: 3 ints) with shared codes.
+- MiniOneRec: Qwen2 (q/k/v biases, no q/k norm); tokens added with `add_tokens(sorted(set(...)))` (string order,
+  only the codes that occur); `<d_k>` only on colliding items; answers end with `\\n` then EOS; `*.index.json`;
+  Alpaca-style text prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from genrec.model.config import Qwen3Config
+from genrec.model.tiny import _random_weights
+
+SID_BEGIN, SID_END = "<|sid_begin|>", "<|sid_end|>"
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+THINK_TOKENS = ("<think>", "</think>")
+OPENONEREC_LABELS = ("是", "否")
+OPENONEREC_LEVELS = ("s_a", "s_b", "s_c")
+MINIONEREC_LEVELS = ("a", "b", "c", "d")
+VOCAB_MULTIPLE = 256
+OPENONEREC_SYSTEM_PROMPT = "你是一个推荐助手。根据用户看过的视频，推荐用户接下来可能看的视频。"
+
+# A Qwen3-style chat template (our own text): a turn per message, and, when a reply is asked for, the assistant
+# turn opened; `enable_thinking=false` puts the empty think block there, as Qwen3 does.
+QWEN3_STYLE_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+_WORDS = (
+    "user watched video item history recent next recommend the a and of to in is was yes no instruction input "
+    "response interacted with items has below predict which one will buy"
+).split()
+_CHINESE = ("是", "否", "用户", "视频", "推荐", "看过", "接下来", "可能", "你", "一个", "助手", "根据", "的")
+
+
+@dataclass(frozen=True)
+class OpenLayoutSpec:
+    """A tiny checkpoint's shape. `codebook` codes per level (3 levels); `shared` items reuse an earlier item's code
+    (OpenOneRec: shared codes; MiniOneRec: collisions, disambiguated by a 4th `<d_k>` token)."""
+
+    items: int = 120
+    codebook: int = 16
+    shared: int = 12
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    max_positions: int = 4096
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.shared < self.items:
+            raise ValueError(f"open layout spec: shared must be in [1, items), not {self.shared}")
+        if self.items - self.shared > self.codebook**3:
+            raise ValueError(
+                f"open layout spec: {self.items - self.shared} distinct codes do not fit {self.codebook}^3"
+            )
+
+
+@dataclass(frozen=True)
+class WrittenCheckpoint:
+    model_dir: Path
+    item_map: Path  # pid2sid.parquet or *.index.json: the file `genrec catalog import` reads
+    codes: dict[str, list[str]]  # item ID -> the code's token names (no wrappers or endings), as the map says
+
+
+# -- OpenOneRec ----------------------------------------------------------------------------------------------------
+
+
+def write_openonerec_dir(out: str | Path, spec: OpenLayoutSpec = OpenLayoutSpec()) -> WrittenCheckpoint:
+    """A Qwen3 checkpoint in OpenOneRec's layout, and its `pid2sid.parquet` beside the model's files."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = base_tokenizer([ENDOFTEXT, IM_START, IM_END], spec.seed, chinese=True)
+    tokenizer.add_tokens(list(THINK_TOKENS))
+    tokenizer.add_tokens([f"<{level}_{i}>" for level in OPENONEREC_LEVELS for i in range(spec.codebook)])
+    tokenizer.add_tokens([SID_BEGIN, SID_END])
+    for label in OPENONEREC_LABELS:
+        _check_one_token(tokenizer, label)
+    tokenizer.chat_template = QWEN3_STYLE_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+
+    config = _qwen3_config(spec, _padded(len(tokenizer)))
+    body = config.to_hf_dict()
+    body.update(bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END), pad_token_id=None)
+    (out / "config.json").write_text(json.dumps(body, indent=2))
+    generator = torch.Generator().manual_seed(spec.seed)
+    save_file(_random_weights(config, generator, torch.float32), str(out / "model.safetensors"))
+
+    sids = _shared_codes(spec)
+    pids = list(range(1000, 1000 + spec.items))  # OpenOneRec's pids are integers
+    table = pa.table({"pid": pa.array(pids, pa.int64()), "sid": pa.array(sids.tolist(), pa.list_(pa.int64()))})
+    pq.write_table(table, out / "pid2sid.parquet")
+    codes = {
+        str(pid): [f"<{lv}_{c}>" for lv, c in zip(OPENONEREC_LEVELS, sid, strict=True)]
+        for pid, sid in zip(pids, sids.tolist(), strict=True)
+    }
+    return WrittenCheckpoint(out, out / "pid2sid.parquet", codes)
+
+
+def openonerec_messages(history: list[list[str]], system: str = OPENONEREC_SYSTEM_PROMPT) -> list[dict]:
+    """Chat messages as OpenOneRec's recommendation task writes them: the history as wrapped codes, `/no_think`."""
+    watched = "".join(SID_BEGIN + "".join(code) + SID_END for code in history)
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"用户看过的视频：{watched}/no_think"}]
+
+
+def openonerec_prompt(tokenizer, history: list[list[str]]) -> list[int]:
+    """The prompt's token IDs as OpenOneRec's evaluation builds it: the chat template with thinking off, then
+    `<|sid_begin|>` appended (the code starts after it)."""
+    text = tokenizer.apply_chat_template(
+        openonerec_messages(history), tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    return tokenizer(text + SID_BEGIN, add_special_tokens=False)["input_ids"]
+
+
+def _shared_codes(spec: OpenLayoutSpec) -> np.ndarray:
+    """[items, 3] per-level indexes: distinct codes, then `shared` rows that repeat one of them."""
+    distinct = spec.items - spec.shared
+    rng = np.random.default_rng(spec.seed)
+    flat = rng.choice(spec.codebook**3, size=distinct, replace=False)
+    codes = np.stack([flat // spec.codebook**2, (flat // spec.codebook) % spec.codebook, flat % spec.codebook], 1)
+    repeats = codes[rng.integers(0, distinct, size=spec.shared)]
+    order = rng.permutation(spec.items)  # shared rows are spread over the map, not all at its end
+    return np.concatenate([codes, repeats])[order]
+
+
+# -- MiniOneRec ----------------------------------------------------------------------------------------------------
+
+
+def write_minionerec_dir(
+    out: str | Path, spec: OpenLayoutSpec = OpenLayoutSpec(), name: str = "Toys"
+) -> WrittenCheckpoint:
+    """A Qwen2 checkpoint in MiniOneRec's layout, and its `{name}.index.json` beside the model's files."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    index = _minionerec_index(spec)
+    tokenizer = base_tokenizer([ENDOFTEXT, IM_START, IM_END], spec.seed, chinese=False)
+    tokenizer.add_tokens(sorted({token for code in index.values() for token in code}))  # string order, as theirs
+    for label in ("yes", "no", "\n"):
+        _check_one_token(tokenizer, label)
+    tokenizer.save_pretrained(str(out))
+    _write_qwen2(out, spec, _padded(len(tokenizer)), tokenizer.eos_token_id)
+    (out / f"{name}.index.json").write_text(json.dumps(index, indent=1))
+    return WrittenCheckpoint(out, out / f"{name}.index.json", index)
+
+
+def alpaca_prompt(history: list[list[str]]) -> str:
+    """An Alpaca-style text prompt as MiniOneRec's SFT data writes it; the answer follows `### Response:\\n`."""
+    items = ", ".join("".join(code) for code in history)
+    return (
+        "Below is an instruction that describes a task, paired with an input that provides further context. "
+        "Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\nCan you predict the next item the user will buy?\n\n"
+        f"### User Input:\nThe user has interacted with items {items} in chronological order.\n\n### Response:\n"
+    )
+
+
+def _minionerec_index(spec: OpenLayoutSpec) -> dict[str, list[str]]:
+    """{"0": ["<a_..>", "<b_..>", "<c_..>"(, "<d_k>")]}: levels a and b use only part of the codebook (sparse,
+    as theirs), and every item of a colliding group gets `<d_0>`, `<d_1>`, ... (the others keep 3 tokens)."""
+    rng = np.random.default_rng(spec.seed)
+    sizes = (max(2, spec.codebook * 3 // 4), max(2, spec.codebook * 7 // 8), spec.codebook)
+    used = [np.sort(rng.choice(spec.codebook, size=size, replace=False)) for size in sizes]
+    space = math.prod(sizes)
+    distinct = spec.items - spec.shared
+    if distinct > space:
+        raise ValueError(f"open layout spec: {distinct} distinct codes do not fit the sparse levels ({space})")
+    flat = rng.choice(space, size=distinct, replace=False)
+    digits = np.stack([flat // (sizes[1] * sizes[2]), (flat // sizes[2]) % sizes[1], flat % sizes[2]], 1)
+    codes = np.stack([used[level][digits[:, level]] for level in range(3)], 1)
+    codes = np.concatenate([codes, codes[rng.integers(0, distinct, size=spec.shared)]])[rng.permutation(spec.items)]
+    groups: dict[tuple, list[int]] = {}
+    for item, code in enumerate(map(tuple, codes.tolist())):
+        groups.setdefault(code, []).append(item)
+    index = {}
+    for code, items in groups.items():
+        names = [f"<{MINIONEREC_LEVELS[level]}_{c}>" for level, c in enumerate(code)]
+        for k, item in enumerate(items):
+            index[str(item)] = names + ([f"<d_{k}>"] if len(items) > 1 else [])
+    return dict(sorted(index.items(), key=lambda kv: int(kv[0])))
+
+
+def _write_qwen2(out: Path, spec: OpenLayoutSpec, vocab_size: int, eos_token_id: int) -> None:
+    """config.json as transformers' Qwen2Config writes it, and peaked random weights under transformers' names."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    if config.hidden_size // config.num_attention_heads != spec.head_dim:
+        raise ValueError(f"open layout spec: Qwen2's head_dim is hidden / heads, not {spec.head_dim}")
+    config.save_pretrained(str(out))
+    qwen3_shaped = _qwen3_config(spec, vocab_size)
+    generator = torch.Generator().manual_seed(spec.seed)
+    weights = _random_weights(qwen3_shaped, generator, torch.float32)
+    for name in [n for n in weights if "q_norm" in n or "k_norm" in n]:  # Qwen2 has no q/k norm ...
+        del weights[name]
+    for i in range(spec.layers):  # ... and biases on q, k and v
+        for proj, width in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
+            bias = torch.randn(width * spec.head_dim, generator=generator) * 0.1
+            weights[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = bias
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+# -- NVIDIA SID-GR's JSONL catalog ---------------------------------------------------------------------------------
+
+
+def write_sidgr_jsonl(path: str | Path, rows: list[tuple[str, list[int]]], metadata: dict | None = None) -> Path:
+    """One JSON object per line: `{"item_id", "token_ids": [raw token IDs], "metadata"}`."""
+    path = Path(path)
+    lines = [json.dumps({"item_id": item, "token_ids": list(ids), "metadata": metadata or {}}) for item, ids in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# -- shared pieces -------------------------------------------------------------------------------------------------
+
+
+def base_tokenizer(specials: list[str], seed: int, chinese: bool) -> PreTrainedTokenizerFast:
+    """A small deterministic byte-level BPE standing in for a Qwen base vocabulary: `specials` first (the first is
+    EOS and padding), ordinary words, `\\n` one token; with `chinese`, the label characters one token each."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(specials),
+        show_progress=False,
+    )
+    words = _WORDS + (list(_CHINESE) * 4 if chinese else [])
+    rng = np.random.default_rng(seed)
+    corpus = (" ".join(rng.choice(words, size=int(rng.integers(4, 16)))) for _ in range(400))
+    bpe.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=specials[0], pad_token=specials[0])
+
+
+def _check_one_token(tokenizer, text: str) -> None:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"the tiny base vocabulary splits {text!r} into {len(ids)} tokens; it must be one")
+
+
+def _padded(size: int) -> int:
+    return -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def _qwen3_config(spec: OpenLayoutSpec, vocab_size: int) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_positions,
+    )

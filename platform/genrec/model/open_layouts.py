@@ -108,12 +108,7 @@ def write_openonerec_dir(out: str | Path, spec: OpenLayoutSpec = OpenLayoutSpec(
     tokenizer.chat_template = QWEN3_STYLE_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))
 
-    config = _qwen3_config(spec, _padded(len(tokenizer)))
-    body = config.to_hf_dict()
-    body.update(bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END), pad_token_id=None)
-    (out / "config.json").write_text(json.dumps(body, indent=2))
-    generator = torch.Generator().manual_seed(spec.seed)
-    save_file(_random_weights(config, generator, torch.float32), str(out / "model.safetensors"))
+    _write_decoder(out, spec, _padded(len(tokenizer)), tokenizer.convert_tokens_to_ids(IM_END), "qwen3")
 
     sids = _shared_codes(spec)
     pids = list(range(1000, 1000 + spec.items))  # OpenOneRec's pids are integers
@@ -167,7 +162,7 @@ def write_minionerec_dir(
     for label in ("yes", "no", "\n"):
         _check_one_token(tokenizer, label)
     tokenizer.save_pretrained(str(out))
-    _write_qwen2(out, spec, _padded(len(tokenizer)), tokenizer.eos_token_id)
+    _write_decoder(out, spec, _padded(len(tokenizer)), tokenizer.eos_token_id, "qwen2")  # Qwen2.5: untied
     (out / f"{name}.index.json").write_text(json.dumps(index, indent=1))
     return WrittenCheckpoint(out, out / f"{name}.index.json", index)
 
@@ -208,37 +203,26 @@ def _minionerec_index(spec: OpenLayoutSpec) -> dict[str, list[str]]:
     return dict(sorted(index.items(), key=lambda kv: int(kv[0])))
 
 
-def _write_qwen2(out: Path, spec: OpenLayoutSpec, vocab_size: int, eos_token_id: int) -> None:
-    """config.json as transformers' Qwen2Config writes it, and peaked random weights under transformers' names."""
-    from transformers import Qwen2Config
-
-    config = Qwen2Config(
+def _write_decoder(out: Path, spec: OpenLayoutSpec, vocab_size: int, eos_token_id: int, architecture: str) -> None:
+    """config.json (the architecture's own keys, as transformers writes them) and peaked random weights under
+    transformers' names: genrec.model.tiny's, so a Qwen2 has its q/k/v biases and no q/k norm."""
+    config = Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
         max_position_embeddings=spec.max_positions,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        eos_token_id=eos_token_id,
-        bos_token_id=None,
-        architectures=["Qwen2ForCausalLM"],
+        architecture=architecture,
     )
-    if config.hidden_size // config.num_attention_heads != spec.head_dim:
-        raise ValueError(f"open layout spec: Qwen2's head_dim is hidden / heads, not {spec.head_dim}")
-    config.save_pretrained(str(out))
-    qwen3_shaped = _qwen3_config(spec, vocab_size)
+    body = config.to_hf_dict()
+    body.update(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
+    (out / "config.json").write_text(json.dumps(body, indent=2))
     generator = torch.Generator().manual_seed(spec.seed)
-    weights = _random_weights(qwen3_shaped, generator, torch.float32)
-    for name in [n for n in weights if "q_norm" in n or "k_norm" in n]:  # Qwen2 has no q/k norm ...
-        del weights[name]
-    for i in range(spec.layers):  # ... and biases on q, k and v
-        for proj, width in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
-            bias = torch.randn(width * spec.head_dim, generator=generator) * 0.1
-            weights[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = bias
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_random_weights(config, generator, torch.float32), str(out / "model.safetensors"), {"format": "pt"})
 
 
 # -- NVIDIA SID-GR's JSONL catalog ---------------------------------------------------------------------------------
@@ -282,16 +266,3 @@ def _check_one_token(tokenizer, text: str) -> None:
 
 def _padded(size: int) -> int:
     return -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def _qwen3_config(spec: OpenLayoutSpec, vocab_size: int) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_positions,
-    )

@@ -137,10 +137,10 @@ def _codes(table: pa.Table, path) -> tuple[np.ndarray, np.ndarray]:
         flat = values.cast(pa.int64()).to_numpy()
     except pa.ArrowInvalid as err:
         raise CatalogError(path, f"column 'semantic_id' holds a token ID outside int64 ({err})") from None
-    return _padded(flat, lengths), lengths
+    return padded_rows(flat, lengths), lengths
 
 
-def _padded(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def padded_rows(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Rows of these lengths, concatenated in `flat`, as a PAD-filled [N, longest] matrix (one scatter)."""
     width = int(lengths.max()) if len(lengths) else 0
     if len(lengths) and lengths.min() == width:
@@ -169,7 +169,7 @@ def _code_matrix(codes, item_ids, path) -> tuple[np.ndarray, np.ndarray]:
                 path, f"column 'semantic_id', item {item_ids[i]!r}: must hold integer token IDs, not {row.dtype}"
             )
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
-    return _padded(np.concatenate(rows).astype(np.int64), lengths), lengths
+    return padded_rows(np.concatenate(rows).astype(np.int64), lengths), lengths
 
 
 def _check_unique(values, path, name):

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from genrec.catalog.catalog import PAD, Catalog, _padded
+from genrec.catalog.catalog import PAD, Catalog, padded_rows
 from genrec.errors import CatalogError, ModelDirectoryError
 
 FORMATS = ("pid2sid", "index-json", "jsonl", "genrec")
@@ -52,7 +52,7 @@ class ImportedCatalog:
     def from_rows(cls, item_ids, rows: list[list[int]], layout, popularity=None) -> ImportedCatalog:
         lengths = np.array([len(r) for r in rows], dtype=np.int64)
         flat = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
-        return cls(item_ids, *unwrapped(_padded(flat, lengths), lengths, layout), popularity)
+        return cls(item_ids, *unwrapped(padded_rows(flat, lengths), lengths, layout), popularity)
 
     def check_loads(self, layout, source: Path) -> None:
         """What the engine's catalog loader checks, so the written catalog is known to load."""
@@ -366,7 +366,7 @@ def _list_column(table: pa.Table, name: str, source: Path, item_ids) -> tuple[np
     if values.null_count:
         row = int(np.flatnonzero(pc.list_value_length(column).to_numpy() != _non_null_lengths(column))[0])
         raise _row_error(source, row, item_ids[row], f"{name} holds a null")
-    return _padded(values.cast(pa.int64()).to_numpy(), lengths), lengths
+    return padded_rows(values.cast(pa.int64()).to_numpy(), lengths), lengths
 
 
 def _non_null_lengths(column) -> np.ndarray:

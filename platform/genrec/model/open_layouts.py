@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from genrec.model.config import Qwen3Config
-from genrec.model.tiny import _random_weights
+from genrec.model.tiny import random_weights
 
 SID_BEGIN, SID_END = "<|sid_begin|>", "<|sid_end|>"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -222,7 +222,7 @@ def _write_decoder(out: Path, spec: OpenLayoutSpec, vocab_size: int, eos_token_i
     body.update(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
     (out / "config.json").write_text(json.dumps(body, indent=2))
     generator = torch.Generator().manual_seed(spec.seed)
-    save_file(_random_weights(config, generator, torch.float32), str(out / "model.safetensors"), {"format": "pt"})
+    save_file(random_weights(config, generator, torch.float32), str(out / "model.safetensors"), {"format": "pt"})
 
 
 # -- NVIDIA SID-GR's JSONL catalog ---------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def write_model_dir(
     (out / "config.json").write_text(json.dumps(body, indent=2))
     tokenizer.save_pretrained(str(out))
     generator = torch.Generator(init_device).manual_seed(spec.seed)
-    save_file(_random_weights(config, generator, dtype), str(out / "model.safetensors"))
+    save_file(random_weights(config, generator, dtype), str(out / "model.safetensors"))
     generator = torch.Generator().manual_seed(spec.seed + 1)
 
     layout = SidLayout.infer(tokenizer)
@@ -196,7 +196,7 @@ def write_model_dir(
     return out
 
 
-def _random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torch.Tensor]:
+def random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torch.Tensor]:
     def normal(*shape, std):
         return (torch.randn(*shape, generator=g, device=g.device) * std).to(dtype).cpu()
 

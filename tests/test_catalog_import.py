@@ -177,6 +177,52 @@ def test_a_failed_import_leaves_the_catalog_as_it_was(oo, tmp_path):
     assert sorted(p.name for p in (model_dir / "genrec").iterdir()) == ["catalog.parquet"]  # no temporary left
 
 
+def test_more_bad_sources_are_named(oo, mo, tmp_path):
+    """A pid2sid code shorter than the layout, an index.json item key given twice (JSON would keep its last code),
+    and a token ID beyond int64 are each one error naming the file (and the row)."""
+    model_dir, item_map = oo
+    table = pq.read_table(item_map)
+    sids = table.column("sid").to_pylist()
+    short, huge = tmp_path / "short.parquet", tmp_path / "huge.parquet"
+    pq.write_table(table.set_column(1, "sid", pa.array([*sids[:2], sids[2][:2], *sids[3:]])), short)
+    as_uint = pa.array([[2**63 + 5, 0, 0], *sids[1:]], pa.list_(pa.uint64()))
+    pq.write_table(table.set_column(1, "sid", as_uint), huge)
+    text = mo[1].read_text().rstrip().removesuffix("}") + ', "0": ["<a_0>"]}'
+    repeated = tmp_path / "repeated.index.json"
+    repeated.write_text(text)
+    cases = [
+        (model_dir, short, "row 3 (item '1002'): sid has 2 levels; the layout has 3"),
+        (model_dir, huge, "column 'sid' holds an integer outside int64"),
+        (
+            mo[0],
+            repeated,
+            f"row {len(json.loads(mo[1].read_text())) + 1} (item '0'): duplicate item ID (first on row 1)",
+        ),
+    ]
+    for directory, source, fragment in cases:
+        with pytest.raises(CatalogError) as info:
+            import_catalog(directory, source)
+        assert fragment in str(info.value) and str(source) in str(info.value), str(info.value)
+
+
+def test_a_failed_import_with_a_preset_writes_neither_file(minionerec, tmp_path):
+    """The preset's layout checks the codes; sid_layout.json is written only with the catalog, after it."""
+    model_dir, item_map = fresh_copy(minionerec, tmp_path)
+    bad = _bad_index((model_dir, item_map), tmp_path, lambda b: b["3"].__setitem__(1, "<zz>"))
+    with pytest.raises(CatalogError, match="row 4"):
+        import_catalog(model_dir, bad, layout_preset="minionerec")
+    assert not (model_dir / "genrec").exists()
+    summary = import_catalog(model_dir, item_map, layout_preset="minionerec")
+    assert summary.warning is None and set(summary.code_lengths) == {3, 4}
+    assert json.loads((model_dir / "genrec" / "sid_layout.json").read_text())["preset"] == "minionerec"
+
+
+def test_codes_of_several_lengths_without_an_ending_are_warned_of(minionerec, tmp_path):
+    model_dir, item_map = fresh_copy(minionerec, tmp_path)  # MiniOneRec without --layout reads as genrec's
+    summary = import_catalog(model_dir, item_map)
+    assert summary.warning is not None and "--layout minionerec" in summary.warning
+
+
 def test_layout_preset_is_written_once_and_a_different_one_refused(mo):
     model_dir, _ = mo
     assert write_layout_preset(model_dir, "minionerec").read_text().strip() == '{"version": 1, "preset": "minionerec"}'

@@ -102,11 +102,12 @@ def catalog_import(
 ):
     """Read an item map into MODEL_DIR/genrec/catalog.parquet (written atomically), every code checked against
     the model's tokenizer and SID layout (an error names the row and the item); prints a JSON summary."""
-    from genrec.catalog.importers import import_catalog, write_layout_preset
+    from genrec.catalog.importers import import_catalog
 
-    if layout is not None:
-        write_layout_preset(model_dir, layout)
-    typer.echo(json.dumps(import_catalog(model_dir, source, fmt).as_dict()))
+    summary = import_catalog(model_dir, source, fmt, layout_preset=layout)
+    if summary.warning:
+        typer.echo(f"warning: {summary.warning}", err=True)
+    typer.echo(json.dumps(summary.as_dict()))
 
 
 @app.command("model-version")

@@ -82,20 +82,27 @@ class ImportSummary:
     codes: int  # distinct codes
     shared_codes: int  # codes that name more than one item
     code_lengths: dict[int, int]  # tokens per code -> items
+    warning: str | None = None  # a catalog that loads but is likely not what the model was trained with
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "catalog": str(self.catalog)}
 
 
 def import_catalog(
-    model_dir: str | Path, source: str | Path, fmt: str | None = None, out: str | Path | None = None
+    model_dir: str | Path,
+    source: str | Path,
+    fmt: str | None = None,
+    out: str | Path | None = None,
+    layout_preset: str | None = None,
 ) -> ImportSummary:
     """Read `source` (format `fmt`, or told from the file), check every code against the model's tokenizer and SID
-    layout, and write the model's catalog (`out`, default MODEL_DIR/genrec/catalog.parquet) atomically."""
+    layout, and write the model's catalog (`out`, default MODEL_DIR/genrec/catalog.parquet) atomically.
+    `layout_preset`: the layout to check against and, once the catalog is written, to record in
+    `genrec/sid_layout.json` (`write_layout_preset`); a failed import changes neither file."""
     model_dir, source = Path(model_dir), Path(source)
     if not source.is_file():
         raise CatalogError(source, "no such file")
-    tokenizer, layout = _model_tokens(model_dir)
+    tokenizer, layout = _model_tokens(model_dir, layout_preset)
     fmt = fmt or detect_format(source)
     if fmt not in FORMATS:
         raise CatalogError(source, f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
@@ -104,7 +111,9 @@ def import_catalog(
     imported.check_loads(layout, source)
     target = Path(out) if out is not None else model_dir / "genrec" / "catalog.parquet"
     write_atomically(imported.table(), target)
-    return summarize(imported, fmt, target)
+    if layout_preset is not None:
+        write_layout_preset(model_dir, layout_preset)
+    return summarize(imported, fmt, target, layout)
 
 
 def detect_format(source: Path) -> str:
@@ -149,9 +158,9 @@ def read_pid2sid(source: Path, tokenizer, layout) -> ImportedCatalog:
     else:
         item_ids = _string_ids(pids.to_pylist(), source, "pid")
     indexes, lengths = _list_column(table, "sid", source, item_ids)
-    too_long = np.flatnonzero(lengths > layout.levels)
-    if len(too_long):
-        row = int(too_long[0])
+    wrong_length = np.flatnonzero(lengths != layout.levels)  # OpenOneRec's codes are all of the layout's length
+    if len(wrong_length):
+        row = int(wrong_length[0])
         raise _row_error(source, row, item_ids[row], f"sid has {lengths[row]} levels; the layout has {layout.levels}")
     codes = np.full(indexes.shape, PAD, dtype=np.int64)
     for level in range(indexes.shape[1]):
@@ -167,8 +176,9 @@ def read_pid2sid(source: Path, tokenizer, layout) -> ImportedCatalog:
 
 
 def read_index_json(source: Path, tokenizer, layout) -> ImportedCatalog:
-    """`{"item": ["<a_60>", "<b_159>", ...]}`: token names, looked up in the vocabulary."""
-    body = _read_json(source)
+    """`{"item": ["<a_60>", "<b_159>", ...]}`: token names, looked up in the vocabulary. An item key given twice is
+    named (a JSON object would silently keep its last code)."""
+    body = _read_json(source, object_pairs_hook=lambda pairs: _unique_keys(pairs, source))
     if not isinstance(body, dict) or not body:
         raise CatalogError(source, "must be a non-empty JSON object {item_id: [token names]}")
     vocab = tokenizer.get_vocab()
@@ -264,10 +274,16 @@ def check_rows(imported: ImportedCatalog, layout, source: Path) -> None:
         raise _row_error(source, row, ids[row], f"token {codes[row, pos]} at position {pos} {found}, not level {pos}")
 
 
-def summarize(imported: ImportedCatalog, fmt: str, target: Path) -> ImportSummary:
+def summarize(imported: ImportedCatalog, fmt: str, target: Path, layout) -> ImportSummary:
     rows = np.ascontiguousarray(imported.codes)  # one opaque value per row: np.unique without axis=0 (faster)
     _, counts = np.unique(rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))), return_counts=True)
     sizes, items = np.unique(imported.lengths, return_counts=True)
+    warning = None
+    if len(sizes) > 1 and not layout.has_ending:
+        warning = (
+            f"codes of {sizes.tolist()} tokens and a layout without an ending ({layout.source}): a shorter code "
+            "scores without the stop the model learned after it (MiniOneRec: --layout minionerec)"
+        )
     return ImportSummary(
         target,
         fmt,
@@ -275,6 +291,7 @@ def summarize(imported: ImportedCatalog, fmt: str, target: Path) -> ImportSummar
         len(counts),
         int((counts > 1).sum()),
         dict(zip(sizes.tolist(), items.tolist(), strict=True)),
+        warning,
     )
 
 
@@ -295,26 +312,36 @@ def write_layout_preset(model_dir: str | Path, preset: str) -> Path:
     """`genrec/sid_layout.json` naming a preset, for a directory whose layout its token names do not tell (a
     MiniOneRec checkpoint's `<a_N>` names read as genrec's, whose codes have no ending). One already there is kept
     when it names the same preset, refused otherwise (it may say more than a preset)."""
+    path = _preset_file(Path(model_dir), preset)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(json.dumps(_preset_body(preset)) + "\n")
+        os.replace(temporary, path)
+    return path
+
+
+def _preset_body(preset: str) -> dict:
+    return {"version": 1, "preset": preset}
+
+
+def _preset_file(model_dir: Path, preset: str) -> Path:
+    """Where the preset goes, refused when it is unknown or the directory's file already says something else."""
     from genrec.model.sid_layout import LAYOUT_FILE, PRESETS
 
     if preset not in PRESETS:
         raise ModelDirectoryError(model_dir, f"layout preset {preset!r} is not one of {sorted(PRESETS)}")
-    path = Path(model_dir) / "genrec" / LAYOUT_FILE
-    body = {"version": 1, "preset": preset}
-    if path.exists():
-        if _read_json(path) != body:
-            raise ModelDirectoryError(path, f"already says something else than preset {preset!r}: edit or remove it")
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(body) + "\n")
+    path = model_dir / "genrec" / LAYOUT_FILE
+    if path.exists() and _read_json(path) != _preset_body(preset):
+        raise ModelDirectoryError(path, f"already says something else than preset {preset!r}: edit or remove it")
     return path
 
 
 # -- small helpers -------------------------------------------------------------------------------------------------
 
 
-def _model_tokens(model_dir: Path):
-    """The model's tokenizer and SID layout (a ranker's directory has no codes to import)."""
+def _model_tokens(model_dir: Path, preset: str | None = None):
+    """The model's tokenizer and SID layout, or `preset`'s (a ranker's directory has no codes to import)."""
     from genrec.model.sid_layout import SidLayout
     from genrec.model.tokenizer import load_tokenizer
 
@@ -327,7 +354,10 @@ def _model_tokens(model_dir: Path):
     if model_type == "genrec_hstu":
         raise ModelDirectoryError(model_dir, "an HSTU ranker's catalog maps items to embedding rows, not codes")
     tokenizer = load_tokenizer(model_dir)
-    return tokenizer, SidLayout.for_model(model_dir, tokenizer)
+    if preset is None:
+        return tokenizer, SidLayout.for_model(model_dir, tokenizer)
+    where = _preset_file(model_dir, preset)
+    return tokenizer, SidLayout.from_spec(_preset_body(preset), tokenizer, where)
 
 
 def unwrapped(codes: np.ndarray, lengths: np.ndarray, layout) -> tuple[np.ndarray, np.ndarray]:
@@ -366,7 +396,11 @@ def _list_column(table: pa.Table, name: str, source: Path, item_ids) -> tuple[np
     if values.null_count:
         row = int(np.flatnonzero(pc.list_value_length(column).to_numpy() != _non_null_lengths(column))[0])
         raise _row_error(source, row, item_ids[row], f"{name} holds a null")
-    return padded_rows(values.cast(pa.int64()).to_numpy(), lengths), lengths
+    try:
+        flat = values.cast(pa.int64()).to_numpy()
+    except pa.ArrowInvalid as err:
+        raise CatalogError(source, f"column {name!r} holds an integer outside int64 ({err})") from None
+    return padded_rows(flat, lengths), lengths
 
 
 def _non_null_lengths(column) -> np.ndarray:
@@ -386,11 +420,20 @@ def _read_parquet(source: Path, required: tuple[str, ...]) -> pa.Table:
     return table
 
 
-def _read_json(source: Path):
+def _read_json(source: Path, **options):
     try:
-        return json.loads(source.read_text(encoding="utf-8"))
+        return json.loads(source.read_text(encoding="utf-8"), **options)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CatalogError(source, f"not readable as JSON ({err})") from None
+
+
+def _unique_keys(pairs: list, source: Path) -> dict:
+    first_row: dict[str, int] = {}
+    for row, (key, _) in enumerate(pairs):
+        if key in first_row:
+            raise _row_error(source, row, key, f"duplicate item ID (first on row {first_row[key] + 1})")
+        first_row[key] = row
+    return dict(pairs)
 
 
 def _nonblank(lines, source: Path):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from genrec.errors import InvalidRequestError, ModelDirectoryError
+from genrec.model.tokenizer import USER_TOKEN
 
 PROMPT_FILE = "prompt.json"
 PROMPT_VERSION = 1
@@ -74,10 +75,22 @@ class ChatOptions:
 class ChatTemplate:
     """Renders chat messages with the tokenizer's template: `render(messages)` is the text the model reads."""
 
-    def __init__(self, tokenizer, options: ChatOptions | None = None, source: Path | str = "tokenizer"):
+    def __init__(
+        self,
+        tokenizer,
+        options: ChatOptions | None = None,
+        source: Path | str = "tokenizer",
+        allowed: frozenset[str] = frozenset(),
+    ):
+        """`allowed`: special tokens a message may hold all the same (the model's semantic-ID tokens and wrappers,
+        which histories are written in)."""
         self.tokenizer = tokenizer
         self.options = options or ChatOptions()
         self.available = bool(getattr(tokenizer, "chat_template", None))
+        # The template's own control tokens (`<|im_start|>`, `<|im_end|>` ...): in a message's text they would open
+        # or close turns of the conversation (a client's text forging a system turn), so a message may not hold one.
+        special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        self.control_tokens = tuple(sorted(special - allowed - {USER_TOKEN}))
         if self.options.system_prompt is not None and not self.available:
             raise ModelDirectoryError(source, "has a system_prompt but the tokenizer has no chat template")
 
@@ -95,6 +108,7 @@ class ChatTemplate:
             raise InvalidRequestError(
                 "messages", "this model has no chat template (tokenizer_config.json chat_template): send 'prompt'"
             )
+        self._refuse_control_tokens(messages)
         from jinja2 import TemplateError
 
         try:
@@ -103,3 +117,12 @@ class ChatTemplate:
             )
         except TemplateError as err:  # raise_exception() in a template, or a template that fails on this input
             raise InvalidRequestError("messages", f"the model's chat template refused them ({err})") from None
+
+    def _refuse_control_tokens(self, messages: list[dict]) -> None:
+        for i, message in enumerate(messages):
+            for key in ("role", "content"):
+                found = next((t for t in self.control_tokens if t in message[key]), None)
+                if found is not None:
+                    raise InvalidRequestError(
+                        f"messages[{i}].{key}", f"holds {found!r}, a control token of the model's chat template"
+                    )

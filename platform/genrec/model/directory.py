@@ -166,7 +166,10 @@ class Qwen3Dir(ModelDir):
         from genrec.model.chat import ChatOptions, ChatTemplate
 
         tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
-        return ChatTemplate(tokenizer, ChatOptions.load(self.prompt_path), self.prompt_path)
+        # A history is written in codes: their tokens and wrappers may be in a message (not EOS, an ending's too).
+        code_ids = set(self.load_sid_layout(tokenizer).token_id_list()) - {tokenizer.eos_token_id}
+        layout_tokens = frozenset(tokenizer.convert_ids_to_tokens(sorted(code_ids)))
+        return ChatTemplate(tokenizer, ChatOptions.load(self.prompt_path), self.prompt_path, layout_tokens)
 
     def load_projector(self):
         """The soft-token projector, or None when the model has none."""

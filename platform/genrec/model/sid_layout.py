@@ -92,6 +92,11 @@ class SidLayout:
 
     # -- what the layout says ------------------------------------------------------------------------
 
+    def token_id_list(self) -> list[int]:
+        """Every token a code may be written with: the levels' tokens, the begin token and the ending's."""
+        wrappers = [t for t in (self.begin, *self.ending) if t is not None]
+        return [*np.concatenate(self.level_ids).tolist(), *wrappers]
+
     @property
     def levels(self) -> int:
         """The longest code, in tokens (codes may be shorter: 1..levels)."""

@@ -158,7 +158,9 @@ class SidLayout:
         )
 
     def to_json(self, tokenizer) -> dict:
-        """This layout as a `sid_layout.json` body that reads back to the same layout (levels as raw token IDs)."""
+        """This layout as a `sid_layout.json` body that reads back to the same tokens per level, wrappers and labels
+        (levels as raw token IDs, so a code index is its token's position: a sparse level's own N, which only a
+        pid2sid import reads, is not kept)."""
 
         def name(token_id):
             return None if token_id is None else tokenizer.convert_ids_to_tokens(int(token_id))

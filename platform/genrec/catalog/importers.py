@@ -104,6 +104,7 @@ def import_catalog(
     imported.check_loads(layout, source)
     target = Path(out) if out is not None else model_dir / "genrec" / "catalog.parquet"
     write_atomically(imported.table(), target)
+    _drop_codebooks_beside(target)
     return summarize(imported, fmt, target)
 
 
@@ -311,6 +312,13 @@ def write_layout_preset(model_dir: str | Path, preset: str) -> Path:
 
 
 # -- small helpers -------------------------------------------------------------------------------------------------
+
+
+def _drop_codebooks_beside(target: Path) -> None:
+    """build-ids' codebooks describe the catalog it wrote, not an imported one: `catalog add` must refuse it."""
+    from genrec.catalog.codebooks import Codebooks
+
+    Codebooks.path_beside(target).unlink(missing_ok=True)
 
 
 def _model_tokens(model_dir: Path):

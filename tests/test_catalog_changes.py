@@ -143,6 +143,43 @@ def test_new_items_take_the_first_free_last_level_code_and_a_full_prefix_is_refu
         new_codes(catalog, layout, codebooks, two_more, ["m0", "m1"], "new.parquet")
 
 
+@pytest.mark.parametrize(("seed", "held"), [(0, 10), (1, 10), (2, 20), (3, 20), (0, 25), (1, 25)])
+def test_last_level_codes_equal_a_plain_first_free_reference(seed, held):
+    """Random catalogs with gaps, random new items (some fill a prefix: refused): the vectorised rule against a
+    dict of taken sets."""
+    rng = np.random.default_rng(seed)
+    size = held
+    layout = _ranges_layout(3, 3, 6)  # token IDs 0-2, 3-5, 6-11
+    all_codes = np.array([[a, 3 + b, 6 + c] for a in range(3) for b in range(3) for c in range(6)])
+    held = all_codes[rng.choice(len(all_codes), size=size, replace=False)]
+    catalog = Catalog.validated(np.array([f"i{n}" for n in range(size)], dtype=object), held, layout)
+    centers = (torch.eye(3, dtype=torch.float32), torch.eye(3, dtype=torch.float32))
+    new = np.zeros((12, 3), dtype=np.float32)
+    first, second = rng.integers(0, 3, 12), rng.integers(0, 3, 12)
+    new[np.arange(12), first] = 1.0  # level 0: the center `first`; the residual left, 0.5 e_second, nears `second`
+    new[np.arange(12), second] += 0.5
+    taken: dict[tuple, set] = {}
+    for code in held.tolist():
+        taken.setdefault(tuple(code[:2]), set()).add(code[2] - 6)
+    try:
+        got = new_codes(catalog, layout, Codebooks(1.0, centers, 6), new, [f"n{n}" for n in range(12)], "x")
+    except CatalogError as err:
+        got = err
+    want = []
+    for a, b in zip(first.tolist(), second.tolist(), strict=True):
+        prefix = (a, 3 + b)
+        free = [c for c in range(6) if c not in taken.setdefault(prefix, set())]
+        if not free:
+            want = f"row {len(want) + 1} (item 'n{len(want)}')"
+            break
+        taken[prefix].add(free[0])
+        want.append([a, 3 + b, 6 + free[0]])
+    if isinstance(want, str):
+        assert isinstance(got, CatalogError) and want in str(got)
+    else:
+        assert got.tolist() == want
+
+
 def test_the_engine_retrieves_added_items(built, tmp_path):
     """Items added to a built catalog come out of a full-width beam (every catalog item is a beam)."""
     from genrec.engine import Engine, SchedulerConfig

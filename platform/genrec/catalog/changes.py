@@ -18,8 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from genrec.catalog.build_ids import _checked_matrix, read_item_embeddings
-from genrec.catalog.catalog import Catalog
+from genrec.catalog.build_ids import _checked_matrix, _rank_within, read_item_embeddings
+from genrec.catalog.catalog import Catalog, _codes
 from genrec.catalog.codebooks import Codebooks
 from genrec.catalog.importers import write_atomically
 from genrec.errors import CatalogError, GenrecError
@@ -100,27 +100,35 @@ def new_codes(catalog: Catalog, layout, codebooks: Codebooks, embeddings, item_i
 
 
 def _first_free_last(codes: np.ndarray, prefixes: np.ndarray, layout, item_ids, source) -> np.ndarray:
-    """Each new item's last-level code position: the lowest one no item under its prefix holds."""
+    """Each new item's last-level code position: the lowest one no item under its prefix holds (a new item before
+    it in the file included). One [new prefixes, last-level codes] table of what is taken, no loop."""
     last_ids = layout.level_ids[-1]
     position_of = np.full(int(last_ids.max()) + 1, -1, dtype=np.int64)
     position_of[last_ids] = np.arange(len(last_ids))
-    _, key = np.unique(np.concatenate([codes[:, :-1], prefixes]), axis=0, return_inverse=True)
+    wanted_prefixes, wanted = np.unique(prefixes, axis=0, return_inverse=True)
+    wanted = wanted.reshape(-1)
+    both = np.concatenate([wanted_prefixes, codes[:, :-1]])
+    _, key = np.unique(both, axis=0, return_inverse=True)
     key = key.reshape(-1)
-    held, wanted = key[: len(codes)], key[len(codes) :]
-    taken = position_of[codes[:, -1]]
-    out = np.empty(len(prefixes), dtype=np.int64)
-    for prefix in np.unique(wanted):  # one group per distinct new prefix: an offline command, not the decode
-        rows = np.flatnonzero(wanted == prefix)
-        free = np.setdiff1d(np.arange(len(last_ids)), taken[held == prefix])
-        if len(rows) > len(free):
-            row = int(rows[len(free)])
-            raise CatalogError(
-                source,
-                f"row {row + 1} (item {item_ids[row]!r}): its code prefix {prefixes[row].tolist()} already holds "
-                f"all {len(last_ids)} codes of the last level; retire items under it or rebuild with build-ids",
-            )
-        out[rows] = free[: len(rows)]
-    return out
+    group_of_key = np.full(int(key.max()) + 1, -1, dtype=np.int64)
+    group_of_key[key[: len(wanted_prefixes)]] = np.arange(len(wanted_prefixes))
+    held_group = group_of_key[key[len(wanted_prefixes) :]]  # -1: an existing item under no new item's prefix
+    under = held_group >= 0
+    taken = np.zeros((len(wanted_prefixes), len(last_ids)), dtype=bool)
+    taken[held_group[under], position_of[codes[under, -1]]] = True
+    free_group, free_position = np.nonzero(~taken)  # row-major: by group, then lowest position first
+    free_count = np.bincount(free_group, minlength=len(wanted_prefixes))
+    rank = _rank_within(wanted, np.argsort(wanted, kind="stable"))  # among the new items of its prefix, row order
+    full = np.flatnonzero(rank >= free_count[wanted])
+    if len(full):
+        row = int(full[0])
+        raise CatalogError(
+            source,
+            f"row {row + 1} (item {item_ids[row]!r}): its code prefix {prefixes[row].tolist()} already holds all "
+            f"{len(last_ids)} codes of the last level; retire items under it or rebuild with build-ids",
+        )
+    first_free = np.concatenate([[0], np.cumsum(free_count)[:-1]])
+    return free_position[first_free[wanted] + rank]
 
 
 def _open(model_dir):
@@ -166,9 +174,8 @@ def _rows_like(table: pa.Table, item_ids: list[str], codes: np.ndarray) -> pa.Ta
 
 def _write(table: pa.Table, layout, out, directory, added: int, retired: int) -> CatalogChange:
     target = Path(out) if out is not None else directory.catalog_path
-    codes = table.column("semantic_id").to_pylist()
-    item_ids = table.column("item_id").to_pylist()
-    Catalog.validated(item_ids, codes, layout, target)  # what the engine's loader checks, before anything is written
+    item_ids = np.array(table.column("item_id").to_pylist(), dtype=object)
+    Catalog.validated(item_ids, _codes(table, target), layout, target)  # the engine loader's checks, before writing
     write_atomically(table, target)
     return CatalogChange(added, retired, len(table), target, catalog_version(target))
 

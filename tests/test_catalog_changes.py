@@ -277,3 +277,15 @@ def test_retire_out_leaves_the_model_catalog_alone(built, tmp_path):
     }
     assert (model / "genrec/catalog.parquet").read_bytes() == before
     assert pq.read_table(out).column("item_id").to_pylist() == ids[1:]
+
+
+def test_build_ids_writes_the_codebooks_beside_the_catalog_never_in_the_model_root(tiny_dir, tmp_path):
+    source = _items(
+        tmp_path / "items.parquet", [f"x{i}" for i in range(40)], np.random.default_rng(9).normal(size=(40, 3))
+    )
+    out = tmp_path / "elsewhere" / "catalog.parquet"
+    root_before = sorted(p.name for p in tiny_dir.iterdir())
+    assert _run("build-ids", source, "--model", tiny_dir, "--out", out).exit_code == 0
+    codebooks = Codebooks.load(out.parent / "codebooks.safetensors")
+    assert codebooks.dim == 3 and len(codebooks.centers) == 2 and codebooks.last_size == 8
+    assert sorted(p.name for p in tiny_dir.iterdir()) == root_before

@@ -77,14 +77,17 @@ def build_ids(
     iters: int = 20,
     seed: int = 0,
 ):
-    """Semantic IDs by residual k-means per level plus a last, disambiguating level."""
-    from genrec.catalog.build_ids import build_catalog
+    """Semantic IDs by residual k-means per level plus a last, disambiguating level; the codebooks that code a new
+    item later (`genrec catalog add`) are written beside the catalog, as codebooks.safetensors."""
+    from genrec.catalog.build_ids import build_catalog_and_codebooks
+    from genrec.catalog.codebooks import Codebooks
     from genrec.model.directory import ModelDir
 
     directory = ModelDir.open(model, family="qwen3")
-    catalog = build_catalog(embeddings, directory.load_sid_layout(), iters=iters, seed=seed)
+    catalog, codebooks = build_catalog_and_codebooks(embeddings, directory.load_sid_layout(), iters=iters, seed=seed)
     target = out or directory.catalog_path
     catalog.save(target)
+    codebooks.save(Codebooks.path_beside(target))
     typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))
 
 
@@ -108,6 +111,35 @@ def catalog_import(
     if summary.warning:
         typer.echo(f"warning: {summary.warning}", err=True)
     typer.echo(json.dumps(summary.as_dict()))
+
+
+@catalog_app.command("add")
+def catalog_add(
+    model_dir: Path = typer.Argument(..., help="a model directory whose catalog `genrec build-ids` wrote"),
+    items: Path = typer.Argument(..., help="Parquet with columns item_id, embedding (list<float>): the new items"),
+    out: Path = typer.Option(None, help="catalog to write (default: MODEL_DIR/genrec/catalog.parquet)"),
+):
+    """Code new items from their embeddings with the codebooks build-ids kept (nearest code level by level, then
+    the first free last-level code under the prefix) and write the catalog with them appended, atomically; the
+    existing items keep their codes. Prints a JSON summary with the new catalog's version (a content hash)."""
+    from genrec.catalog.changes import add_items
+
+    typer.echo(json.dumps(add_items(model_dir, items, out).as_dict()))
+
+
+@catalog_app.command("retire")
+def catalog_retire(
+    model_dir: Path = typer.Argument(..., help="the model directory"),
+    items: str = typer.Option(
+        ..., "--items", help="item IDs, comma-separated, or a file of them (one a line, or Parquet with item_id)"
+    ),
+    out: Path = typer.Option(None, help="catalog to write (default: MODEL_DIR/genrec/catalog.parquet)"),
+):
+    """Remove items from the catalog (their codes become free for `catalog add`) and write it atomically. Prints a
+    JSON summary with the new catalog's version (a content hash)."""
+    from genrec.catalog.changes import read_item_list, retire_items
+
+    typer.echo(json.dumps(retire_items(model_dir, read_item_list(items), out).as_dict()))
 
 
 @app.command("model-version")

@@ -15,14 +15,16 @@ from genrec.errors import GenrecError
 
 def build_semantic_ids(embeddings: str, model: str, out: str | None = None, iters: int = 20, seed: int = 0) -> dict:
     from genrec.batch.spec import model_dir
-    from genrec.catalog.build_ids import catalog_from_embeddings
+    from genrec.catalog.build_ids import catalog_and_codebooks
+    from genrec.catalog.codebooks import Codebooks
 
     directory = model_dir(model, "qwen3")  # a bad model directory fails before any reading
     layout = directory.load_sid_layout()
     item_ids, matrix = read_embeddings(embeddings)
-    catalog = catalog_from_embeddings(item_ids, matrix, layout, iters=iters, seed=seed, source=embeddings)
+    catalog, codebooks = catalog_and_codebooks(item_ids, matrix, layout, iters=iters, seed=seed, source=embeddings)
     target = Path(out) if out else directory.catalog_path
     catalog.save(target)
+    codebooks.save(Codebooks.path_beside(target))  # for `genrec catalog add`
     return {"items": len(catalog), "levels": catalog.levels, "dim": matrix.shape[1], "catalog": str(target)}
 
 

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import torch
 
 from genrec.catalog.catalog import Catalog
+from genrec.catalog.codebooks import Codebooks
 from genrec.errors import GenrecError
 
 
@@ -59,6 +60,13 @@ def residual_codes(
     embeddings: np.ndarray, codebooks: list[int], last_size: int, iters=20, seed=0, item_ids=None, source="embeddings"
 ) -> np.ndarray:
     """Codes [n, len(codebooks)+1]: residual k-means levels, then a rank among items with the same prefix."""
+    return codes_and_codebooks(embeddings, codebooks, last_size, iters, seed, item_ids, source)[0]
+
+
+def codes_and_codebooks(
+    embeddings: np.ndarray, codebooks: list[int], last_size: int, iters=20, seed=0, item_ids=None, source="embeddings"
+) -> tuple[np.ndarray, Codebooks]:
+    """`residual_codes`, and the codebooks that code a new item the same way (`genrec catalog add`)."""
     x = _checked_matrix(embeddings, item_ids, source)
     sizes = [*codebooks, last_size]
     if len(x) > prod(sizes):
@@ -66,17 +74,19 @@ def residual_codes(
             f"{source}: {len(x)} items do not fit in {len(sizes)} levels of {sizes} tokens ({prod(sizes)} codes): "
             "use a model with more levels or a larger codebook"
         )
-    x = x / x.abs().max().clamp_min(torch.finfo(x.dtype).tiny)  # k-means is scale-free; this keeps cdist finite
+    scale = x.abs().max().clamp_min(torch.finfo(x.dtype).tiny)
+    x = x / scale  # k-means is scale-free; this keeps cdist finite
     generator = torch.Generator().manual_seed(seed)
-    residual, prefix, columns = x.clone(), np.zeros(len(x), dtype=np.int64), []
+    residual, prefix, columns, kept = x.clone(), np.zeros(len(x), dtype=np.int64), [], []
     for level, k in enumerate(codebooks):
         centers = kmeans(residual, k, iters, generator)
+        kept.append(centers)
         assign = balanced_assign(torch.cdist(residual, centers), prefix, room=prod(sizes[level + 1 :]))
         residual = residual - centers[assign]
         prefix = np.unique(prefix * len(centers) + assign, return_inverse=True)[1].reshape(-1)
         columns.append(assign)
     rank = _rank_within(prefix, np.argsort(prefix, kind="stable"))
-    return np.stack([*columns, rank], axis=1)
+    return np.stack([*columns, rank], axis=1), Codebooks(float(scale), tuple(kept), last_size)
 
 
 def _rank_within(key: np.ndarray, order: np.ndarray) -> np.ndarray:
@@ -105,13 +115,30 @@ def _checked_matrix(embeddings, item_ids, source: str) -> torch.Tensor:
 def catalog_from_embeddings(item_ids, embeddings, layout, iters=20, seed=0, source="embeddings") -> Catalog:
     """Item IDs + embeddings [n, dim] -> a validated catalog of the model's SID layout (`SidLayout`): level l's
     codebook is that level's tokens, in code-index order."""
+    return catalog_and_codebooks(item_ids, embeddings, layout, iters, seed, source)[0]
+
+
+def catalog_and_codebooks(
+    item_ids, embeddings, layout, iters=20, seed=0, source="embeddings"
+) -> tuple[Catalog, Codebooks]:
+    """`catalog_from_embeddings`, and the codebooks to save beside the catalog (`Codebooks.path_beside`)."""
     sizes = layout.level_sizes
-    codes = residual_codes(embeddings, sizes[:-1], sizes[-1], iters, seed, item_ids, source)
+    codes, codebooks = codes_and_codebooks(embeddings, sizes[:-1], sizes[-1], iters, seed, item_ids, source)
     token_ids = np.stack([layout.level_ids[level][codes[:, level]] for level in range(len(sizes))], axis=1)
-    return Catalog.validated(np.asarray(item_ids, dtype=object), token_ids, layout, source)
+    return Catalog.validated(np.asarray(item_ids, dtype=object), token_ids, layout, source), codebooks
 
 
 def build_catalog(embeddings_path: Path, layout, iters=20, seed=0) -> Catalog:
+    return build_catalog_and_codebooks(embeddings_path, layout, iters, seed)[0]
+
+
+def build_catalog_and_codebooks(embeddings_path: Path, layout, iters=20, seed=0) -> tuple[Catalog, Codebooks]:
+    item_ids, vectors = read_item_embeddings(embeddings_path)
+    return catalog_and_codebooks(item_ids, vectors, layout, iters, seed, str(embeddings_path))
+
+
+def read_item_embeddings(embeddings_path: Path) -> tuple[np.ndarray, list]:
+    """(item IDs [n] object, embeddings as n lists of one length) from Parquet with columns item_id, embedding."""
     if not Path(embeddings_path).is_file():
         raise GenrecError(f"{embeddings_path}: no such file (expected Parquet with item_id, embedding)")
     table = pq.read_table(embeddings_path)
@@ -127,4 +154,4 @@ def build_catalog(embeddings_path: Path, layout, iters=20, seed=0) -> Catalog:
             f"{embeddings_path}: column 'embedding' is null, empty or of another length on row {row} "
             f"(item {item_ids[row]!r}: {lengths[row]} values; lengths seen: {sorted(set(lengths))})"
         )
-    return catalog_from_embeddings(item_ids, vectors, layout, iters, seed, str(embeddings_path))
+    return item_ids, vectors

@@ -111,6 +111,7 @@ def import_catalog(
     imported.check_loads(layout, source)
     target = Path(out) if out is not None else model_dir / "genrec" / "catalog.parquet"
     write_atomically(imported.table(), target)
+    _drop_codebooks_beside(target)
     if layout_preset is not None:
         write_layout_preset(model_dir, layout_preset)
     return summarize(imported, fmt, target, layout)
@@ -338,6 +339,13 @@ def _preset_file(model_dir: Path, preset: str) -> Path:
 
 
 # -- small helpers -------------------------------------------------------------------------------------------------
+
+
+def _drop_codebooks_beside(target: Path) -> None:
+    """build-ids' codebooks describe the catalog it wrote, not an imported one: `catalog add` must refuse it."""
+    from genrec.catalog.codebooks import Codebooks
+
+    Codebooks.path_beside(target).unlink(missing_ok=True)
 
 
 def _model_tokens(model_dir: Path, preset: str | None = None):

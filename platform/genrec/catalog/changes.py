@@ -1,0 +1,189 @@
+"""`genrec catalog add` / `retire`: new items coded from their embeddings without retraining, items removed.
+
+Adding codes each new item with the codebooks build-ids kept (`Codebooks`): the nearest center level by level on
+the residual, then the last level's first free index under that prefix (build-ids' rule: items of one prefix are
+numbered 0, 1, ...; a retired item's index is free again). A prefix whose last level is full is refused, naming
+the item. The existing items keep their codes and rows; new rows are appended (attribute columns null, popularity
+0 when the catalog has that column). Retiring removes rows, freeing their codes; it needs no codebooks. The new
+catalog is written atomically and named by a content hash of the file (`catalog_version`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from genrec.catalog.build_ids import _checked_matrix, _rank_within, read_item_embeddings
+from genrec.catalog.catalog import Catalog, _codes
+from genrec.catalog.codebooks import Codebooks
+from genrec.catalog.importers import write_atomically
+from genrec.errors import CatalogError, GenrecError
+
+
+@dataclass(frozen=True)
+class CatalogChange:
+    added: int
+    retired: int
+    items: int  # in the new catalog
+    catalog: Path
+    catalog_version: str
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "catalog": str(self.catalog)}
+
+
+def add_items(model_dir: str | Path, items_path: str | Path, out: str | Path | None = None) -> CatalogChange:
+    """Code the items of `items_path` (Parquet: item_id, embedding) and write the model's catalog with them
+    appended (`out`, default MODEL_DIR/genrec/catalog.parquet)."""
+    directory, layout, catalog = _open(model_dir)
+    codebooks = Codebooks.load(Codebooks.path_beside(directory.catalog_path))
+    codebooks.check_layout(layout, Codebooks.path_beside(directory.catalog_path))
+    item_ids, vectors = read_item_embeddings(Path(items_path))
+    _check_new_ids(item_ids, catalog, items_path)
+    embeddings = _checked_embeddings(vectors, codebooks.dim, item_ids, items_path)
+    codes = new_codes(catalog, layout, codebooks, embeddings, item_ids, items_path)
+    table = pq.read_table(directory.catalog_path)
+    new_rows = _rows_like(table, item_ids.tolist(), codes)
+    return _write(pa.concat_tables([table, new_rows], promote_options="default"), layout, out, directory, len(codes), 0)
+
+
+def retire_items(model_dir: str | Path, item_ids: list[str], out: str | Path | None = None) -> CatalogChange:
+    """Remove `item_ids` from the model's catalog (their codes become free) and write it (`out`, as add_items)."""
+    directory, layout, catalog = _open(model_dir)
+    retired = list(dict.fromkeys(item_ids))
+    unknown = [item for item in retired if catalog.index_of(item) is None]
+    if unknown:
+        raise GenrecError(f"--items: item {unknown[0]!r} is not in the catalog ({len(unknown)} of {len(retired)})")
+    if len(retired) == len(catalog):
+        raise GenrecError(f"--items: retiring all {len(catalog)} items would leave the catalog empty")
+    keep = np.ones(len(catalog), dtype=bool)
+    keep[[catalog.index_of(item) for item in retired]] = False
+    table = pq.read_table(directory.catalog_path).filter(pa.array(keep))
+    return _write(table, layout, out, directory, 0, len(retired))
+
+
+def read_item_list(value: str) -> list[str]:
+    """`--items`: a file of item IDs (Parquet with item_id, else one ID a line) or IDs separated by commas."""
+    path = Path(value)
+    if path.is_file():
+        if path.suffix == ".parquet":
+            try:
+                table = pq.read_table(path, columns=["item_id"])
+            except (pa.ArrowException, OSError, KeyError) as err:
+                raise GenrecError(f"--items {path}: not Parquet with an item_id column ({err})") from None
+            ids = [str(item) for item in table.column("item_id").to_pylist() if item is not None]
+        else:
+            ids = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    else:
+        ids = [part.strip() for part in value.split(",")]
+    ids = [item for item in ids if item]
+    if not ids:
+        raise GenrecError(f"--items {value!r}: names no item (IDs separated by commas, or a file of them)")
+    return ids
+
+
+def new_codes(catalog: Catalog, layout, codebooks: Codebooks, embeddings, item_ids, source) -> np.ndarray:
+    """[n, levels] token IDs for new items: nearest codes above the last level, then the first free last-level
+    index under each prefix (among the catalog's items and the new items before it), in row order."""
+    levels = layout.levels
+    if (catalog.lengths != levels).any():
+        raise CatalogError(source, f"the catalog has codes shorter than {levels} tokens: not one build-ids wrote")
+    indices = codebooks.nearest_codes(embeddings)
+    prefixes = np.stack([layout.level_ids[level][indices[:, level]] for level in range(levels - 1)], axis=1)
+    last = _first_free_last(catalog.codes, prefixes, layout, item_ids, source)
+    return np.concatenate([prefixes, layout.level_ids[levels - 1][last][:, None]], axis=1)
+
+
+def _first_free_last(codes: np.ndarray, prefixes: np.ndarray, layout, item_ids, source) -> np.ndarray:
+    """Each new item's last-level code position: the lowest one no item under its prefix holds (a new item before
+    it in the file included). One [new prefixes, last-level codes] table of what is taken, no loop."""
+    last_ids = layout.level_ids[-1]
+    position_of = np.full(int(last_ids.max()) + 1, -1, dtype=np.int64)
+    position_of[last_ids] = np.arange(len(last_ids))
+    wanted_prefixes, wanted = np.unique(prefixes, axis=0, return_inverse=True)
+    wanted = wanted.reshape(-1)
+    both = np.concatenate([wanted_prefixes, codes[:, :-1]])
+    _, key = np.unique(both, axis=0, return_inverse=True)
+    key = key.reshape(-1)
+    group_of_key = np.full(int(key.max()) + 1, -1, dtype=np.int64)
+    group_of_key[key[: len(wanted_prefixes)]] = np.arange(len(wanted_prefixes))
+    held_group = group_of_key[key[len(wanted_prefixes) :]]  # -1: an existing item under no new item's prefix
+    under = held_group >= 0
+    taken = np.zeros((len(wanted_prefixes), len(last_ids)), dtype=bool)
+    taken[held_group[under], position_of[codes[under, -1]]] = True
+    free_group, free_position = np.nonzero(~taken)  # row-major: by group, then lowest position first
+    free_count = np.bincount(free_group, minlength=len(wanted_prefixes))
+    rank = _rank_within(wanted, np.argsort(wanted, kind="stable"))  # among the new items of its prefix, row order
+    full = np.flatnonzero(rank >= free_count[wanted])
+    if len(full):
+        row = int(full[0])
+        raise CatalogError(
+            source,
+            f"row {row + 1} (item {item_ids[row]!r}): its code prefix {prefixes[row].tolist()} already holds all "
+            f"{len(last_ids)} codes of the last level; retire items under it or rebuild with build-ids",
+        )
+    first_free = np.concatenate([[0], np.cumsum(free_count)[:-1]])
+    return free_position[first_free[wanted] + rank]
+
+
+def _open(model_dir):
+    from genrec.model.directory import ModelDir
+
+    directory = ModelDir.open(model_dir, family="qwen3")
+    layout = directory.load_sid_layout()
+    return directory, layout, directory.load_catalog(layout=layout)
+
+
+def _check_new_ids(item_ids: np.ndarray, catalog: Catalog, source) -> None:
+    seen: dict[str, int] = {}
+    for row, item in enumerate(item_ids.tolist()):
+        if not isinstance(item, str) or not item:
+            raise CatalogError(source, f"row {row + 1}: item_id must be a non-empty string, not {item!r}")
+        if catalog.index_of(item) is not None:
+            raise CatalogError(source, f"row {row + 1} (item {item!r}): already in the catalog")
+        if item in seen:
+            raise CatalogError(source, f"row {row + 1} (item {item!r}): duplicate item ID (first on row {seen[item]})")
+        seen[item] = row + 1
+
+
+def _checked_embeddings(vectors: list, dim: int, item_ids, source) -> np.ndarray:
+    width = len(vectors[0]) if vectors else 0
+    if vectors and width != dim:
+        raise CatalogError(
+            source,
+            f"row 1 (item {item_ids[0]!r}): column 'embedding' has {width} values; the codebooks were built from {dim}",
+        )
+    return _checked_matrix(vectors, item_ids, str(source)).numpy()
+
+
+def _rows_like(table: pa.Table, item_ids: list[str], codes: np.ndarray) -> pa.Table:
+    """New catalog rows with the existing table's column types (popularity 0 when it has that column)."""
+    columns = {
+        "item_id": pa.array(item_ids, table.schema.field("item_id").type),
+        "semantic_id": pa.array(codes.tolist(), table.schema.field("semantic_id").type),
+    }
+    if "popularity" in table.column_names:
+        columns["popularity"] = pa.array(np.zeros(len(item_ids)), table.schema.field("popularity").type)
+    return pa.table(columns)
+
+
+def _write(table: pa.Table, layout, out, directory, added: int, retired: int) -> CatalogChange:
+    target = Path(out) if out is not None else directory.catalog_path
+    item_ids = np.array(table.column("item_id").to_pylist(), dtype=object)
+    Catalog.validated(item_ids, _codes(table, target), layout, target)  # the engine loader's checks, before writing
+    write_atomically(table, target)
+    return CatalogChange(added, retired, len(table), target, catalog_version(target))
+
+
+def catalog_version(path: Path) -> str:
+    """A content hash of the catalog file: its version."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]

@@ -1,0 +1,88 @@
+"""What build-ids keeps to code a new item later: the scale it divided the embeddings by and each level's centers.
+
+Written beside the catalog build-ids writes, as `codebooks.safetensors` (by default MODEL/genrec/, never the model
+directory's root, whose `*.safetensors` peer engines load as weights). A catalog imported from another project
+(`genrec catalog import`) or built before build-ids kept codebooks has none: `genrec catalog add` refuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from genrec.errors import CatalogError
+
+CODEBOOKS_FILE = "codebooks.safetensors"
+NO_CODEBOOKS = (
+    "missing: the catalog has no codebooks to code new items with. Only a catalog `genrec build-ids` wrote (since it "
+    "keeps them) can take new items; one imported from another project (`genrec catalog import`, e.g. OpenOneRec's "
+    "or MiniOneRec's) or built before cannot: rebuild it with `genrec build-ids`"
+)
+
+
+@dataclass(frozen=True)
+class Codebooks:
+    """`centers[l]`: level l's k-means centers [codes_l, dim] (row = code index) over the residual left by the
+    levels above; `scale`: what the embeddings were divided by before level 0; `last_size`: codes of the last,
+    disambiguating level."""
+
+    scale: float
+    centers: tuple[torch.Tensor, ...]
+    last_size: int
+
+    @property
+    def dim(self) -> int:
+        return self.centers[0].shape[1]
+
+    @staticmethod
+    def path_beside(catalog_path: Path) -> Path:
+        return Path(catalog_path).parent / CODEBOOKS_FILE
+
+    def save(self, path: Path) -> None:
+        tensors = {f"level_{level}": c.contiguous().float() for level, c in enumerate(self.centers)}
+        tensors["scale"] = torch.tensor([self.scale], dtype=torch.float32)
+        tensors["last_size"] = torch.tensor([self.last_size], dtype=torch.int64)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path))
+
+    @classmethod
+    def load(cls, path: Path) -> Codebooks:
+        if not path.is_file():
+            raise CatalogError(path, NO_CODEBOOKS)
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as err:
+            raise CatalogError(path, f"not readable as safetensors ({err})") from None
+        levels = sum(name.startswith("level_") for name in tensors)
+        missing = [n for n in ("scale", "last_size", *(f"level_{i}" for i in range(levels))) if n not in tensors]
+        if missing or levels == 0:
+            raise CatalogError(path, f"tensor {(missing or ['level_0'])[0]!r} is missing")
+        centers = tuple(tensors[f"level_{i}"] for i in range(levels))
+        if any(c.ndim != 2 or c.shape[1] != centers[0].shape[1] for c in centers):
+            raise CatalogError(path, f"centers of different widths: {[tuple(c.shape) for c in centers]}")
+        return cls(float(tensors["scale"][0]), centers, int(tensors["last_size"][0]))
+
+    def check_layout(self, layout, path: Path) -> None:
+        """The codebooks were built for this model's SID layout: one level fewer than the layout (the last one
+        disambiguates), no more centers than a level has codes."""
+        sizes = layout.level_sizes
+        fits = len(self.centers) == len(sizes) - 1 and self.last_size == sizes[-1]
+        if not fits or any(len(c) > k for c, k in zip(self.centers, sizes, strict=False)):
+            built = [len(c) for c in self.centers] + [self.last_size]
+            raise CatalogError(path, f"built for levels of {built} codes; the model's SID layout has {sizes}")
+
+    def nearest_codes(self, embeddings: np.ndarray) -> np.ndarray:
+        """[n, levels-1] code indices: at each level the nearest center to the residual the levels above left.
+        build-ids gives an item the same unless its nearest prefix was full (then it took the nearest with room)."""
+        residual = torch.as_tensor(np.asarray(embeddings, dtype=np.float32)) / self.scale
+        columns = []
+        for centers in self.centers:
+            assign = torch.cdist(residual, centers).argmin(dim=1)
+            residual = residual - centers[assign]
+            columns.append(assign.numpy())
+        return np.stack(columns, axis=1).astype(np.int64)

@@ -1,0 +1,291 @@
+"""`genrec catalog add` / `retire`: new items coded with build-ids' codebooks, items removed, without retraining."""
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from genrec.api import RetrieveRequest
+from genrec.catalog import Catalog
+from genrec.catalog.build_ids import codes_and_codebooks
+from genrec.catalog.changes import add_items, new_codes, read_item_list, retire_items
+from genrec.catalog.codebooks import Codebooks
+from genrec.cli import app
+from genrec.errors import CatalogError, GenrecError
+from genrec.model.directory import ModelDir
+
+BUILT, ADDED, DIM = 120, 30, 6  # the conftest model: 3 levels of 8 codes
+
+
+def _items(path, ids, vectors):
+    pq.write_table(pa.table({"item_id": list(ids), "embedding": np.asarray(vectors).tolist()}), path)
+    return path
+
+
+def _run(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result
+
+
+@pytest.fixture
+def built(tiny_dir, tmp_path):
+    """A copy of the tiny model whose catalog `genrec build-ids` wrote from BUILT + ADDED items; the embeddings."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    vectors = np.random.default_rng(7).normal(size=(BUILT + ADDED, DIM))
+    ids = [f"x{i}" for i in range(BUILT + ADDED)]
+    result = _run("build-ids", _items(tmp_path / "all.parquet", ids, vectors), "--model", model)
+    assert result.exit_code == 0, result.output
+    return model, ids, vectors
+
+
+def _catalog(model):
+    directory = ModelDir.open(model)
+    return directory.load_catalog()
+
+
+def _numpy_nearest(embeddings, scale, centers):
+    """The plain reference: squared distances to every center, argmin, subtract, level by level."""
+    residual, out = np.asarray(embeddings, dtype=np.float64) / scale, []
+    for c in centers:
+        c = np.asarray(c, dtype=np.float64)
+        nearest = ((residual[:, None, :] - c[None, :, :]) ** 2).sum(axis=2).argmin(axis=1)
+        residual = residual - c[nearest]
+        out.append(nearest)
+    return np.stack(out, axis=1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nearest_codes_equal_a_numpy_reference(seed):
+    rng = np.random.default_rng(seed)
+    centers = tuple(torch.tensor(rng.normal(size=(k, 5)), dtype=torch.float32) for k in (16, 7, 9))
+    codebooks = Codebooks(3.5, centers, 4)
+    embeddings = rng.normal(size=(400, 5)).astype(np.float32) * 3
+    got = codebooks.nearest_codes(embeddings)
+    want = _numpy_nearest(embeddings, 3.5, [c.numpy() for c in centers])
+    assert (got == want).all()
+
+
+def test_codebooks_reproduce_build_ids_where_no_prefix_was_full():
+    """Re-coding the build set with its own codebooks gives build-ids' prefixes except where capacity moved an
+    item (then build-ids' choice was not the nearest one)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(300, 8))
+    codes, codebooks = codes_and_codebooks(x, [8, 8], 8, seed=0)
+    again = codebooks.nearest_codes(x)
+    same = (again == codes[:, :2]).all(axis=1)
+    assert same.mean() > 0.9  # most items were not moved: the comparison below is not vacuous
+    scaled = torch.tensor(x, dtype=torch.float32) / codebooks.scale
+    for row in np.flatnonzero(~same):  # a moved item: its nearest first or second level was full in build-ids
+        moved_first = codes[row, 0] != again[row, 0]
+        level = 0 if moved_first else 1
+        residual = scaled[row] if moved_first else scaled[row] - codebooks.centers[0][codes[row, 0]]
+        distances = torch.cdist(residual[None], codebooks.centers[level])[0]
+        assert distances[codes[row, level]] >= distances[again[row, level]]
+
+
+def test_retired_items_added_back_get_build_ids_codes(built, tmp_path):
+    """The last ADDED rows of the build, retired then added back: where build-ids put each on its nearest
+    prefix, the whole code is build-ids' (the first free last-level index is the one it numbered them)."""
+    model, ids, vectors = built
+    original = _catalog(model)
+    retire = _run("catalog", "retire", model, "--items", ",".join(ids[BUILT:]))
+    assert retire.exit_code == 0, retire.output
+    assert len(_catalog(model)) == BUILT
+    result = _run("catalog", "add", model, _items(tmp_path / "new.parquet", ids[BUILT:], vectors[BUILT:]))
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    catalog = _catalog(model)
+    assert summary["added"] == ADDED and summary["items"] == BUILT + ADDED == len(catalog)
+    assert (
+        summary["catalog_version"] == hashlib.sha256((model / "genrec/catalog.parquet").read_bytes()).hexdigest()[:16]
+    )
+    assert catalog.item_ids.tolist() == ids  # existing rows first and unchanged, new rows appended
+    assert (catalog.codes[:BUILT] == original.codes[:BUILT]).all()
+    assert len(np.unique(catalog.codes, axis=0)) == len(catalog)
+    codebooks = Codebooks.load(model / "genrec/codebooks.safetensors")
+    layout = ModelDir.open(model).load_sid_layout()
+    nearest = np.stack(
+        [layout.level_ids[level][codebooks.nearest_codes(vectors)[:, level]] for level in range(2)], axis=1
+    )
+    unmoved = (nearest == original.codes[:, :2]).all(axis=1)
+    assert unmoved.all()  # this catalog had room everywhere: so the codes must be build-ids' exactly
+    assert (catalog.codes[BUILT:] == original.codes[BUILT:]).all()
+
+
+def _ranges_layout(*sizes):
+    """Level l's codes are consecutive token IDs after level l-1's, from 0."""
+    from genrec.model.sid_layout import SidLayout
+
+    starts = np.cumsum([0, *sizes[:-1]])
+    ids = tuple(np.arange(s, s + k) for s, k in zip(starts, sizes, strict=True))
+    return SidLayout(level_ids=ids, level_indices=tuple(np.arange(k) for k in sizes))
+
+
+def test_new_items_take_the_first_free_last_level_code_and_a_full_prefix_is_refused():
+    layout = _ranges_layout(4, 4, 4)  # token IDs 0-3, 4-7, 8-11
+    codebooks = Codebooks(1.0, (torch.eye(4, dtype=torch.float32), torch.zeros(4, 4)), 4)
+    held = [[0, 4, 8], [0, 4, 9], [0, 4, 11], [1, 4, 8]]  # prefix (0, 4) holds last-level indices 0, 1, 3
+    catalog = Catalog.validated(np.array(["a", "b", "c", "d"], dtype=object), np.array(held), layout)
+    new = np.array([[0, 0, 1.0, 0], [1.0, 0, 0, 0], [0, 0, 0.8, 0]])  # on prefixes (2, 4), (0, 4), (2, 4)
+    codes = new_codes(catalog, layout, codebooks, new, ["n0", "n1", "n2"], "new.parquet")
+    assert codes.tolist() == [[2, 4, 8], [0, 4, 10], [2, 4, 9]]  # the gap at index 2; a new prefix from 0, in order
+    two_more = np.array([[1.0, 0, 0, 0], [0.9, 0, 0, 0]])  # (0, 4) has one free code, not two
+    with pytest.raises(
+        CatalogError, match=r"new.parquet: row 2 \(item 'm1'\): its code prefix \[0, 4\] already holds all 4"
+    ):
+        new_codes(catalog, layout, codebooks, two_more, ["m0", "m1"], "new.parquet")
+
+
+@pytest.mark.parametrize(("seed", "held"), [(0, 10), (1, 10), (2, 20), (3, 20), (0, 25), (1, 25)])
+def test_last_level_codes_equal_a_plain_first_free_reference(seed, held):
+    """Random catalogs with gaps, random new items (some fill a prefix: refused): the vectorised rule against a
+    dict of taken sets."""
+    rng = np.random.default_rng(seed)
+    size = held
+    layout = _ranges_layout(3, 3, 6)  # token IDs 0-2, 3-5, 6-11
+    all_codes = np.array([[a, 3 + b, 6 + c] for a in range(3) for b in range(3) for c in range(6)])
+    held = all_codes[rng.choice(len(all_codes), size=size, replace=False)]
+    catalog = Catalog.validated(np.array([f"i{n}" for n in range(size)], dtype=object), held, layout)
+    centers = (torch.eye(3, dtype=torch.float32), torch.eye(3, dtype=torch.float32))
+    new = np.zeros((12, 3), dtype=np.float32)
+    first, second = rng.integers(0, 3, 12), rng.integers(0, 3, 12)
+    new[np.arange(12), first] = 1.0  # level 0: the center `first`; the residual left, 0.5 e_second, nears `second`
+    new[np.arange(12), second] += 0.5
+    taken: dict[tuple, set] = {}
+    for code in held.tolist():
+        taken.setdefault(tuple(code[:2]), set()).add(code[2] - 6)
+    try:
+        got = new_codes(catalog, layout, Codebooks(1.0, centers, 6), new, [f"n{n}" for n in range(12)], "x")
+    except CatalogError as err:
+        got = err
+    want = []
+    for a, b in zip(first.tolist(), second.tolist(), strict=True):
+        prefix = (a, 3 + b)
+        free = [c for c in range(6) if c not in taken.setdefault(prefix, set())]
+        if not free:
+            want = f"row {len(want) + 1} (item 'n{len(want)}')"
+            break
+        taken[prefix].add(free[0])
+        want.append([a, 3 + b, 6 + free[0]])
+    if isinstance(want, str):
+        assert isinstance(got, CatalogError) and want in str(got)
+    else:
+        assert got.tolist() == want
+
+
+def test_the_engine_retrieves_added_items(built, tmp_path):
+    """Items added to a built catalog come out of a full-width beam (every catalog item is a beam)."""
+    from genrec.engine import Engine, SchedulerConfig
+
+    model, ids, vectors = built
+    assert _run("catalog", "retire", model, "--items", ",".join(ids[BUILT:])).exit_code == 0
+    fresh = [f"new{i}" for i in range(ADDED)]
+    moved = vectors[BUILT:] + np.random.default_rng(8).normal(size=(ADDED, DIM)) * 0.3  # not the build's points
+    result = _run("catalog", "add", model, _items(tmp_path / "new.parquet", fresh, moved))
+    assert result.exit_code == 0, result.output
+    engine = Engine.from_pretrained(model, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    assert len(engine.catalog) == BUILT + ADDED
+    (found,) = engine.retrieve([RetrieveRequest(prompt_token_ids=[5, 6, 7], beam_width=len(engine.catalog))])
+    returned = [item.item_id for item in found.items]
+    assert sorted(returned) == sorted(ids[:BUILT] + fresh)
+    assert len(np.unique(engine.catalog.codes, axis=0)) == len(engine.catalog)
+    nearest = Codebooks.load(model / "genrec/codebooks.safetensors").nearest_codes(moved)
+    layout = ModelDir.open(model).load_sid_layout()
+    prefixes = np.stack([layout.level_ids[level][nearest[:, level]] for level in range(2)], axis=1)
+    assert (engine.catalog.codes[BUILT:, :2] == prefixes).all()  # each on its nearest prefix (room everywhere)
+
+
+@pytest.mark.parametrize(
+    ("rows", "fragment"),
+    [
+        ({"item_id": ["x3"], "embedding": [[0.0] * DIM]}, r"row 1 \(item 'x3'\): already in the catalog"),
+        ({"item_id": ["n", "n"], "embedding": [[0.0] * DIM] * 2}, r"row 2 \(item 'n'\): duplicate item ID"),
+        ({"item_id": ["n"], "embedding": [[0.0] * 4]}, r"row 1 \(item 'n'\): column 'embedding' has 4 values; .* 6"),
+        ({"item_id": ["n", "m"], "embedding": [[0.0] * DIM, [np.nan] * DIM]}, r"item 'm' \(row 1\) has a non-finite"),
+        (
+            {"item_id": ["n", "m"], "embedding": [[0.0] * DIM, [0.0, 1.0]]},
+            r"another length on row 1 \(item 'm': 2 values",
+        ),
+    ],
+)
+def test_bad_new_items_are_refused_naming_the_row(built, tmp_path, rows, fragment):
+    model, _, _ = built
+    before = (model / "genrec/catalog.parquet").read_bytes()
+    source = tmp_path / "new.parquet"
+    pq.write_table(pa.table(rows), source)
+    with pytest.raises(GenrecError, match=fragment):
+        add_items(model, source)
+    assert (model / "genrec/catalog.parquet").read_bytes() == before  # nothing written
+
+
+def test_a_catalog_without_codebooks_cannot_take_new_items(built, tmp_path):
+    """An imported catalog (OpenOneRec's, MiniOneRec's, or genrec's own from before codebooks were kept)."""
+    model, ids, vectors = built
+    (model / "genrec/codebooks.safetensors").unlink()
+    source = _items(tmp_path / "new.parquet", ["n"], vectors[:1])
+    result = _run("catalog", "add", model, source)
+    assert result.exit_code != 0
+    with pytest.raises(CatalogError, match=r"codebooks.safetensors: missing: .*`genrec catalog import`.*build-ids"):
+        add_items(model, source)
+
+
+def test_import_drops_codebooks_that_no_longer_match_the_catalog(built, tmp_path):
+    model, _, _ = built
+    shutil.copy(model / "genrec/catalog.parquet", tmp_path / "catalog.parquet")
+    assert _run("catalog", "import", model, tmp_path / "catalog.parquet").exit_code == 0
+    assert not (model / "genrec/codebooks.safetensors").exists()
+
+
+def test_retire_errors_name_the_items(built, tmp_path):
+    model, ids, _ = built
+    with pytest.raises(GenrecError, match=r"--items: item 'nope' is not in the catalog \(1 of 2\)"):
+        retire_items(model, ["x1", "nope"])
+    with pytest.raises(GenrecError, match=r"retiring all 150 items would leave the catalog empty"):
+        retire_items(model, ids)
+    assert len(_catalog(model)) == BUILT + ADDED
+
+
+def test_item_lists_from_a_file_or_commas(tmp_path):
+    (tmp_path / "ids.txt").write_text("a\n\nb \n")
+    pq.write_table(pa.table({"item_id": ["c", "d"]}), tmp_path / "ids.parquet")
+    assert read_item_list(str(tmp_path / "ids.txt")) == ["a", "b"]
+    assert read_item_list(str(tmp_path / "ids.parquet")) == ["c", "d"]
+    assert read_item_list("e, f,") == ["e", "f"]
+    with pytest.raises(GenrecError, match="names no item"):
+        read_item_list(" , ")
+
+
+def test_retire_out_leaves_the_model_catalog_alone(built, tmp_path):
+    model, ids, _ = built
+    before = (model / "genrec/catalog.parquet").read_bytes()
+    out = tmp_path / "elsewhere.parquet"
+    result = _run("catalog", "retire", model, "--items", "x0", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == {
+        "added": 0,
+        "retired": 1,
+        "items": BUILT + ADDED - 1,
+        "catalog": str(out),
+        "catalog_version": hashlib.sha256(out.read_bytes()).hexdigest()[:16],
+    }
+    assert (model / "genrec/catalog.parquet").read_bytes() == before
+    assert pq.read_table(out).column("item_id").to_pylist() == ids[1:]
+
+
+def test_build_ids_writes_the_codebooks_beside_the_catalog_never_in_the_model_root(tiny_dir, tmp_path):
+    source = _items(
+        tmp_path / "items.parquet", [f"x{i}" for i in range(40)], np.random.default_rng(9).normal(size=(40, 3))
+    )
+    out = tmp_path / "elsewhere" / "catalog.parquet"
+    root_before = sorted(p.name for p in tiny_dir.iterdir())
+    assert _run("build-ids", source, "--model", tiny_dir, "--out", out).exit_code == 0
+    codebooks = Codebooks.load(out.parent / "codebooks.safetensors")
+    assert codebooks.dim == 3 and len(codebooks.centers) == 2 and codebooks.last_size == 8
+    assert sorted(p.name for p in tiny_dir.iterdir()) == root_before

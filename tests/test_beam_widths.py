@@ -180,3 +180,31 @@ def test_the_http_body_passes_the_schedule_and_names_a_bad_width():
     bad = _post({"prompt": "a", "beam_widths": [4, 0, 16]})
     assert bad.status_code == 422
     assert [d["field"] for d in bad.json()["details"]] == ["beam_widths[1]"]
+
+
+def test_the_batch_job_retrieves_every_row_with_the_schedule(engine, tiny_dir, tmp_path, rng):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from genrec.batch import RecommendSpec
+    from genrec.batch.jobs import Retrieve
+    from tests.shard_runs import error_rows, run_in_process
+
+    prompts = [random_prompt(engine, 10 + k, rng) for k in range(3)]
+    rows = [{"user_id": k, "prompt_token_ids": p} for k, p in enumerate(prompts)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "users.parquet")
+    spec = RecommendSpec(
+        model=str(tiny_dir), users=str(tmp_path / "users.parquet"), out=str(tmp_path / "out"), beam_widths=[2, 12, 6]
+    )
+    shard, _, report = run_in_process(Retrieve(spec))
+    assert report["errors"] == 0 and error_rows(spec.out, shard) == []
+    output = pq.read_table(tmp_path / "out" / "recommendations" / shard.name).to_pylist()
+    differs = False  # from width 6 at every level, for some row: else the test could not tell the two apart
+    for k, prompt in enumerate(prompts):
+        (want,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_widths=[2, 12, 6])])
+        (constant,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=6)])
+        got = [r for r in output if r["user_id"] == k]
+        assert [r["item_id"] for r in got] == [i.item_id for i in want.items]
+        assert np.allclose([r["retrieval_logprob"] for r in got], [i.logprob for i in want.items], atol=1e-5)
+        differs |= [i.item_id for i in constant.items] != [i.item_id for i in want.items]
+    assert differs

@@ -122,3 +122,18 @@ def exhaustive_retrieval(catalog, ending, hf_model, prompt: list[int], excluded=
         rows = sorted(by_code[code], key=lambda r: (-(popularity[r] if popularity is not None else 0), r))
         ranked.append((list(code), score, [catalog.item_ids[r] for r in rows if catalog.item_ids[r] not in excluded]))
     return ranked
+
+
+def scheduled_beam_search(hf_model, prompt: list[int], sequences, widths: list[int]) -> list[tuple[tuple, float]]:
+    """A textbook beam search over token sequences (any lengths), by plain forwards: at step l every kept prefix is
+    extended by each next token some sequence allows (a finished sequence stays as it is, at its score), and the
+    best widths[l] prefixes by log P(prefix | prompt) are kept. The kept sequences after the last step, best first,
+    with their scores: [(sequence, logprob)]."""
+    sequences = [tuple(s) for s in sequences]
+    kept = [((), 0.0)]
+    for step, width in enumerate(widths):
+        alive = {prefix for prefix, _ in kept}
+        options = sorted({s[: step + 1] for s in sequences if s[:step] in alive})
+        scores = sequence_logprobs(hf_model, prompt, [list(p) for p in options])
+        kept = sorted(zip(options, scores, strict=True), key=lambda pair: pair[1], reverse=True)[:width]
+    return kept

@@ -87,6 +87,35 @@ def test_a_bad_engine_or_cache_flag_is_one_line_naming_it(flags, fragment, capsy
     assert exited.value.code == 2 and err.count("\n") == 1 and fragment in err, err
 
 
+def test_a_beam_width_schedule_is_a_comma_separated_flag():
+    spec = spec_from("--beam-widths", "4,8,16")
+    assert spec.beam_widths == [4, 8, 16] and spec.beam_width == 16  # the result's width: the last level's
+    assert spec.identity("v", "in")["beam_widths"] == [4, 8, 16]
+    assert "beam_widths" not in spec_from().identity("v", "in")  # without one, run_ids stay as they were
+    assert spec_from("--beam-widths", "4,8,16", "--beam-width", "16") == spec
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--beam-widths", "4,0,16"], "error: --beam-widths: Input should be greater than or equal to 1"),
+        (["--beam-widths", "4,8", "--beam-width", "9"], "beam_width (9) differs from the last of beam_widths"),
+        (["--beam-widths", "4,8,16", "--num-results", "17"], "num_results (17) exceeds beam_width (16)"),
+    ],
+)
+def test_a_bad_beam_width_schedule_is_one_line_naming_it(flags, fragment, capsys):
+    with pytest.raises(SystemExit) as exited:
+        run_job(lambda: spec_from(*flags) and 0)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and fragment in err, err
+
+
+def test_a_beam_width_schedule_that_is_not_integers_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as exited:
+        spec_from("--beam-widths", "4,x")
+    assert exited.value.code == 2 and "--beam-widths: '4,x': give comma-separated integers" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "script, models",
     [("batch_recommend.py", RECOMMEND[-1]), ("batch_rank.py", (RankSpec, Execution))],

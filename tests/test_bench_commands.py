@@ -33,6 +33,15 @@ def test_bench_retrieve_times_a_prefix_cache_miss(tiny_dir, tmp_path):
     assert report["seconds"]["genrec_retrieve_cache_miss"] > 0 and report["ratios"]["cache_miss_over_cache_off"] > 0
 
 
+def test_bench_retrieve_times_a_per_level_schedule(tiny_dir, tmp_path):
+    report = run(
+        tmp_path, "retrieve", "--model", str(tiny_dir), "--prompt-len", "20", "--beam-width", "16", "--repeats", "1",
+        "--no-hf-baseline", "--beam-widths", "2,8,16",
+    )  # fmt: skip
+    assert report["beam_widths"] == [2, 8, 16] and report["ratios"]["scheduled_over_constant"] > 0
+    assert 0 < report["scheduled_overlap"] <= 1
+
+
 def test_bench_isolation(tmp_path):
     report = run(
         tmp_path, "isolation", "--prompt-len", "48", "--beam-width", "4", "--events", "48", "--candidates", "2",

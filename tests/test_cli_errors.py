@@ -67,6 +67,10 @@ def test_load_benchmark_refuses_a_rate_that_never_advances(tiny_dir):
         (["tiny-model", "OUT", "--user-dim", "-1"], "user_dim must be at least 0, not -1"),
         (["tiny-model", "OUT", "--heads", "3"], "heads (3) must be a multiple of kv_heads (2)"),
         (["bench", "retrieve", "--model", "MODEL", "--levels", "9"], "--levels sets the code length of a preset"),
+        (["bench", "retrieve", "--beam-widths", "4,x"], "--beam-widths '4,x': give comma-separated integers"),
+        (["bench", "retrieve", "--beam-widths", "0,30"], "every width must be at least 1"),
+        (["bench", "retrieve", "--beam-widths", "4,8"], "it must end with --beam-width (30)"),
+        (["bench", "retrieve", "--model", "MODEL", "--beam-widths", "4,30"], "--beam-widths has 2 widths"),
         (["bench", "score", "--model", "MODEL", "--device", "gpu"], "--device 'gpu' is not a device name"),
     ],
 )

@@ -151,13 +151,28 @@ class PromptInput(PromptForms):
         return value
 
 
+BEAM_WIDTHS_HELP = (
+    "a beam width per code level (one per token of the catalog's longest code): the best beam_widths[l] partial "
+    "codes are kept after level l; ending steps (e.g. <|sid_end|>) keep the last width. None: beam_width at "
+    "every level. beam_width, when given too, must equal the last width"
+)
+
+
 class RetrieveRequest(PromptInput):
-    beam_width: Int = Field(30, ge=1, le=MAX_BEAM_WIDTH)
+    beam_width: Int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams kept at the last level (the results)")
+    beam_widths: list[Annotated[Int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
+        None, min_length=1, description=BEAM_WIDTHS_HELP
+    )
     num_results: Int | None = Field(None, ge=1, description="default: beam_width")
     exclude_item_ids: list[Text] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _results_within_beam(self):
+        if self.beam_widths is not None:
+            last = self.beam_widths[-1]
+            if "beam_width" in self.model_fields_set and self.beam_width != last:
+                raise ValueError(f"beam_width ({self.beam_width}) differs from the last of beam_widths ({last})")
+            self.beam_width = last
         if self.num_results is None:
             self.num_results = self.beam_width
         if self.num_results > self.beam_width:

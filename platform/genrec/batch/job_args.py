@@ -147,7 +147,16 @@ def _kind(field) -> dict:
         return {"action": "store_false" if field.default is True else "store_true"}
     if typing.get_origin(annotation) is typing.Literal:
         return {"choices": typing.get_args(annotation)}
+    if typing.get_origin(annotation) is list:  # e.g. --beam-widths 32,128,256; the spec checks the values
+        return {"type": _comma_ints, "metavar": "N,N,..."}
     return {"type": annotation}
+
+
+def _comma_ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 32,128,256") from None
 
 
 def _one_line(err: Exception) -> str:

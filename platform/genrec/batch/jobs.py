@@ -96,7 +96,8 @@ class Retrieve(Job):
         self.cache = EmbeddingCache.connect(self.spec.cache.with_dim(directory.user_dim))
 
     def settings(self) -> dict:
-        return {"beam_width": self.spec.beam_width, "num_results": self.spec.num_results}
+        spec = self.spec
+        return {"beam_width": spec.beam_width, "beam_widths": spec.beam_widths, "num_results": spec.num_results}
 
     def parse(self, rows: Rows) -> Parsed:
         embeddings = None

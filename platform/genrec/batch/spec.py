@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -69,6 +69,9 @@ class RecommendSpec(JobSpec):
     renamed: ClassVar[dict[str, str]] = {"rank": "score", "rank_by": "order_by"}
 
     beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search")
+    beam_widths: list[Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
+        None, min_length=1, description="a beam width per code level, e.g. 32,128,256 (beam_width is the last)"
+    )
     num_results: int | None = Field(None, ge=1, description="items per user (default: beam_width)")
     score: bool = Field(False, description="recommend: label-score the retrieved and the given items, one prefill")
     order_by: Literal["score", "joint"] = Field(
@@ -84,8 +87,19 @@ class RecommendSpec(JobSpec):
     def _absolute_store(cls, cache: CacheConfig | None) -> CacheConfig | None:
         return cache if cache is None else with_absolute_store(cache)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _width_of_the_schedule(cls, data):
+        """beam_width, when not given, is the schedule's last width."""
+        widths = data.get("beam_widths") if isinstance(data, dict) else None
+        if isinstance(widths, list) and widths and "beam_width" not in data:
+            return {**data, "beam_width": widths[-1]}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self):
+        if self.beam_widths is not None and self.beam_width != self.beam_widths[-1]:
+            raise ValueError(f"beam_width ({self.beam_width}) differs from the last of beam_widths")
         if self.num_results is not None and self.num_results > self.beam_width:
             raise ValueError(f"num_results ({self.num_results}) exceeds beam_width ({self.beam_width})")
         if self.order_by != "score" and not self.score:
@@ -98,6 +112,7 @@ class RecommendSpec(JobSpec):
         return {  # "rank", "rank_by": score's and order_by's names before; kept, so that run_ids stay the same
             **super().identity(model_version, input_fingerprint),
             "beam_width": self.beam_width,
+            **({"beam_widths": self.beam_widths} if self.beam_widths else {}),  # absent: run_ids stay as before
             "num_results": self.num_results or self.beam_width,
             "rank": self.score,
             "rank_by": self.order_by,

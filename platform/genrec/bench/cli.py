@@ -89,6 +89,11 @@ class RetrieveOptions:
     )
     peer: str | None = opt(None, PEER)
     cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
+    beam_widths: str | None = opt(
+        None,
+        "also time this per-level schedule, one width per code level ending with --beam-width (e.g. 32,128,256 with "
+        "--beam-width 256), against --beam-width at every level, on the same prompts",
+    )
 
 
 @bench("sid-catalog", "sid_catalog.run")

@@ -45,8 +45,11 @@ COLD = SchedulerConfig(prefix_cache_bytes=0)
 
 
 def retrieve(o: RetrieveOptions) -> dict:
+    schedule = _schedule(o.beam_widths, o.beam_width)
     model_dir = model_dir_for(o.preset, o.model, o.levels)
     engine = Engine.from_pretrained(model_dir, device=o.device, cuda_fast=o.cuda_fast, scheduler=COLD)
+    if schedule is not None and len(schedule) != engine.catalog.levels:
+        raise ValueError(f"--beam-widths has {len(schedule)} widths; the catalog's codes have {engine.catalog.levels}")
     if o.peer:
         peer_vllm.check(o.peer, engine.model.config, o.device, o.beam_width)
     generator = torch.Generator().manual_seed(0)
@@ -64,6 +67,9 @@ def retrieve(o: RetrieveOptions) -> dict:
         calls["genrec_retrieve_soft_token"] = lambda: engine.retrieve(soft)
     if o.prefix_cache:
         calls["genrec_retrieve_cache_miss"] = _cache_misses(model_dir, o, requests)
+    if schedule is not None:
+        scheduled = [RetrieveRequest.model_validate(r.model_dump() | {"beam_widths": schedule}) for r in requests]
+        calls["genrec_retrieve_scheduled"] = lambda: engine.retrieve(scheduled)
     seconds = interleaved_medians(calls, o.repeats, o.device)
     retrieve_s = seconds["genrec_retrieve"]
     report = {
@@ -84,6 +90,10 @@ def retrieve(o: RetrieveOptions) -> dict:
         report["ratios"]["soft_token_over_token_only"] = seconds["genrec_retrieve_soft_token"] / retrieve_s
     if o.prefix_cache:
         report["ratios"]["cache_miss_over_cache_off"] = seconds["genrec_retrieve_cache_miss"] / retrieve_s
+    if schedule is not None:
+        report["beam_widths"] = schedule
+        report["ratios"]["scheduled_over_constant"] = seconds["genrec_retrieve_scheduled"] / retrieve_s
+        report["scheduled_overlap"] = _overlap(engine.retrieve(scheduled), engine.retrieve(requests))
     if o.hf_baseline:
         hf_s, agreement = _hf_generate(engine, model_dir, requests, o.device, max(1, min(o.repeats, 2)))
         report["seconds"]["hf_generate"] = hf_s
@@ -92,6 +102,30 @@ def retrieve(o: RetrieveOptions) -> dict:
     if o.peer:
         report[o.peer] = peer_vllm.compare_retrieve(engine, model_dir, requests, o.device, o.repeats)
     return report
+
+
+def _schedule(text: str | None, beam_width: int) -> list[int] | None:
+    """--beam-widths "32,128,256": positive widths, the last one --beam-width (both runs return as many items)."""
+    if text is None:
+        return None
+    try:
+        widths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--beam-widths {text!r}: give comma-separated integers, e.g. 32,128,256") from None
+    if min(widths) < 1:
+        raise ValueError(f"--beam-widths {text!r}: every width must be at least 1")
+    if widths[-1] != beam_width:
+        raise ValueError(f"--beam-widths ends with {widths[-1]}: it must end with --beam-width ({beam_width})")
+    return widths
+
+
+def _overlap(scheduled, constant) -> float:
+    """Of the items width B at every level finds, the share the schedule finds too (mean over requests)."""
+    shares = []
+    for a, b in zip(scheduled, constant, strict=True):
+        want = {i.item_id for i in b.items}
+        shares.append(len(want & {i.item_id for i in a.items}) / max(len(want), 1))
+    return statistics.mean(shares)
 
 
 def _cache_misses(model_dir, o: RetrieveOptions, requests):

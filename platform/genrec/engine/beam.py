@@ -6,12 +6,17 @@ ancestor table [rows, passes so far] of slot indices, advanced by one gather per
 suffix K/V is one gather from the slots (no walk, no stack). Every operation
 below is a tensor operation over all rows of all requests: no Python loop over beams, no host sync
 until `results()`.
+
+Widths: each request has a width per decode step (its schedule): after step l it keeps its best
+schedule[l] partial sequences. A request gives a width per code level (`beam_widths`) or one width for all;
+the steps past its schedule (a layout's ending tokens) keep its last width (`step_widths`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from itertools import groupby
 
 import numpy as np
@@ -24,12 +29,35 @@ from genrec.staging import fetch, to_device
 NEG_INF = float("-inf")
 
 
+Width = int | Sequence[int]  # one width for every step, or one per code level (see the module's docstring)
+
+
+def step_widths(trie: CodeTrie, width: Width) -> tuple[int, ...]:
+    """The width of each decode step of `trie`: a schedule shorter than the steps keeps its last width after."""
+    widths = (width,) if isinstance(width, int) else tuple(width)
+    if len(widths) > trie.levels:
+        raise ValueError(f"a schedule of {len(widths)} widths for {trie.levels} decode steps")
+    return widths + widths[-1:] * (trie.levels - len(widths))
+
+
+def request_width(request) -> Width:
+    """A retrieve request's widths: its schedule (`beam_widths`), else its one `beam_width`."""
+    return request.beam_widths if getattr(request, "beam_widths", None) else request.beam_width
+
+
 class BeamCohort:
     def __init__(
-        self, trie: CodeTrie, widths: list[int], contexts: list[ContextKV], exclusions: list[np.ndarray], slots: Extent
+        self,
+        trie: CodeTrie,
+        widths: list[Width],
+        contexts: list[ContextKV],
+        exclusions: list[np.ndarray],
+        slots: Extent,
     ):
-        """`slots`: an extent of the contexts' KV pool that holds the cohort's BeamKV (`slots_needed` tokens), so a
-        decode pass reads every row's suffix and context from that one pool."""
+        """`widths`: per request (see `step_widths`). `slots`: an extent of the contexts' KV pool that holds the
+        cohort's BeamKV (`slots_needed` tokens), so a decode pass reads every row's suffix and context from that one
+        pool."""
+        widths = [step_widths(trie, w) for w in widths]
         self.trie, self.widths, self.contexts = trie, widths, contexts
         self.device = device = slots.pool.k.device
         n = len(widths)
@@ -98,7 +126,7 @@ def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last
     """A cohort of beam requests (`Prepared`s) over their prefilled contexts, with the first level already chosen
     from the logits at their prompts' last positions (last_logits [n, vocab]). `slots`: see `BeamCohort`."""
     exclusions = [np.asarray(p.exclusions, dtype=np.int64) for p in prepared]
-    widths = [p.request.beam_width for p in prepared]
+    widths = [request_width(p.request) for p in prepared]
     cohort = BeamCohort(trie, widths, contexts, exclusions, slots)
     cohort.select(torch.log_softmax(last_logits, dim=-1))
     return cohort
@@ -122,8 +150,9 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
     """One selection step for cohorts standing at the same level, as one vectorised pass.
 
     logprobs [rows of all cohorts, in order, vocab]. Every row is expanded by its allowed next tokens (one
-    CSR gather), and each request keeps its best min(width, nodes at the next depth) rows: no more beams
-    can be alive, and this bound is known on the host, so dead rows are never computed and nothing syncs.
+    CSR gather), and each request keeps its best `_rows_after` rows (its width at this step, bounded by what can
+    be alive): the bound is known on the host, so nothing syncs. Rows it cannot fill (exclusions; a widening
+    schedule whose rows have fewer children than the bound) score -inf and are dropped from the results.
     """
     first = cohorts[0]
     trie, level, device = first.trie, first.level, first.device
@@ -132,8 +161,8 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
     nodes = first.nodes if one else torch.cat([c.nodes for c in cohorts])
     scores = first.scores if one else torch.cat([c.scores for c in cohorts])
     rows_per_req = [n for c in cohorts for n in c.rows_per_req]
-    widths = [w for c in cohorts for w in c.widths]
-    new_rows = [min(w, trie.nodes_at(level + 1)) for w in widths]
+    widths = [w[level] for c in cohorts for w in c.widths]
+    new_rows = [_rows_after(trie, level, w, n) for w, n in zip(widths, rows_per_req, strict=True)]
     current, chosen = _layout(tuple(rows_per_req), device), _layout(tuple(new_rows), device)
 
     token, child, valid = trie.children(level, nodes)
@@ -167,15 +196,24 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
         old_row, new_row, request = old_row + old_rows, rows.stop, request + n_req
 
 
-def _pass_bases(trie: CodeTrie, widths: list[int]) -> list[int]:
+def _rows_after(trie: CodeTrie, level: int, width: int, rows: int) -> int:
+    """A request's rows after the selection at `level` from `rows` rows: its width there, but never more than the
+    nodes at the next depth nor its rows' children (a schedule that widens cannot fill more)."""
+    return min(width, trie.nodes_at(level + 1), rows * trie.max_children[level])
+
+
+def _pass_bases(trie: CodeTrie, widths: list[Width]) -> list[int]:
     """First BeamKV slot of each decode pass (pass p feeds level p's rows), then the slots needed in all."""
+    schedules = [step_widths(trie, w) for w in widths]
+    rows = [1] * len(schedules)  # before the first selection: one row per request
     bases = [0]
     for level in range(1, trie.levels):
-        bases.append(bases[-1] + sum(min(w, trie.nodes_at(level)) for w in widths))
+        rows = [_rows_after(trie, level - 1, s[level - 1], n) for s, n in zip(schedules, rows, strict=True)]
+        bases.append(bases[-1] + sum(rows))
     return bases
 
 
-def slots_needed(trie: CodeTrie, widths: list[int]) -> int:
+def slots_needed(trie: CodeTrie, widths: list[Width]) -> int:
     return _pass_bases(trie, widths)[-1]
 
 

@@ -38,6 +38,7 @@ from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.scoring import LabelScores, Scorer, score_job
+from genrec.errors import InvalidRequestError
 from genrec.model.chat import ChatTemplate
 from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
@@ -116,6 +117,7 @@ class Decoder:
             token_ids = torch.cat((token_ids, torch.tensor([self.begin])))  # the code's begin token, forced
         prepared = PreparedPrompt(req, kind, token_ids)
         if isinstance(req, RetrieveRequest):
+            self._check_beam_widths(req.beam_widths)
             known = [i for i in map(self.catalog.index_of, req.exclude_item_ids) if i is not None]
             prepared.exclusions = sorted(set(known))
             prepared.unknown_exclusions = len(req.exclude_item_ids) - len(known)
@@ -128,6 +130,15 @@ class Decoder:
             prepared.labels = label_token_ids(self.tokenizer, req.labels or self.layout.labels)
         prepared.kv_tokens = self._kv_tokens(prepared)
         return prepared
+
+    def _check_beam_widths(self, widths: list[int] | None) -> None:
+        """A schedule has one width per code level: the catalog's longest code's tokens (the layout's ending steps
+        keep the last width, genrec.engine.beam)."""
+        if widths is not None and len(widths) != self.catalog.levels:
+            raise InvalidRequestError(
+                "beam_widths",
+                f"has {len(widths)} widths; this catalog's codes have {self.catalog.levels} levels (one width each)",
+            )
 
     def render_prompt(self, req: PromptForms) -> PromptResult:
         """The request's prompt as `prepare` runs it (its text and token IDs), checked the same way."""
@@ -160,7 +171,8 @@ class Decoder:
         """Token-equivalents of KV the request holds at its peak: prompt, beam suffixes, candidate rows."""
         tokens = len(prepared.token_ids)
         if prepared.uses_beams:
-            tokens += prepared.request.beam_width * self.levels * 2  # BeamKV plus the gathered suffix of a pass
+            widest = max(prepared.request.beam_widths or [prepared.request.beam_width])  # the budget follows it
+            tokens += widest * self.levels * 2  # BeamKV plus the gathered suffix of a pass
         if prepared.candidate_tokens is not None:
             tokens += sum(map(len, prepared.candidate_tokens))
             if prepared.kind == "recommend":

@@ -491,7 +491,9 @@ def timed_post(client: httpx.Client, url: str, body: dict) -> tuple[httpx.Respon
 
 
 def two_at_once(url: str, body: dict) -> list[tuple[httpx.Response, float]]:
-    """A request that waits for the ranker, and a second sent while it waits: ordered by how long they took."""
+    """A request that waits for the ranker, and a second sent while it waits: ordered by how long they took. The
+    second is refused by the ranker's full queue after its own stage 1, before its deadline (a loaded machine's
+    stage 1 can take seconds, so how much before is not asserted; its answer's reason or code says it was refused)."""
     with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=60) as client:
         first = pool.submit(timed_post, client, url, body)
         time.sleep(1.0)
@@ -523,7 +525,7 @@ def test_without_its_ranker_the_funnel_answers_the_retrieval_in_beam_order_withi
 
     without_a_ranker(tiny_dir, hstu_dir, on_failure="degrade")
     (overloaded, fast), (waited, slow) = two_at_once(f"{frail}/v1/recommend", body)
-    assert slow <= FRAIL_DEADLINE_S + LATE_S and fast < FRAIL_DEADLINE_S / 2, (fast, slow)
+    assert slow <= FRAIL_DEADLINE_S + LATE_S and fast < FRAIL_DEADLINE_S, (fast, slow)  # refused, not timed out
     fields = {k: v for k, v in body.items() if k not in ("history", "candidates", "num_results")}
     (stage1,) = engine.retrieve([RetrieveRequest(**fields)])  # every beam, in beam order
     beam = [i.item_id for i in stage1.items]  # (given candidates would follow it: see the merge's tests)
@@ -554,7 +556,7 @@ def test_set_to_fail_the_funnel_without_its_ranker_answers_503_and_504(frail, ti
     without_a_ranker(tiny_dir, hstu_dir, on_failure="fail")
     body = {"prompt": PROMPT, "user_embedding": vector(8), "beam_width": 8, "history": history(8)}
     (overloaded, fast), (waited, slow) = two_at_once(f"{frail}/v1/recommend", body)
-    assert slow <= FRAIL_DEADLINE_S + LATE_S and fast < FRAIL_DEADLINE_S / 2, (fast, slow)
+    assert slow <= FRAIL_DEADLINE_S + LATE_S and fast < FRAIL_DEADLINE_S, (fast, slow)  # refused, not timed out
     assert (waited.status_code, waited.json()["code"]) == (504, "timeout")
     assert (overloaded.status_code, overloaded.json()["code"]) == (503, "overloaded")
     assert overloaded.headers["retry-after"] == "1"

@@ -28,8 +28,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from genrec.model.config import Qwen3Config
-from genrec.model.tiny import random_weights
+from genrec.model.tiny import decoder_config, random_weights
 
 SID_BEGIN, SID_END = "<|sid_begin|>", "<|sid_end|>"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -206,18 +205,7 @@ def _minionerec_index(spec: OpenLayoutSpec) -> dict[str, list[str]]:
 def _write_decoder(out: Path, spec: OpenLayoutSpec, vocab_size: int, eos_token_id: int, architecture: str) -> None:
     """config.json (the architecture's own keys, as transformers writes them) and peaked random weights under
     transformers' names: genrec.model.tiny's, so a Qwen2 has its q/k/v biases and no q/k norm."""
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=False,
-        architecture=architecture,
-    )
+    config = decoder_config(spec, vocab_size, architecture, tie_word_embeddings=False)
     body = config.to_hf_dict()
     body.update(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
     (out / "config.json").write_text(json.dumps(body, indent=2))

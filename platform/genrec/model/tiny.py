@@ -156,18 +156,7 @@ def write_model_dir(
     vocab = spec.vocab_size or len(tokenizer)
     if vocab < len(tokenizer):
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        architecture=spec.architecture,
-    )
+    config = decoder_config(spec, vocab, spec.architecture, spec.tie_word_embeddings)
     body = config.to_hf_dict()
     body.update(
         bos_token_id=None,
@@ -194,6 +183,23 @@ def write_model_dir(
             projector.bias.normal_(0.0, 0.1, generator=generator)
         projector.save(out / GENREC_SUBDIR / "soft_token.safetensors")
     return out
+
+
+def decoder_config(shape, vocab_size: int, architecture: str, tie_word_embeddings: bool) -> Qwen3Config:
+    """The decoder's config from a spec's shape fields (hidden, intermediate, layers, heads, kv_heads, head_dim,
+    max_positions): ModelSpec's, or an open layout's."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        architecture=architecture,
+    )
 
 
 def random_weights(c: Qwen3Config, g: torch.Generator, dtype) -> dict[str, torch.Tensor]:

@@ -174,8 +174,20 @@ def test_model_version_is_a_content_hash(tiny_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(tiny_dir, copy)
     assert model_version(copy) == model_version(tiny_dir) == full_hash(tiny_dir)
-    (copy / "genrec" / "catalog.parquet").write_bytes((copy / "genrec" / "catalog.parquet").read_bytes() + b"x")
+    (copy / "tokenizer.json").write_bytes((copy / "tokenizer.json").read_bytes() + b" ")
     assert model_version(copy) != model_version(tiny_dir)
+
+
+def test_a_catalog_change_leaves_the_model_version(tiny_dir, tmp_path):
+    """The catalog is versioned apart (catalog_version): a new catalog does not change the model's K/V."""
+    from genrec.catalog.catalog import catalog_version
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    catalog = copy / "genrec" / "catalog.parquet"
+    catalog.write_bytes(catalog.read_bytes() + b"x")
+    assert model_version(copy) == model_version(tiny_dir) == full_hash(tiny_dir)
+    assert catalog_version(catalog) != catalog_version(tiny_dir / "genrec" / "catalog.parquet")
 
 
 def full_hash(model_dir) -> str:
@@ -184,6 +196,8 @@ def full_hash(model_dir) -> str:
 
     digest = hashlib.sha256()
     for file in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != "digests.json"):
+        if file.relative_to(model_dir).as_posix() in ("genrec/catalog.parquet", "genrec/codebooks.safetensors"):
+            continue
         digest.update(file.relative_to(model_dir).as_posix().encode() + b"\0")
         digest.update(hashlib.sha256(file.read_bytes()).digest())
     return digest.hexdigest()[:16]

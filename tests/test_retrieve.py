@@ -208,7 +208,7 @@ def test_cohorts_at_different_levels_decode_together(engine, rng):
         engine.runner.decode([c for c in cohorts if not c.done])
     finals = fetch_finals(cohorts)
     for request, p, c, host in zip(requests, prepared, cohorts, finals, strict=True):
-        together = retrieve_result(engine.catalog, engine.family.trie, p, c.results(host)[0])
+        together = retrieve_result(p, c.results(host)[0])
         (alone,) = engine.retrieve([request])
         assert [i.item_id for i in together.items] == [i.item_id for i in alone.items]
         assert np.allclose([i.logprob for i in together.items], [i.logprob for i in alone.items], atol=1e-5)

@@ -28,6 +28,7 @@ from pydantic import (
 MAX_BEAM_WIDTH = 1024
 # The request kinds (routes) each model family answers: a Qwen3 semantic-ID decoder, an HSTU ranker.
 FAMILY_KINDS = {"qwen3": ("retrieve", "score", "recommend"), "hstu": ("rank",)}
+CATALOG_VERSION = "the catalog version that answered: a content hash of its file (genrec catalog add prints it)"
 MAX_SCORE_WEIGHT = 1000.0  # far beyond it the joint order is the label's anyway, and the keys would overflow
 
 
@@ -194,6 +195,7 @@ class RetrieveResult(BaseModel):
     )
     prompt_tokens: int
     unknown_exclusions: int = Field(0, description="exclude_item_ids not in the catalog (ignored)")
+    catalog_version: str | None = Field(None, description=CATALOG_VERSION)
 
 
 class Candidate(_Strict):
@@ -235,6 +237,7 @@ class ScoreResult(BaseModel):
     request_id: str | None = None
     scores: list[CandidateScore]
     prompt_tokens: int
+    catalog_version: str | None = Field(None, description=CATALOG_VERSION)
 
 
 class RecommendRequest(RetrieveRequest):
@@ -307,6 +310,7 @@ class RecommendResult(BaseModel):
     )
     prompt_tokens: int
     unknown_exclusions: int = 0
+    catalog_version: str | None = Field(None, description=CATALOG_VERSION)
     rank_task: str | None = Field(None, description="two-stage: the ranker's task the items are ordered by")
     ranker_version: str | None = Field(None, description="two-stage: the ranking model's version")
     degraded: bool = Field(

@@ -166,7 +166,9 @@ def compare_score(engine, model_dir: Path, request, device: str, repeats: int) -
     """
     prompt = request.prompt_token_ids
     family = decoder(engine)
-    candidates = candidate_token_lists(family, request.candidates, len(prompt), family.begin in (None, prompt[-1]))
+    candidates = candidate_token_lists(
+        family, family.catalog, request.candidates, len(prompt), family.begin in (None, prompt[-1])
+    )
     label = label_token_ids(family.tokenizer, request.labels or family.layout.labels)[0]
     base = {"task": "score", "prompt": prompt, "candidates": candidates, "label": label}
     jobs = {f"vllm_{mode}": {**base, "mode": mode} for mode in ("prompt_logprobs", "label_logprobs")}

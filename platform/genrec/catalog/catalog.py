@@ -8,6 +8,7 @@ ignored here.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ class Catalog:
     codes: np.ndarray  # [N, D] int64 token IDs, PAD past each item's length; D = the longest code
     lengths: np.ndarray = None  # [N] int64 tokens of each code (default: all D)
     popularity: np.ndarray | None = None  # [N] float64, or None: items sharing a code keep row order
+    version: str = None  # its file's content hash (`catalog_version`); default: a hash of its items and codes
     _index: dict[str, int] = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -34,6 +36,16 @@ class Catalog:
             self.lengths = np.full(len(self.codes), self.codes.shape[1], dtype=np.int64)
         if self._index is None:
             self._index = {item: i for i, item in enumerate(self.item_ids.tolist())}
+        if self.version is None:
+            self.version = self._content_version()
+
+    def _content_version(self) -> str:
+        """A catalog built in memory: a hash of its items, codes and popularity (a file's is its bytes')."""
+        digest = hashlib.sha256("\0".join(self.item_ids.tolist()).encode())
+        for part in (self.codes, self.lengths, self.popularity):
+            if part is not None:
+                digest.update(np.ascontiguousarray(part).tobytes())
+        return digest.hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.item_ids)
@@ -66,7 +78,9 @@ class Catalog:
                 raise CatalogError(path, f"column {column!r} is missing (have {table.column_names})")
         item_ids = _item_ids(table, path)
         popularity = _popularity(table, item_ids, path) if "popularity" in table.column_names else None
-        return cls.validated(item_ids, _codes(table, path), layout, path, popularity)
+        catalog = cls.validated(item_ids, _codes(table, path), layout, path, popularity)
+        catalog.version = catalog_version(path)
+        return catalog
 
     @classmethod
     def validated(cls, item_ids, codes, layout=None, path="catalog", popularity=None) -> Catalog:
@@ -93,6 +107,15 @@ class Catalog:
         if self.popularity is not None:
             columns["popularity"] = pa.array(self.popularity, pa.float64())
         pq.write_table(pa.table(columns), path)
+
+
+def catalog_version(path: Path) -> str:
+    """A content hash of a catalog file: its version (what answers and batch rows name as `catalog_version`)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def _item_ids(table: pa.Table, path) -> np.ndarray:

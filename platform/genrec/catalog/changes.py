@@ -10,7 +10,6 @@ catalog is written atomically and named by a content hash of the file (`catalog_
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from genrec.catalog.build_ids import _checked_matrix, _rank_within, read_item_embeddings
-from genrec.catalog.catalog import Catalog, _codes
+from genrec.catalog.catalog import Catalog, _codes, catalog_version
 from genrec.catalog.codebooks import Codebooks
 from genrec.catalog.importers import write_atomically
 from genrec.errors import CatalogError, GenrecError
@@ -178,12 +177,3 @@ def _write(table: pa.Table, layout, out, directory, added: int, retired: int) ->
     Catalog.validated(item_ids, _codes(table, target), layout, target)  # the engine loader's checks, before writing
     write_atomically(table, target)
     return CatalogChange(added, retired, len(table), target, catalog_version(target))
-
-
-def catalog_version(path: Path) -> str:
-    """A content hash of the catalog file: its version."""
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]

@@ -133,10 +133,10 @@ def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last
 
 
 def advance_all(cohorts: list[BeamCohort], logprobs: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-    """After one decode pass over the cohorts' rows (in this order, same-level cohorts adjacent): record each
-    cohort's new BeamKV and run one selection per level."""
+    """After one decode pass over the cohorts' rows (in this order, same-level cohorts of one trie adjacent): record
+    each cohort's new BeamKV and run one selection per level and trie (a catalog swapped in while others decode)."""
     start = 0
-    for _, same_level in groupby(cohorts, key=lambda c: c.level):
+    for _, same_level in groupby(cohorts, key=lambda c: (c.level, id(c.trie))):
         group = list(same_level)
         stop = start
         for cohort in group:
@@ -156,7 +156,7 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
     """
     first = cohorts[0]
     trie, level, device = first.trie, first.level, first.device
-    assert all(c.level == level for c in cohorts), "cohorts must stand at the same level"
+    assert all(c.level == level and c.trie is trie for c in cohorts), "cohorts must share a level and a trie"
     one = len(cohorts) == 1
     nodes = first.nodes if one else torch.cat([c.nodes for c in cohorts])
     scores = first.scores if one else torch.cat([c.scores for c in cohorts])

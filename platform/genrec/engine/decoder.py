@@ -38,6 +38,7 @@ from genrec.engine.family import Prepared
 from genrec.engine.job import JobState
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.scoring import LabelScores, Scorer, score_job
+from genrec.engine.served_catalog import CatalogVersions, ServedCatalog
 from genrec.errors import InvalidRequestError
 from genrec.model.chat import ChatTemplate
 from genrec.model.sid_layout import SidLayout
@@ -48,6 +49,7 @@ from genrec.staging import to_device
 
 @dataclass
 class PreparedPrompt(Prepared):
+    served: ServedCatalog | None = None  # the catalog version the request runs against, start to end
     candidate_tokens: list[list[int]] | None = None  # the given candidates' token lists (score, recommend)
     given: list[Candidate] | None = None  # the candidates those lists are of (recommend: after exclusions)
     labels: tuple[int, int] | None = None
@@ -77,7 +79,7 @@ class Decoder:
         fast: bool = False,
         chat: ChatTemplate | None = None,
     ):
-        self.model, self.tokenizer, self.catalog = model, tokenizer, catalog
+        self.model, self.tokenizer = model, tokenizer
         self.chat = chat if chat is not None else ChatTemplate(tokenizer)  # renders `messages` prompts
         self.device = model.device
         self.projector = projector.to(self.device, model.dtype) if projector is not None else None
@@ -86,8 +88,9 @@ class Decoder:
         self.max_candidate_tokens = max_candidate_tokens  # one request's candidates in all
         self.fast = fast
         self.layout = layout if layout is not None else SidLayout.infer(tokenizer)
-        self.trie = CodeTrie.build(catalog.codes, self.device, catalog.lengths, self.layout.ending, catalog.popularity)
-        self.levels = self.trie.levels  # decode steps: the longest code and its ending
+        first = ServedCatalog.build(catalog, self.layout, self.device)
+        self.levels = first.trie.levels  # decode steps: the longest code and its ending (what a later catalog may take)
+        self.catalogs = CatalogVersions(first, self.layout, self.device, max_steps=self.levels)
         self.begin = self.layout.begin
         self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
         # Room for the code after the prompt, and for the begin token the engine may append.
@@ -108,36 +111,48 @@ class Decoder:
         chat = directory.load_chat(tokenizer)
         return cls(model, tokenizer, catalog, directory.load_projector(), layout, chat=chat, **limits)
 
+    @property
+    def catalog(self) -> Catalog:
+        """The catalog served now (a request keeps the one it was prepared with: `PreparedPrompt.served`)."""
+        return self.catalogs.current.catalog
+
+    @property
+    def trie(self) -> CodeTrie:
+        return self.catalogs.current.trie
+
     # -- requests --------------------------------------------------------------------------------
 
     def prepare(self, req, kind: str) -> PreparedPrompt:
+        served = self.catalogs.current  # read once: the request's version from here to its result
         token_ids = prompt_token_ids(req, self.chat, self.model.config.vocab_size, self.max_prompt_tokens)
         check_user_embedding(token_ids, self.placeholder_id, req.user_embedding, self.projector)
         if kind in ("retrieve", "recommend") and not self._begun(token_ids):
             token_ids = torch.cat((token_ids, torch.tensor([self.begin])))  # the code's begin token, forced
-        prepared = PreparedPrompt(req, kind, token_ids)
+        prepared = PreparedPrompt(req, kind, token_ids, served=served)
+        catalog = served.catalog
         if isinstance(req, RetrieveRequest):
-            self._check_beam_widths(req.beam_widths)
-            known = [i for i in map(self.catalog.index_of, req.exclude_item_ids) if i is not None]
+            self._check_beam_widths(req.beam_widths, catalog)
+            known = [i for i in map(catalog.index_of, req.exclude_item_ids) if i is not None]
             prepared.exclusions = sorted(set(known))
             prepared.unknown_exclusions = len(req.exclude_item_ids) - len(known)
         if kind in ("score", "recommend"):
             begun = self._begun(token_ids)
-            tokens = candidate_token_lists(self, req.candidates, len(token_ids), begun)  # every candidate validated
-            keep = self._kept(req.candidates, prepared.exclusions) if kind == "recommend" else None
+            tokens = candidate_token_lists(self, catalog, req.candidates, len(token_ids), begun)  # each one checked
+            keep = self._kept(catalog, req.candidates, prepared.exclusions) if kind == "recommend" else None
             prepared.given = req.candidates if keep is None else [req.candidates[k] for k in keep]
             prepared.candidate_tokens = tokens if keep is None else [tokens[k] for k in keep]
             prepared.labels = label_token_ids(self.tokenizer, req.labels or self.layout.labels)
         prepared.kv_tokens = self._kv_tokens(prepared)
         return prepared
 
-    def _check_beam_widths(self, widths: list[int] | None) -> None:
+    @staticmethod
+    def _check_beam_widths(widths: list[int] | None, catalog: Catalog) -> None:
         """A schedule has one width per code level: the catalog's longest code's tokens (the layout's ending steps
         keep the last width, genrec.engine.beam)."""
-        if widths is not None and len(widths) != self.catalog.levels:
+        if widths is not None and len(widths) != catalog.levels:
             raise InvalidRequestError(
                 "beam_widths",
-                f"has {len(widths)} widths; this catalog's codes have {self.catalog.levels} levels (one width each)",
+                f"has {len(widths)} widths; this catalog's codes have {catalog.levels} levels (one width each)",
             )
 
     def render_prompt(self, req: PromptForms) -> PromptResult:
@@ -149,18 +164,19 @@ class Decoder:
         """Whether a code may follow these tokens as they are: the layout has no begin token, or they end with it."""
         return self.begin is None or int(token_ids[-1]) == self.begin
 
-    def item_row(self, index: int, begun: bool) -> list[int]:
+    def item_row(self, catalog: Catalog, index: int, begun: bool) -> list[int]:
         """Catalog item `index` as a scoring row: its code and ending, as beam search generates them (so its sequence
         log-probability is its beam logprob); after the begin token when the prompt does not end with it."""
-        row = [*self.catalog.code(index), *self.layout.ending]
+        row = [*catalog.code(index), *self.layout.ending]
         return row if begun else [self.begin, *row]
 
-    def _kept(self, candidates: list[Candidate], exclusions: list[int]) -> list[int]:
+    @staticmethod
+    def _kept(catalog: Catalog, candidates: list[Candidate], exclusions: list[int]) -> list[int]:
         """Recommend: the given candidates to rank, in order: no excluded item, each item once."""
         skip, keep = set(exclusions), []
         for k, cand in enumerate(candidates):
             if cand.item_id is not None:
-                index = self.catalog.index_of(cand.item_id)
+                index = catalog.index_of(cand.item_id)
                 if index in skip:
                     continue
                 skip.add(index)
@@ -206,7 +222,8 @@ class Decoder:
         requests go on to their rows."""
         if not job.prepared.uses_beams:
             return JobState.SCORING
-        job.cohort = start_cohort(self.trie, [job.prepared], [job.ctx], job.last_logits[None], slots=job.holding.rest)
+        trie = job.prepared.served.trie
+        job.cohort = start_cohort(trie, [job.prepared], [job.ctx], job.last_logits[None], slots=job.holding.rest)
         return JobState.DECODING
 
     def decode_forward(self, batch):
@@ -222,7 +239,7 @@ class Decoder:
 
     def generated(self, job, beams: list[tuple[int, float]]) -> RetrieveResult | None:
         """A retrieve's result; a recommend keeps its beams to score them with its candidates (None)."""
-        result = results.retrieve_result(self.catalog, self.trie, job.prepared, beams)
+        result = results.retrieve_result(job.prepared, beams)
         if job.kind == "retrieve":
             return result
         job.retrieved = result
@@ -247,7 +264,7 @@ class Decoder:
                     job.result = results.score_result(job.prepared, scores)
                 else:
                     scores = scores.rows(self._row_of_each_item(job, len(scores)))
-                    job.result = results.recommend_result(self.catalog, job.prepared, job.retrieved, scores)
+                    job.result = results.recommend_result(job.prepared, job.retrieved, scores)
 
     def _retrieved_rows(self, job) -> tuple[list[list[int]] | None, list[int] | None]:
         """A recommend's retrieved items as scoring rows over its context (which ends with the begin token): one row
@@ -255,9 +272,10 @@ class Decoder:
         if job.retrieved is None:
             return None, None
         rows, row_of_item, items = [], [], job.retrieved.items
+        catalog = job.prepared.served.catalog
         for k, item in enumerate(items):
             if not k or item.semantic_id != items[k - 1].semantic_id:
-                rows.append(self.item_row(self.catalog.index_of(item.item_id), True))
+                rows.append(self.item_row(catalog, catalog.index_of(item.item_id), True))
             row_of_item.append(len(rows) - 1)
         return rows, row_of_item
 
@@ -267,12 +285,14 @@ class Decoder:
         return to_device(np.concatenate([job.row_of_retrieved, np.arange(codes, scored)]).astype(np.int64), self.device)
 
     def describe(self) -> dict:
+        served = self.catalogs.current
         return {
             "architecture": self.model.config.architecture,
-            "catalog_items": len(self.catalog),
+            "catalog_items": len(served.catalog),
+            **self.catalogs.describe(),
             "max_candidates": self.max_candidates,
-            "levels": self.catalog.levels,
-            "codes": self.trie.codes,
+            "levels": served.catalog.levels,
+            "codes": served.trie.codes,
             "code_ending": self.layout.ending_kind,
             "max_beam_width": MAX_BEAM_WIDTH,
             "max_prompt_tokens": self.max_prompt_tokens,

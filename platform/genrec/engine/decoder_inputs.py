@@ -86,9 +86,11 @@ def render_prompt(
     )
 
 
-def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: int, begun: bool) -> list[list[int]]:
-    """Each candidate's row; an item's is its code as the decode generates it (`Decoder.item_row`; `begun`: the
-    prompt ends with the layout's begin token, or it has none)."""
+def candidate_token_lists(
+    decoder, catalog, candidates: list[Candidate], prompt_tokens: int, begun: bool
+) -> list[list[int]]:
+    """Each candidate's row; an item's is its code in `catalog` (the request's version) as the decode generates it
+    (`Decoder.item_row`; `begun`: the prompt ends with the layout's begin token, or it has none)."""
     if len(candidates) > decoder.max_candidates:
         raise InvalidRequestError(
             "candidates", f"{len(candidates)} candidates exceed this engine's limit of {decoder.max_candidates}"
@@ -100,10 +102,10 @@ def candidate_token_lists(decoder, candidates: list[Candidate], prompt_tokens: i
     for i, cand in enumerate(candidates):
         field = f"candidates[{i}]"
         if cand.item_id is not None:
-            index = decoder.catalog.index_of(cand.item_id)
+            index = catalog.index_of(cand.item_id)
             if index is None:
                 raise InvalidRequestError(f"{field}.item_id", f"unknown item {cand.item_id!r}")
-            tokens = decoder.item_row(index, begun)
+            tokens = decoder.item_row(catalog, index, begun)
         elif cand.text is not None:
             check_text_fits(f"{field}.text", cand.text, min(room, longest))
             tokens = decoder.tokenizer(cand.text, add_special_tokens=False)["input_ids"]

@@ -54,7 +54,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.family = family
-        self.model, self.catalog, self.device = family.model, family.catalog, family.model.device
+        self.model, self.device = family.model, family.model.device
         self.model_version = model_version  # salts the prefix cache's keys
         self.runner = ModelRunner(family, fast=fast)
         self.scheduler_config = scheduler or SchedulerConfig()
@@ -83,6 +83,11 @@ class Engine:
         limits = options.model_dump(include=set(LIMITS))
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, fast=options.cuda_fast, **limits)
         return cls(family, scheduler, directory.version, fast=options.cuda_fast)
+
+    @property
+    def catalog(self):
+        """The family's catalog served now (a decoder's may change: `load_catalog`)."""
+        return self.family.catalog
 
     @property
     def scheduler(self) -> Scheduler:

@@ -19,16 +19,17 @@ from genrec.api import (
     RetrieveResult,
     ScoreResult,
 )
-from genrec.catalog import Catalog, CodeTrie
 from genrec.engine.scoring import LabelScores, not_retrieved
 from genrec.errors import InvalidRequestError
 from genrec.staging import fetch
 
 
-def retrieve_result(catalog: Catalog, trie: CodeTrie, prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
+def retrieve_result(prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
     """beams: (code, logprob) best first, from `BeamCohort.results`. The first `num_results` codes, each with
-    every item it names that is not excluded, adjacent, in the catalog's order for a shared code."""
+    every item it names that is not excluded, adjacent, in the catalog's order for a shared code (the catalog
+    version the request was prepared with)."""
     check_finite([s for _, s in beams])
+    catalog, trie = prepared.served.catalog, prepared.served.trie
     excluded = set(prepared.exclusions or ())
     items = []
     codes = beams[: prepared.request.num_results]
@@ -42,6 +43,7 @@ def retrieve_result(catalog: Catalog, trie: CodeTrie, prepared, beams: list[tupl
         codes=len(codes),
         prompt_tokens=len(prepared.token_ids),
         unknown_exclusions=prepared.unknown_exclusions,
+        catalog_version=catalog.version,
     )
 
 
@@ -51,10 +53,16 @@ def score_result(prepared, scores: LabelScores) -> ScoreResult:
         CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
         for c, lp, pr in zip(prepared.request.candidates, logprobs, probs, strict=True)
     ]
-    return ScoreResult(request_id=prepared.request.request_id, scores=items, prompt_tokens=len(prepared.token_ids))
+    return ScoreResult(
+        request_id=prepared.request.request_id,
+        scores=items,
+        prompt_tokens=len(prepared.token_ids),
+        catalog_version=prepared.served.version,
+    )
 
 
-def recommend_result(catalog: Catalog, prepared, retrieved: RetrieveResult, scores: LabelScores) -> RecommendResult:
+def recommend_result(prepared, retrieved: RetrieveResult, scores: LabelScores) -> RecommendResult:
+    catalog = prepared.served.catalog
     offset = len(retrieved.items)
     logprobs, probs, sequence = _fetch_scores(scores)
     # The given rows carry a sequence logprob exactly when the job asked for one (see scoring.score_job).
@@ -84,6 +92,7 @@ def recommend_result(catalog: Catalog, prepared, retrieved: RetrieveResult, scor
         items=items,
         prompt_tokens=retrieved.prompt_tokens,
         unknown_exclusions=retrieved.unknown_exclusions,
+        catalog_version=catalog.version,
     )
 
 

@@ -70,7 +70,8 @@ class ModelRunner:
         """One pass for every row of the cohorts (any levels; their contexts and BeamKV slots in one pool), then
         each cohort's selection. `bucketed` (default: with CUDA graphs) pads the rows to a power of two, the
         shape a captured graph replays; else the pass is sized to the rows."""
-        cohorts = sorted(cohorts, key=lambda c: c.level)  # same-level cohorts adjacent: one selection each
+        # Same-level cohorts of one catalog version adjacent: one selection each (beam.advance_all).
+        cohorts = sorted(cohorts, key=lambda c: (c.level, id(c.trie)))
         pool = cohorts[0].slot_pool
         rows = sum(c.rows for c in cohorts)
         bucketed = self.graphs if bucketed is None else bucketed

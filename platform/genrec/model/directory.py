@@ -232,15 +232,22 @@ def _read_config(path: Path):
         raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
 
 
+# The catalog's files: versioned apart (`catalog_version`), as a catalog may change under a running model.
+CATALOG_FILES = (f"{GENREC_SUBDIR}/catalog.parquet", f"{GENREC_SUBDIR}/codebooks.safetensors")
+
+
 def model_version(path: str | Path) -> str:
-    """A content hash of every file in the model directory (names and bytes): the version Serve and the
-    batch job report, so a response or an output row says exactly which weights and catalog produced it.
-    The large files' digests come from `genrec/digests.json` while they are unchanged (see model.digests)."""
+    """A content hash of every file in the model directory (names and bytes) but the catalog's: the version Serve
+    and the batch job report beside the catalog's own (`catalog_version`), so a response or an output row says
+    exactly which weights and which catalog produced it. It salts the prefix cache, which a catalog change leaves
+    valid. The large files' digests come from `genrec/digests.json` while they are unchanged (see model.digests)."""
     root = Path(path)
     record = DigestRecord(root / GENREC_SUBDIR / RECORD)
     digest = hashlib.sha256()
     for file in sorted(p for p in root.rglob("*") if p.is_file() and not record.owns(p)):
         name = file.relative_to(root).as_posix()
+        if name in CATALOG_FILES:
+            continue
         digest.update(name.encode() + b"\0")
         digest.update(record.digest(file, name))
     record.save()

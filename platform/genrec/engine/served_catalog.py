@@ -1,0 +1,82 @@
+"""One catalog version as a decoder serves it: the catalog, its trie on the device, its version.
+
+A request takes the decoder's current `ServedCatalog` when it is prepared and keeps it to the end (its exclusions,
+its beams, its results), so a catalog swapped in meanwhile (`CatalogVersions`) never changes a request in flight.
+Nothing here touches the model: a catalog changes which codes may be generated, not any K/V, so the prefix cache
+holds across catalog versions.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from genrec.catalog import Catalog, CodeTrie
+from genrec.errors import CatalogError
+
+
+@dataclass(frozen=True)
+class ServedCatalog:
+    catalog: Catalog
+    trie: CodeTrie
+
+    @property
+    def version(self) -> str:
+        return self.catalog.version
+
+    @classmethod
+    def build(cls, catalog: Catalog, layout, device) -> ServedCatalog:
+        """The catalog's trie built on the device (with the layout's ending tokens after every code)."""
+        trie = CodeTrie.build(catalog.codes, device, catalog.lengths, layout.ending, catalog.popularity)
+        return cls(catalog, trie)
+
+
+class CatalogVersions:
+    """The served catalog and the one before it (a rollback target), swapped atomically.
+
+    `load` builds a version off the serving loop (the caller's thread) and checks it against what the engine was
+    sized for; `use` makes it current: one reference assignment, seen by the next request prepared. Loading the
+    version served before is a swap back, nothing rebuilt.
+    """
+
+    def __init__(self, first: ServedCatalog, layout, device, max_steps: int):
+        self.current, self.previous = first, None
+        self.layout, self.device, self.max_steps = layout, device, max_steps
+        self._lock = threading.Lock()  # one change at a time; requests read `current` without it
+
+    def load(self, path: str | Path) -> ServedCatalog:
+        """The catalog file checked against the model's SID layout and built, not yet served. Raises CatalogError."""
+        catalog = Catalog.load(Path(path), self.layout)
+        for known in (self.current, self.previous):
+            if known is not None and known.version == catalog.version:
+                return known
+        served = ServedCatalog.build(catalog, self.layout, self.device)
+        if served.trie.levels > self.max_steps:
+            raise CatalogError(
+                path,
+                f"its codes take {served.trie.levels} decode steps; this engine was sized for at most "
+                f"{self.max_steps} (the catalog it started with): restart it to serve longer codes",
+            )
+        return served
+
+    def use(self, served: ServedCatalog) -> ServedCatalog:
+        """Serve `served` from the next request on; the one it replaces is kept as `previous`. Returns it."""
+        with self._lock:
+            if served is not self.current:
+                self.previous, self.current = self.current, served
+            return served
+
+    def rollback(self) -> ServedCatalog:
+        """Serve the previous version again (the current one becomes `previous`)."""
+        with self._lock:
+            if self.previous is None:
+                raise CatalogError("catalog", "no previous catalog version to roll back to")
+            self.previous, self.current = self.current, self.previous
+            return self.current
+
+    def describe(self) -> dict:
+        return {
+            "catalog_version": self.current.version,
+            "previous_catalog_version": self.previous.version if self.previous is not None else None,
+        }

@@ -126,6 +126,13 @@ class AsyncEngine:
             return f"the engine loop has been in one step for over {self.stall_s:.0f} s"
         return "the engine loop is not running"
 
+    def load_catalog(self, path) -> dict:
+        """`Engine.load_catalog`: built in the caller's thread while the loop steps, swapped between requests."""
+        return self.engine.load_catalog(path)
+
+    def rollback_catalog(self) -> dict:
+        return self.engine.rollback_catalog()
+
     def reconfigure(self, **fields) -> SchedulerConfig:
         """Change live limits (request_timeout_s, max_queue, max_running, prefill_tokens_per_step); validated."""
         return self.scheduler.reconfigure(**fields)

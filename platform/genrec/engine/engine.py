@@ -33,7 +33,7 @@ from genrec.engine.ranker import Ranker
 from genrec.engine.runner import ModelRunner
 from genrec.engine.scheduler import Scheduler, SchedulerConfig, check_int
 from genrec.engine_options import EngineOptions
-from genrec.errors import InvalidRequestError
+from genrec.errors import CatalogError, InvalidRequestError
 from genrec.model.directory import ModelDir
 from genrec.staging import host_side
 
@@ -88,6 +88,36 @@ class Engine:
     def catalog(self):
         """The family's catalog served now (a decoder's may change: `load_catalog`)."""
         return self.family.catalog
+
+    # -- catalog versions (a decoder's) ---------------------------------------------------------
+
+    def load_catalog(self, path: str | Path) -> dict:
+        """Serve the catalog file `path` from the next request on, without a restart: it is checked against the
+        model's SID layout and its trie built here, in the caller's thread, while the engine goes on stepping
+        (an AsyncEngine's loop); then swapped in by one assignment. A request keeps the version it was prepared
+        with to its end; the version replaced is kept for `rollback_catalog` (loading it again is that swap,
+        nothing rebuilt). A catalog that does not validate raises CatalogError and the running one stays. The
+        prefix cache is untouched: a catalog changes which codes may be generated, not any K/V.
+        Returns `catalog_state()`."""
+        versions = self._catalog_versions()
+        versions.use(versions.load(path))
+        return versions.describe()
+
+    def rollback_catalog(self) -> dict:
+        """Serve the catalog version served before the last change again (instant: it was kept built)."""
+        versions = self._catalog_versions()
+        versions.rollback()
+        return versions.describe()
+
+    def catalog_state(self) -> dict:
+        """The catalog version served now and the one kept for a rollback (None: none)."""
+        return self._catalog_versions().describe()
+
+    def _catalog_versions(self):
+        versions = getattr(self.family, "catalogs", None)
+        if versions is None:
+            raise CatalogError("catalog", f"this engine's model ({self.family.name}) has no catalog to change live")
+        return versions
 
     @property
     def scheduler(self) -> Scheduler:

@@ -1,0 +1,128 @@
+"""Catalog versions served live: loaded and swapped without a restart, rolled back, refused when they do not
+validate; a request keeps the version it was prepared with; the prefix cache holds across versions."""
+
+import numpy as np
+import pytest
+
+from genrec.api import RetrieveRequest, ScoreRequest
+from genrec.catalog.catalog import Catalog, catalog_version
+from genrec.errors import CatalogError
+from tests.conftest import random_prompt
+
+
+@pytest.fixture
+def fresh(tiny_dir):
+    """An engine of its own (these tests change its catalog), its prefix cache on."""
+    from genrec.engine import Engine, SchedulerConfig
+
+    return Engine.from_pretrained(tiny_dir, scheduler=SchedulerConfig(prefix_cache_bytes=1 << 22))
+
+
+def write_subset(catalog: Catalog, rows, path):
+    rows = np.asarray(rows)
+    Catalog(catalog.item_ids[rows], catalog.codes[rows], catalog.lengths[rows]).save(path)
+    return path
+
+
+def full_width(engine, prompt, **fields):
+    (result,) = engine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=len(engine.catalog), **fields)])
+    return result
+
+
+def test_a_loaded_catalog_serves_the_next_request_and_rolls_back(fresh, tiny_dir, tmp_path, rng):
+    first = fresh.catalog
+    prompt = random_prompt(fresh, 12, rng)
+    before = full_width(fresh, prompt)
+    assert before.catalog_version == catalog_version(tiny_dir / "genrec/catalog.parquet") == first.version
+
+    kept = np.arange(0, len(first), 3)  # a third of the items stay
+    path = write_subset(first, kept, tmp_path / "v2.parquet")
+    state = fresh.load_catalog(path)
+    assert state == {"catalog_version": catalog_version(path), "previous_catalog_version": first.version}
+    after = full_width(fresh, prompt)
+    assert after.catalog_version == catalog_version(path)
+    assert {i.item_id for i in after.items} == set(first.item_ids[kept].tolist())
+    # The kept items keep their scores: the model and the prompt's K/V did not change, only the allowed codes.
+    scores = {i.item_id: i.logprob for i in before.items}
+    assert max(abs(scores[i.item_id] - i.logprob) for i in after.items) < 1e-5
+
+    state = fresh.rollback_catalog()
+    assert state["catalog_version"] == first.version and state["previous_catalog_version"] == catalog_version(path)
+    again = full_width(fresh, prompt)
+    assert [i.item_id for i in again.items] == [i.item_id for i in before.items]
+
+
+def test_loading_the_previous_version_again_is_a_swap_not_a_rebuild(fresh, tiny_dir, tmp_path):
+    versions = fresh.family.catalogs
+    original = versions.current
+    path = write_subset(fresh.catalog, np.arange(0, len(fresh.catalog), 2), tmp_path / "half.parquet")
+    fresh.load_catalog(path)
+    fresh.load_catalog(tiny_dir / "genrec/catalog.parquet")
+    assert versions.current is original  # the same built trie, swapped back
+
+
+def test_a_request_keeps_the_version_it_was_prepared_with(fresh, tmp_path, rng):
+    """Prepared before the swap and after it, both run in the same decode steps (two tries in one pass)."""
+    first = fresh.catalog
+    prompt = random_prompt(fresh, 9, rng)
+    old = fresh.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=len(first)))
+    kept = np.arange(1, len(first), 4)
+    path = write_subset(first, kept, tmp_path / "v2.parquet")
+    fresh.load_catalog(path)
+    new = fresh.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=len(first)))
+    (_, old_result), (_, new_result) = fresh._execute([(0, old), (1, new)])
+    assert old_result.catalog_version == first.version and len(old_result.items) == len(first)
+    assert new_result.catalog_version == catalog_version(path)
+    assert {i.item_id for i in new_result.items} == set(first.item_ids[kept].tolist())
+
+
+def test_a_catalog_that_does_not_validate_is_refused_and_the_running_one_stays(fresh, tmp_path):
+    running = fresh.family.catalogs.current
+    catalog = fresh.catalog
+    outside = Catalog(catalog.item_ids[:3], np.full((3, catalog.levels), 5, dtype=np.int64))  # not SID tokens
+    cases = {
+        "missing.parquet": "missing",
+        "outside.parquet": "semantic_id",
+    }
+    outside.save(tmp_path / "outside.parquet")
+    for name, fragment in cases.items():
+        with pytest.raises(CatalogError, match=fragment):
+            fresh.load_catalog(tmp_path / name)
+        assert fresh.family.catalogs.current is running
+
+
+def test_a_catalog_of_longer_codes_than_the_engine_was_sized_for_is_refused(fresh, tmp_path):
+    from genrec.engine.served_catalog import CatalogVersions
+
+    versions = fresh.family.catalogs
+    path = write_subset(fresh.catalog, np.arange(10), tmp_path / "v.parquet")
+    narrow = CatalogVersions(versions.current, versions.layout, versions.device, max_steps=versions.max_steps - 1)
+    with pytest.raises(CatalogError, match="decode steps"):
+        narrow.load(path)
+
+
+def test_the_prefix_cache_holds_across_catalog_versions(fresh, tmp_path, rng):
+    """A catalog does not change K/V: a prompt cached before the swap is a hit after it."""
+    prompt = random_prompt(fresh, 64, rng)
+    full_width(fresh, prompt, cache_scope="u")
+    hits = fresh.scheduler.cache.stats.hits
+    fresh.load_catalog(write_subset(fresh.catalog, np.arange(0, len(fresh.catalog), 2), tmp_path / "v2.parquet"))
+    full_width(fresh, prompt, cache_scope="u")
+    assert fresh.scheduler.cache.stats.hits > hits
+
+
+def test_score_and_recommend_name_the_catalog_version(fresh, tmp_path, rng):
+    from genrec.api import Candidate, RecommendRequest
+
+    prompt = random_prompt(fresh, 8, rng)
+    path = write_subset(fresh.catalog, np.arange(0, len(fresh.catalog), 2), tmp_path / "v2.parquet")
+    fresh.load_catalog(path)
+    items = [Candidate(item_id=fresh.catalog.item_ids[0])]
+    (scored,) = fresh.score([ScoreRequest(prompt_token_ids=prompt, candidates=items)])
+    (recommended,) = fresh.recommend([RecommendRequest(prompt_token_ids=prompt, beam_width=4, candidates=items)])
+    assert scored.catalog_version == recommended.catalog_version == catalog_version(path)
+
+
+def test_a_ranker_has_no_live_catalog(ranker):
+    with pytest.raises(CatalogError, match="no catalog to change live"):
+        ranker.load_catalog("anything.parquet")

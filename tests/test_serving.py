@@ -355,6 +355,61 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(guarded_u
     assert replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer") == before
 
 
+def wait_for(predicate, what: str, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.5)
+    return found
+
+
+def test_a_catalog_change_goes_live_on_every_replica_and_rolls_back(guarded_url, tiny_dir, client, tmp_path):
+    """One deploy of the retriever's user_config `catalog`: the running replica loads it (none replaced), every
+    answer names its version and /v1/model each replica's; a catalog that does not validate is refused and the
+    running one stays; the config without it rolls back to the model directory's catalog (kept built)."""
+    from ray import serve
+
+    from genrec.catalog.catalog import Catalog, catalog_version
+
+    url, body = f"{guarded_url}/v1/retrieve", {"prompt": "user listened", "beam_width": 8}
+    original = catalog_version(tiny_dir / "genrec/catalog.parquet")
+    assert client.post(url, json=body, headers=AUTH).json()["catalog_version"] == original
+    catalog = Catalog.load(tiny_dir / "genrec/catalog.parquet")
+    kept = np.arange(0, len(catalog), 2)
+    half = tmp_path / "half.parquet"
+    Catalog(catalog.item_ids[kept], catalog.codes[kept], catalog.lengths[kept]).save(half)
+    new = catalog_version(half)
+    before = replica_actor_names("guarded", "EngineServer")
+    args = guarded_args(tiny_dir)
+
+    def served() -> dict:
+        return client.get(f"{guarded_url}/v1/model", headers=AUTH).json()
+
+    deploy("guarded", deployments=[{"name": "EngineServer", "user_config": {"catalog": str(half)}}], **args)
+    answer = wait_for(
+        lambda: (a := client.post(url, json=body, headers=AUTH).json())["catalog_version"] == new and a,
+        "the new catalog answering",
+    )
+    assert {i["item_id"] for i in answer["items"]} <= set(catalog.item_ids[kept].tolist())
+    replica = serve.get_deployment_handle("EngineServer", app_name="guarded").stats.remote().result(timeout_s=30)
+    model = wait_for(lambda: (m := served())["replicas"] and m, "the board")
+    assert (model["catalog_version"], model["previous_catalog_version"]) == (new, original)
+    assert {r["replica"]: r["catalog_version"] for r in model["replicas"]}[replica["replica"]] == new
+    assert replica_actor_names("guarded", "EngineServer") == before  # loaded live: no replica replaced
+
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet")
+    deploy("guarded", deployments=[{"name": "EngineServer", "user_config": {"catalog": str(broken)}}], **args)
+    model = wait_for(lambda: (m := served())["catalog_refused"] and m, "the refusal")
+    assert "Parquet" in model["catalog_refused"] and model["catalog_version"] == new
+    assert client.post(url, json=body, headers=AUTH).json()["catalog_version"] == new
+
+    deploy("guarded", **args)  # the catalog removed from the user_config: the model directory's again
+    wait_for(lambda: client.post(url, json=body, headers=AUTH).json()["catalog_version"] == original, "rollback")
+    assert served()["previous_catalog_version"] == new
+    assert replica_actor_names("guarded", "EngineServer") == before
+
+
 def test_a_redeploy_of_a_broken_model_directory_is_refused_and_fails_no_request(guarded_url, tiny_dir, tmp_path):
     """A truncated model.safetensors: the builder refuses the deploy naming the file, before Serve replaces any
     replica; the running version answers every request meanwhile."""

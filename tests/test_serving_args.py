@@ -1,6 +1,8 @@
 """The Serve app's arguments reach the engine: build-time options as Engine kwargs and a SchedulerConfig, live
 limits through `reconfigure` (a limit the config no longer names reverts to its default). No Ray cluster."""
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
@@ -103,6 +105,11 @@ class QuietMetrics:
         pass
 
 
+def reconfigure(server, user_config: dict) -> None:
+    """What Serve does with a deployment's user_config: awaits the replica's (async) reconfigure."""
+    asyncio.run(server.reconfigure(user_config))
+
+
 @pytest.fixture
 def recorded(monkeypatch, engine):
     monkeypatch.setattr(engine_server, "EngineMetricsExporter", QuietMetrics)
@@ -126,9 +133,9 @@ def test_reconfigure_sets_every_limit_and_a_removed_one_reverts(recorded, tiny_d
     options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
     server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", options, engine_factory=recorded)
     try:
-        server.reconfigure({"max_queue": 5, "max_running": 2})
-        server.reconfigure({"max_running": 2})  # max_queue removed from the config's user_config
-        server.reconfigure({})
+        reconfigure(server, {"max_queue": 5, "max_running": 2})
+        reconfigure(server, {"max_running": 2})  # max_queue removed from the config's user_config
+        reconfigure(server, {})
         defaults = EngineLimits().model_dump()
         assert recorded.live == [
             {**defaults, "max_queue": 5, "max_running": 2},
@@ -149,11 +156,11 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(recorded,
     )
     try:
         assert recorded.config.max_queue == 9
-        server.reconfigure({"max_queue": 0})  # the first user_config, at start: the builder's limits stay
+        reconfigure(server, {"max_queue": 0})  # the first user_config, at start: the builder's limits stay
         assert recorded.live == [] and server.limits.max_queue == 9
-        server.reconfigure({"max_queue": 5})
+        reconfigure(server, {"max_queue": 5})
         assert server.stats()["user_config_refused"] is None
-        server.reconfigure({"max_queue": 5, "max_running": "many", "queue": 1})
+        reconfigure(server, {"max_queue": 5, "max_running": "many", "queue": 1})
         assert recorded.live == [{**EngineLimits().model_dump(), "max_queue": 5}]
         stats = server.stats()
         assert stats["limits"] == {**EngineLimits().model_dump(), "max_queue": 5}

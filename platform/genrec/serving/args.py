@@ -86,6 +86,34 @@ class EngineLimits(_Args):
     prefill_tokens_per_step: int = Field(4096, ge=1)
 
 
+CATALOG_HELP = (
+    "the catalog file the retriever serves, absolute or relative to its model_dir (default: the model directory's "
+    "genrec/catalog.parquet). A change is loaded by every running replica without a restart: built beside the "
+    "serving loop and swapped between requests; the version it replaces is kept, so setting it back is a "
+    "rollback. One that does not validate is refused and the running catalog stays"
+)
+
+
+class RetrieverLive(EngineLimits):
+    """The retriever's `user_config`: its live limits and the catalog it serves."""
+
+    catalog: str | None = Field(None, min_length=1, description=CATALOG_HELP)
+
+    def limits(self) -> EngineLimits:
+        return EngineLimits.model_validate(self.model_dump(exclude={"catalog"}))
+
+
+# What each engine section's user_config validates into (its `reconfigure`; the config check's).
+LIVE = {"retriever": RetrieverLive, "ranker": EngineLimits}
+
+
+def catalog_file(model_dir: str, catalog: str | None) -> Path:
+    """The catalog a retriever's user_config names, as a path (relative to the model directory), or the model's."""
+    if catalog is None:
+        return Path(model_dir) / "genrec" / "catalog.parquet"
+    return Path(model_dir) / Path(catalog).expanduser()  # an absolute `catalog` replaces model_dir
+
+
 class ReplicaOptions(EngineOptions):
     """What an engine replica is built with: the Engine's options, its scheduler's sizes and its threads
     (a change replaces the replicas)."""

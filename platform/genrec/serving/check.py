@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from genrec.serving.args import DEPLOYMENTS, AppArgs, EngineLimits, IngressLimits
+from genrec.serving.args import DEPLOYMENTS, LIVE, AppArgs, IngressLimits, catalog_file
 from genrec.serving.legacy_args import deprecation, sectioned
 
 BUILDER = "genrec.serving.app:build_app"
@@ -125,13 +125,38 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
                 found += [f"{at}.user_config.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
     if check_model and args is not None:
         found += _model_problems(args, where)
+        if not found and args.retriever is not None:
+            found += _catalog_problems(app, args.retriever.model_dir, where)
+    return found
+
+
+def _catalog_problems(app: dict, model_dir: str, where: str) -> list[str]:
+    """A catalog the retriever's user_config names, loaded as its replicas will load it (they would refuse it and
+    keep serving the running one, so a deploy that changes nothing else would silently change nothing)."""
+    from genrec.catalog import Catalog
+    from genrec.errors import GenrecError
+    from genrec.model.directory import ModelDir
+
+    found = []
+    for j, deployment in enumerate(_list(app.get("deployments"))):
+        if not isinstance(deployment, dict) or deployment.get("name") != DEPLOYMENTS["retriever"]:
+            continue
+        config = deployment.get("user_config")
+        if not isinstance(config, dict) or config.get("catalog") is None:
+            continue
+        directory = ModelDir.open(model_dir, "qwen3")
+        try:
+            tokenizer = directory.load_tokenizer()
+            Catalog.load(catalog_file(model_dir, config["catalog"]), directory.load_sid_layout(tokenizer))
+        except GenrecError as err:
+            found.append(f"{where}.deployments[{j}].user_config.catalog: {err}")
     return found
 
 
 def deployments_of(args: dict) -> dict[str, type[BaseModel]]:
     """The app's deployments (by name) and what their user_config validates into."""
     sections = sectioned(args) if isinstance(args, dict) else {}
-    engines = {DEPLOYMENTS[name]: EngineLimits for name in DEPLOYMENTS if sections.get(name) is not None}
+    engines = {DEPLOYMENTS[name]: LIVE[name] for name in DEPLOYMENTS if sections.get(name) is not None}
     return {"Ingress": IngressLimits, **engines}
 
 

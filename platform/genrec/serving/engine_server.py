@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import zlib
@@ -13,11 +14,15 @@ from ray.serve.exceptions import RayServeException
 
 from genrec.api import RankResult
 from genrec.engine import AsyncEngine, Engine
-from genrec.serving.args import EngineLimits, ReplicaOptions, live_limits
+from genrec.errors import GenrecError
+from genrec.serving.args import EngineLimits, ReplicaOptions, RetrieverLive, catalog_file, live_limits
 from genrec.serving.funnel import known_candidates
 from genrec.serving.metrics import EngineMetricsExporter, status_of
+from genrec.serving.replicas import REPORT_EVERY_S, board
 from genrec.serving.schemas import ModelInfo
 from genrec.threads import apply_threads
+
+log = logging.getLogger(__name__)
 
 
 @serve.deployment(name="EngineServer", health_check_period_s=5, health_check_timeout_s=10)
@@ -44,22 +49,43 @@ class EngineServer:
         # The builder's limits until reconfigure applies the config's (and if the config's are refused).
         self.limits, self.config_refused = limits, None
         self.engine = (engine_factory or load_engine)(model_dir, device, options, limits)
+        self.model_dir, self.device = model_dir, device
         self.info = describe(self.engine.engine, model_dir, device)
         self.catalog = self.engine.engine.catalog
+        self.catalog_path, self.catalog_refused = catalog_file(model_dir, None), None  # what it loaded at start
         self.replica = _replica_id()
+        self._board = None
         self.metrics = EngineMetricsExporter(self.info.serves)
         self.metrics.load_s = time.perf_counter() - started
         self._stopped = threading.Event()
         threading.Thread(target=self._export_until_stopped, name="genrec-metrics", daemon=True).start()
 
-    def reconfigure(self, user_config: dict) -> None:
-        """Live limits (queue, batching) from the config's `user_config`, without a restart. Every limit is
-        set: one the config no longer names goes back to its default. A config that does not validate is
-        refused and the running limits stay (see args.live_limits); `stats()` and a gauge say so."""
-        limits, self.config_refused = live_limits(EngineLimits, user_config, self.limits)
+    async def reconfigure(self, user_config: dict) -> None:
+        """Live limits (queue, batching) and a retriever's catalog from the config's `user_config`, without a
+        restart. Every field is set: one the config no longer names goes back to its default. A config that does
+        not validate is refused and the running limits stay (see args.live_limits); `stats()` and a gauge say so.
+        A catalog is loaded off this event loop (health checks and requests go on) and swapped in between
+        requests; one that does not validate is refused, the running one stays, and /v1/model says why."""
+        live_model = RetrieverLive if self.info.family == "qwen3" else EngineLimits
+        live, self.config_refused = live_limits(live_model, user_config, self.limits)
         if self.config_refused is None:
+            limits = live.limits() if isinstance(live, RetrieverLive) else live
             self.engine.reconfigure(**limits.model_dump())
             self.limits = limits
+            if isinstance(live, RetrieverLive):
+                await self._serve_catalog(catalog_file(self.model_dir, live.catalog))
+
+    async def _serve_catalog(self, path) -> None:
+        if path == self.catalog_path:
+            return
+        try:
+            await asyncio.to_thread(self.engine.load_catalog, path)
+            self.catalog_path, self.catalog_refused = path, None
+            log.info("genrec: serving catalog %s (%s)", path, self.engine.engine.catalog.version)
+        except GenrecError as err:
+            self.catalog_refused = str(err)
+            log.error("genrec: catalog %s refused, the running one stays: %s", path, err)
+        self._report()
 
     # `routing_key` is read by the caller's request router (router.py), not here.
     async def retrieve(self, request, timeout_s: float, routing_key: str | None = None):
@@ -91,7 +117,30 @@ class EngineServer:
         return await asyncio.to_thread(self.engine.render_prompt, request), self.info.version
 
     def model_info(self, routing_key: str | None = None) -> ModelInfo:
-        return self.info
+        """The model, and the catalog this replica serves now."""
+        return self.info.model_copy(update=self._catalog_state())
+
+    def _catalog_state(self) -> dict:
+        """This replica's catalog versions and the last refused catalog (what it reports to the app's board)."""
+        state = {"replica": self.replica, "catalog_refused": self.catalog_refused}
+        if self.info.family == "qwen3":
+            state |= self.engine.engine.catalog_state() | {"catalog_items": len(self.engine.engine.catalog)}
+        return state
+
+    def _report(self) -> None:
+        """This replica's catalog state to the app's board (GET /v1/model lists every replica's); outside Serve
+        (tests that build the class directly) there is no board."""
+        try:
+            context = serve.get_replica_context()
+        except RayServeException:
+            return
+        try:
+            if self._board is None:
+                self._board = board(context.app_name)
+            self._board.report.remote(context.deployment, self.replica, self._catalog_state())
+        except Exception as err:  # noqa: BLE001 - the board is a view: never fail the replica for it
+            log.warning("genrec: the replica board is unreachable (%s)", err)
+            self._board = None
 
     def stats(self, routing_key: str | None = None) -> dict:
         """This replica's ID, its engine's metrics (prefix cache included), its live limits and why the last
@@ -130,8 +179,12 @@ class EngineServer:
             self.metrics.finished(kind, status, time.perf_counter() - started)
 
     def _export_until_stopped(self, period_s: float = 1.0) -> None:
+        ticks = 0
         while not self._stopped.wait(period_s):
             self.metrics.update(self.engine.metrics(), config_refused=self.config_refused is not None)
+            if ticks % int(REPORT_EVERY_S / period_s) == 0:
+                self._report()
+            ticks += 1
 
 
 def load_engine(model_dir: str, device: str, options: ReplicaOptions, limits: EngineLimits) -> AsyncEngine:

@@ -134,6 +134,7 @@ def merge(
         items=[item.model_copy(update={"ranker_scores": scores.get(item.item_id)}) for item in kept],
         prompt_tokens=retrieved.prompt_tokens,
         unknown_exclusions=retrieved.unknown_exclusions,
+        catalog_version=retrieved.catalog_version,
         rank_task=task,
         ranker_version=version,
     )
@@ -150,6 +151,7 @@ def degraded(
         items=[items[k] for k in order[:num_results]],
         prompt_tokens=retrieved.prompt_tokens,
         unknown_exclusions=retrieved.unknown_exclusions,
+        catalog_version=retrieved.catalog_version,
         degraded=True,
         degraded_reason=reason,
     )

@@ -46,9 +46,10 @@ from genrec.api import (
 from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
 from genrec.serving import edge, funnel
-from genrec.serving.args import FAMILY, IngressSection
+from genrec.serving.args import DEPLOYMENTS, FAMILY, IngressSection
 from genrec.serving.http_errors import EngineUnavailable, NotServed, UnknownUser, error_response
 from genrec.serving.metrics import IngressMetrics
+from genrec.serving.replicas import board
 from genrec.serving.router import ROUTING_KEY, routing_key
 from genrec.serving.schemas import (
     ErrorBody,
@@ -184,9 +185,12 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def model(self, auth=Depends(bearer)):
-        """The retriever's model, with the ranker's under `ranker`; an app of a ranker alone: the ranker's."""
+        """The retriever's model, with the ranker's under `ranker`; an app of a ranker alone: the ranker's. Each
+        lists the deployment's replicas with their catalog versions (`replicas`, from the app's board)."""
         try:
             infos = await self._models(time.monotonic() + self.request_timeout_s)
+            for name, info in infos.items():
+                infos[name] = info.model_copy(update={"replicas": await self._replicas(name)})
             if len(infos) == 2:
                 return infos["retriever"].model_copy(update={"ranker": infos["ranker"]})
             return next(iter(infos.values()))
@@ -211,6 +215,16 @@ class Ingress:
             for name, handle in self.handles.items()
             if handle is not None
         }
+
+    async def _replicas(self, name: str) -> list[dict] | None:
+        """The section's replicas as they last reported (replicas.py); None when the board cannot be read."""
+        try:
+            app = serve.get_replica_context().app_name
+            reader = await asyncio.to_thread(board, app)
+            return await asyncio.wait_for(reader.replicas.remote(DEPLOYMENTS[name]), 2.0)
+        except Exception as err:  # noqa: BLE001 - a view: /v1/model answers without it
+            log.warning("genrec: the replica board could not be read (%s)", err)
+            return None
 
     async def _serve(self, kind: str, body, response: Response):
         """One deadline for the whole request: the embedding lookup, then the engine with the time left."""

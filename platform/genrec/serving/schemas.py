@@ -123,6 +123,14 @@ class RankerFacts(BaseModel):
         return cls(tasks=list(config.tasks), max_history_events=events, max_candidates=max_candidates)
 
 
+class ReplicaState(BaseModel):
+    replica: str
+    catalog_version: str | None = None
+    previous_catalog_version: str | None = None
+    catalog_items: int | None = None
+    catalog_refused: str | None = None
+
+
 class ModelInfo(BaseModel):
     """What the engine replicas serve. Fields of the other family are None."""
 
@@ -133,6 +141,17 @@ class ModelInfo(BaseModel):
     architecture: str | None = Field(None, description="qwen3 family: the decoder's architecture, qwen3 or qwen2")
     serves: list[str] = Field(description="the request kinds (routes) this model answers")
     catalog_items: int
+    catalog_version: str | None = Field(None, description="qwen3: the catalog version this replica serves")
+    previous_catalog_version: str | None = Field(
+        None, description="qwen3: the version served before it, kept built for a rollback (None: none)"
+    )
+    catalog_refused: str | None = Field(
+        None, description="why the last catalog the user_config named was refused (the running one stays)"
+    )
+    replica: str | None = Field(None, description="the replica that answered")
+    replicas: list[ReplicaState] | None = Field(
+        None, description="every replica of this deployment heard from lately, with its catalog version"
+    )
     max_candidates: int = Field(description="candidates per score, recommend or rank request")
     levels: int | None = Field(None, description="qwen3: semantic-ID code length (the longest code's)")
     codes: int | None = Field(None, description="qwen3: distinct codes in the catalog (items may share one)")

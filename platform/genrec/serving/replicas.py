@@ -1,0 +1,42 @@
+"""Where each engine replica says what it serves, so that GET /v1/model can show every replica's catalog version.
+
+A Serve handle reaches one replica per call and cannot list them, so each engine replica reports its state (its
+catalog versions, a refused catalog) to one small actor per app, `ReplicaBoard`, when it changes and every few
+seconds; the ingress reads the board. A replica not heard from for `STALE_S` is left out (gone, or replaced).
+The board holds nothing that matters across its own loss: a new one fills within one report period.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+REPORT_EVERY_S = 5.0
+STALE_S = 3 * REPORT_EVERY_S
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class ReplicaBoard:
+    def __init__(self):
+        self._seen: dict[tuple[str, str], tuple[dict, float]] = {}
+
+    def report(self, deployment: str, replica: str, state: dict) -> None:
+        self._seen[(deployment, replica)] = (state, time.monotonic())
+
+    def forget(self, deployment: str, replica: str) -> None:
+        self._seen.pop((deployment, replica), None)
+
+    def replicas(self, deployment: str) -> list[dict]:
+        """The deployment's replicas heard from lately, by replica ID: {"replica": ID, **state}."""
+        now = time.monotonic()
+        for key in [k for k, (_, at) in self._seen.items() if now - at > STALE_S]:
+            del self._seen[key]
+        return [{"replica": r, **state} for (d, r), (state, _) in sorted(self._seen.items()) if d == deployment]
+
+
+def board(app_name: str):
+    """The app's board, made by whichever replica asks first (detached: it outlives any one replica)."""
+    return ReplicaBoard.options(
+        name=f"genrec-replicas-{app_name}", namespace="serve", lifetime="detached", get_if_exists=True
+    ).remote()

@@ -160,6 +160,26 @@ def test_the_config_check_can_check_the_model_directory(tiny_dir, tmp_path):
     assert problem.startswith("applications[0].args.retriever.model_dir: ") and "does not exist" in problem
 
 
+def test_the_config_check_loads_a_catalog_the_user_config_names(tiny_dir, tmp_path):
+    """A catalog the replicas would refuse (keeping the running one) is refused before the deploy instead."""
+    import shutil
+
+    config = yaml.safe_load((DEPLOYMENTS / "local.yaml").read_text())
+    (app,) = config["applications"]
+    app["args"]["retriever"]["model_dir"] = str(tiny_dir)
+    engine = next(d for d in app["deployments"] if d["name"] == "EngineServer")
+    shutil.copy(tiny_dir / "genrec/catalog.parquet", tmp_path / "next.parquet")
+    engine["user_config"] = {"catalog": str(tmp_path / "next.parquet")}
+    assert problems(config, check_model=True) == []
+    engine["user_config"] = {"catalog": "catalogs/missing.parquet"}  # relative to the model directory
+    (problem,) = problems(config, check_model=True)
+    assert problem.startswith("applications[0].deployments[") and ".user_config.catalog: " in problem
+    assert "catalogs/missing.parquet" in problem and "missing" in problem
+    engine["user_config"] = {"catalog": ""}
+    (problem,) = problems(config, check_model=False)
+    assert ".user_config.catalog: " in problem
+
+
 @pytest.mark.parametrize("path", FUNNELS, ids=lambda p: p.name)
 def test_a_funnels_ranker_is_a_second_engine_deployment_scaled_on_its_own(path):
     from genrec.serving.app import engine_deployment

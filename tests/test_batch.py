@@ -17,6 +17,7 @@ import torch
 
 from genrec.api import RecommendRequest, RetrieveRequest
 from genrec.batch import CacheConfig, Execution, RecommendSpec, load_user_embeddings, run
+from genrec.catalog.catalog import catalog_version
 from genrec.model.directory import model_version
 from tests.conftest import random_prompt
 
@@ -73,6 +74,8 @@ def test_output_equals_the_engine_called_directly(reference, users, engine, tiny
     assert summary.users == USERS and summary.processed == USERS and summary.skipped_as_done == 0
     assert summary.errors == len(BAD) and summary.rows_written == len(table) == (USERS - len(BAD)) * RESULTS
     assert {r["model_version"] for r in table} == {model_version(tiny_dir)} == {summary.model_version}
+    catalog = catalog_version(tiny_dir / "genrec/catalog.parquet")
+    assert {r["catalog_version"] for r in table} == {catalog} == {summary.catalog_version}
     assert {r["run_id"] for r in table} == {summary.run_id}
     assert len({(r["user_id"], r["rank"]) for r in table}) == len(table)  # no duplicates
 

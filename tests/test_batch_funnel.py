@@ -22,7 +22,7 @@ from genrec.batch import Execution, FunnelSpec, RankingExecution, RecommendSpec,
 from genrec.batch.jobs import RankRetrieved, Retrieve
 from genrec.batch.output import RECOMMENDATIONS, OutputDir
 from genrec.batch.shards import UsersInput
-from genrec.batch.tables import ROW, funnel_table, recommendations_table
+from genrec.batch.tables import ROW, Versions, funnel_table, recommendations_table
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
 from genrec.model.directory import model_version
@@ -113,7 +113,8 @@ def test_two_stages_equal_retrieve_then_rank_in_process(reference, users, engine
     tasks = ("click", "like", "long_view")
     assert table.column_names == [
         "user_id", "rank", "retrieval_rank", "item_id", "semantic_id", "retrieval_logprob", "code_logprob", "score",
-        *(f"prob_{t}" for t in tasks), "degraded", "degraded_reason", "model_version", "ranker_version", "run_id",
+        *(f"prob_{t}" for t in tasks), "degraded", "degraded_reason", "model_version", "catalog_version",
+        "ranker_version", "run_id",
     ]  # fmt: skip
     assert not any(table.column("degraded").to_pylist()) and table.column("degraded_reason").null_count == len(table)
     expected = expected_rows(engine, ranker, users[1])
@@ -132,6 +133,7 @@ def test_two_stages_equal_retrieve_then_rank_in_process(reference, users, engine
     assert (summary.users, summary.processed, summary.errors, summary.degraded_users) == (USERS, USERS, len(BAD), 0)
     assert summary.rows_written == len(got) == (USERS - len(BAD)) * RESULTS
     assert summary.model_version == model_version(tiny_dir) == table.column("model_version").unique().to_pylist()[0]
+    assert table.column("catalog_version").unique().to_pylist() == [summary.catalog_version] == [engine.catalog.version]
     assert summary.ranker_version == model_version(hstu_dir) == table.column("ranker_version").unique().to_pylist()[0]
     manifest = json.loads((Path(spec.out) / "manifest.json").read_text())
     assert manifest["ranker_version"] == summary.ranker_version and manifest["rank_task"] == TASK
@@ -201,7 +203,7 @@ def test_funnel_table_orders_by_the_task_ties_in_stage_1_order_unknown_items_las
         [0, 1],
         [retrieved(["x", "y", "z", "w"]), retrieved(["v"])],
         scored=False,
-        model_version="m",
+        versions=Versions("m", "c"),
         run_id="r",
     )
     stage1 = stage1.append_column(ROW, pa.array([0, 0, 0, 0, 1], pa.int64()))
@@ -212,6 +214,7 @@ def test_funnel_table_orders_by_the_task_ties_in_stage_1_order_unknown_items_las
         ("a", 1, 3, "z", 0.7), ("a", 2, 4, "w", 0.7), ("a", 3, 1, "x", 0.2), ("a", 4, 2, "y", None),
         ("b", 1, 1, "v", None),
     ]  # fmt: skip
+    assert {(r["model_version"], r["catalog_version"], r["ranker_version"]) for r in table} == {("m", "c", "rv")}
     assert funnel_table(stage1, {}, ("like",), "like", "rv").num_rows == 0  # every user refused
     assert funnel_table(stage1.slice(0, 0), {}, ("like",), "like", "rv").num_rows == 0  # no user retrieved
 

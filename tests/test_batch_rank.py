@@ -20,7 +20,7 @@ from genrec.api import RankedItem, RankRequest, RankResult
 from genrec.batch import Execution, RankSpec, RecommendSpec, run
 from genrec.batch.jobs import Rank
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS, OutputDir
-from genrec.batch.tables import rankings_table
+from genrec.batch.tables import Versions, rankings_table
 from genrec.engine import Engine, SchedulerConfig
 from genrec.errors import GenrecError
 from tests import rank_inputs
@@ -74,8 +74,10 @@ def test_rankings_table_orders_by_the_task_ties_in_the_candidates_order():
         result({"click": 0.4}),  # a row whose tasks left out "like": its column is null
     ]
     user_ids = pa.array([7, 8, 9], pa.int64())
-    table = rankings_table(user_ids, [0, 2], results, ("click", "like"), "click", "v1", "r1")
-    assert table.column_names == ["user_id", "rank", "item_id", "prob_click", "prob_like", "model_version", "run_id"]
+    table = rankings_table(user_ids, [0, 2], results, ("click", "like"), "click", Versions("v1", "c1"), "r1")
+    assert table.column_names == [
+        "user_id", "rank", "item_id", "prob_click", "prob_like", "model_version", "catalog_version", "run_id"
+    ]  # fmt: skip
     assert table.schema.field("user_id").type == pa.int64() and table.schema.field("rank").type == pa.int32()
     assert written_rows(table, ("click", "like")) == [
         (7, 1, "i1", 0.7, 0.1),
@@ -83,7 +85,7 @@ def test_rankings_table_orders_by_the_task_ties_in_the_candidates_order():
         (7, 3, "i2", 0.2, 0.5),
         (9, 1, "i0", 0.4, None),
     ]
-    given_order = rankings_table(user_ids, [0, 2], results, ("click", "like"), None, "v1", "r1")
+    given_order = rankings_table(user_ids, [0, 2], results, ("click", "like"), None, Versions("v1", "c1"), "r1")
     assert [(u, k, i) for u, k, i, *_ in written_rows(given_order, ("click", "like"))] == [
         (7, 1, "i0"),
         (7, 2, "i1"),
@@ -93,7 +95,7 @@ def test_rankings_table_orders_by_the_task_ties_in_the_candidates_order():
     assert set(table.column("model_version").to_pylist()) == {"v1"} and set(table.column("run_id").to_pylist()) == {
         "r1"
     }
-    empty = rankings_table(pa.array([], pa.string()), [], [], ("click",), None, "v1", "r1")
+    empty = rankings_table(pa.array([], pa.string()), [], [], ("click",), None, Versions("v1", "c1"), "r1")
     assert empty.num_rows == 0 and empty.schema.field("user_id").type == pa.string()
 
 

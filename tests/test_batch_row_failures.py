@@ -22,7 +22,7 @@ from genrec.batch.jobs import Rank, RankRetrieved, Recommend, Retrieve
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS, OutputDir
 from genrec.batch.shards import UsersInput
 from genrec.batch.spec import FORMAT, FUNNEL_FORMAT
-from genrec.batch.tables import ROW, Degraded, funnel_table, recommendations_table
+from genrec.batch.tables import ROW, Degraded, Versions, funnel_table, recommendations_table
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
 from tests import rank_inputs
@@ -201,7 +201,12 @@ def test_the_rank_job_writes_every_other_user_and_exits_by_the_error_fraction(ra
 
 def test_the_funnel_table_keeps_a_degraded_users_stage_1_order_and_marks_it():
     stage1 = recommendations_table(
-        pa.array(["a", "b"]), [0, 1], [_retrieved(["x", "y", "z"]), _retrieved(["v", "w"])], False, "m", "r"
+        pa.array(["a", "b"]),
+        [0, 1],
+        [_retrieved(["x", "y", "z"]), _retrieved(["v", "w"])],
+        False,
+        Versions("m", "c"),
+        "r",
     )
     stage1 = stage1.append_column(ROW, pa.array([0, 0, 0, 1, 1], pa.int64()))
     ranked = RankResult(items=[RankedItem(item_id=i, scores={"like": p}) for i, p in (("x", 0.1), ("z", 0.9))],

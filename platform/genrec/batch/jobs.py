@@ -28,6 +28,7 @@ from genrec.batch.tables import (
     ROW,
     Degraded,
     RowError,
+    Versions,
     described,
     funnel_table,
     rankings_table,
@@ -52,7 +53,7 @@ class Rows:
     """A shard's input rows, as a job sees them."""
 
     table: pa.Table  # the job's layout's columns
-    version: str  # of the model the job's engine runs
+    versions: Versions  # of the model and the catalog the job's engine runs
     run_id: str
     handed: pa.Table | None = None  # a later stage's: the shard's results of the stage before (with ROW)
 
@@ -120,7 +121,7 @@ class Retrieve(Job):
 
     def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
         scored = self.kind == "recommend"
-        return recommendations_table(rows.user_ids, positions, results, scored, rows.version, rows.run_id)
+        return recommendations_table(rows.user_ids, positions, results, scored, rows.versions, rows.run_id)
 
 
 class Recommend(Retrieve):
@@ -159,7 +160,7 @@ class Rank(Job):
 
     def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
         return rankings_table(
-            rows.user_ids, positions, results, self.tasks, self.spec.rank_by, rows.version, rows.run_id
+            rows.user_ids, positions, results, self.tasks, self.spec.rank_by, rows.versions, rows.run_id
         )
 
 
@@ -206,7 +207,7 @@ class RankRetrieved(Job):
 
     def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
         by_row = dict(zip(positions, results, strict=True))
-        return funnel_table(rows.handed, by_row, self.tasks, self.spec.rank_task, rows.version)
+        return funnel_table(rows.handed, by_row, self.tasks, self.spec.rank_task, rows.versions.model)
 
 
 def stages(spec: JobSpec, execution: Execution, ranking: RankingExecution) -> list[tuple[Job, Execution]]:

@@ -46,6 +46,7 @@ class Summary:
     run_id: str
     model_version: str
     out: str
+    catalog_version: str | None = None  # the retriever's (the ranking job: its model's item index)
     ranker_version: str | None = None  # the funnel's ranking model
     degraded_users: int | None = None  # the funnel's: users the ranker failed for, stage 1's order kept (all runs)
 
@@ -115,6 +116,7 @@ def run(
         users_per_s=round(processed / seconds, 2),
         run_id=run_id,
         model_version=version,
+        catalog_version=identity["catalog_version"],
         out=spec.out,
         ranker_version=identity.get("ranker_version"),
         degraded_users=sum(c.degraded for c in counts.values()) if len(plan) > 1 else None,

@@ -14,19 +14,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from genrec.api import MAX_BEAM_WIDTH, MAX_SCORE_WEIGHT
 from genrec.cache.config import CacheConfig
+from genrec.catalog.catalog import catalog_version
 from genrec.engine_options import EngineOptions
 from genrec.errors import GenrecError, ModelDirectoryError
 from genrec.model.directory import GENREC_SUBDIR, ModelDir
 from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
 
-FORMAT = 3  # bump when the output layout or columns change (3: repeated user_ids refused)
-FUNNEL_FORMAT = 4  # the funnel's own (4: the degraded and degraded_reason columns); the other jobs keep FORMAT
+FORMAT = 4  # bump when the output layout or columns change (3: repeated user_ids refused; 4: catalog_version)
+FUNNEL_FORMAT = 5  # the funnel's own (4: the degraded columns; 5: catalog_version); the other jobs keep FORMAT
 WRONG_FAMILY = {  # a job's refusal of the other family's model directory
     "qwen3": "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
     "Qwen3 semantic-ID model",
     "hstu": f"not an HSTU ranking model (config.json model_type is not {HSTU_MODEL_TYPE!r}); batch ranking needs "
     "one (a Qwen3 semantic-ID model recommends: jobs/batch_recommend.py)",
 }
+
+
+def catalog_version_of(model: str) -> str | None:
+    """The model directory's catalog version (None where it has no catalog: the job refuses it at its check)."""
+    path = ModelDir.catalog_path_of(model)
+    return catalog_version(path) if path.is_file() else None
 
 
 class JobSpec(EngineOptions):
@@ -47,6 +54,7 @@ class JobSpec(EngineOptions):
         return {
             "format": FORMAT,
             "model_version": model_version,
+            "catalog_version": catalog_version_of(self.model),  # a new catalog: a new run, never mixed rows
             "input": input_fingerprint,
             "batch_size": self.batch_size,
             "device": self.device.split(":")[0],

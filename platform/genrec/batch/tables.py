@@ -1,9 +1,10 @@
 """The output tables: one row per bad input row (errors/), and one per (user, item) of each job:
 
-    recommend  user_id, rank, item_id, semantic_id, retrieval_logprob, code_logprob, score, model_version, run_id
-    rank       user_id, rank, item_id, prob_<task>..., model_version, run_id
+    recommend  user_id, rank, item_id, semantic_id, retrieval_logprob, code_logprob, score, model_version,
+               catalog_version, run_id
+    rank       user_id, rank, item_id, prob_<task>..., model_version, catalog_version, run_id
     funnel     recommend's, with retrieval_rank after rank; prob_<task>..., degraded, degraded_reason before
-               model_version, ranker_version after
+               model_version, catalog_version (the retriever's), ranker_version after
 
 Each user's rows are together, best first (rank 1)."""
 
@@ -38,6 +39,17 @@ class RowError:
 
 
 @dataclass(frozen=True)
+class Versions:
+    """What produced a job's rows: the model (weights, tokenizer) and the catalog it served, each a content hash."""
+
+    model: str
+    catalog: str
+
+    def as_columns(self) -> dict[str, str]:
+        return {"model_version": self.model, "catalog_version": self.catalog}
+
+
+@dataclass(frozen=True)
 class Degraded:
     """A funnel user the ranker failed for (not one it refused): stage 1's items kept, in beam order."""
 
@@ -63,7 +75,7 @@ def errors_table(user_ids: pa.Array, errors: list[RowError], first_row: int, run
 
 
 def recommendations_table(
-    user_ids: pa.Array, positions: list[int], results: list, scored: bool, model_version: str, run_id: str
+    user_ids: pa.Array, positions: list[int], results: list, scored: bool, versions: Versions, run_id: str
 ) -> pa.Table:
     """`results`: RetrieveResults (items ranked by beam logprob) or, `scored`, RecommendResults (in their order).
     retrieval_logprob is null for a given candidate, code_logprob too unless ordered by joint; score is null unless
@@ -76,7 +88,7 @@ def recommendations_table(
         "code_logprob": _floats(item.code_logprob if scored else item.logprob for item in items),
         "score": _floats(item.score_logprob if scored else None for item in items),
     }
-    return _per_user(user_ids, positions, [len(r.items) for r in results], columns, model_version, run_id)
+    return _per_user(user_ids, positions, [len(r.items) for r in results], columns, versions, run_id)
 
 
 def rankings_table(
@@ -85,7 +97,7 @@ def rankings_table(
     results: list[RankResult],
     tasks: tuple[str, ...],
     rank_by: str | None,
-    model_version: str,
+    versions: Versions,
     run_id: str,
 ) -> pa.Table:
     """`results`: the RankResults of the requests of shard rows `positions`; `tasks`: the model's. Each user's
@@ -97,7 +109,7 @@ def rankings_table(
         "item_id": pa.array([item.item_id for item in items], pa.string()),
         **{TASK_PREFIX + task: _floats(item.scores.get(task) for item in items) for task in tasks},
     }
-    return _per_user(user_ids, positions, [len(r) for r in ranked], columns, model_version, run_id)
+    return _per_user(user_ids, positions, [len(r) for r in ranked], columns, versions, run_id)
 
 
 def funnel_table(
@@ -131,7 +143,8 @@ def funnel_table(
         "degraded": pa.array([r is not None for r in reasons], pa.bool_()),
         "degraded_reason": pa.array(reasons, pa.string()),
     }
-    columns |= {"model_version": kept["model_version"], "ranker_version": pa.array([version] * len(order), pa.string())}
+    columns |= {name: kept[name] for name in ("model_version", "catalog_version")}
+    columns |= {"ranker_version": pa.array([version] * len(order), pa.string())}
     return pa.table(columns | {"run_id": kept["run_id"]})
 
 
@@ -151,13 +164,14 @@ def user_spans(rows: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(rows[s]), int(s), int(e)) for s, e in zip(starts, ends, strict=True)]
 
 
-def _per_user(user_ids, positions, counts, columns, model_version, run_id) -> pa.Table:
+def _per_user(user_ids, positions, counts, columns, versions: Versions, run_id) -> pa.Table:
     """Rows that list each user's items best first, `counts[k]` of them for the user of shard row `positions[k]`:
-    user_id, rank (1 = best), `columns`, model_version, run_id."""
+    user_id, rank (1 = best), `columns`, model_version, catalog_version, run_id."""
     rows = int(sum(counts))
     users = user_ids.take(pa.array(np.repeat(np.asarray(positions, np.int64), counts), pa.int64()))
-    version, run = pa.array([model_version] * rows, pa.string()), pa.array([run_id] * rows, pa.string())
-    return pa.table({"user_id": users, "rank": _ranks(counts), **columns, "model_version": version, "run_id": run})
+    named = {name: pa.array([value] * rows, pa.string()) for name, value in versions.as_columns().items()}
+    run = pa.array([run_id] * rows, pa.string())
+    return pa.table({"user_id": users, "rank": _ranks(counts), **columns, **named, "run_id": run})
 
 
 def _ranks(counts: list[int]) -> pa.Array:

@@ -19,7 +19,7 @@ from genrec.batch.jobs import Job, Rows
 from genrec.batch.output import OutputDir
 from genrec.batch.shards import SHARD_SCHEMA, Shard, UsersInput
 from genrec.batch.spec import Execution
-from genrec.batch.tables import ROW, RowError, errors_table
+from genrec.batch.tables import ROW, RowError, Versions, errors_table
 
 REPORT = pa.schema(
     [*((name, pa.int64()) for name in ("shard", "users", "rows", "errors", "degraded")), ("skipped", pa.bool_())]
@@ -64,7 +64,8 @@ class ShardWorker:
     def compute(self, shard: Shard, handed: tuple | None = None) -> tuple[pa.Table, pa.Table]:
         """The shard's (results, errors) tables: its rows parsed, one engine run, a request that fails (with any
         exception: the engine returns each request's) a row error, never the shard's or the job's."""
-        rows = Rows(self.users.read(shard), self.engine.model_version, self.run_id, handed and handed[0])
+        versions = Versions(self.engine.model_version, self.engine.catalog.version)
+        rows = Rows(self.users.read(shard), versions, self.run_id, handed and handed[0])
         parsed = self.job.parse(rows)
         if handed and handed[1] is not None:  # the stage before's errors
             parsed.errors += [RowError(e["row"] - shard.start, e["field"], e["reason"]) for e in handed[1].to_pylist()]

@@ -8,13 +8,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from genrec.catalog.catalog import catalog_version
 from genrec.errors import CatalogError
 
 
 class ItemIndex:
-    def __init__(self, item_ids: list[str], rows: np.ndarray):
+    def __init__(self, item_ids: list[str], rows: np.ndarray, version: str | None = None):
         self.item_ids = np.asarray(item_ids, dtype=object)
         self.rows = rows  # [N] int64: each item's embedding row
+        self.version = version  # its file's content hash (catalog.catalog_version); None: built in memory
         self._index = {item: i for i, item in enumerate(item_ids)}
 
     def __len__(self) -> int:
@@ -44,4 +46,4 @@ class ItemIndex:
             raise CatalogError(path, "item_id values repeat")
         if len(rows) and (rows.min() < 0 or rows.max() >= table_rows):
             raise CatalogError(path, f"item_index values must lie in 0..{table_rows - 1} (the model's item table)")
-        return cls(item_ids, rows)
+        return cls(item_ids, rows, catalog_version(path))

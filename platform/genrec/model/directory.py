@@ -54,7 +54,12 @@ class ModelDir:
 
     @property
     def catalog_path(self) -> Path:
-        return self.path / GENREC_SUBDIR / "catalog.parquet"
+        return self.catalog_path_of(self.path)
+
+    @staticmethod
+    def catalog_path_of(path: str | Path) -> Path:
+        """Where a model directory keeps its catalog (either family)."""
+        return Path(path) / GENREC_SUBDIR / "catalog.parquet"
 
     @cached_property
     def version(self) -> str:

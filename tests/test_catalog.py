@@ -169,3 +169,14 @@ def test_catalog_round_trip_of_ragged_codes_popularity_and_attributes(tmp_path):
     pq.write_table(table.set_column(2, "popularity", pa.array([3.0, None, 1.0])), path)
     with pytest.raises(CatalogError, match="column 'popularity', item 'b': null or not finite"):
         Catalog.load(path)
+
+
+def test_save_then_load_keeps_codes_of_every_length_and_popularity(tmp_path):
+    from genrec.catalog.catalog import Catalog
+
+    codes = [[5, 6, 7], [5, 6], [9], [5, 8, 1]]
+    catalog = Catalog.validated(["a", "b", "c", "d"], codes, popularity=[1.0, 3.0, 2.0, 0.5])
+    catalog.save(tmp_path / "c.parquet")
+    again = Catalog.load(tmp_path / "c.parquet")
+    assert [again.code(i) for i in range(4)] == codes and again.item_ids.tolist() == ["a", "b", "c", "d"]
+    assert again.popularity.tolist() == [1.0, 3.0, 2.0, 0.5]

@@ -342,3 +342,21 @@ class SuiteOptions:
     device: str = device_opt("cuda")
     preset: str = opt("qwen3-1.7b")
     only: str | None = opt(None, "comma-separated run names")
+
+
+@bench("catalog-reload", "catalog_reload.run")
+class CatalogReloadOptions:
+    """A 1 M-item catalog loaded live under closed-loop retrieve load (1 % of its items changed), then rolled back:
+    request latencies overlapping each change against a baseline window of the same run."""
+
+    items: int = opt(1_000_000, "catalog items", min=1)
+    per_level: int = opt(8192, "codes per level (the model's vocabulary has as many)", min=2)
+    levels: int = opt(3, min=1)
+    changed: float = opt(0.01, "share of the items retired and replaced by new ones in the second version", min=0)
+    beam_width: int = opt(256, min=1)
+    prompt_len: int = opt(1000, min=1)
+    clients: int = opt(4, "closed-loop clients, one request each at a time", min=1)
+    warmup_s: float = opt(5.0, min=0)
+    window_s: float = opt(15.0, "the baseline window, and the load kept after each change", min=1)
+    preset: str = opt("tiny", "the model's dimensions: tiny | small | qwen3-1.7b (random weights)")
+    device: str = device_opt()

@@ -26,12 +26,12 @@ GOALS = {"trie_build_s": 30.0, "retrieve_large_over_small": 1.05}
 
 
 def run(o: SidCatalogOptions) -> dict:
-    directory = ModelDir.open(_model_dir(o), family="qwen3")
+    directory = ModelDir.open(sid_model_dir(o), family="qwen3")
     tokenizer = directory.load_tokenizer()
     layout = directory.load_sid_layout(tokenizer)
     rng = np.random.default_rng(0)
-    large, validate_s = _timed_catalog(layout, o.items, o.per_level, rng)
-    small, _ = _timed_catalog(layout, o.items, o.small_per_level, rng)
+    large, validate_s = random_catalog(layout, o.items, o.per_level, rng)
+    small, _ = random_catalog(layout, o.items, o.small_per_level, rng)
     build_s = statistics.median(_build_seconds(large, layout) for _ in range(o.build_repeats))
     dtype = torch.bfloat16 if o.device.startswith("cuda") else torch.float32
     model = directory.load_model(o.device, dtype)
@@ -76,7 +76,7 @@ def run(o: SidCatalogOptions) -> dict:
     }
 
 
-def _model_dir(o: SidCatalogOptions):
+def sid_model_dir(o: SidCatalogOptions):
     """A cached random-weight model of the preset's dimensions whose vocabulary holds `per_level` codes per level."""
     spec = preset(o.preset, levels=o.levels, codebook=o.per_level, items=1000, user_dim=0)
     target = presets_root() / f"sid-{o.preset}-{hashlib.sha1(repr(spec).encode()).hexdigest()[:10]}"
@@ -88,7 +88,7 @@ def _model_dir(o: SidCatalogOptions):
     return target
 
 
-def _timed_catalog(layout, items: int, per_level: int, rng) -> tuple[Catalog, float]:
+def random_catalog(layout, items: int, per_level: int, rng) -> tuple[Catalog, float]:
     """A random catalog drawing each level's code among the level's first `per_level` tokens, validated against
     the layout (timed, as the model directory's loader does it)."""
     levels = [ids[:per_level] for ids in layout.level_ids]

@@ -100,9 +100,11 @@ class Catalog:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
+        tokens = pa.array(self.codes[self.codes != PAD].astype(np.int32))  # row-major: each code, then the next
         columns = {
             "item_id": pa.array(self.item_ids.tolist(), pa.string()),
-            "semantic_id": pa.array([self.code(i) for i in range(len(self))], pa.list_(pa.int32())),
+            "semantic_id": pa.ListArray.from_arrays(pa.array(offsets), tokens),
         }
         if self.popularity is not None:
             columns["popularity"] = pa.array(self.popularity, pa.float64())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from genrec.catalog import Catalog, CodeTrie
+from genrec.catalog.catalog import catalog_version
 from genrec.errors import CatalogError
 
 
@@ -47,10 +48,12 @@ class CatalogVersions:
 
     def load(self, path: str | Path) -> ServedCatalog:
         """The catalog file checked against the model's SID layout and built, not yet served. Raises CatalogError."""
+        if Path(path).is_file():  # a version already built (a rollback) is found by its file's hash alone
+            version = catalog_version(path)
+            for known in (self.current, self.previous):
+                if known is not None and known.version == version:
+                    return known
         catalog = Catalog.load(Path(path), self.layout)
-        for known in (self.current, self.previous):
-            if known is not None and known.version == catalog.version:
-                return known
         served = ServedCatalog.build(catalog, self.layout, self.device)
         if served.trie.levels > self.max_steps:
             raise CatalogError(

@@ -9,6 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from genrec.api import Event, RankRequest, RetrieveRequest
+from genrec.catalog.catalog import catalog_version
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import InvalidRequestError
@@ -58,6 +59,7 @@ def test_rank_equals_the_plain_masked_forward(ranker, hstu_dir, events, count):
     (result,) = ranker.rank([request])
     assert [i.item_id for i in result.items] == request.candidates and result.history_events == events
     assert np.abs(probs(result, SPEC.tasks) - reference(ranker, hstu_dir, request)).max() <= TOL
+    assert result.catalog_version == catalog_version(hstu_dir / "genrec/catalog.parquet")  # its item index's
 
 
 def test_a_candidates_scores_do_not_depend_on_the_others(ranker):

@@ -371,3 +371,4 @@ class RankResult(BaseModel):
     request_id: str | None = None
     items: list[RankedItem] = Field(description="in the candidates' order")
     history_events: int
+    catalog_version: str | None = Field(None, description="the ranker's item index (a content hash of its file)")

@@ -156,12 +156,18 @@ class Ranker:
             RankedItem(item_id=item, scores=dict(zip(names, row, strict=True)))
             for item, row in zip(prepared.request.candidates, host.tolist(), strict=True)
         ]
-        return RankResult(request_id=prepared.request.request_id, items=items, history_events=len(prepared.token_ids))
+        return RankResult(
+            request_id=prepared.request.request_id,
+            items=items,
+            history_events=len(prepared.token_ids),
+            catalog_version=self.catalog.version,
+        )
 
     def describe(self) -> dict:
         config = self.model.config
         return {
             "catalog_items": len(self.catalog),
+            "catalog_version": self.catalog.version,
             "max_candidates": self.max_candidates,
             "tasks": list(config.tasks),
             "max_history_events": config.max_history_events,

@@ -106,7 +106,10 @@ class EngineServer:
         if "rank" in self.info.serves:  # else _run refuses it as not served
             kept = known_candidates(request, lambda item: self.catalog.row_of(item) is not None)
             if kept is None:
-                empty = RankResult(request_id=request.request_id, items=[], history_events=len(request.history))
+                history = len(request.history)
+                empty = RankResult(
+                    request_id=request.request_id, items=[], history_events=history, catalog_version=self.catalog.version
+                )
                 return empty, self.info.version
             request = kept
         return await self._run("rank", request, timeout_s)

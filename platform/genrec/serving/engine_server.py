@@ -106,10 +106,8 @@ class EngineServer:
         if "rank" in self.info.serves:  # else _run refuses it as not served
             kept = known_candidates(request, lambda item: self.catalog.row_of(item) is not None)
             if kept is None:
-                history = len(request.history)
-                empty = RankResult(
-                    request_id=request.request_id, items=[], history_events=history, catalog_version=self.catalog.version
-                )
+                version, events = self.catalog.version, len(request.history)
+                empty = RankResult(request_id=request.request_id, items=[], history_events=events, catalog_version=version)
                 return empty, self.info.version
             request = kept
         return await self._run("rank", request, timeout_s)

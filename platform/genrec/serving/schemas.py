@@ -141,7 +141,9 @@ class ModelInfo(BaseModel):
     architecture: str | None = Field(None, description="qwen3 family: the decoder's architecture, qwen3 or qwen2")
     serves: list[str] = Field(description="the request kinds (routes) this model answers")
     catalog_items: int
-    catalog_version: str | None = Field(None, description="the catalog version this replica serves (hstu: its item index's)")
+    catalog_version: str | None = Field(
+        None, description="the catalog version this replica serves (hstu: its item index's)"
+    )
     previous_catalog_version: str | None = Field(
         None, description="qwen3: the version served before it, kept built for a rollback (None: none)"
     )

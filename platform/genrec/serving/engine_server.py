@@ -107,7 +107,9 @@ class EngineServer:
             kept = known_candidates(request, lambda item: self.catalog.row_of(item) is not None)
             if kept is None:
                 version, events = self.catalog.version, len(request.history)
-                empty = RankResult(request_id=request.request_id, items=[], history_events=events, catalog_version=version)
+                empty = RankResult(
+                    request_id=request.request_id, items=[], history_events=events, catalog_version=version
+                )
                 return empty, self.info.version
             request = kept
         return await self._run("rank", request, timeout_s)

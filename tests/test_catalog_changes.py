@@ -289,3 +289,25 @@ def test_build_ids_writes_the_codebooks_beside_the_catalog_never_in_the_model_ro
     codebooks = Codebooks.load(out.parent / "codebooks.safetensors")
     assert codebooks.dim == 3 and len(codebooks.centers) == 2 and codebooks.last_size == 8
     assert sorted(p.name for p in tiny_dir.iterdir()) == root_before
+
+
+def test_versions_kept_apart_from_the_models_catalog(built, tmp_path):
+    """--catalog names the version to change and --out the new one: the model's own catalog stays as it was, and
+    retired items added back to the retired version get their codes back."""
+    model, ids, vectors = built
+    original_file = (model / "genrec/catalog.parquet").read_bytes()
+    original = _catalog(model)
+    retired, back = tmp_path / "v2.parquet", tmp_path / "v3.parquet"
+    result = _run("catalog", "retire", model, "--items", ",".join(ids[:5]), "--out", retired)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["catalog"] == str(retired)
+    result = _run("catalog", "add", model, _items(tmp_path / "n.parquet", ids[:5], vectors[:5]), "--catalog", retired,
+                  "--out", back)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (model / "genrec/catalog.parquet").read_bytes() == original_file
+    again = Catalog.load(back)
+    assert again.item_ids.tolist() == ids[5:] + ids[:5]  # the retired version's rows, then the added ones
+    for item in ids:
+        assert again.code(again.index_of(item)) == original.code(original.index_of(item))
+    result = _run("catalog", "retire", model, "--items", ids[7], "--catalog", back)  # in place: --out defaults to it
+    assert result.exit_code == 0 and Catalog.load(back).index_of(ids[7]) is None

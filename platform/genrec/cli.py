@@ -113,18 +113,24 @@ def catalog_import(
     typer.echo(json.dumps(summary.as_dict()))
 
 
+CATALOG_TO_CHANGE = "the catalog version to change (default: MODEL_DIR/genrec/catalog.parquet)"
+
+
 @catalog_app.command("add")
 def catalog_add(
     model_dir: Path = typer.Argument(..., help="a model directory whose catalog `genrec build-ids` wrote"),
     items: Path = typer.Argument(..., help="Parquet with columns item_id, embedding (list<float>): the new items"),
-    out: Path = typer.Option(None, help="catalog to write (default: MODEL_DIR/genrec/catalog.parquet)"),
+    out: Path = typer.Option(None, help="catalog to write (default: the one changed)"),
+    catalog: Path = typer.Option(
+        None, help="the catalog version to change (default: MODEL_DIR/genrec/catalog.parquet)"
+    ),
 ):
     """Code new items from their embeddings with the codebooks build-ids kept (nearest code level by level, then
     the first free last-level code under the prefix) and write the catalog with them appended, atomically; the
     existing items keep their codes. Prints a JSON summary with the new catalog's version (a content hash)."""
     from genrec.catalog.changes import add_items
 
-    typer.echo(json.dumps(add_items(model_dir, items, out).as_dict()))
+    typer.echo(json.dumps(add_items(model_dir, items, out, catalog).as_dict()))
 
 
 @catalog_app.command("retire")
@@ -133,13 +139,16 @@ def catalog_retire(
     items: str = typer.Option(
         ..., "--items", help="item IDs, comma-separated, or a file of them (one a line, or Parquet with item_id)"
     ),
-    out: Path = typer.Option(None, help="catalog to write (default: MODEL_DIR/genrec/catalog.parquet)"),
+    out: Path = typer.Option(None, help="catalog to write (default: the one changed)"),
+    catalog: Path = typer.Option(
+        None, help="the catalog version to change (default: MODEL_DIR/genrec/catalog.parquet)"
+    ),
 ):
     """Remove items from the catalog (their codes become free for `catalog add`) and write it atomically. Prints a
     JSON summary with the new catalog's version (a content hash)."""
     from genrec.catalog.changes import read_item_list, retire_items
 
-    typer.echo(json.dumps(retire_items(model_dir, read_item_list(items), out).as_dict()))
+    typer.echo(json.dumps(retire_items(model_dir, read_item_list(items), out, catalog).as_dict()))
 
 
 @app.command("model-version")

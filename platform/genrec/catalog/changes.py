@@ -36,24 +36,29 @@ class CatalogChange:
         return {**self.__dict__, "catalog": str(self.catalog)}
 
 
-def add_items(model_dir: str | Path, items_path: str | Path, out: str | Path | None = None) -> CatalogChange:
-    """Code the items of `items_path` (Parquet: item_id, embedding) and write the model's catalog with them
-    appended (`out`, default MODEL_DIR/genrec/catalog.parquet)."""
-    directory, layout, catalog = _open(model_dir)
+def add_items(
+    model_dir: str | Path, items_path: str | Path, out: str | Path | None = None, base: str | Path | None = None
+) -> CatalogChange:
+    """Code the items of `items_path` (Parquet: item_id, embedding) and write the catalog `base` (default the
+    model's, MODEL_DIR/genrec/catalog.parquet) with them appended to `out` (default: `base` itself). The codebooks
+    are the ones build-ids kept beside the model's catalog."""
+    directory, layout, catalog, base = _open(model_dir, base)
     codebooks = Codebooks.load(Codebooks.path_beside(directory.catalog_path))
     codebooks.check_layout(layout, Codebooks.path_beside(directory.catalog_path))
     item_ids, vectors = read_item_embeddings(Path(items_path))
     _check_new_ids(item_ids, catalog, items_path)
     embeddings = _checked_embeddings(vectors, codebooks.dim, item_ids, items_path)
     codes = new_codes(catalog, layout, codebooks, embeddings, item_ids, items_path)
-    table = pq.read_table(directory.catalog_path)
+    table = pq.read_table(base)
     new_rows = _rows_like(table, item_ids.tolist(), codes)
-    return _write(pa.concat_tables([table, new_rows], promote_options="default"), layout, out, directory, len(codes), 0)
+    return _write(pa.concat_tables([table, new_rows], promote_options="default"), layout, out or base, len(codes), 0)
 
 
-def retire_items(model_dir: str | Path, item_ids: list[str], out: str | Path | None = None) -> CatalogChange:
-    """Remove `item_ids` from the model's catalog (their codes become free) and write it (`out`, as add_items)."""
-    directory, layout, catalog = _open(model_dir)
+def retire_items(
+    model_dir: str | Path, item_ids: list[str], out: str | Path | None = None, base: str | Path | None = None
+) -> CatalogChange:
+    """Remove `item_ids` from the catalog `base` (their codes become free) and write it (`out`; both as add_items)."""
+    _, layout, catalog, base = _open(model_dir, base)
     retired = list(dict.fromkeys(item_ids))
     unknown = [item for item in retired if catalog.index_of(item) is None]
     if unknown:
@@ -62,8 +67,8 @@ def retire_items(model_dir: str | Path, item_ids: list[str], out: str | Path | N
         raise GenrecError(f"--items: retiring all {len(catalog)} items would leave the catalog empty")
     keep = np.ones(len(catalog), dtype=bool)
     keep[[catalog.index_of(item) for item in retired]] = False
-    table = pq.read_table(directory.catalog_path).filter(pa.array(keep))
-    return _write(table, layout, out, directory, 0, len(retired))
+    table = pq.read_table(base).filter(pa.array(keep))
+    return _write(table, layout, out or base, 0, len(retired))
 
 
 def read_item_list(value: str) -> list[str]:
@@ -130,12 +135,14 @@ def _first_free_last(codes: np.ndarray, prefixes: np.ndarray, layout, item_ids, 
     return free_position[first_free[wanted] + rank]
 
 
-def _open(model_dir):
+def _open(model_dir, base=None):
+    """The model directory, its SID layout, the catalog to change (`base`, default the model's) and its path."""
     from genrec.model.directory import ModelDir
 
     directory = ModelDir.open(model_dir, family="qwen3")
     layout = directory.load_sid_layout()
-    return directory, layout, directory.load_catalog(layout=layout)
+    base = Path(base) if base is not None else directory.catalog_path
+    return directory, layout, Catalog.load(base, layout), base
 
 
 def _check_new_ids(item_ids: np.ndarray, catalog: Catalog, source) -> None:
@@ -171,8 +178,8 @@ def _rows_like(table: pa.Table, item_ids: list[str], codes: np.ndarray) -> pa.Ta
     return pa.table(columns)
 
 
-def _write(table: pa.Table, layout, out, directory, added: int, retired: int) -> CatalogChange:
-    target = Path(out) if out is not None else directory.catalog_path
+def _write(table: pa.Table, layout, out, added: int, retired: int) -> CatalogChange:
+    target = Path(out)
     item_ids = np.array(table.column("item_id").to_pylist(), dtype=object)
     Catalog.validated(item_ids, _codes(table, target), layout, target)  # the engine loader's checks, before writing
     write_atomically(table, target)

@@ -101,6 +101,10 @@ def test_demo_runs_the_platform_end_to_end(workdir):
         assert keys == sorted(keys, reverse=True)
         watch = [r["prob_watch"] for r in sorted(rows, key=lambda r: r["rank"])]  # the ranker's final order
         assert watch == sorted(watch, reverse=True)
+    change = report["catalog_change"]  # retired, then added back, each version deployed live over HTTP
+    assert len(set(change["versions"])) == 3 and len(change["retired"]) == 3
+    assert "genrec catalog retire" in output and "genrec catalog add" in output and "(deployed live)" in output
+    assert recommendations.column("catalog_version").unique().to_pylist() == [change["versions"][0]]
     assert (workdir / "out" / "recall_at_k.png").stat().st_size > 10_000
     assert started and "Serve and Ray are stopped" in output
     assert_all_gone(started)

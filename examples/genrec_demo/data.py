@@ -41,6 +41,8 @@ class MovieLens:
     histories: list[np.ndarray]
     ratings: list[np.ndarray] | None = None  # aligned with histories: 1..5
     timestamps: list[np.ndarray] | None = None  # aligned with histories: seconds
+    genres: list[list[str]] | None = None  # per item (MovieLens' classes: "Comedy", "Drama", ...)
+    years: list[int | None] | None = None  # per item: its release year (None where the file has none)
 
     @property
     def num_items(self) -> int:
@@ -68,7 +70,10 @@ class MovieLens:
         """The first `users` users (all items stay in the catalog): a fast slice for tests."""
         ratings = None if self.ratings is None else self.ratings[:users]
         timestamps = None if self.timestamps is None else self.timestamps[:users]
-        return MovieLens(self.user_ids[:users], self.item_ids, self.titles, self.histories[:users], ratings, timestamps)
+        histories = self.histories[:users]
+        return MovieLens(
+            self.user_ids[:users], self.item_ids, self.titles, histories, ratings, timestamps, self.genres, self.years
+        )
 
     def events(self, u: int, end: int, window: int) -> list[dict]:
         """User u's events before index `end` of their history, the last `window` at most, oldest first, as a
@@ -89,6 +94,8 @@ def load_movielens(path: Path | None = None) -> MovieLens:
     items = _read_tsv(path / "ml-100k.item")
     item_ids = [row["item_id:token"] for row in items]
     titles = [f"{row['movie_title:token_seq']} ({row['release_year:token']})" for row in items]
+    genres = [row["class:token_seq"].split() for row in items]
+    years = [int(row["release_year:token"]) if row["release_year:token"].isdigit() else None for row in items]
     item_index = {item: i for i, item in enumerate(item_ids)}
     inter = _read_tsv(path / "ml-100k.inter")
     users = np.array([row["user_id:token"] for row in inter])
@@ -108,7 +115,7 @@ def load_movielens(path: Path | None = None) -> MovieLens:
         raise GenrecError(f"{path}: users {short[:5]} have fewer than 3 ratings (need train, validation and test)")
     ratings = [rating[order[a:b]] for a, b in spans]
     timestamps = [time[order[a:b]] for a, b in spans]
-    return MovieLens(user_ids.tolist(), item_ids, titles, histories, ratings, timestamps)
+    return MovieLens(user_ids.tolist(), item_ids, titles, histories, ratings, timestamps, genres, years)
 
 
 def _read_tsv(path: Path) -> list[dict[str, str]]:

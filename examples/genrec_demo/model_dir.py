@@ -1,7 +1,8 @@
 """Write the trained demo model as a standard model directory, plus what the demo needs beside the catalog.
 
 config.json, model.safetensors, tokenizer files   transformers' own writers (loadable by transformers, vLLM)
-genrec/catalog.parquet                            item_id -> semantic ID
+genrec/catalog.parquet                            item_id -> semantic ID, with genres, year, decade (attributes)
+genrec/codebooks.safetensors                      build-ids' codebooks: new items coded by `genrec catalog add`
 genrec/soft_token.safetensors                     the trained soft-token projector
 genrec/items.parquet                              item_id, title (what the demo prints)
 genrec/demo.json                                  the recipe (DemoConfig), the training figures and the ranking
@@ -18,6 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from genrec.catalog import Catalog
 from genrec.model.directory import GENREC_SUBDIR
+from genrec_demo.catalog import write_catalog
 from genrec_demo.config import DemoConfig
 from genrec_demo.train import Trained
 
@@ -40,10 +42,11 @@ def write_model(out: Path, model, projector, tokenizer, catalog: Catalog) -> Non
     projector.save(out / GENREC_SUBDIR / "soft_token.safetensors")
 
 
-def write_demo_model(out: Path, trained: Trained, tokenizer, catalog: Catalog, titles: list[str], cfg: DemoConfig):
+def write_demo_model(out: Path, trained: Trained, tokenizer, catalog: Catalog, codebooks, data, cfg: DemoConfig):
     write_model(out, trained.model, trained.projector, tokenizer, catalog)
     ours = out / GENREC_SUBDIR
-    items = pa.table({"item_id": pa.array(catalog.item_ids.tolist(), pa.string()), "title": titles})
+    write_catalog(ours / "catalog.parquet", catalog, codebooks, data)  # the movies' attributes, the codebooks
+    items = pa.table({"item_id": pa.array(catalog.item_ids.tolist(), pa.string()), "title": data.titles})
     pq.write_table(items, ours / ITEMS)
     # Written last: its presence marks a complete directory.
     (ours / RECIPE).write_text(json.dumps({"config": cfg.to_dict(), "training": trained.stats}, indent=2))

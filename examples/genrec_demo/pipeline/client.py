@@ -54,6 +54,17 @@ def post(base_url: str, path: str, body: dict, latencies: Latencies, timeout_s: 
     return answer
 
 
+def user_body(data: MovieLens, prompts: Prompts, u: int) -> dict:
+    """What every request about user u says: who (the soft token's vector is looked up by user_id), their prompt,
+    and the movies they have seen (excluded)."""
+    seen = data.seen_before_test(u)
+    return {
+        "user_id": data.user_ids[u],  # the ingress looks the soft-token vector up in the EmbeddingCache actor
+        "prompt": prompts.text(seen),
+        "exclude_item_ids": [data.item_ids[i] for i in seen],
+    }
+
+
 def show_user(
     base_url, data: MovieLens, prompts: Prompts, titles: dict[str, str], u: int, latencies, say, ranking, funnel: Funnel
 ):
@@ -61,11 +72,7 @@ def show_user(
     score_weight), the two-stage recommend (the same beams ordered by the HSTU ranker) and score answer for
     them (by user_id)."""
     seen = data.seen_before_test(u)
-    user = {
-        "user_id": data.user_ids[u],  # the ingress looks the soft-token vector up in the EmbeddingCache actor
-        "prompt": prompts.text(seen),
-        "exclude_item_ids": [data.item_ids[i] for i in seen],
-    }
+    user = user_body(data, prompts, u)
     latest = "; ".join(titles[data.item_ids[i]] for i in seen[-SHOW:][::-1])
     say(f"\nuser {data.user_ids[u]}, last watched (latest first): {latest}")
     retrieved = post(base_url, "retrieve", {**user, "beam_width": 50, "num_results": SHOW}, latencies)

@@ -59,22 +59,57 @@ def port_or_free(port: int) -> int:
             return s.getsockname()[1]
 
 
-def start_serve_app(config_path: Path, overrides: dict, port: int, timeout_s: float = 300.0) -> str:
-    """Serve the config's application with `overrides` on its args; returns the base URL once it answers."""
-    from ray import serve
+class ServeApp:
+    """The config's application on Serve, deployed as `serve deploy` deploys a config file (the controller's
+    deploy_apps): a later deploy that changes a deployment's `user_config` alone reconfigures the running replicas
+    in place (`deploy_catalog`)."""
 
-    from genrec.serving.app import build_app
-    from genrec.serving.args import AppArgs
+    def __init__(self, config_path: Path, overrides: dict, port: int):
+        from genrec.serving.args import AppArgs
 
+        app = app_config(config_path)
+        args = {**app.get("args", {}), **overrides}
+        AppArgs.model_validate(args)  # a mistake here, readably, not in the controller's log
+        self.http = {**app["http_options"], "host": "127.0.0.1", "port": port}
+        self.proxy_location = app["proxy_location"]
+        self.app = {k: v for k, v in app.items() if k not in ("http_options", "proxy_location")} | {"args": args}
+        self.url = f"http://127.0.0.1:{port}{app.get('route_prefix', '/').rstrip('/')}"
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Serve started with the config's HTTP options, the app deployed; its base URL once it answers."""
+        from ray import serve
+
+        serve.start(http_options=self.http, **({"proxy_location": self.proxy_location} if self.proxy_location else {}))
+        self._deploy(self.app)
+        _wait_healthy(f"{self.url}/healthz", timeout_s)
+        return self.url
+
+    def deploy_catalog(self, catalog: Path | None) -> None:
+        """The same config with the retriever's `user_config` naming `catalog` (None: the model's own): what an
+        operator's `serve deploy` of the edited file does. Returns once it is deployed (the replicas load it)."""
+        deployments = [dict(d) for d in self.app.get("deployments", [])]
+        engine = next((d for d in deployments if d.get("name") == "EngineServer"), None)
+        if engine is None:
+            engine = {"name": "EngineServer"}
+            deployments.append(engine)
+        live = {k: v for k, v in (engine.get("user_config") or {}).items() if k != "catalog"}
+        engine["user_config"] = live | ({"catalog": str(catalog)} if catalog is not None else {})
+        self._deploy(self.app | {"deployments": deployments})
+
+    @staticmethod
+    def _deploy(app: dict) -> None:
+        from ray.serve.context import _get_global_client
+        from ray.serve.schema import ServeDeploySchema
+
+        _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]))
+
+
+def start_serve_app(config_path: Path, overrides: dict, port: int, timeout_s: float = 300.0) -> ServeApp:
+    """Serve the config's application with `overrides` on its args; returns it once it answers (`.url`)."""
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the demo says what it starts
-    app = app_config(config_path)
-    args = AppArgs.model_validate({**app.get("args", {}), **overrides})
-    http = {**app["http_options"], "host": "127.0.0.1", "port": port}
-    serve.start(http_options=http, **({"proxy_location": app["proxy_location"]} if app["proxy_location"] else {}))
-    serve.run(build_app(args), name=app["name"], route_prefix=app.get("route_prefix", "/"), blocking=False)
-    base = f"http://127.0.0.1:{port}{app.get('route_prefix', '/').rstrip('/')}"
-    _wait_healthy(f"{base}/healthz", timeout_s)
-    return base
+    app = ServeApp(config_path, overrides, port)
+    app.start(timeout_s)
+    return app
 
 
 def _wait_healthy(url: str, timeout_s: float) -> None:

@@ -33,12 +33,14 @@ from genrec.cache.config import CacheConfig
 from genrec.model.directory import GENREC_SUBDIR
 from genrec_demo.build import build_model
 from genrec_demo.calibrate import choose_ranking, is_current
+from genrec_demo.catalog import complete_catalog
 from genrec_demo.config import DemoConfig
 from genrec_demo.data import MovieLens, load_movielens
 from genrec_demo.evaluate import measure, rankings_from_rows
 from genrec_demo.factors import Factors, svd_factors
 from genrec_demo.model_dir import RECIPE, read_recipe, read_titles, write_recipe
-from genrec_demo.pipeline.client import Funnel, Latencies, show_user
+from genrec_demo.pipeline.catalog_change import show_catalog_change
+from genrec_demo.pipeline.client import Funnel, Latencies, show_user, user_body
 from genrec_demo.pipeline.cluster import app_config, local_ray, port_or_free, start_serve_app
 from genrec_demo.pipeline.inputs import Prompts, write_inputs
 from genrec_demo.pipeline.jobs import REPO_ROOT, JobResult, run_job
@@ -96,6 +98,10 @@ def prepare(model_dir: Path, cfg: DemoConfig, retrain: bool, say, progress: bool
         with one_thread():  # build-ids' k-means too
             build_model(data, factors, model_dir, cfg, progress)
         recipe = read_recipe(model_dir)
+    with one_thread():  # build-ids' k-means, as at training
+        completed = complete_catalog(model_dir, data, factors, cfg.seed)
+    if completed:
+        say(f"added the codebooks and the movies' attributes to {model_dir}'s catalog (a model trained before them)")
     if not is_current(recipe.get("ranking"), beam):
         say(f"choosing recommend's ranking on the validation items (beam {beam}) ...")
         recipe["ranking"] = choose_ranking(model_dir, data, factors.users, cfg.history, beam)
@@ -146,6 +152,7 @@ def run_demo(
         "quality@10": table,
         "recall@10 / popularity": {m: _ratio(table, m) for m in table if m != "popularity"},
         "latency": run.latencies.summary(),
+        "catalog_change": run.catalog_change,
         "embeddings_loaded": run.loaded.summary,
         "batch": run.batch.summary | {"seconds": run.batch.seconds},
         "outputs": {
@@ -175,6 +182,7 @@ class PlatformRun:
     batch: JobResult
     latencies: Latencies
     recommendations: Path
+    catalog_change: dict
 
 
 def run_platform(out, models: Models, prepared: Prepared, cfg, serve_config: Path, port: int, beam: int, say):
@@ -193,15 +201,18 @@ def run_platform(out, models: Models, prepared: Prepared, cfg, serve_config: Pat
         load_flags = ["--embeddings", str(inputs.embeddings), *_cache_flags(cache)]
         loaded = run_job("load_user_embeddings.py", load_flags, address, say)
         say(f"starting the Serve app of {_shown(serve_config)} on port {port} ...")
-        base_url = start_serve_app(serve_config, _app_args(serve_config, models, cache, cfg), port)
+        app = start_serve_app(serve_config, _app_args(serve_config, models, cache, cfg), port)
         ranking = {k: prepared.recipe["ranking"][k] for k in ("rank_by", "score_weight")}
         for u in range(min(SHOW_USERS, len(data.user_ids))):
-            show_user(base_url, data, prompts, titles, u, latencies, say, ranking, Funnel(models.window, RANK_TASK))
+            show_user(app.url, data, prompts, titles, u, latencies, say, ranking, Funnel(models.window, RANK_TASK))
+        vectors = dict(zip(data.item_ids, prepared.factors.items.tolist(), strict=True))
+        change = show_catalog_change(app, models.retriever, vectors, user_body(data, prompts, 0), titles, out,
+                                     latencies, say)  # fmt: skip
         say("")
         batch_flags = _batch_flags(models, inputs.users, batch_out, beam, cache, ranking)
         batch = run_job("batch_recommend.py", batch_flags, address, say)
     say("Serve and Ray are stopped")
-    return PlatformRun(loaded, batch, latencies, batch_out / "recommendations")
+    return PlatformRun(loaded, batch, latencies, batch_out / "recommendations", change)
 
 
 def _app_args(serve_config: Path, models: Models, cache: CacheConfig, cfg: DemoConfig) -> dict:

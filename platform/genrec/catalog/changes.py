@@ -1,11 +1,12 @@
 """`genrec catalog add` / `retire`: new items coded from their embeddings without retraining, items removed.
 
 Adding codes each new item with the codebooks build-ids kept (`Codebooks`): the nearest center level by level on
-the residual, then the last level's first free index under that prefix (build-ids' rule: items of one prefix are
-numbered 0, 1, ...; a retired item's index is free again). A prefix whose last level is full is refused, naming
-the item. The existing items keep their codes and rows; new rows are appended (attribute columns null, popularity
-0 when the catalog has that column). Retiring removes rows, freeing their codes; it needs no codebooks. The new
-catalog is written atomically and named by a content hash of the file (`catalog_version`).
+the residual, the farthest of the items that want a prefix with too few free codes taking their next nearest
+(build-ids' balanced rule), then the last level's first free index under that prefix (build-ids' rule: items of one
+prefix are numbered 0, 1, ...; a retired item's index is free again). An item with no free code under any prefix
+is refused, naming it. The existing items keep their codes and rows; new rows are appended (attribute columns
+null, popularity 0 when the catalog has that column). Retiring removes rows, freeing their codes; it needs no
+codebooks. The new catalog is written atomically and named by a content hash of the file (`catalog_version`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from genrec.catalog.build_ids import _checked_matrix, _rank_within, read_item_embeddings
 from genrec.catalog.catalog import Catalog, _codes, catalog_version
@@ -92,15 +94,79 @@ def read_item_list(value: str) -> list[str]:
 
 
 def new_codes(catalog: Catalog, layout, codebooks: Codebooks, embeddings, item_ids, source) -> np.ndarray:
-    """[n, levels] token IDs for new items: nearest codes above the last level, then the first free last-level
-    index under each prefix (among the catalog's items and the new items before it), in row order."""
+    """[n, levels] token IDs for new items: above the last level, level by level the nearest center whose prefix
+    has room (`_nearest_with_room`), then the first free last-level index under each prefix (among the catalog's
+    items and the new items before it), in row order."""
     levels = layout.levels
     if (catalog.lengths != levels).any():
         raise CatalogError(source, f"the catalog has codes shorter than {levels} tokens: not one build-ids wrote")
-    indices = codebooks.nearest_codes(embeddings)
+    held = np.stack([_index_of(layout.level_ids[level], catalog.codes[:, level]) for level in range(levels)], axis=1)
+    indices = _nearest_with_room(codebooks, embeddings, held[:, :-1], item_ids, source)
     prefixes = np.stack([layout.level_ids[level][indices[:, level]] for level in range(levels - 1)], axis=1)
     last = _first_free_last(catalog.codes, prefixes, layout, item_ids, source)
     return np.concatenate([prefixes, layout.level_ids[levels - 1][last][:, None]], axis=1)
+
+
+def _index_of(level_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Each token's position among its level's token IDs."""
+    position = np.full(int(level_ids.max()) + 1, -1, dtype=np.int64)
+    position[level_ids] = np.arange(len(level_ids))
+    return position[tokens]
+
+
+def _nearest_with_room(codebooks: Codebooks, embeddings, held: np.ndarray, item_ids, source) -> np.ndarray:
+    """[n, levels-1] center indices for new items, level by level on the residual: each item's nearest center, but
+    where more new items want a prefix than it has free codes (`held`: the catalog's items' center indices), the
+    farthest of them take their next nearest center instead: build-ids' balanced rule, so a retired item added
+    back lands where build-ids had put it. A prefix with room holds room below it, so no level needs to go back."""
+    sizes = [len(c) for c in codebooks.centers] + [codebooks.last_size]
+    residual = torch.as_tensor(np.asarray(embeddings, dtype=np.float32)) / codebooks.scale
+    new_prefix, held_prefix = np.zeros(len(residual), dtype=np.int64), np.zeros(len(held), dtype=np.int64)
+    columns = []
+    for level, centers in enumerate(codebooks.centers):
+        k, capacity = len(centers), int(np.prod(sizes[level + 1 :]))
+        held_prefix = held_prefix * k + held[:, level]
+        keys, counts = np.unique(held_prefix, return_counts=True)
+        assign = _assign_with_room(torch.cdist(residual, centers), new_prefix * k, capacity, keys, counts)
+        stuck = np.flatnonzero(assign < 0)
+        if len(stuck):
+            row = int(stuck[0])
+            raise CatalogError(
+                source,
+                f"row {row + 1} (item {item_ids[row]!r}): every code under its level-{level} prefix is taken; retire "
+                "items or rebuild with build-ids",
+            )
+        residual = residual - centers[assign]
+        new_prefix = new_prefix * k + assign
+        columns.append(assign)
+    return np.stack(columns, axis=1)
+
+
+def _assign_with_room(dist: torch.Tensor, base: np.ndarray, capacity: int, keys, counts) -> np.ndarray:
+    """Rows' centers: the nearest whose child prefix (base + center) holds fewer than `capacity` items (the held
+    ones, `keys`/`counts`, and the new rows nearer to it); -1 where none has room."""
+    n = len(dist)
+    dist, rows = dist.clone(), np.arange(n)
+    assign = dist.argmin(dim=1).numpy()
+    while True:
+        key = base + assign
+        held = _count_of(key, keys, counts)
+        chosen = dist[rows, assign].numpy()
+        rank = _rank_within(key, np.lexsort((rows, chosen, key)))  # nearest first, then by row
+        pending = np.flatnonzero((rank >= capacity - held) & np.isfinite(chosen))
+        if not len(pending):
+            return np.where(np.isfinite(chosen), assign, -1)
+        taken = torch.from_numpy(pending)
+        dist[taken, torch.from_numpy(assign[pending])] = torch.inf
+        assign[pending] = dist[taken].argmin(dim=1).numpy()
+
+
+def _count_of(key: np.ndarray, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """counts[keys == key] for each key (0 for a key not in the sorted `keys`)."""
+    if not len(keys):
+        return np.zeros(len(key), dtype=np.int64)
+    at = np.searchsorted(keys, key).clip(max=len(keys) - 1)
+    return np.where(keys[at] == key, counts[at], 0)
 
 
 def _first_free_last(codes: np.ndarray, prefixes: np.ndarray, layout, item_ids, source) -> np.ndarray:

@@ -17,10 +17,13 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -152,6 +155,60 @@ class PromptInput(PromptForms):
         return value
 
 
+# Per-request filters (genrec.catalog.filters compiles them against the catalog's attribute columns).
+FilterScalar = Annotated[
+    StrictBool | StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)] | Text, BeforeValidator(_plain)
+]
+
+
+class FilterRange(_Strict):
+    """A range condition: numbers, or ISO-8601 times for a timestamp column; at least one bound."""
+
+    gte: FilterScalar | None = None
+    gt: FilterScalar | None = None
+    lte: FilterScalar | None = None
+    lt: FilterScalar | None = None
+
+    @model_validator(mode="after")
+    def _some_bound(self):
+        if all(getattr(self, b) is None for b in ("gte", "gt", "lte", "lt")):
+            raise ValueError("a range needs at least one of gte, gt, lte, lt")
+        return self
+
+
+def _condition_kind(value) -> str:
+    if isinstance(value, dict | FilterRange):
+        return "range"
+    return "any_of" if isinstance(value, list | tuple | np.ndarray) else "value"
+
+
+# Tagged by the value's shape, so that a refusal says what is wrong with it rather than with each member.
+FilterCondition = Annotated[
+    Annotated[FilterScalar, Tag("value")]
+    | Annotated[list[FilterScalar], Field(min_length=1), BeforeValidator(_plain), Tag("any_of")]
+    | Annotated[FilterRange, Tag("range")],
+    Discriminator(_condition_kind),
+]
+FILTERS_HELP = (
+    "conditions on the catalog's item attributes, all of which an item must meet: {attr: value} equality (a "
+    "list-valued attribute: contains it), {attr: [v, ...]} any of, {attr: {gte|gt|lte|lt: v}} a range (numbers; "
+    "ISO-8601 times for timestamp columns); the key 'available_at' (an ISO-8601 time t) keeps the items with "
+    "available_from <= t < available_until (a null bound is open). Only allowed items ever take a beam"
+)
+ALLOWED_HELP = "only these catalog items may be returned or scored (and the filters' conditions); [] allows none"
+
+
+class Filtered(_Strict):
+    """The per-request filter fields of the request kinds that read the catalog (retrieve, recommend, score)."""
+
+    filters: dict[Annotated[Text, Field(min_length=1)], FilterCondition] | None = Field(None, description=FILTERS_HELP)
+    allowed_item_ids: list[Text] | None = Field(None, description=ALLOWED_HELP)
+
+    @property
+    def filtered(self) -> bool:
+        return self.filters is not None or self.allowed_item_ids is not None
+
+
 BEAM_WIDTHS_HELP = (
     "a beam width per code level (one per token of the catalog's longest code): the best beam_widths[l] partial "
     "codes are kept after level l; ending steps (e.g. <|sid_end|>) keep the last width. None: beam_width at "
@@ -159,7 +216,7 @@ BEAM_WIDTHS_HELP = (
 )
 
 
-class RetrieveRequest(PromptInput):
+class RetrieveRequest(PromptInput, Filtered):
     beam_width: Int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams kept at the last level (the results)")
     beam_widths: list[Annotated[Int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
         None, min_length=1, description=BEAM_WIDTHS_HELP
@@ -222,7 +279,7 @@ class Candidate(_Strict):
 LABELS_HELP = "(positive, negative) label tokens; default: the model's (genrec/sid_layout.json 'labels', else yes/no)"
 
 
-class ScoreRequest(PromptInput):
+class ScoreRequest(PromptInput, Filtered):
     candidates: list[Candidate] = Field(min_length=1)
     labels: tuple[Text, Text] | None = Field(None, description=LABELS_HELP)
 
@@ -235,7 +292,8 @@ class CandidateScore(BaseModel):
 
 class ScoreResult(BaseModel):
     request_id: str | None = None
-    scores: list[CandidateScore]
+    scores: list[CandidateScore] = Field(description="in the candidates' order, less those the filters do not allow")
+    filtered_out: int = Field(0, description="candidates left out because the request's filters do not allow them")
     prompt_tokens: int
     catalog_version: str | None = Field(None, description=CATALOG_VERSION)
 

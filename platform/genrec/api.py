@@ -17,13 +17,11 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
-    Discriminator,
     Field,
-    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
-    Tag,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -155,39 +153,63 @@ class PromptInput(PromptForms):
         return value
 
 
-# Per-request filters (genrec.catalog.filters compiles them against the catalog's attribute columns).
-FilterScalar = Annotated[
-    StrictBool | StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)] | Text, BeforeValidator(_plain)
-]
+# Per-request filters (genrec.catalog.filters compiles them against the catalog's attribute columns). A condition
+# is checked by one validator, so that a refusal names the attribute and says what is wrong in one message.
+RANGE_BOUNDS = ("gte", "gt", "lte", "lt")
+SCALAR_JSON = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]}
+
+
+def _filter_value(value, where: str = ""):
+    """A value to compare with: text, a finite number or a boolean (NumPy scalars by value)."""
+    value = _plain(value)
+    if isinstance(value, str):
+        return _unicode(value)
+    if isinstance(value, bool | int) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    raise ValueError(f"{where}must be text, a finite number or true/false, not {value!r}"[:200])
 
 
 class FilterRange(_Strict):
     """A range condition: numbers, or ISO-8601 times for a timestamp column; at least one bound."""
 
-    gte: FilterScalar | None = None
-    gt: FilterScalar | None = None
-    lte: FilterScalar | None = None
-    lt: FilterScalar | None = None
+    gte: str | int | float | None = None
+    gt: str | int | float | None = None
+    lte: str | int | float | None = None
+    lt: str | int | float | None = None
 
-    @model_validator(mode="after")
-    def _some_bound(self):
-        if all(getattr(self, b) is None for b in ("gte", "gt", "lte", "lt")):
+
+def _filter_condition(value):
+    """One attribute's condition: a value (equality), a non-empty list (any of) or a range {gte|gt|lte|lt: v}."""
+    value = _plain(value)
+    if isinstance(value, FilterRange):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(RANGE_BOUNDS), key=str)
+        if unknown:
+            raise ValueError(f"a range takes gte, gt, lte and lt, not {unknown[0]!r}")
+        bounds = {b: _filter_value(v, f"bound {b!r} ") for b, v in value.items() if v is not None}
+        if not bounds:
             raise ValueError("a range needs at least one of gte, gt, lte, lt")
-        return self
+        return FilterRange(**bounds)
+    if isinstance(value, list | tuple):
+        if not value:
+            raise ValueError("an empty list of values: give at least one")
+        return [_filter_value(v, f"value [{k}] ") for k, v in enumerate(value)]
+    return _filter_value(value)
 
 
-def _condition_kind(value) -> str:
-    if isinstance(value, dict | FilterRange):
-        return "range"
-    return "any_of" if isinstance(value, list | tuple | np.ndarray) else "value"
-
-
-# Tagged by the value's shape, so that a refusal says what is wrong with it rather than with each member.
 FilterCondition = Annotated[
-    Annotated[FilterScalar, Tag("value")]
-    | Annotated[list[FilterScalar], Field(min_length=1), BeforeValidator(_plain), Tag("any_of")]
-    | Annotated[FilterRange, Tag("range")],
-    Discriminator(_condition_kind),
+    object,
+    BeforeValidator(_filter_condition),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                *SCALAR_JSON["anyOf"],
+                {"type": "array", "items": SCALAR_JSON, "minItems": 1},
+                {"type": "object", "properties": {b: SCALAR_JSON for b in RANGE_BOUNDS}, "additionalProperties": False},
+            ]
+        }
+    ),
 ]
 FILTERS_HELP = (
     "conditions on the catalog's item attributes, all of which an item must meet: {attr: value} equality (a "

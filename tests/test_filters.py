@@ -370,3 +370,20 @@ def test_the_batch_job_takes_filters_per_row_and_a_bad_row_fails_only_itself(att
     assert len(by_user["u0"]) == 4 and set(by_user["u0"]) <= drama
     assert len(by_user["u1"]) == 4
     assert sorted(by_user["u4"]) == ["item-000004", "item-000009"]
+
+
+def test_the_online_funnel_passes_the_filters_to_its_retrieve_stage():
+    from genrec.api import RetrievedItem, RetrieveResult
+    from genrec.serving import funnel
+
+    request = RecommendRequest(
+        prompt="p",
+        beam_width=4,
+        filters={"genre": ["drama"], "year": {"gte": 2000}},
+        allowed_item_ids=["a", "x"],
+        candidates=[Candidate(item_id="x"), Candidate(item_id="y")],
+    )
+    stage1 = funnel.stage1(request)
+    assert stage1.filters == request.filters and stage1.allowed_item_ids == ["a", "x"]
+    retrieved = RetrieveResult(items=[RetrievedItem(item_id="a", semantic_id=[1], logprob=0.0)], prompt_tokens=3)
+    assert [i.item_id for i in funnel.candidates(request, retrieved)] == ["a", "x"]  # y is not allowed

@@ -5,6 +5,10 @@ The catalog is `bench sid-catalog`'s (1 M random items over 3 levels of 8,192 co
 round-robin on the same prompts: the unfiltered retrieve (the baseline), a filtered one whose filter is new each
 time (its mask compiled within the request: a cold cache) and one whose mask is cached. Every filtered result is
 checked to hold allowed items only.
+
+On the CPU the figures are also taken in process CPU seconds (every torch thread's): on a shared machine the wall
+time of the same call swings by tens of percent under others' load, its CPU time far less; the goals are judged on
+CPU seconds there, on wall seconds on a GPU.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ import torch
 
 from genrec.api import RetrieveRequest
 from genrec.bench.cli import FilterOptions
-from genrec.bench.common import interleaved_medians, machine, random_prompt
-from genrec.bench.sid_catalog import COLD, sid_model_dir, random_catalog
+from genrec.bench.common import machine, random_prompt, timed
+from genrec.bench.sid_catalog import COLD, random_catalog, sid_model_dir
 from genrec.catalog import Catalog
-from genrec.catalog.filters import allowed_items
+from genrec.catalog.filters import Attributes, allowed_items
 from genrec.engine import Engine
 from genrec.engine.decoder import Decoder
 from genrec.engine.filter_masks import FilterMasks
@@ -49,7 +53,7 @@ def run(o: FilterOptions) -> dict:
         return [RetrieveRequest(prompt_token_ids=p, beam_width=o.beam_width, filters=filters) for p in prompts]
 
     cached_filter = genre_filter(0, o.genres)
-    seconds = interleaved_medians(
+    seconds, cpu_seconds = timed_round_robin(
         {
             "retrieve_unfiltered": lambda: engine.retrieve(requests()),
             "retrieve_filter_cold": lambda: engine.retrieve(requests(genre_filter(next(starts), o.genres))),
@@ -61,10 +65,8 @@ def run(o: FilterOptions) -> dict:
     mask = served.filters.get(RetrieveRequest(prompt="x", filters=cached_filter))
     returned, cached_ok = only_allowed(engine, requests(cached_filter))
     cold_ok = only_allowed(engine, requests(genre_filter(GENRES - 1, o.genres)))[1]  # a filter not timed above
-    ratios = {
-        "cold_over_unfiltered": seconds["retrieve_filter_cold"] / seconds["retrieve_unfiltered"],
-        "cached_over_unfiltered": seconds["retrieve_filter_cached"] / seconds["retrieve_unfiltered"],
-    }
+    wall, cpu = over_unfiltered(seconds), over_unfiltered(cpu_seconds) if cpu_seconds else None
+    judged = cpu if cpu is not None else wall
     return {
         "benchmark": "filter",
         "model": str(directory.path),
@@ -80,14 +82,41 @@ def run(o: FilterOptions) -> dict:
         "repeats": o.repeats,
         "allowed_share": mask.allowed / len(catalog),
         "mask_compile_s": compile_seconds(served, o),
+        "attribute_first_use_s": first_use_seconds(catalog),
         "mask_bytes": mask.nbytes,
         "seconds": seconds,
-        "ratios": ratios,
+        "cpu_seconds": cpu_seconds,
+        "ratios": wall,
+        "cpu_ratios": cpu,
         "returned_items": returned,
         "all_returned_allowed": cached_ok and cold_ok,
         "goals": GOALS,
-        "meets_goals": all(ratios[k] <= v for k, v in GOALS.items()),
+        "goals_judged_on": "cpu_ratios" if cpu is not None else "ratios",
+        "meets_goals": all(judged[k] <= v for k, v in GOALS.items()),
         "machine": machine(),
+    }
+
+
+def timed_round_robin(fns: dict, repeats: int, device) -> tuple[dict, dict | None]:
+    """Median wall seconds of each function, and on the CPU median process CPU seconds, timed round-robin after one
+    warm-up call each."""
+    for fn in fns.values():
+        fn()
+    wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.process_time()
+            wall[name].append(timed(fn, device))
+            cpu[name].append(time.process_time() - start)
+    medians = {name: statistics.median(ts) for name, ts in wall.items()}
+    return medians, {name: statistics.median(ts) for name, ts in cpu.items()} if device == "cpu" else None
+
+
+def over_unfiltered(seconds: dict) -> dict:
+    base = seconds["retrieve_unfiltered"]
+    return {
+        "cold_over_unfiltered": seconds["retrieve_filter_cold"] / base,
+        "cached_over_unfiltered": seconds["retrieve_filter_cached"] / base,
     }
 
 
@@ -112,6 +141,14 @@ def only_allowed(engine, requests: list[RetrieveRequest]) -> tuple[int, bool]:
         returned += len(result.items)
         ok = ok and bool(result.items) and all(item.item_id in allowed for item in result.items)
     return returned, ok
+
+
+def first_use_seconds(catalog: Catalog) -> float:
+    """Seconds to prepare the `genre` column (once per catalog version, on the first filter that names it): its
+    chunks combined and its distinct values (what unknown values are checked against)."""
+    start = time.perf_counter()
+    Attributes(catalog).column("genre", "filters.genre").distinct()
+    return time.perf_counter() - start
 
 
 def compile_seconds(served, o: FilterOptions, repeats: int = 5) -> float:

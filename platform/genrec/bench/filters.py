@@ -99,12 +99,14 @@ def run(o: FilterOptions) -> dict:
 
 def timed_round_robin(fns: dict, repeats: int, device) -> tuple[dict, dict | None]:
     """Median wall seconds of each function, and on the CPU median process CPU seconds, timed round-robin after one
-    warm-up call each."""
+    warm-up call each; each round starts one function later, so that none always follows the same one."""
     for fn in fns.values():
         fn()
     wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for round_ in range(repeats):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            fn = fns[name]
             start = time.process_time()
             wall[name].append(timed(fn, device))
             cpu[name].append(time.process_time() - start)

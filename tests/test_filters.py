@@ -387,3 +387,25 @@ def test_the_online_funnel_passes_the_filters_to_its_retrieve_stage():
     assert stage1.filters == request.filters and stage1.allowed_item_ids == ["a", "x"]
     retrieved = RetrieveResult(items=[RetrievedItem(item_id="a", semantic_id=[1], logprob=0.0)], prompt_tokens=3)
     assert [i.item_id for i in funnel.candidates(request, retrieved)] == ["a", "x"]  # y is not allowed
+
+
+def test_null_attributes_meet_no_condition_and_dictionary_columns_read_as_text():
+    table = pa.table(
+        {
+            "genre": pa.array(["a", None, "b", "a"]).dictionary_encode(),
+            "markets": pa.array([["us", None], None, [], ["de"]], pa.list_(pa.string())),
+            "score": pa.array([1.5, None, 3.0, 0.5]),
+        }
+    )
+    catalog = Catalog.validated(
+        np.array(["i0", "i1", "i2", "i3"], dtype=object), np.array([[1, 2], [1, 3], [2, 2], [2, 3]]), attributes=table
+    )
+
+    def allowed(filters):
+        return allowed_items(Attributes(catalog), RetrieveRequest(prompt="x", filters=filters).filters, None).tolist()
+
+    assert allowed({"genre": "a"}) == [True, False, False, True]
+    assert allowed({"genre": ["a", "b"]}) == [True, False, True, True]
+    assert allowed({"markets": ["us", "de"]}) == [True, False, False, True]
+    assert allowed({"score": {"gt": 1}}) == [True, False, True, False]
+    assert allowed({"score": {"lte": 1.5}, "genre": "a"}) == [True, False, False, True]

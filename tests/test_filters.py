@@ -409,3 +409,25 @@ def test_null_attributes_meet_no_condition_and_dictionary_columns_read_as_text()
     assert allowed({"markets": ["us", "de"]}) == [True, False, False, True]
     assert allowed({"score": {"gt": 1}}) == [True, False, True, False]
     assert allowed({"score": {"lte": 1.5}, "genre": "a"}) == [True, False, False, True]
+
+
+def test_a_subtree_whose_allowed_items_are_all_excluded_takes_no_beam(fengine, hf_model, rng):
+    """The exclusions' dead nodes count a filtered request's allowed items only: excluding every allowed item under
+    the best first token (its other items are not allowed anyway) frees that subtree's beams."""
+    catalog, prompt = fengine.catalog, random_prompt(fengine, 20, rng)
+    filters = {"genre": ["drama", "sport"]}
+    allowed = mask_of(fengine, filters=filters)
+    (first,) = fengine.retrieve([RetrieveRequest(prompt_token_ids=prompt, beam_width=4, filters=filters)])
+    top = first.items[0].semantic_id[0]
+    excluded = [i for i in np.flatnonzero(allowed) if catalog.codes[i, 0] == top]
+    request = RetrieveRequest(
+        prompt_token_ids=prompt, beam_width=4, filters=filters, exclude_item_ids=catalog.item_ids[excluded].tolist()
+    )
+    (result,) = fengine.retrieve([request])
+    keep = [i for i in np.flatnonzero(allowed) if catalog.codes[i, 0] != top]
+    codes, scores = hf_constrained_beams(
+        hf_model, prompt, catalog.codes[keep], 4, fengine.family.tokenizer.pad_token_id
+    )
+    assert len(result.items) == 4 and all(i.semantic_id[0] != top for i in result.items)
+    assert [i.semantic_id for i in result.items] == codes
+    assert np.allclose([i.logprob for i in result.items], scores, atol=TOL)

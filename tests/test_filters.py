@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.api import Candidate, FilterRange, RecommendRequest, RetrieveRequest, ScoreRequest
 from genrec.catalog import Catalog
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.engine import Engine, SchedulerConfig
@@ -431,3 +431,12 @@ def test_a_subtree_whose_allowed_items_are_all_excluded_takes_no_beam(fengine, h
     assert len(result.items) == 4 and all(i.semantic_id[0] != top for i in result.items)
     assert [i.semantic_id for i in result.items] == codes
     assert np.allclose([i.logprob for i in result.items], scores, atol=TOL)
+
+
+def test_a_struct_filters_column_leaves_out_its_null_fields():
+    from genrec.batch.jobs import row_filters
+
+    fields = {"filters": {"genre": "drama", "year": None, "rank": {"gte": 3, "lt": None}}}
+    assert row_filters(0, fields) is None
+    assert RetrieveRequest(prompt="x", **fields).filters == {"genre": "drama", "rank": FilterRange(gte=3)}
+    assert row_filters(4, {"filters": "[1, 2]"}).field == "filters"

@@ -222,6 +222,14 @@ BAD = [
     ("recommend", {"prompt": "user listened", "beam_width": 4, "num_results": 9}, 422, "num_results"),
     ("recommend", {"prompt": "user listened", "rank_by": "retrieval"}, 422, "rank_by"),
     ("recommend", {"prompt": "user listened", "rank_by": "joint", "score_weight": -1}, 422, "score_weight"),
+    ("retrieve", {"prompt": "user listened", "filters": {"genre": "comedy"}}, 422, "filters.genre"),  # no attribute
+    ("recommend", {"prompt": "user listened", "filters": {"year": {"gte": 1, "after": 2}}}, 422, "filters.year"),
+    (
+        "score",
+        {"prompt": "user listened", "candidates": [{"item_id": "item-000001"}], "allowed_item_ids": ["no"]},
+        422,
+        "allowed_item_ids[0]",
+    ),
 ]
 
 

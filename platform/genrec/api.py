@@ -21,6 +21,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -152,6 +153,84 @@ class PromptInput(PromptForms):
         return value
 
 
+# Per-request filters (genrec.catalog.filters compiles them against the catalog's attribute columns). A condition
+# is checked by one validator, so that a refusal names the attribute and says what is wrong in one message.
+RANGE_BOUNDS = ("gte", "gt", "lte", "lt")
+SCALAR_JSON = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]}
+
+
+def _filter_value(value, where: str = ""):
+    """A value to compare with: text, a finite number or a boolean (NumPy scalars by value)."""
+    value = _plain(value)
+    if isinstance(value, str):
+        return _unicode(value)
+    if isinstance(value, bool | int) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    raise ValueError(f"{where}must be text, a finite number or true/false, not {value!r}"[:200])
+
+
+class FilterRange(_Strict):
+    """A range condition: numbers, or ISO-8601 times for a timestamp column; at least one bound."""
+
+    gte: str | int | float | None = None
+    gt: str | int | float | None = None
+    lte: str | int | float | None = None
+    lt: str | int | float | None = None
+
+
+def _filter_condition(value):
+    """One attribute's condition: a value (equality), a non-empty list (any of) or a range {gte|gt|lte|lt: v}."""
+    value = _plain(value)
+    if isinstance(value, FilterRange):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(RANGE_BOUNDS), key=str)
+        if unknown:
+            raise ValueError(f"a range takes gte, gt, lte and lt, not {unknown[0]!r}")
+        bounds = {b: _filter_value(v, f"bound {b!r} ") for b, v in value.items() if v is not None}
+        if not bounds:
+            raise ValueError("a range needs at least one of gte, gt, lte, lt")
+        return FilterRange(**bounds)
+    if isinstance(value, list | tuple):
+        if not value:
+            raise ValueError("an empty list of values: give at least one")
+        return [_filter_value(v, f"value [{k}] ") for k, v in enumerate(value)]
+    return _filter_value(value)
+
+
+FilterCondition = Annotated[
+    object,
+    BeforeValidator(_filter_condition),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                *SCALAR_JSON["anyOf"],
+                {"type": "array", "items": SCALAR_JSON, "minItems": 1},
+                {"type": "object", "properties": {b: SCALAR_JSON for b in RANGE_BOUNDS}, "additionalProperties": False},
+            ]
+        }
+    ),
+]
+FILTERS_HELP = (
+    "conditions on the catalog's item attributes, all of which an item must meet: {attr: value} equality (a "
+    "list-valued attribute: contains it), {attr: [v, ...]} any of, {attr: {gte|gt|lte|lt: v}} a range (numbers; "
+    "ISO-8601 times for timestamp columns); the key 'available_at' (an ISO-8601 time t) keeps the items with "
+    "available_from <= t < available_until (a null bound is open). Only allowed items ever take a beam"
+)
+ALLOWED_HELP = "only these catalog items may be returned or scored (and the filters' conditions); [] allows none"
+
+
+class Filtered(_Strict):
+    """The per-request filter fields of the request kinds that read the catalog (retrieve, recommend, score)."""
+
+    filters: dict[Annotated[Text, Field(min_length=1)], FilterCondition] | None = Field(None, description=FILTERS_HELP)
+    allowed_item_ids: list[Text] | None = Field(None, description=ALLOWED_HELP)
+
+    @property
+    def filtered(self) -> bool:
+        return self.filters is not None or self.allowed_item_ids is not None
+
+
 BEAM_WIDTHS_HELP = (
     "a beam width per code level (one per token of the catalog's longest code): the best beam_widths[l] partial "
     "codes are kept after level l; ending steps (e.g. <|sid_end|>) keep the last width. None: beam_width at "
@@ -159,7 +238,7 @@ BEAM_WIDTHS_HELP = (
 )
 
 
-class RetrieveRequest(PromptInput):
+class RetrieveRequest(PromptInput, Filtered):
     beam_width: Int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams kept at the last level (the results)")
     beam_widths: list[Annotated[Int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
         None, min_length=1, description=BEAM_WIDTHS_HELP
@@ -222,7 +301,7 @@ class Candidate(_Strict):
 LABELS_HELP = "(positive, negative) label tokens; default: the model's (genrec/sid_layout.json 'labels', else yes/no)"
 
 
-class ScoreRequest(PromptInput):
+class ScoreRequest(PromptInput, Filtered):
     candidates: list[Candidate] = Field(min_length=1)
     labels: tuple[Text, Text] | None = Field(None, description=LABELS_HELP)
 
@@ -235,7 +314,8 @@ class CandidateScore(BaseModel):
 
 class ScoreResult(BaseModel):
     request_id: str | None = None
-    scores: list[CandidateScore]
+    scores: list[CandidateScore] = Field(description="in the candidates' order, less those the filters do not allow")
+    filtered_out: int = Field(0, description="candidates left out because the request's filters do not allow them")
     prompt_tokens: int
     catalog_version: str | None = Field(None, description=CATALOG_VERSION)
 

@@ -12,6 +12,7 @@ the funnel chains Retrieve or Recommend with RankRetrieved, the HSTU ranker over
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,11 +77,15 @@ class Retrieve(Job):
     """Constrained beam search for each user's prompt (and user embedding: the row's, or the cache's)."""
 
     layout = InputLayout(
-        required=(("prompt", "messages", "prompt_token_ids"),), optional=("user_embedding", "exclude_item_ids")
+        required=(("prompt", "messages", "prompt_token_ids"),),
+        optional=("user_embedding", "exclude_item_ids", "filters", "allowed_item_ids"),
     )
     results = RECOMMENDATIONS
     kind, request = "retrieve", RetrieveRequest
-    columns = ["prompt", "messages", "prompt_token_ids", "user_embedding", "exclude_item_ids"]
+    columns = [
+        *("prompt", "messages", "prompt_token_ids", "user_embedding"),
+        *("exclude_item_ids", "filters", "allowed_item_ids"),
+    ]
 
     def __init__(self, spec: RecommendSpec):
         self.spec, self.model, self.cache = spec, spec.model, None
@@ -112,6 +117,8 @@ class Retrieve(Job):
                 fields["user_embedding"] = embeddings[row]
             if "candidates" in fields:
                 fields["candidates"] = [{"item_id": c} if isinstance(c, str) else c for c in fields["candidates"]]
+            if "filters" in fields:
+                return row_filters(row, fields)
             return None
 
         return validate_rows(rows.table, self.request, self.columns, self.settings(), complete)
@@ -233,6 +240,22 @@ def _degraded(outcome):
     if isinstance(outcome, Exception) and not isinstance(outcome, InvalidRequestError):
         return Degraded(f"ranker_error: {described(outcome)}")  # the online funnel's reason, with what failed
     return outcome
+
+
+def row_filters(row: int, fields: dict) -> RowError | None:
+    """A row's `filters`: a JSON object (a string column) or a struct column's value (its null fields left out)."""
+    value = fields["filters"]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            return RowError(row, "filters", f"is not valid JSON ({err})")
+        if not isinstance(value, dict):
+            return RowError(row, "filters", "must be a JSON object: {attribute: condition}")
+    elif isinstance(value, dict):
+        value = {name: condition for name, condition in value.items() if condition is not None}
+    fields["filters"] = value
+    return None
 
 
 def validate_rows(

@@ -115,6 +115,23 @@ class SidCatalogOptions:
     cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
 
 
+@bench("filter", "filters.run")
+class FilterOptions:
+    """A per-request filter (10 % of a 1 M-item catalog by default) in a beam search over it: its mask compiled in the
+    request (a new filter) and cached, against the same retrieve unfiltered (same prompts, round-robin)."""
+
+    items: int = opt(1_000_000, "catalog items", min=1)
+    per_level: int = opt(8192, "codes per level (the model's vocabulary has as many)", min=2)
+    levels: int = opt(3, min=1)
+    genres: int = opt(10, "of the catalog's 100 genres, the filter allows this many (10: 10 % of the items)", min=1)
+    beam_width: int = opt(256, min=1)
+    prompt_len: int = opt(1000, min=1)
+    batch: int = opt(1, "requests per Engine.retrieve call", min=1)
+    preset: str = opt("tiny", "the model's dimensions: tiny | small | qwen3-1.7b (random weights)")
+    device: str = device_opt()
+    repeats: int = opt(7, "rounds timed (each cold round a filter not seen before)", min=1, max=90)
+
+
 @bench("score", "engine.score")
 class ScoreOptions:
     """One-pass scoring against one forward per candidate and one plain forward of as many tokens."""

@@ -2,8 +2,8 @@
 
 Codes may have different lengths (MiniOneRec's 4th token only on colliding items) and several items may share
 one code (OpenOneRec has no disambiguating level). Items sharing a code are ordered by the optional `popularity`
-column, highest first, ties (and no column) in catalog row order. Every other column is an item attribute and is
-ignored here.
+column, highest first, ties (and no column) in catalog row order. Every other column is an item attribute, kept
+row-aligned in `Catalog.attributes` (what request filters test: genrec.catalog.filters).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from genrec.errors import CatalogError
 
 PAD = -1  # past the end of a shorter code in `Catalog.codes`
+CATALOG_COLUMNS = ("item_id", "semantic_id", "popularity")  # every other column is an item attribute
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Catalog:
     lengths: np.ndarray = None  # [N] int64 tokens of each code (default: all D)
     popularity: np.ndarray | None = None  # [N] float64, or None: items sharing a code keep row order
     version: str = None  # its file's content hash (`catalog_version`); default: a hash of its items and codes
+    attributes: pa.Table | None = None  # [N rows] the item attribute columns (every other column), or None
     _index: dict[str, int] = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -78,13 +80,15 @@ class Catalog:
                 raise CatalogError(path, f"column {column!r} is missing (have {table.column_names})")
         item_ids = _item_ids(table, path)
         popularity = _popularity(table, item_ids, path) if "popularity" in table.column_names else None
-        catalog = cls.validated(item_ids, _codes(table, path), layout, path, popularity)
+        attributes = table.drop_columns([c for c in CATALOG_COLUMNS if c in table.column_names])
+        catalog = cls.validated(item_ids, _codes(table, path), layout, path, popularity, attributes)
         catalog.version = catalog_version(path)
         return catalog
 
     @classmethod
-    def validated(cls, item_ids, codes, layout=None, path="catalog", popularity=None) -> Catalog:
-        """`codes`: an integer matrix [N, D] or rows of integers of 1..D tokens each."""
+    def validated(cls, item_ids, codes, layout=None, path="catalog", popularity=None, attributes=None) -> Catalog:
+        """`codes`: an integer matrix [N, D] or rows of integers of 1..D tokens each; `attributes`: a table of the
+        item attribute columns, row-aligned with the items (none of them named like a catalog column)."""
         if len(item_ids) == 0:
             raise CatalogError(path, "catalog has no items")
         if any(not isinstance(i, str) or not i for i in item_ids):
@@ -96,7 +100,9 @@ class Catalog:
             if not layout.has_ending:
                 _check_no_proper_prefix(code_array, lengths, item_ids, path)
         pop = None if popularity is None else np.asarray(popularity, dtype=np.float64)
-        return cls(np.asarray(item_ids, dtype=object), code_array, lengths, pop)
+        _check_attributes(attributes, len(item_ids), path)
+        attrs = attributes if attributes is not None and attributes.num_columns else None
+        return cls(np.asarray(item_ids, dtype=object), code_array, lengths, pop, attributes=attrs)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +114,8 @@ class Catalog:
         }
         if self.popularity is not None:
             columns["popularity"] = pa.array(self.popularity, pa.float64())
+        for name in self.attributes.column_names if self.attributes is not None else ():
+            columns[name] = self.attributes.column(name)
         pq.write_table(pa.table(columns), path)
 
 
@@ -195,6 +203,16 @@ def _code_matrix(codes, item_ids, path) -> tuple[np.ndarray, np.ndarray]:
             )
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
     return padded_rows(np.concatenate(rows).astype(np.int64), lengths), lengths
+
+
+def _check_attributes(attributes: pa.Table | None, items: int, path) -> None:
+    if attributes is None:
+        return
+    if attributes.num_rows != items:
+        raise CatalogError(path, f"the attribute columns have {attributes.num_rows} rows for {items} items")
+    clash = [c for c in attributes.column_names if c in CATALOG_COLUMNS]
+    if clash:
+        raise CatalogError(path, f"attribute column {clash[0]!r} is named like a catalog column")
 
 
 def _check_unique(values, path, name):

@@ -29,11 +29,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from genrec.catalog.catalog import PAD, Catalog, padded_rows
+from genrec.catalog.catalog import CATALOG_COLUMNS, PAD, Catalog, padded_rows
 from genrec.errors import CatalogError, ModelDirectoryError
 
 FORMATS = ("pid2sid", "index-json", "jsonl", "genrec")
-CATALOG_COLUMNS = ("item_id", "semantic_id", "popularity")
 
 
 @dataclass

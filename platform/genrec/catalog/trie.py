@@ -16,6 +16,7 @@ depth-(l+1) nodes are pads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -43,6 +44,12 @@ class CodeTrie:
     @property
     def codes(self) -> int:
         return self.nodes_at(self.levels)
+
+    @cached_property
+    def first_item(self) -> list[np.ndarray]:
+        """Per depth p = 1..S: [nodes_p] where each node's items start in `code_items`. Nodes are numbered in the
+        order of their sequences, so a node's items are one run there: first_item[p][n], leaves[p][n] long."""
+        return [np.cumsum(count) - count for count in self.leaves]
 
     def nodes_at(self, depth: int) -> int:
         return len(self.leaves[depth - 1])

@@ -10,6 +10,10 @@ until `results()`.
 Widths: each request has a width per decode step (its schedule): after step l it keeps its best
 schedule[l] partial sequences. A request gives a width per code level (`beam_widths`) or one width for all;
 the steps past its schedule (a layout's ending tokens) keep its last width (`step_widths`).
+
+Filters: a filtered request carries a mask per step over the next depth's nodes (genrec.engine.filter_masks); its
+rows' allowed children are ANDed with it in the same selection, so only allowed items ever take a beam. One gather
+per filtered request (over its own rows, offsets known on the host); a request without one pays nothing.
 """
 
 from __future__ import annotations
@@ -53,10 +57,11 @@ class BeamCohort:
         contexts: list[ContextKV],
         exclusions: list[np.ndarray],
         slots: Extent,
+        filters: list | None = None,
     ):
         """`widths`: per request (see `step_widths`). `slots`: an extent of the contexts' KV pool that holds the
         cohort's BeamKV (`slots_needed` tokens), so a decode pass reads every row's suffix and context from that one
-        pool."""
+        pool. `filters`: per request its `FilterMask` or None (default: none filtered)."""
         widths = [step_widths(trie, w) for w in widths]
         self.trie, self.widths, self.contexts = trie, widths, contexts
         self.device = device = slots.pool.k.device
@@ -72,7 +77,8 @@ class BeamCohort:
         self.rows_per_req = [1] * n
         self.ancestors = torch.zeros(n, 0, dtype=torch.int64, device=device)  # BeamPath: [rows, passes] slots
         self.tokens: list[torch.Tensor] = []  # per level, the token each selected row chose
-        self._excluded = _excluded_node_keys(trie, exclusions, device)
+        self.filters = filters if filters is not None else [None] * n
+        self._excluded = _excluded_node_keys(trie, exclusions, device, self.filters)
 
     @property
     def done(self) -> bool:
@@ -127,7 +133,7 @@ def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last
     from the logits at their prompts' last positions (last_logits [n, vocab]). `slots`: see `BeamCohort`."""
     exclusions = [np.asarray(p.exclusions, dtype=np.int64) for p in prepared]
     widths = [request_width(p.request) for p in prepared]
-    cohort = BeamCohort(trie, widths, contexts, exclusions, slots)
+    cohort = BeamCohort(trie, widths, contexts, exclusions, slots, [p.filter for p in prepared])
     cohort.select(torch.log_softmax(last_logits, dim=-1))
     return cohort
 
@@ -171,6 +177,7 @@ def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
         gain = gain.masked_fill(trie.free[level][child], 0.0)
     cand = scores[:, None] + gain
     allowed = valid & ~_excluded(cohorts, level, current["row_req"], child)
+    _filter(cohorts, level, rows_per_req, child, allowed)
     cand = cand.masked_fill(~allowed, NEG_INF)
     C = token.shape[1]
     padded = cand[current["pad_rows"]].masked_fill(~current["pad_valid"][..., None], NEG_INF).flatten(1)
@@ -287,6 +294,17 @@ def _excluded(cohorts: list[BeamCohort], level: int, row_req: torch.Tensor, chil
     return keys[torch.searchsorted(keys, query).clamp_(max=len(keys) - 1)] == query
 
 
+def _filter(cohorts: list[BeamCohort], level: int, rows_per_req: list[int], child, allowed: torch.Tensor) -> None:
+    """ANDs each filtered request's node mask into its rows' allowed children, in place: one gather per filtered
+    request over its row slice (host offsets: nothing syncs)."""
+    start = 0
+    masks = (f for c in cohorts for f in c.filters)
+    for rows, mask in zip(rows_per_req, masks, strict=True):
+        if mask is not None:
+            allowed[start : start + rows] &= mask.nodes[level][child[start : start + rows]]
+        start += rows
+
+
 def fetch_finals(cohorts: list[BeamCohort]) -> list[tuple[list[float], list[int]]]:
     """Final scores and items of finished cohorts in ONE device-to-host transfer (float64 holds both exactly):
     the named fetch point at the end of their requests."""
@@ -299,12 +317,15 @@ def fetch_finals(cohorts: list[BeamCohort]) -> list[tuple[list[float], list[int]
     return out
 
 
-def _excluded_node_keys(trie: CodeTrie, exclusions: list[np.ndarray], device) -> list[torch.Tensor | None]:
-    """Per depth 1..D, keys `request * nodes + node` of nodes all of whose items are excluded.
+def _excluded_node_keys(trie: CodeTrie, exclusions: list[np.ndarray], device, filters: list) -> list:
+    """Per depth 1..D, keys `request * nodes + node` of nodes all of whose items are excluded (of a filtered
+    request: all of whose allowed items; its filter's mask already bars the nodes with none).
 
     Such a node must not take up a beam: every item below it is excluded. Computed on the host from the
     trie's host arrays, before decoding starts, so it never waits on the device.
     """
+    if any(f is not None for f in filters):  # a filtered request's exclusions: only the items it allows count
+        exclusions = [e if f is None else e[f.items[e]] for e, f in zip(exclusions, filters, strict=True)]
     keys = []
     for depth in range(1, trie.levels + 1):
         nodes_here = trie.nodes_at(depth)
@@ -313,7 +334,9 @@ def _excluded_node_keys(trie: CodeTrie, exclusions: list[np.ndarray], device) ->
             if len(items) == 0:
                 continue
             nodes, counts = np.unique(trie.node_of_item[depth - 1][items], return_counts=True)
-            dead = nodes[counts == trie.leaves[depth - 1][nodes]]
+            allowed = filters[r]
+            below = trie.leaves[depth - 1][nodes] if allowed is None else allowed.allowed_under(trie, depth, nodes)
+            dead = nodes[counts == below]
             parts.append(r * nodes_here + dead)
         found = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         keys.append(to_device(found, device) if len(found) else None)

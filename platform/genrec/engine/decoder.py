@@ -18,6 +18,7 @@ from genrec.api import (
     FAMILY_KINDS,
     MAX_BEAM_WIDTH,
     Candidate,
+    Filtered,
     PromptForms,
     PromptResult,
     RetrieveRequest,
@@ -35,6 +36,7 @@ from genrec.engine.decoder_inputs import (
     render_prompt,
 )
 from genrec.engine.family import Prepared
+from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMask
 from genrec.engine.job import JobState
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.scoring import LabelScores, Scorer, score_job
@@ -55,6 +57,8 @@ class PreparedPrompt(Prepared):
     labels: tuple[int, int] | None = None
     exclusions: list[int] | None = None  # catalog indices (retrieve, recommend)
     unknown_exclusions: int = 0
+    filter: FilterMask | None = None  # the items its filters allow (None: no filter), from `served`'s cache
+    filtered_out: int = 0  # score: given candidates the filter does not allow (left out)
 
     @property
     def uses_beams(self) -> bool:
@@ -78,6 +82,7 @@ class Decoder:
         max_candidate_len: int | None = None,
         fast: bool = False,
         chat: ChatTemplate | None = None,
+        filter_cache_bytes: int = FILTER_CACHE_BYTES,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.chat = chat if chat is not None else ChatTemplate(tokenizer)  # renders `messages` prompts
@@ -88,7 +93,7 @@ class Decoder:
         self.max_candidate_tokens = max_candidate_tokens  # one request's candidates in all
         self.fast = fast
         self.layout = layout if layout is not None else SidLayout.infer(tokenizer)
-        first = ServedCatalog.build(catalog, self.layout, self.device)
+        first = ServedCatalog.build(catalog, self.layout, self.device, filter_cache_bytes)
         self.levels = first.trie.levels  # decode steps: the longest code and its ending (what a later catalog may take)
         self.catalogs = CatalogVersions(first, self.layout, self.device, max_steps=self.levels)
         self.begin = self.layout.begin
@@ -135,10 +140,12 @@ class Decoder:
             known = [i for i in map(catalog.index_of, req.exclude_item_ids) if i is not None]
             prepared.exclusions = sorted(set(known))
             prepared.unknown_exclusions = len(req.exclude_item_ids) - len(known)
+        if isinstance(req, Filtered):
+            prepared.filter = served.filters.get(req)  # compiled on a miss (InvalidRequestError naming the field)
         if kind in ("score", "recommend"):
             begun = self._begun(token_ids)
             tokens = candidate_token_lists(self, catalog, req.candidates, len(token_ids), begun)  # each one checked
-            keep = self._kept(catalog, req.candidates, prepared.exclusions) if kind == "recommend" else None
+            keep = self._given(catalog, req.candidates, prepared)
             prepared.given = req.candidates if keep is None else [req.candidates[k] for k in keep]
             prepared.candidate_tokens = tokens if keep is None else [tokens[k] for k in keep]
             prepared.labels = label_token_ids(self.tokenizer, req.labels or self.layout.labels)
@@ -170,14 +177,33 @@ class Decoder:
         row = [*catalog.code(index), *self.layout.ending]
         return row if begun else [self.begin, *row]
 
+    def _given(self, catalog: Catalog, candidates: list[Candidate], prepared: PreparedPrompt) -> list[int] | None:
+        """The given candidates a score or recommend runs (None: all of them). With a filter, every candidate must
+        be a catalog item (a filter speaks of items only) and those it does not allow are left out: a score counts
+        them (`filtered_out`)."""
+        allowed = prepared.filter
+        if allowed is not None:
+            for k, cand in enumerate(candidates):
+                if cand.item_id is None:
+                    problem = "with filters, candidates must be catalog items (item_id), not text or tokens"
+                    raise InvalidRequestError(f"candidates[{k}]", problem)
+        if prepared.kind == "recommend":
+            return self._kept(catalog, candidates, prepared.exclusions, allowed)
+        if allowed is None:
+            return None
+        keep = [k for k, cand in enumerate(candidates) if allowed.items[catalog.index_of(cand.item_id)]]
+        prepared.filtered_out = len(candidates) - len(keep)
+        return keep
+
     @staticmethod
-    def _kept(catalog: Catalog, candidates: list[Candidate], exclusions: list[int]) -> list[int]:
-        """Recommend: the given candidates to rank, in order: no excluded item, each item once."""
+    def _kept(catalog: Catalog, candidates: list[Candidate], exclusions: list[int], allowed: FilterMask | None):
+        """Recommend: the given candidates to rank, in order: no excluded item, none the filter does not allow,
+        each item once."""
         skip, keep = set(exclusions), []
         for k, cand in enumerate(candidates):
             if cand.item_id is not None:
                 index = catalog.index_of(cand.item_id)
-                if index in skip:
+                if index in skip or (allowed is not None and not allowed.items[index]):
                     continue
                 skip.add(index)
             keep.append(k)

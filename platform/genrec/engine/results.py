@@ -26,16 +26,17 @@ from genrec.staging import fetch
 
 def retrieve_result(prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
     """beams: (code, logprob) best first, from `BeamCohort.results`. The first `num_results` codes, each with
-    every item it names that is not excluded, adjacent, in the catalog's order for a shared code (the catalog
-    version the request was prepared with)."""
+    every item it names that is not excluded and that the request's filter allows, adjacent, in the catalog's
+    order for a shared code (the catalog version the request was prepared with)."""
     check_finite([s for _, s in beams])
     catalog, trie = prepared.served.catalog, prepared.served.trie
     excluded = set(prepared.exclusions or ())
+    allowed = prepared.filter.items if prepared.filter is not None else None
     items = []
     codes = beams[: prepared.request.num_results]
     for code, logprob in codes:
         for i in trie.items_of(code).tolist():
-            if i not in excluded:
+            if i not in excluded and (allowed is None or allowed[i]):
                 items.append(RetrievedItem(item_id=catalog.item_ids[i], semantic_id=catalog.code(i), logprob=logprob))
     return RetrieveResult(
         request_id=prepared.request.request_id,
@@ -51,11 +52,12 @@ def score_result(prepared, scores: LabelScores) -> ScoreResult:
     logprobs, probs, _ = _fetch_scores(scores)
     items = [
         CandidateScore(item_id=c.item_id, logprob=lp, prob=pr)
-        for c, lp, pr in zip(prepared.request.candidates, logprobs, probs, strict=True)
+        for c, lp, pr in zip(prepared.given, logprobs, probs, strict=True)
     ]
     return ScoreResult(
         request_id=prepared.request.request_id,
         scores=items,
+        filtered_out=prepared.filtered_out,
         prompt_tokens=len(prepared.token_ids),
         catalog_version=prepared.served.version,
     )

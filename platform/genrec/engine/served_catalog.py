@@ -1,4 +1,5 @@
-"""One catalog version as a decoder serves it: the catalog, its trie on the device, its version.
+"""One catalog version as a decoder serves it: the catalog, its trie on the device, its version, the filters
+compiled against it (masks over its trie: genrec.engine.filter_masks).
 
 A request takes the decoder's current `ServedCatalog` when it is prepared and keeps it to the end (its exclusions,
 its beams, its results), so a catalog swapped in meanwhile (`CatalogVersions`) never changes a request in flight.
@@ -9,11 +10,12 @@ holds across catalog versions.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from genrec.catalog import Catalog, CodeTrie
 from genrec.catalog.catalog import catalog_version
+from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMasks
 from genrec.errors import CatalogError
 
 
@@ -21,16 +23,18 @@ from genrec.errors import CatalogError
 class ServedCatalog:
     catalog: Catalog
     trie: CodeTrie
+    filters: FilterMasks = field(default=None, compare=False)  # its compiled filters, cached (by `build`)
 
     @property
     def version(self) -> str:
         return self.catalog.version
 
     @classmethod
-    def build(cls, catalog: Catalog, layout, device) -> ServedCatalog:
-        """The catalog's trie built on the device (with the layout's ending tokens after every code)."""
+    def build(cls, catalog: Catalog, layout, device, filter_cache_bytes: int = FILTER_CACHE_BYTES) -> ServedCatalog:
+        """The catalog's trie built on the device (with the layout's ending tokens after every code), and an empty
+        cache of its compiled filters of at most `filter_cache_bytes`."""
         trie = CodeTrie.build(catalog.codes, device, catalog.lengths, layout.ending, catalog.popularity)
-        return cls(catalog, trie)
+        return cls(catalog, trie, FilterMasks(catalog, trie, device, filter_cache_bytes))
 
 
 class CatalogVersions:
@@ -44,6 +48,7 @@ class CatalogVersions:
     def __init__(self, first: ServedCatalog, layout, device, max_steps: int):
         self.current, self.previous = first, None
         self.layout, self.device, self.max_steps = layout, device, max_steps
+        self.filter_cache_bytes = first.filters.max_bytes  # each version its own cache of this bound
         self._lock = threading.Lock()  # one change at a time; requests read `current` without it
 
     def load(self, path: str | Path) -> ServedCatalog:
@@ -54,7 +59,7 @@ class CatalogVersions:
                 if known is not None and known.version == version:
                     return known
         catalog = Catalog.load(Path(path), self.layout)
-        served = ServedCatalog.build(catalog, self.layout, self.device)
+        served = ServedCatalog.build(catalog, self.layout, self.device, self.filter_cache_bytes)
         if served.trie.levels > self.max_steps:
             raise CatalogError(
                 path,

@@ -98,9 +98,13 @@ def stage1(request: RecommendRequest) -> RetrieveRequest:
 
 
 def candidates(request: RecommendRequest, retrieved: RetrieveResult) -> list[RecommendedItem]:
-    """What the ranker ranks, in stage-1 order: the retrieved items, then the given item_ids neither retrieved
-    nor excluded (each once), with their stage-1 fields."""
+    """What the ranker ranks, in stage-1 order: the retrieved items (stage 1 honoured the request's filters), then
+    the given item_ids neither retrieved nor excluded nor outside `allowed_item_ids` (each once), with their
+    stage-1 fields. (The attribute `filters` need the retriever's catalog: given candidates are not checked
+    against them here.)"""
     given = {c.item_id for c in request.candidates} - set(request.exclude_item_ids)
+    if request.allowed_item_ids is not None:
+        given &= set(request.allowed_item_ids)
     items = [RecommendedItem.retrieved(r, given) for r in retrieved.items]
     seen = {r.item_id for r in retrieved.items}
     for c in request.candidates:

@@ -101,6 +101,12 @@ def test_demo_runs_the_platform_end_to_end(workdir):
         assert keys == sorted(keys, reverse=True)
         watch = [r["prob_watch"] for r in sorted(rows, key=lambda r: r["rank"])]  # the ranker's final order
         assert watch == sorted(watch, reverse=True)
+    catalog = pq.read_table(workdir / "model" / "genrec" / "catalog.parquet").to_pylist()
+    genres = {row["item_id"]: row["genres"] for row in catalog}
+    decade = {row["item_id"]: row["decade"] for row in catalog}
+    assert report["filtered"]["comedies"]["items"] and report["filtered"]["1980s"]["items"]
+    assert all("Comedy" in genres[i] for i in report["filtered"]["comedies"]["items"])
+    assert all(decade[i] == 1980 for i in report["filtered"]["1980s"]["items"])
     change = report["catalog_change"]  # retired, then added back, each version deployed live over HTTP
     assert len(set(change["versions"])) == 3 and len(change["retired"]) == 3
     assert "genrec catalog retire" in output and "genrec catalog add" in output and "(deployed live)" in output

@@ -93,6 +93,21 @@ def show_user(
     say("  score     (P(yes)):          " + "; ".join(shown))
 
 
+# Filters the demo shows: each masks the beam search itself (only such movies ever take a beam).
+FILTERS = {"comedies": {"genres": "Comedy"}, "1980s": {"decade": 1980}}
+
+
+def show_filters(base_url: str, user: dict, titles: dict[str, str], latencies, say) -> dict[str, dict]:
+    """The user's retrieve restricted by each of FILTERS: the answer's items by name (and its catalog version)."""
+    shown = {}
+    for name, filters in FILTERS.items():
+        body = {**user, "beam_width": 50, "num_results": SHOW, "filters": filters}
+        answer = post(base_url, "retrieve", body, latencies, route="retrieve (filtered)")
+        say(f"  retrieve, filters {json.dumps(filters)}: " + "; ".join(titles[i["item_id"]] for i in answer["items"]))
+        shown[name] = {"filters": filters, "items": [i["item_id"] for i in answer["items"]]}
+    return shown
+
+
 def _titles(items: list[dict], titles: dict[str, str], value: str, shown=lambda v: f"{v:.2f}") -> str:
     return "; ".join(f"{titles[i['item_id']]} ({shown(i[value])})" for i in items)
 

@@ -40,7 +40,7 @@ from genrec_demo.evaluate import measure, rankings_from_rows
 from genrec_demo.factors import Factors, svd_factors
 from genrec_demo.model_dir import RECIPE, read_recipe, read_titles, write_recipe
 from genrec_demo.pipeline.catalog_change import show_catalog_change
-from genrec_demo.pipeline.client import Funnel, Latencies, show_user, user_body
+from genrec_demo.pipeline.client import Funnel, Latencies, show_filters, show_user, user_body
 from genrec_demo.pipeline.cluster import app_config, local_ray, port_or_free, start_serve_app
 from genrec_demo.pipeline.inputs import Prompts, write_inputs
 from genrec_demo.pipeline.jobs import REPO_ROOT, JobResult, run_job
@@ -152,6 +152,7 @@ def run_demo(
         "quality@10": table,
         "recall@10 / popularity": {m: _ratio(table, m) for m in table if m != "popularity"},
         "latency": run.latencies.summary(),
+        "filtered": run.filtered,
         "catalog_change": run.catalog_change,
         "embeddings_loaded": run.loaded.summary,
         "batch": run.batch.summary | {"seconds": run.batch.seconds},
@@ -183,6 +184,7 @@ class PlatformRun:
     latencies: Latencies
     recommendations: Path
     catalog_change: dict
+    filtered: dict
 
 
 def run_platform(out, models: Models, prepared: Prepared, cfg, serve_config: Path, port: int, beam: int, say):
@@ -205,14 +207,16 @@ def run_platform(out, models: Models, prepared: Prepared, cfg, serve_config: Pat
         ranking = {k: prepared.recipe["ranking"][k] for k in ("rank_by", "score_weight")}
         for u in range(min(SHOW_USERS, len(data.user_ids))):
             show_user(app.url, data, prompts, titles, u, latencies, say, ranking, Funnel(models.window, RANK_TASK))
+        first = user_body(data, prompts, 0)
+        say(f"\nuser {data.user_ids[0]} again, with filters (inside the beam search, not after it):")
+        filtered = show_filters(app.url, first, titles, latencies, say)
         vectors = dict(zip(data.item_ids, prepared.factors.items.tolist(), strict=True))
-        change = show_catalog_change(app, models.retriever, vectors, user_body(data, prompts, 0), titles, out,
-                                     latencies, say)  # fmt: skip
+        change = show_catalog_change(app, models.retriever, vectors, first, titles, out, latencies, say)
         say("")
         batch_flags = _batch_flags(models, inputs.users, batch_out, beam, cache, ranking)
         batch = run_job("batch_recommend.py", batch_flags, address, say)
     say("Serve and Ray are stopped")
-    return PlatformRun(loaded, batch, latencies, batch_out / "recommendations", change)
+    return PlatformRun(loaded, batch, latencies, batch_out / "recommendations", change, filtered)
 
 
 def _app_args(serve_config: Path, models: Models, cache: CacheConfig, cfg: DemoConfig) -> dict:

@@ -126,3 +126,17 @@ def test_score_and_recommend_name_the_catalog_version(fresh, tmp_path, rng):
 def test_a_ranker_has_no_live_catalog(ranker):
     with pytest.raises(CatalogError, match="no catalog to change live"):
         ranker.load_catalog("anything.parquet")
+
+
+def test_a_version_no_longer_served_drops_its_compiled_filters(fresh, tmp_path, rng):
+    """Masks live on the device: the replaced version's are freed (a rollback compiles them again)."""
+    prompt = random_prompt(fresh, 8, rng)
+    allowed = fresh.catalog.item_ids[:20].tolist()
+    first = fresh.family.catalogs.current
+    full_width(fresh, prompt, allowed_item_ids=allowed)
+    assert len(first.filters) == 1 and first.filters.nbytes > 0
+    fresh.load_catalog(write_subset(fresh.catalog, np.arange(0, len(fresh.catalog), 2), tmp_path / "v2.parquet"))
+    assert len(first.filters) == 0 and first.filters.nbytes == 0
+    fresh.rollback_catalog()
+    result = full_width(fresh, prompt, allowed_item_ids=allowed)
+    assert {i.item_id for i in result.items} == set(allowed) and len(first.filters) == 1

@@ -91,6 +91,12 @@ class FilterMasks:
         self._remember(key, mask)
         return mask
 
+    def clear(self) -> None:
+        """Forget every mask (a request holding one keeps it): a version no longer served keeps no device memory."""
+        with self._lock:
+            self._masks.clear()
+            self._bytes = 0
+
     def _remember(self, key: str, mask: FilterMask) -> None:
         with self._lock:
             old = self._masks.pop(key, None)  # another thread compiled it meanwhile

@@ -73,6 +73,7 @@ class CatalogVersions:
         with self._lock:
             if served is not self.current:
                 self.previous, self.current = self.current, served
+                self.previous.filters.clear()  # its masks rebuild on a rollback; meanwhile they hold no memory
             return served
 
     def rollback(self) -> ServedCatalog:
@@ -81,6 +82,7 @@ class CatalogVersions:
             if self.previous is None:
                 raise CatalogError("catalog", "no previous catalog version to roll back to")
             self.previous, self.current = self.current, self.previous
+            self.previous.filters.clear()
             return self.current
 
     def describe(self) -> dict:

@@ -147,3 +147,24 @@ def test_bench_sid_catalog(tmp_path):
     assert report["codes"]["large"] > report["codes"]["small"] > 8**2
     assert report["trie_build_s"] > 0 and report["ratios"]["retrieve_large_over_small"] > 0
     assert isinstance(report["meets_goals"], bool)
+
+
+def test_bench_filter(tmp_path):
+    report = run(
+        tmp_path, "filter", "--items", "3000", "--per-level", "64", "--prompt-len", "16", "--beam-width", "8",
+        "--repeats", "1",
+    )  # fmt: skip
+    assert report["all_returned_allowed"] and 0 < report["allowed_share"] < 0.3
+    assert report["ratios"]["cold_over_unfiltered"] > 0 and report["ratios"]["cached_over_unfiltered"] > 0
+    assert isinstance(report["meets_goals"], bool)
+
+
+def test_bench_catalog_reload(tmp_path):
+    report = run(
+        tmp_path, "catalog-reload", "--items", "3000", "--per-level", "64", "--prompt-len", "16", "--beam-width", "8",
+        "--clients", "2", "--warmup-s", "0.5", "--window-s", "1.5",
+    )  # fmt: skip
+    assert report["failed"] == 0 and report["requests"] > 0
+    assert len(report["versions_answered"]) == 3 and report["versions_answered"][0] == report["versions_answered"][2]
+    assert report["reload"]["seconds"] > 0 and report["rollback"]["seconds"] < report["reload"]["seconds"] * 10
+    assert isinstance(report["meets_goals"], bool)

@@ -21,19 +21,16 @@ import torch
 from genrec.api import RetrieveRequest
 from genrec.bench.cli import CatalogReloadOptions
 from genrec.bench.common import machine, random_prompt
-from genrec.bench.sid_catalog import random_catalog, sid_model_dir
+from genrec.bench.sid_catalog import random_catalog, sid_model
 from genrec.catalog import Catalog
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.engine.decoder import Decoder
-from genrec.model.directory import ModelDir
 
 GOALS = {"failed": 0, "p99_during_over_before": "<= 1 + one step / p99 before"}
 
 
 def run(o: CatalogReloadOptions) -> dict:
-    directory = ModelDir.open(sid_model_dir(o), family="qwen3")
-    tokenizer = directory.load_tokenizer()
-    layout = directory.load_sid_layout(tokenizer)
+    directory, tokenizer, layout = sid_model(o)
     with tempfile.TemporaryDirectory() as scratch:
         first, second = _two_versions(layout, o, Path(scratch))
         dtype = torch.bfloat16 if o.device.startswith("cuda") else torch.float32

@@ -23,22 +23,19 @@ import torch
 from genrec.api import RetrieveRequest
 from genrec.bench.cli import FilterOptions
 from genrec.bench.common import machine, random_prompt, timed
-from genrec.bench.sid_catalog import COLD, random_catalog, sid_model_dir
+from genrec.bench.sid_catalog import COLD, random_catalog, sid_model
 from genrec.catalog import Catalog
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.engine import Engine
 from genrec.engine.decoder import Decoder
 from genrec.engine.filter_masks import FilterMasks
-from genrec.model.directory import ModelDir
 
 GENRES = 100
 GOALS = {"cold_over_unfiltered": 1.10, "cached_over_unfiltered": 1.03}
 
 
 def run(o: FilterOptions) -> dict:
-    directory = ModelDir.open(sid_model_dir(o), family="qwen3")
-    tokenizer = directory.load_tokenizer()
-    layout = directory.load_sid_layout(tokenizer)
+    directory, tokenizer, layout = sid_model(o)
     rng = np.random.default_rng(0)
     catalog = with_genres(random_catalog(layout, o.items, o.per_level, rng)[0], rng)
     dtype = torch.bfloat16 if o.device.startswith("cuda") else torch.float32

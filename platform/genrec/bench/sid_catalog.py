@@ -26,9 +26,7 @@ GOALS = {"trie_build_s": 30.0, "retrieve_large_over_small": 1.05}
 
 
 def run(o: SidCatalogOptions) -> dict:
-    directory = ModelDir.open(sid_model_dir(o), family="qwen3")
-    tokenizer = directory.load_tokenizer()
-    layout = directory.load_sid_layout(tokenizer)
+    directory, tokenizer, layout = sid_model(o)
     rng = np.random.default_rng(0)
     large, validate_s = random_catalog(layout, o.items, o.per_level, rng)
     small, _ = random_catalog(layout, o.items, o.small_per_level, rng)
@@ -74,6 +72,13 @@ def run(o: SidCatalogOptions) -> dict:
         "meets_goals": build_s <= GOALS["trie_build_s"] and ratio <= GOALS["retrieve_large_over_small"],
         "machine": machine(),
     }
+
+
+def sid_model(o) -> tuple[ModelDir, object, object]:
+    """The cached model of `sid_model_dir`, its tokenizer and its SID layout."""
+    directory = ModelDir.open(sid_model_dir(o), family="qwen3")
+    tokenizer = directory.load_tokenizer()
+    return directory, tokenizer, directory.load_sid_layout(tokenizer)
 
 
 def sid_model_dir(o: SidCatalogOptions):

@@ -440,3 +440,26 @@ def test_a_struct_filters_column_leaves_out_its_null_fields():
     assert row_filters(0, fields) is None
     assert RetrieveRequest(prompt="x", **fields).filters == {"genre": "drama", "rank": FilterRange(gte=3)}
     assert row_filters(4, {"filters": "[1, 2]"}).field == "filters"
+
+
+def test_a_two_stage_recommends_given_items_are_checked_against_the_attribute_filters(fengine):
+    """The ingress holds no catalog: the retriever says which given items the filters allow (Engine.allowed_items),
+    and only those join the retrieved ones for the ranker."""
+    from genrec.api import RetrievedItem, RetrieveResult
+    from genrec.serving import funnel
+
+    catalog = fengine.catalog
+    drama = ids(fengine, mask_of(fengine, filters={"genre": "drama"}))
+    given = [catalog.item_ids[i] for i in range(12)] + ["not-in-the-catalog"]
+    request = RecommendRequest(
+        prompt="p", beam_width=4, filters={"genre": "drama"}, candidates=[Candidate(item_id=i) for i in given]
+    )
+    assert funnel.needs_filtering(request)
+    allowed = fengine.allowed_items(request)
+    assert allowed == [i for i in given if i in drama] and allowed
+    retrieved = RetrieveResult(items=[RetrievedItem(item_id=allowed[0], semantic_id=[1], logprob=0.0)], prompt_tokens=3)
+    assert [i.item_id for i in funnel.candidates(request, retrieved, allowed)] == allowed
+    unfiltered = request.model_copy(update={"filters": None})
+    assert not funnel.needs_filtering(unfiltered) and fengine.allowed_items(unfiltered) == given
+    with pytest.raises(InvalidRequestError, match="filters.colour"):
+        fengine.allowed_items(request.model_copy(update={"filters": {"colour": "red"}}))

@@ -114,6 +114,11 @@ class EngineServer:
             request = kept
         return await self._run("rank", request, timeout_s)
 
+    async def allowed_items(self, request, timeout_s: float, routing_key: str | None = None):
+        """A two-stage recommend's given item IDs its `filters` allow (funnel.py): the attributes are in this
+        replica's catalog. Host work, in a worker thread."""
+        return await asyncio.to_thread(self.engine.engine.allowed_items, request), self.info.version
+
     async def render_prompt(self, request, timeout_s: float, routing_key: str | None = None):
         """POST /v1/prompt: the request's prompt as this replica's engine runs it (text, token IDs); no compute,
         so not queued: rendered in a worker thread, this event loop also answers health checks."""

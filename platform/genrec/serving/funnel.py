@@ -97,14 +97,18 @@ def stage1(request: RecommendRequest) -> RetrieveRequest:
     return RetrieveRequest.model_validate(fields | {"num_results": request.beam_width})
 
 
-def candidates(request: RecommendRequest, retrieved: RetrieveResult) -> list[RecommendedItem]:
+def candidates(
+    request: RecommendRequest, retrieved: RetrieveResult, filtered: list[str] | None = None
+) -> list[RecommendedItem]:
     """What the ranker ranks, in stage-1 order: the retrieved items (stage 1 honoured the request's filters), then
-    the given item_ids neither retrieved nor excluded nor outside `allowed_item_ids` (each once), with their
-    stage-1 fields. (The attribute `filters` need the retriever's catalog: given candidates are not checked
-    against them here.)"""
+    the given item_ids neither retrieved nor excluded nor outside `allowed_item_ids` nor, with attribute `filters`,
+    outside `filtered` (the given items the retriever's catalog allows: `needs_filtering`), each once, with their
+    stage-1 fields."""
     given = {c.item_id for c in request.candidates} - set(request.exclude_item_ids)
     if request.allowed_item_ids is not None:
         given &= set(request.allowed_item_ids)
+    if filtered is not None:
+        given &= set(filtered)
     items = [RecommendedItem.retrieved(r, given) for r in retrieved.items]
     seen = {r.item_id for r in retrieved.items}
     for c in request.candidates:
@@ -112,6 +116,11 @@ def candidates(request: RecommendRequest, retrieved: RetrieveResult) -> list[Rec
             seen.add(c.item_id)
             items.append(RecommendedItem(item_id=c.item_id, source="given"))
     return items
+
+
+def needs_filtering(request: RecommendRequest) -> bool:
+    """Whether the given candidates must be checked against attribute filters by the retriever's catalog."""
+    return request.filters is not None and any(c.item_id is not None for c in request.candidates)
 
 
 def stage2(body: RecommendBody, items: list[RecommendedItem]) -> RankRequest | None:

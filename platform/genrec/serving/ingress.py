@@ -261,7 +261,10 @@ class Ingress:
             key = routing_key(body, first, self.routing_blocks)
             # The retriever is given stage 1's time; a late answer is still taken until the deadline.
             retrieved, version = await self._call("retriever", "retrieve", first, deadline, key, first_deadline)
-            items = funnel.candidates(request, retrieved)
+            filtered = None
+            if funnel.needs_filtering(request):  # the given items' attributes are in the retriever's catalog
+                filtered, _ = await self._call("retriever", "allowed_items", request, deadline, key, first_deadline)
+            items = funnel.candidates(request, retrieved, filtered)
             response.headers[MODEL_VERSION_HEADER] = version
             try:
                 task, ranked, ranker_version = await self._stage2(body, items, deadline)

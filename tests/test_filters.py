@@ -463,3 +463,20 @@ def test_a_two_stage_recommends_given_items_are_checked_against_the_attribute_fi
     assert not funnel.needs_filtering(unfiltered) and fengine.allowed_items(unfiltered) == given
     with pytest.raises(InvalidRequestError, match="filters.colour"):
         fengine.allowed_items(request.model_copy(update={"filters": {"colour": "red"}}))
+
+
+def test_numbers_the_column_cannot_hold_are_refused_or_compared_exactly():
+    """Never truncated (1991.5 is not 1991) and never a 5xx for a value beyond the column's type."""
+    attributes = pa.table({"year": pa.array([1990, 1991, 1992, 2**20], pa.int32())})
+    catalog = Catalog.validated(["a", "b", "c", "d"], np.array([[1], [2], [3], [4]]), attributes=attributes)
+    table = Attributes(catalog)
+
+    def allowed(filters):
+        return allowed_items(table, RetrieveRequest(prompt="x", filters=filters).filters, None).tolist()
+
+    assert allowed({"year": 1991.0}) == [False, True, False, False]
+    assert allowed({"year": {"gte": 1991.5}}) == [False, False, True, True]
+    assert allowed({"year": {"gte": 2**70}}) == [False] * 4 and allowed({"year": {"lte": 2**70}}) == [True] * 4
+    for filters, field in (({"year": 1991.5}, "filters.year"), ({"year": [1990, 2**40]}, "filters.year")):
+        with pytest.raises(InvalidRequestError, match=field):
+            allowed(filters)

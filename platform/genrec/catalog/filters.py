@@ -133,6 +133,15 @@ def _listed(catalog: Catalog, item_ids: list[str]) -> np.ndarray:
 
 
 def _condition(column: Column, condition, name: str, field: str) -> np.ndarray:
+    """The items one attribute's condition allows. A value Arrow cannot hold in the column's type (beyond int64, an
+    integer column's bound that overflows it) is the client's mistake, named as such."""
+    try:
+        return _hits(column, condition, name, field)
+    except (pa.ArrowException, TypeError, OverflowError) as err:
+        raise InvalidRequestError(field, f"does not fit attribute {name!r} ({column.kind}): {err}") from None
+
+
+def _hits(column: Column, condition, name: str, field: str) -> np.ndarray:
     if isinstance(condition, FilterRange):
         hits = None
         for op, bound in condition.model_dump(exclude_none=True).items():
@@ -161,7 +170,12 @@ def _value(column: Column, value, name: str, field: str):
         if not isinstance(value, bool):
             raise InvalidRequestError(field, f"attribute {name!r} holds true/false, not {type(value).__name__}")
         return value
-    return _range_bound(column, value, name, field)
+    value = _range_bound(column, value, name, field)
+    if pa.types.is_integer(kind) and isinstance(value, float):
+        if not value.is_integer():  # Arrow would truncate it: 1991.5 would match 1991
+            raise InvalidRequestError(field, f"attribute {name!r} holds integers, not {value!r}")
+        value = int(value)
+    return value
 
 
 def _range_bound(column: Column, value, name: str, field: str):
@@ -170,6 +184,8 @@ def _range_bound(column: Column, value, name: str, field: str):
     if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidRequestError(field, f"attribute {name!r} holds numbers, not {type(value).__name__}")
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            return float(value)  # beyond int64: compared as a float (a bound no integer column reaches)
         return value
     if pa.types.is_timestamp(kind):
         return _time(value, kind, field)

@@ -90,6 +90,9 @@ class RecordingEngine:
     def reconfigure(self, **fields):
         self.live.append(fields)
 
+    def load_catalog(self, path):
+        return self.engine.load_catalog(path)
+
     def metrics(self):
         return {}
 
@@ -165,5 +168,40 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(recorded,
         stats = server.stats()
         assert stats["limits"] == {**EngineLimits().model_dump(), "max_queue": 5}
         assert "max_running" in stats["user_config_refused"] and "queue" in stats["user_config_refused"]
+    finally:
+        server._stopped.set()
+
+
+def test_a_catalog_the_replica_cannot_load_is_refused_and_a_rewritten_file_is_loaded_again(
+    monkeypatch, tiny_dir, tmp_path
+):
+    """Whatever goes wrong with a user_config's catalog (an unknown ~user, a missing file) is a refusal the replica
+    reports while it keeps serving; naming a file is loading what it holds now (rewritten in place: loaded)."""
+    import numpy as np
+
+    from genrec.catalog import Catalog
+    from genrec.engine import Engine
+
+    fresh = Engine.from_pretrained(tiny_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    monkeypatch.setattr(engine_server, "EngineMetricsExporter", QuietMetrics)
+    options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
+    server = engine_server.EngineServer.func_or_class(
+        str(tiny_dir), "cpu", options, engine_factory=RecordingEngine(fresh)
+    )
+    try:
+        original = fresh.catalog
+        for bad in ("~no-such-user-genrec/c.parquet", str(tmp_path / "missing.parquet")):
+            reconfigure(server, {"catalog": bad})
+            info = server.model_info()
+            assert info.catalog_refused and info.catalog_version == original.version, bad
+        path = tmp_path / "next.parquet"
+        for step in (2, 3):  # the same path, rewritten in place between two deploys of the same config
+            rows = np.arange(0, len(original), step)
+            Catalog(original.item_ids[rows], original.codes[rows], original.lengths[rows]).save(path)
+            reconfigure(server, {"catalog": str(path)})
+            info = server.model_info()
+            assert info.catalog_refused is None and info.catalog_items == len(rows)
+        reconfigure(server, {})  # the catalog removed from the config: the model's own again
+        assert server.model_info().catalog_version == original.version
     finally:
         server._stopped.set()

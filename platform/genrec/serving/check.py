@@ -150,6 +150,8 @@ def _catalog_problems(app: dict, model_dir: str, where: str) -> list[str]:
             Catalog.load(catalog_file(model_dir, config["catalog"]), directory.load_sid_layout(tokenizer))
         except GenrecError as err:
             found.append(f"{where}.deployments[{j}].user_config.catalog: {err}")
+        except Exception as err:  # noqa: BLE001 - e.g. an unknown ~user, an unreadable file: the replicas' refusal too
+            found.append(f"{where}.deployments[{j}].user_config.catalog: {config['catalog']!r}: {err!r}")
     return found
 
 

@@ -52,7 +52,7 @@ class EngineServer:
         self.model_dir, self.device = model_dir, device
         self.info = describe(self.engine.engine, model_dir, device)
         self.catalog = self.engine.engine.catalog
-        self.catalog_path, self.catalog_refused = catalog_file(model_dir, None), None  # what it loaded at start
+        self.catalog_refused = None  # why the last catalog the user_config named was refused
         self.replica = _replica_id()
         self._board = None
         self.metrics = EngineMetricsExporter(self.info.serves)
@@ -73,18 +73,20 @@ class EngineServer:
             self.engine.reconfigure(**limits.model_dump())
             self.limits = limits
             if isinstance(live, RetrieverLive):
-                await self._serve_catalog(catalog_file(self.model_dir, live.catalog))
+                await self._serve_catalog(live.catalog)
 
-    async def _serve_catalog(self, path) -> None:
-        if path == self.catalog_path:
-            return
+    async def _serve_catalog(self, catalog: str | None) -> None:
+        """The catalog the user_config names, loaded unless it is the version served (found by its file's hash, so
+        a file rewritten in place is loaded again). Any failure is a refusal: the running catalog stays and the
+        replica stays up (raising here would have Serve tear it down, and its replacements fail alike)."""
         try:
+            path = catalog_file(self.model_dir, catalog)
             await asyncio.to_thread(self.engine.load_catalog, path)
-            self.catalog_path, self.catalog_refused = path, None
+            self.catalog_refused = None
             log.info("genrec: serving catalog %s (%s)", path, self.engine.engine.catalog.version)
-        except GenrecError as err:
-            self.catalog_refused = str(err)
-            log.error("genrec: catalog %s refused, the running one stays: %s", path, err)
+        except Exception as err:  # noqa: BLE001 - see above
+            self.catalog_refused = str(err) if isinstance(err, GenrecError) else f"{catalog}: {err!r}"
+            log.error("genrec: catalog %s refused, the running one stays: %s", catalog, self.catalog_refused)
         self._report()
 
     # `routing_key` is read by the caller's request router (router.py), not here.
@@ -125,8 +127,8 @@ class EngineServer:
         return await asyncio.to_thread(self.engine.render_prompt, request), self.info.version
 
     def model_info(self, routing_key: str | None = None) -> ModelInfo:
-        """The model, and the catalog this replica serves now."""
-        return self.info.model_copy(update=self._catalog_state())
+        """The model, and the catalog this replica serves now (its levels and codes too)."""
+        return describe(self.engine.engine, self.model_dir, self.device).model_copy(update=self._catalog_state())
 
     def _catalog_state(self) -> dict:
         """This replica's catalog versions and the last refused catalog (what it reports to the app's board)."""

@@ -134,3 +134,19 @@ def test_the_job_refuses_bad_arguments_in_one_line_before_starting_ray(tiny_dir,
     job += ["--model", str(tiny_dir), "--users", str(users), "--out", str(tmp_path / "out"), *flags]
     done = subprocess.run(job, capture_output=True, text=True, timeout=120, env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and fragment in done.stderr, done.stderr
+
+
+def test_an_actor_refuses_a_catalog_changed_since_the_run_started(tiny_dir, tmp_path):
+    """One run never mixes catalog versions: an actor (started or restarted later) that loads another version
+    than the driver found at the start refuses to run, naming both."""
+    from genrec.batch.jobs import Retrieve
+    from genrec.batch.worker import ShardWorker
+    from genrec.catalog.catalog import catalog_version
+
+    users = tmp_path / "users.parquet"
+    pq.write_table(pa.table({"user_id": ["a"], "prompt": ["hello"]}), users)
+    spec = RecommendSpec(model=str(tiny_dir), users=str(users), out=str(tmp_path / "out"), beam_width=4)
+    now = catalog_version(tiny_dir / "genrec/catalog.parquet")
+    ShardWorker(Retrieve(spec), run_id="r", catalog_version=now)  # the same version: runs
+    with pytest.raises(GenrecError, match=f"catalog changed during the run .*0123456789abcdef.*{now}"):
+        ShardWorker(Retrieve(spec), run_id="r", catalog_version="0123456789abcdef")

@@ -137,6 +137,8 @@ def test_a_version_no_longer_served_drops_its_compiled_filters(fresh, tmp_path, 
     assert len(first.filters) == 1 and first.filters.nbytes > 0
     fresh.load_catalog(write_subset(fresh.catalog, np.arange(0, len(fresh.catalog), 2), tmp_path / "v2.parquet"))
     assert len(first.filters) == 0 and first.filters.nbytes == 0
+    late = first.filters.get(RetrieveRequest(prompt_token_ids=prompt, allowed_item_ids=allowed[:5]))
+    assert late.allowed == 5 and len(first.filters) == 0  # prepared just before the swap: compiled, not kept
     fresh.rollback_catalog()
     result = full_width(fresh, prompt, allowed_item_ids=allowed)
     assert {i.item_id for i in result.items} == set(allowed) and len(first.filters) == 1

@@ -24,7 +24,7 @@ from genrec.batch.connect import check_gpus, ensure_ray
 from genrec.batch.jobs import Job, stages
 from genrec.batch.output import OutputDir, ShardCounts
 from genrec.batch.shards import InputLayout, Shard, UsersInput, shards_table
-from genrec.batch.spec import Execution, JobSpec, RankingExecution
+from genrec.batch.spec import Execution, JobSpec, RankingExecution, catalog_version_of
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
 from genrec.model.directory import ModelDir
@@ -133,7 +133,13 @@ def _run_stages(pending: list[Shard], plan: list[tuple[Job, Execution]], run_id:
         job.connect()
         dataset = dataset.map_batches(
             worker,
-            fn_constructor_kwargs={"job": job, "run_id": run_id, "hand_on": k < len(plan) - 1, "execution": run_on},
+            fn_constructor_kwargs={
+                "job": job,
+                "run_id": run_id,
+                "hand_on": k < len(plan) - 1,
+                "execution": run_on,
+                "catalog_version": catalog_version_of(job.model),  # every actor checks it serves this one
+            },
             batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
             batch_format="pyarrow",
             compute=ActorPoolStrategy(size=min(run_on.actors, len(pending))),

@@ -20,6 +20,7 @@ from genrec.batch.output import OutputDir
 from genrec.batch.shards import SHARD_SCHEMA, Shard, UsersInput
 from genrec.batch.spec import Execution
 from genrec.batch.tables import ROW, RowError, Versions, errors_table
+from genrec.errors import GenrecError
 
 REPORT = pa.schema(
     [*((name, pa.int64()) for name in ("shard", "users", "rows", "errors", "degraded")), ("skipped", pa.bool_())]
@@ -28,8 +29,16 @@ HANDOFF = pa.schema([*SHARD_SCHEMA, ("results", pa.large_binary()), ("errors", p
 
 
 class ShardWorker:
-    def __init__(self, job: Job, run_id: str, hand_on: bool = False, execution: Execution = Execution()):
-        """`hand_on`: hand the shards on to the next stage; `execution`: its threads and KV budget are the actor's."""
+    def __init__(
+        self,
+        job: Job,
+        run_id: str,
+        hand_on: bool = False,
+        execution: Execution = Execution(),
+        catalog_version: str | None = None,
+    ):
+        """`hand_on`: hand the shards on to the next stage; `execution`: its threads and KV budget are the actor's;
+        `catalog_version`: the one the driver found at the run's start (None: not checked)."""
         from genrec.engine import Engine, SchedulerConfig
         from genrec.threads import apply_threads
 
@@ -41,6 +50,11 @@ class ShardWorker:
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
         scheduler = SchedulerConfig(kv_budget_bytes=execution.kv_budget_bytes, prefix_cache_bytes=0)
         self.engine = Engine.from_pretrained(job.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs())
+        if catalog_version is not None and self.engine.catalog.version != catalog_version:
+            raise GenrecError(
+                f"{job.model}: its catalog changed during the run (version {catalog_version} at the start, "
+                f"{self.engine.catalog.version} now); one run never mixes catalog versions: rerun into another --out"
+            )
         self.users = UsersInput(spec.users, job.layout)
         self.out = OutputDir(spec.out, job.results)
 

@@ -64,6 +64,7 @@ class FilterMasks:
         self.attributes, self.trie, self.device, self.max_bytes = Attributes(catalog), trie, device, max_bytes
         self._masks: OrderedDict[str, FilterMask] = OrderedDict()
         self._bytes = self.hits = self.misses = 0
+        self.retired = False  # its version is no longer served (retire)
         self._lock = threading.Lock()
 
     @property
@@ -91,19 +92,24 @@ class FilterMasks:
         self._remember(key, mask)
         return mask
 
-    def clear(self) -> None:
-        """Forget every mask (a request holding one keeps it): a version no longer served keeps no device memory."""
+    def retire(self) -> None:
+        """Forget every mask and keep no new one (a request holding one keeps it; one prepared just before the swap
+        still compiles its own): a version no longer served holds no device memory."""
         with self._lock:
             self._masks.clear()
-            self._bytes = 0
+            self._bytes, self.retired = 0, True
+
+    def reinstate(self) -> None:
+        """Served again (a rollback): cache masks again."""
+        self.retired = False
 
     def _remember(self, key: str, mask: FilterMask) -> None:
         with self._lock:
             old = self._masks.pop(key, None)  # another thread compiled it meanwhile
             if old is not None:
                 self._bytes -= old.nbytes
-            if mask.nbytes > self.max_bytes:
-                return  # larger than the whole cache: served, not kept
+            if mask.nbytes > self.max_bytes or self.retired:
+                return  # larger than the whole cache, or the version is no longer served: used, not kept
             self._masks[key] = mask
             self._bytes += mask.nbytes
             while self._bytes > self.max_bytes:

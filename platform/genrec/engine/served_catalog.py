@@ -73,7 +73,7 @@ class CatalogVersions:
         with self._lock:
             if served is not self.current:
                 self.previous, self.current = self.current, served
-                self.previous.filters.clear()  # its masks rebuild on a rollback; meanwhile they hold no memory
+                self._swapped()
             return served
 
     def rollback(self) -> ServedCatalog:
@@ -82,8 +82,13 @@ class CatalogVersions:
             if self.previous is None:
                 raise CatalogError("catalog", "no previous catalog version to roll back to")
             self.previous, self.current = self.current, self.previous
-            self.previous.filters.clear()
+            self._swapped()
             return self.current
+
+    def _swapped(self) -> None:
+        """The replaced version's masks are dropped (rebuilt on a rollback), the served one's cached again."""
+        self.previous.filters.retire()
+        self.current.filters.reinstate()
 
     def describe(self) -> dict:
         return {

@@ -65,8 +65,9 @@ class Catalog:
         return self._index.get(item_id)
 
     @classmethod
-    def load(cls, path: Path, layout=None) -> Catalog:
-        """`layout`: the model's SidLayout (genrec.model.sid_layout), every code checked against it."""
+    def load(cls, path: Path, layout=None, version: str | None = None) -> Catalog:
+        """`layout`: the model's SidLayout (genrec.model.sid_layout), every code checked against it. `version`: the
+        file's `catalog_version` when the caller has hashed it already."""
         if path.is_dir():
             raise CatalogError(path, "is a directory; the catalog must be one Parquet file")
         if not path.exists():
@@ -82,7 +83,7 @@ class Catalog:
         popularity = _popularity(table, item_ids, path) if "popularity" in table.column_names else None
         attributes = table.drop_columns([c for c in CATALOG_COLUMNS if c in table.column_names])
         catalog = cls.validated(item_ids, _codes(table, path), layout, path, popularity, attributes)
-        catalog.version = catalog_version(path)
+        catalog.version = version or catalog_version(path)
         return catalog
 
     @classmethod

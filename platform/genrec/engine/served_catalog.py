@@ -53,12 +53,11 @@ class CatalogVersions:
 
     def load(self, path: str | Path) -> ServedCatalog:
         """The catalog file checked against the model's SID layout and built, not yet served. Raises CatalogError."""
-        if Path(path).is_file():  # a version already built (a rollback) is found by its file's hash alone
-            version = catalog_version(path)
-            for known in (self.current, self.previous):
-                if known is not None and known.version == version:
-                    return known
-        catalog = Catalog.load(Path(path), self.layout)
+        version = catalog_version(path) if Path(path).is_file() else None
+        for known in (self.current, self.previous):  # a version already built (a rollback): found by its hash alone
+            if known is not None and version is not None and known.version == version:
+                return known
+        catalog = Catalog.load(Path(path), self.layout, version)  # the file hashed once
         served = ServedCatalog.build(catalog, self.layout, self.device, self.filter_cache_bytes)
         if served.trie.levels > self.max_steps:
             raise CatalogError(

@@ -128,7 +128,8 @@ class EngineServer:
 
     def model_info(self, routing_key: str | None = None) -> ModelInfo:
         """The model, and the catalog this replica serves now (its levels and codes too)."""
-        return describe(self.engine.engine, self.model_dir, self.device).model_copy(update=self._catalog_state())
+        served = describe(self.engine.engine, self.model_dir, self.device)  # its catalog fields: the served one's
+        return served.model_copy(update={"replica": self.replica, "catalog_refused": self.catalog_refused})
 
     def _catalog_state(self) -> dict:
         """This replica's catalog versions and the last refused catalog (what it reports to the app's board)."""

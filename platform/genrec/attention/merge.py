@@ -21,14 +21,24 @@ def shared_context_attention(
     suffix_v: torch.Tensor,
     suffix_mask: torch.Tensor | None,
     scale: float,
+    merge=None,
 ) -> torch.Tensor:
     """Attention of R rows over their context plus their own suffix.
 
     q: [R, S, H, D] (S query positions per row); suffix_k/suffix_v: [R, U, KV, D]; suffix_mask: [R or 1, S, U]
     bool (True = may attend) or None for "all visible". Every query position must see at least one suffix
     key. The two partial softmaxes merge exactly through their log-sum-exps (equal to one softmax over the
-    concatenated keys). Returns [R, S, H, D] in q's dtype.
+    concatenated keys). `merge`: `suffix_merge` or the same compiled (genrec.model.fused). Returns [R, S, H, D] in
+    q's dtype.
     """
+    R, S, H, D = q.shape
+    out, lse = context.attend(q.reshape(R * S, H, D), scale)  # [R*S, H, D], [H, R*S]
+    return (merge or suffix_merge)(q, suffix_k, suffix_v, suffix_mask, out, lse, scale)
+
+
+def suffix_merge(q, suffix_k, suffix_v, suffix_mask, out_ctx, lse_ctx, scale: float) -> torch.Tensor:
+    """The suffix part of `shared_context_attention`, merged with its context part (out_ctx [R*S, H, D], lse_ctx
+    [H, R*S] float32): everything after the context call, in one piece."""
     R, S, H, D = q.shape
     KV = suffix_k.shape[2]
     G = H // KV
@@ -46,10 +56,8 @@ def shared_context_attention(
     p_suf = torch.exp(s_suf - lse_suf[..., None])
     out_suf = torch.einsum("rkgsu,rukd->rkgsd", p_suf.to(suffix_v.dtype), suffix_v).float()
 
-    out, lse = context.attend(q.reshape(R * S, H, D), scale)  # [R*S, H, D], [H, R*S]
-    out_ctx = out.view(R, S, KV, G, D).permute(0, 2, 3, 1, 4).float()
-    lse_ctx = lse.view(KV, G, R, S).permute(2, 0, 1, 3)
-
+    out_ctx = out_ctx.view(R, S, KV, G, D).permute(0, 2, 3, 1, 4).float()
+    lse_ctx = lse_ctx.view(KV, G, R, S).permute(2, 0, 1, 3)
     lse = torch.logaddexp(lse_ctx, lse_suf)
     out = out_ctx * torch.exp(lse_ctx - lse)[..., None] + out_suf * torch.exp(lse_suf - lse)[..., None]
     return out.permute(0, 3, 1, 2, 4).reshape(R, S, H, D).to(q.dtype)

@@ -96,6 +96,19 @@ class RetrieveOptions:
     )
 
 
+@bench("kernels", "kernels.run")
+class KernelsOptions:
+    """Kernels per prefill layer and per decode-pass layer (CUDA: profiled kernels; CPU: aten ops that compute), the
+    fused path (--cuda-fast's pieces) against the unfused one."""
+
+    preset: str = opt("tiny", "tiny | small | qwen3-1.7b (random weights)")
+    model: Path | None = opt(None, "a model directory instead of a preset")
+    device: str = device_opt()
+    prompt_len: int = opt(1000, "prefill tokens; each decode request's context", min=1)
+    requests: int = opt(4, "requests in the decode pass", min=1)
+    beam_width: int = opt(30, "rows per request in the decode pass", min=1)
+
+
 @bench("sid-catalog", "sid_catalog.run")
 class SidCatalogOptions:
     """A large SID catalog (OpenOneRec's 3 x 8,192 levels, 1 M items): its trie's build time, and beam search over it

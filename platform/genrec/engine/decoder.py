@@ -259,7 +259,7 @@ class Decoder:
         past_v = pool.v[:, batch.ancestors] if batch.past else None
         embeds = model.embed(batch.tokens[:, None])
         hidden, new_k, new_v = model.forward_rows(
-            embeds, batch.positions[:, None], batch.context, past_k, past_v, mask=batch.mask
+            embeds, batch.positions[:, None], batch.context, past_k, past_v, mask=batch.mask, fast=self.fast
         )
         return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
 

@@ -188,7 +188,7 @@ class Scorer:
         labels = np.repeat([seg.job.labels for seg in segments], counts, axis=0)
         ids_d, positions, labels = to_device(ids, device), to_device(positions, device), to_device(labels, device)
         context = ContextRows(groups, len(ids), ids.shape[1], fast=self.fast)
-        hidden, _, _ = model.forward_rows(model.embed(ids_d), positions, context, causal=True)
+        hidden, _, _ = model.forward_rows(model.embed(ids_d), positions, context, causal=True, fast=self.fast)
         last = hidden[torch.arange(len(ids), device=device), to_device(lengths - 1, device)]
         logprob, prob = self._label_scores(last, labels[:, 0], labels[:, 1])
         sequence = self._sequence_logprobs(segments, hidden, ids, lengths)

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from genrec.model import fused
+from genrec.model.fused import Pieces
 from genrec.model.hstu_config import HSTUConfig
 from genrec.model.weights import Layout, assign_weights
 
@@ -77,12 +79,21 @@ class HSTULayer(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., hidden] -> u, v, q, k, each [..., heads, head_dim], SiLU applied."""
-        uvqk = F.silu(self.uvqk(self.norm(x)))
-        return uvqk.view(*x.shape[:-1], 4, self.heads, self.head_dim).unbind(-3)
+        return self.projected(self.norm(x))
+
+    def projected(self, normed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`project` of an input already normalised."""
+        uvqk = F.silu(self.uvqk(normed))
+        return uvqk.view(*normed.shape[:-1], 4, self.heads, self.head_dim).unbind(-3)
+
+    def gated(self, u: torch.Tensor, attn: torch.Tensor, scale: float, ops: Pieces = fused.PLAIN) -> torch.Tensor:
+        """Gate and output projection of attn [..., heads, head_dim] times `scale` (1 / N): the layer's output."""
+        norm = self.attn_norm
+        return self.out(ops.gated_norm(u, attn, norm.weight, norm.bias, norm.eps, scale))
 
     def finish(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Gate, output projection, residual; attn [..., heads, head_dim] already divided by N."""
-        return x + self.out(u.flatten(-2) * self.attn_norm(attn.flatten(-2)))
+        return x + self.gated(u, attn, 1.0)
 
 
 class TaskHead(nn.Module):
@@ -154,17 +165,18 @@ class HSTU(nn.Module):
         return self.prefill_packed([HistorySegment(embeds, k_cache, v_cache, start)])
 
     @torch.inference_mode()
-    def prefill_packed(self, segments: list[HistorySegment]) -> torch.Tensor:
+    def prefill_packed(self, segments: list[HistorySegment], fast: bool = False) -> torch.Tensor:
         """Several users' new events in one pass: projections over all tokens at once, attention per user.
-        Returns the hidden states of all segments' events, concatenated in order."""
+        Returns the hidden states of all segments' events, concatenated in order. `fast`: on CUDA, the compiled
+        layer pieces (`genrec.model.fused`)."""
         for s in segments:
             if s.start < 0 or s.start + len(s.embeds) > s.k_cache.shape[1]:
                 raise ValueError(
                     f"events {s.start}..{s.start + len(s.embeds)} do not fit a cache of {s.k_cache.shape[1]}"
                 )
         x = segments[0].embeds if len(segments) == 1 else torch.cat([s.embeds for s in segments])
-        for i, layer in enumerate(self.layers):
-            u, v, q, k = layer.project(x)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             parts, first = [], 0
             for s in segments:
                 n, stop = len(s.embeds), s.start + len(s.embeds)
@@ -175,8 +187,22 @@ class HSTU(nn.Module):
                     part += self._over(q[first : first + n], span.k[i], span.v[i])
                 parts.append(part)
                 first += n
-            x = layer.finish(x, u, (parts[0] if len(parts) == 1 else torch.cat(parts)) * self.inv_normalizer)
-        return x
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        return self._layers(x, attend, fused.pieces(fast, x.device))
+
+    def _layers(self, x: torch.Tensor, attend, ops: Pieces) -> torch.Tensor:
+        """The layers over x [..., hidden]; `attend(i, q, k, v)` is layer i's attention sum (not yet divided by N).
+        Each residual add is fused with the next layer's norm. Returns the hidden states before the final norm."""
+        layers = self.layers
+        normed = layers[0].norm(x)
+        for i, layer in enumerate(layers):
+            u, v, q, k = layer.projected(normed)
+            out = layer.gated(u, attend(i, q, k, v), self.inv_normalizer, ops)
+            if i + 1 < len(layers):
+                norm = layers[i + 1].norm
+                normed, x = ops.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
+        return x + out
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """Queries q [n, H, D] at positions start.. over keys k, v [start+n, H, D]:
@@ -195,20 +221,21 @@ class HSTU(nn.Module):
         return out[0] if len(out) == 1 else torch.cat(out)
 
     @torch.inference_mode()
-    def forward_candidates(self, embeds: torch.Tensor, groups: list[HistoryRows]) -> torch.Tensor:
+    def forward_candidates(self, embeds: torch.Tensor, groups: list[HistoryRows], fast: bool = False) -> torch.Tensor:
         """R candidate rows embeds [R, hidden]; rows of a group attend to that group's history and to themselves
         (rows in no group: themselves only). The history part is one matrix product per group over all its rows.
         Returns hidden states [R, hidden] (before the final norm): feed them to `task_probs`."""
-        x = embeds
-        for i, layer in enumerate(self.layers):
-            u, v, q, k = layer.project(x)
-            attn = F.silu((q * k).sum(-1, keepdim=True) * self.scale) * v  # each row's own part, [R, H, D]
+        ops = fused.pieces(fast, embeds.device)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            attn = ops.own_attention(q, k, v, self.scale)  # each row's own part, [R, H, D]
             for g in groups:
                 if g.stop > g.start:
                     for span in (*g.prefix, KeySpan(g.k, g.v)):
                         attn[g.start : g.stop] += self._over(q[g.start : g.stop], span.k[i], span.v[i])
-            x = layer.finish(x, u, attn * self.inv_normalizer)
-        return x
+            return attn
+
+        return self._layers(embeds, attend, ops)
 
     def _over(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Queries q [n, H, D] over every key of k, v [T, H, D]: Σ_j SiLU(q·k_j/√d) v_j, [n, H, D] (not divided
@@ -221,25 +248,25 @@ class HSTU(nn.Module):
     # -- the engine's calls: histories held as genrec ContextKVs (prefix pieces of the pool, then its own extent) --
 
     @torch.inference_mode()
-    def prefill_contexts(self, segments: list[tuple[torch.Tensor, object]]) -> None:
+    def prefill_contexts(self, segments: list[tuple[torch.Tensor, object]], fast: bool = False) -> None:
         """Each (embeds [n, hidden], ctx): n new events after the ctx.length ready ones, written into ctx."""
         history = [
             HistorySegment(embeds, ctx.extent.k(), ctx.extent.v(), ctx.length - ctx.prefix_length, _prefix(ctx))
             for embeds, ctx in segments
         ]
-        self.prefill_packed(history)
+        self.prefill_packed(history, fast)
         for embeds, ctx in segments:
             ctx.length += len(embeds)
 
     @torch.inference_mode()
-    def candidates_over(self, embeds: torch.Tensor, groups: list) -> torch.Tensor:
+    def candidates_over(self, embeds: torch.Tensor, groups: list, fast: bool = False) -> torch.Tensor:
         """Candidate rows over their request's context (`ContextGroup`s): hidden [R, hidden] for `task_probs`."""
         rows = []
         for g in groups:
             own = g.ctx.length - g.ctx.prefix_length
             k, v = g.ctx.extent.k()[:, :own], g.ctx.extent.v()[:, :own]
             rows.append(HistoryRows(g.start, g.stop, k, v, _prefix(g.ctx)))
-        return self.forward_candidates(embeds, rows)
+        return self.forward_candidates(embeds, rows, fast)
 
     def task_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + multi-task head on hidden states [R, hidden]: [R, tasks] in float32."""

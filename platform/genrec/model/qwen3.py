@@ -17,15 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from genrec.attention import PrefillRows, shared_context_attention
+from genrec.model import fused
 from genrec.model.config import Qwen3Config
+from genrec.model.fused import PLAIN, Pieces
 from genrec.model.kv_pool import ContextKV
 from genrec.model.weights import Layout, assign_weights
 from genrec.staging import to_device
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3's RMSNorm: normalise in float32, cast back, then scale (as transformers does)."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -47,14 +44,7 @@ class Rotary(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [..., heads, head_dim]; cos/sin: [..., head_dim] (broadcast over heads)."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # once per pass, read by every layer
 
 
 class MLP(nn.Module):
@@ -69,9 +59,8 @@ class MLP(nn.Module):
         """One matrix product for gate and up; the original weights become views of the fused one."""
         self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: Pieces = PLAIN) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(F.linear(x, self.gate_up)))
 
 
 class Attention(nn.Module):
@@ -88,7 +77,6 @@ class Attention(nn.Module):
         self.eps = c.rms_norm_eps
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after fuse()
         self.qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim] after fuse(), with q/k norm
-        self.position_qk = self._norm_and_rotate  # RoPE alone after fuse() where the architecture has no q/k norm
 
     def fuse(self) -> None:
         """One product for q, k and v; one norm and one rotation over the q and k heads together. Whether q and k
@@ -98,20 +86,18 @@ class Attention(nn.Module):
             self.qk_norm = torch.cat(
                 [self.q_norm.weight.expand(self.heads, -1), self.k_norm.weight.expand(self.kv_heads, -1)]
             )
-        else:
-            self.position_qk = Rotary.apply
 
-    def _norm_and_rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return Rotary.apply(rms_norm(qk, self.qk_norm, self.eps), cos, sin)
-
-    def qkv_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Pieces = PLAIN):
         """x: [..., hidden] -> q [..., heads, hd], k/v [..., kv_heads, hd] with q/k norm (if any) and RoPE applied."""
         lead = x.shape[:-1]
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         projected = F.linear(x, *self.qkv)
         qk = projected[..., : (H + KV) * D].view(*lead, H + KV, D)
         v = projected[..., (H + KV) * D :].view(*lead, KV, D)
-        qk = self.position_qk(qk, cos, sin)
+        if self.qk_norm is None:
+            qk = ops.rope(qk, cos, sin)
+        else:
+            qk = ops.qk_norm_rope(qk, self.qk_norm, cos, sin, self.eps)
         return qk[..., :H, :], qk[..., H:, :], v
 
 
@@ -135,11 +121,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP: everything after attention."""
-        x = x + self.self_attn.o_proj(attn.flatten(-2))
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen3Backbone(nn.Module):
@@ -207,24 +188,37 @@ class Qwen3(nn.Module):
 
     def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool) -> torch.Tensor:
         device = segments[0][0].device
-        spans = []  # (first token in x, ctx start, ctx stop)
-        offset = 0
+        positions = np.concatenate([np.arange(ctx.length, ctx.length + len(e)) for e, ctx in segments])
+        writes = _kv_writes(segments, device)
         for embeds, ctx in segments:
-            spans.append((offset, ctx.length, ctx.length + len(embeds)))
-            offset += len(embeds)
             ctx.length += len(embeds)  # written layer by layer below, before each layer's attention reads it
-        positions = torch.cat([torch.arange(start, stop, device=device) for _, start, stop in spans])
         x = segments[0][0] if len(segments) == 1 else torch.cat([e for e, _ in segments])
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(to_device(positions, device), x.dtype)
         rows = PrefillRows([ctx for _, ctx in segments], [0, *np.cumsum([len(e) for e, _ in segments]).tolist()], fast)
-        for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv_heads(layer.input_layernorm(x), cos, sin)
-            for (first, start, stop), (_, ctx) in zip(spans, segments, strict=True):
-                n, at = stop - start, ctx.own_offset(start)
-                ctx.pool.k[i, at : at + n] = k[first : first + n]
-                ctx.pool.v[i, at : at + n] = v[first : first + n]
-            x = layer.finish(x, rows.attend(q, i, layer.self_attn.scale))
-        return x
+        ops = fused.pieces(fast, device)
+
+        def attend(i: int, layer: DecoderLayer, normed: torch.Tensor) -> torch.Tensor:
+            q, k, v = layer.self_attn.qkv_heads(normed, cos, sin, ops)
+            for pool, slots, tokens in writes:
+                pool.k[i].index_copy_(0, slots, k if tokens is None else k[tokens])
+                pool.v[i].index_copy_(0, slots, v if tokens is None else v[tokens])
+            return rows.attend(q, i, layer.self_attn.scale)
+
+        return self._layers(x, attend, ops)
+
+    def _layers(self, x: torch.Tensor, attend, ops: Pieces) -> torch.Tensor:
+        """The decoder layers over x [..., hidden]; `attend(i, layer, normed)` is layer i's attention (its output
+        [..., heads, head_dim]). Each residual add is fused with the norm after it. Returns the hidden states
+        before the final norm."""
+        layers, eps = self.model.layers, self.config.rms_norm_eps
+        normed = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn.o_proj(attend(i, layer, normed).flatten(-2))
+            normed, x = ops.add_rms_norm(attn, x, layer.post_attention_layernorm.weight, eps)
+            mlp = layer.mlp(normed, ops)
+            if i + 1 < len(layers):
+                normed, x = ops.add_rms_norm(mlp, x, layers[i + 1].input_layernorm.weight, eps)
+        return x + mlp
 
     @torch.inference_mode()
     def forward_rows(
@@ -236,6 +230,7 @@ class Qwen3(nn.Module):
         past_v: torch.Tensor | None = None,
         causal: bool = True,
         mask: torch.Tensor | None = None,
+        fast: bool = False,
     ):
         """Run R rows of S new tokens each.
 
@@ -244,6 +239,7 @@ class Qwen3(nn.Module):
         attends to its own suffix: past_k/past_v [layers, R, P, kv_heads, hd] (earlier tokens of the row, e.g.
         a beam's ancestors) followed by its S new tokens (causally when `causal`). An explicit `mask`
         [R or 1, S, P+S] (True = may attend) replaces that rule, e.g. to hide padded past positions.
+        `fast`: on CUDA, the compiled layer pieces (`genrec.model.fused`).
         Returns (hidden [R, S, hidden] before the final norm, new_k, new_v [layers, R, S, kv_heads, hd]).
         """
         R, S = positions.shape
@@ -253,17 +249,37 @@ class Qwen3(nn.Module):
             u = torch.arange(P + S, device=embeds.device)
             mask = (u[None, :] <= (torch.arange(S, device=embeds.device)[:, None] + P))[None]
         new_k, new_v = [], []
-        x = embeds
-        for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv_heads(layer.input_layernorm(x), cos, sin)
+        ops = fused.pieces(fast, embeds.device)
+
+        def attend(i: int, layer: DecoderLayer, normed: torch.Tensor) -> torch.Tensor:
+            q, k, v = layer.self_attn.qkv_heads(normed, cos, sin, ops)
             new_k.append(k)
             new_v.append(v)
             if P:
                 k = torch.cat((past_k[i], k), dim=1)
                 v = torch.cat((past_v[i], v), dim=1)
-            attn = shared_context_attention(q, context.at_layer(i), k, v, mask, layer.self_attn.scale)
-            x = layer.finish(x, attn)
+            return shared_context_attention(q, context.at_layer(i), k, v, mask, layer.self_attn.scale, ops.suffix_merge)
+
+        x = self._layers(embeds, attend, ops)
         return x, torch.stack(new_k), torch.stack(new_v)
+
+
+def _kv_writes(segments: list[tuple[torch.Tensor, ContextKV]], device) -> list:
+    """Where a prefill pass writes its tokens' K/V, built once for every layer: per pool, (pool, slots [n] int64,
+    the pass's token rows that go there or None for all of them), so each layer writes with one index copy."""
+    by_pool, first = {}, 0
+    for embeds, ctx in segments:
+        at = ctx.own_offset(ctx.length)
+        _, slots, tokens = by_pool.setdefault(id(ctx.pool), (ctx.pool, [], []))
+        slots.append(np.arange(at, at + len(embeds)))
+        tokens.append(np.arange(first, first + len(embeds)))
+        first += len(embeds)
+    writes = []
+    for pool, slots, tokens in by_pool.values():
+        tokens = np.concatenate(tokens)
+        index = None if len(tokens) == first else to_device(tokens, device)
+        writes.append((pool, to_device(np.concatenate(slots), device), index))
+    return writes
 
 
 def meta_qwen3(config: Qwen3Config) -> Qwen3:

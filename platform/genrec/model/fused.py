@@ -1,0 +1,99 @@
+"""The elementwise pieces of a layer, each written once as a plain torch function, run one of two ways.
+
+A piece is what lies between two matrix products (or attention calls): a residual add and the norm after it, the
+q/k norm and the rotation, SiLU·mul, a beam's own suffix attention and its merge with the context part. Eagerly
+(the CPU, or CUDA without the engine's `fast` option) each is a few ops and these functions are the reference; on
+CUDA with `fast` the same functions are compiled by `torch.compile` (Inductor: a piece becomes one or a few Triton
+kernels, float32 kept in registers, never written back) with dynamic row counts, so a new number of rows does not
+recompile, and without "reduce-overhead" (no graphs of its own: a decode pass is captured whole by the runner).
+The caller picks with `pieces(fast, device)`; the CPU never compiles.
+
+Numerics are transformers': each norm normalises in float32, rounds to the input's dtype, then scales.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+from genrec.attention.merge import suffix_merge
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm over the last axis."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """A sublayer's output x added to the residual stream, then the next RMSNorm: (normed, new residual)."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., heads, head_dim] by cos/sin [..., head_dim] (broadcast over heads)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """Qwen3's per-head q/k RMSNorm (weight [heads, head_dim]: q's and k's rows) and the rotation after it."""
+    return rope(rms_norm(qk, weight, eps), cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's SiLU(gate) · up from the fused gate_up product's output [..., 2 * intermediate]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+    """HSTU: a layer's output added to the residual stream, then the next layer's LayerNorm: (normed, residual)."""
+    h = x + residual
+    return F.layer_norm(h, (h.shape[-1],), weight, bias, eps), h
+
+
+def gated_norm(u, attn, weight: torch.Tensor, bias: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    """HSTU: u ⊙ LayerNorm(attn · scale), u and attn [..., heads, head_dim] flattened over the heads."""
+    a = attn.flatten(-2) * scale
+    return u.flatten(-2) * F.layer_norm(a, (a.shape[-1],), weight, bias, eps)
+
+
+def own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """HSTU: each row over its own key only, SiLU(q·k·scale) v, [..., heads, head_dim] (not divided by N)."""
+    return F.silu((q * k).sum(-1, keepdim=True) * scale) * v
+
+
+@dataclass(frozen=True)
+class Pieces:
+    rms_norm: Callable
+    add_rms_norm: Callable
+    rope: Callable
+    qk_norm_rope: Callable
+    silu_mul: Callable
+    suffix_merge: Callable  # genrec.attention.merge: a row's own suffix, merged with its context part
+    add_layer_norm: Callable
+    gated_norm: Callable
+    own_attention: Callable
+
+
+PLAIN = Pieces(
+    rms_norm, add_rms_norm, rope, qk_norm_rope, silu_mul, suffix_merge, add_layer_norm, gated_norm, own_attention
+)
+
+
+def pieces(fast: bool, device) -> Pieces:
+    """The plain functions, or (CUDA with `fast`) the same functions compiled."""
+    return _compiled() if fast and torch.device(device).type == "cuda" else PLAIN
+
+
+@functools.cache
+def _compiled() -> Pieces:
+    """Compiled once per process; each piece compiles at its first call (the engine's warm-up)."""
+    compile = functools.partial(torch.compile, fullgraph=True, dynamic=True)
+    return Pieces(**{f.name: compile(getattr(PLAIN, f.name)) for f in fields(Pieces)})

@@ -168,3 +168,11 @@ def test_bench_catalog_reload(tmp_path):
     assert len(report["versions_answered"]) == 3 and report["versions_answered"][0] == report["versions_answered"][2]
     assert report["reload"]["seconds"] > 0 and report["rollback"]["seconds"] < report["reload"]["seconds"] * 10
     assert isinstance(report["meets_goals"], bool)
+
+
+def test_bench_kernels(tiny_dir, tmp_path):
+    report = run(tmp_path, "kernels", "--model", str(tiny_dir), "--prompt-len", "24", "--requests", "2")
+    per_layer = report["per_layer"]
+    assert per_layer["fused"] == per_layer["unfused"]  # the CPU runs the plain pieces whatever the switch
+    assert 0 < per_layer["unfused"]["decode"] < 60 and 0 < per_layer["unfused"]["prefill"] < 60
+    assert report["ratios"]["decode_fused_over_unfused"] == 1.0 and report["prefill_logits_max_diff"] == 0.0

@@ -47,19 +47,19 @@ def suffix_merge(q, suffix_k, suffix_v, suffix_mask, out_ctx, lse_ctx, scale: fl
     # Suffix part, all rows at once: scores [R, KV, G, S, U].
     s_suf = torch.einsum("rskgd,rukd->rkgsu", qg, suffix_k).float() * scale
     if suffix_mask is not None:
-        s_suf = s_suf.masked_fill(~suffix_mask[:, None, None], float("-inf"))
+        s_suf = torch.where(suffix_mask[:, None, None], s_suf, float("-inf"))
         # Hidden keys may be padding gathered from anywhere in the pool (another request's NaN, say): their
         # weight is 0, but 0 * NaN is NaN, so their values are zeroed too.
-        unseen = ~suffix_mask.any(dim=1)  # [R or 1, U]
-        suffix_v = suffix_v.masked_fill(unseen[:, :, None, None], 0)
+        suffix_v = torch.where(suffix_mask.any(dim=1)[:, :, None, None], suffix_v, 0)
     lse_suf = torch.logsumexp(s_suf, dim=-1)  # [R, KV, G, S]
-    p_suf = torch.exp(s_suf - lse_suf[..., None])
+    p_suf = torch.softmax(s_suf, dim=-1)
     out_suf = torch.einsum("rkgsu,rukd->rkgsd", p_suf.to(suffix_v.dtype), suffix_v).float()
 
     out_ctx = out_ctx.view(R, S, KV, G, D).permute(0, 2, 3, 1, 4).float()
     lse_ctx = lse_ctx.view(KV, G, R, S).permute(2, 0, 1, 3)
-    lse = torch.logaddexp(lse_ctx, lse_suf)
-    out = out_ctx * torch.exp(lse_ctx - lse)[..., None] + out_suf * torch.exp(lse_suf - lse)[..., None]
+    # The context part's share, exp(lse_ctx) / (exp(lse_ctx) + exp(lse_suf)): 0 for a row without a context.
+    share = torch.sigmoid(lse_ctx - lse_suf)[..., None]
+    out = torch.lerp(out_suf, out_ctx, share)
     return out.permute(0, 3, 1, 2, 4).reshape(R, S, H, D).to(q.dtype)
 
 

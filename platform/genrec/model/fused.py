@@ -24,8 +24,9 @@ from genrec.attention.merge import suffix_merge
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3's RMSNorm over the last axis."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    """Qwen3's RMSNorm over the last axis; weight [..., dim] may differ per head (q/k norm). torch's rms_norm computes
+    in float32 and rounds to x's dtype, as transformers does by casting: no cast of its own."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):

@@ -1,0 +1,160 @@
+"""The fused layer pieces (genrec.model.fused) against their unfused formulas, written out here independently, on
+random inputs in float32 and bfloat16; the CPU runs them eagerly, never compiled."""
+
+import pytest
+import torch
+
+from genrec.bench import kernels
+from genrec.engine import Engine, SchedulerConfig
+from genrec.model import ContextKV, ModelDir, fused
+from genrec.model.kv_pool import KVPool
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def randn(*shape, dtype, g):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def rms_reference(x, weight, eps):
+    """transformers' Qwen3RMSNorm, step by step."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def layer_norm_reference(x, weight, bias, eps):
+    h = x.float()
+    mean = h.mean(-1, keepdim=True)
+    var = (h - mean).pow(2).mean(-1, keepdim=True)
+    return ((h - mean) / torch.sqrt(var + eps) * weight.float() + bias.float()).to(x.dtype)
+
+
+def rotation_reference(x, theta):
+    """RoPE as a complex rotation of the pairs (x_i, x_{i + D/2}) by the angles theta [..., D/2]."""
+    half = x.shape[-1] // 2
+    pairs = torch.complex(x[..., :half].double(), x[..., half:].double())
+    turned = pairs * torch.polar(torch.ones_like(theta.double()), theta.double()).unsqueeze(-2)
+    return torch.cat([turned.real, turned.imag], dim=-1)
+
+
+def close(got, want, dtype):
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.fixture
+def g():
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, g):
+    x, residual, weight = (
+        randn(7, 3, 64, dtype=dtype, g=g),
+        randn(7, 3, 64, dtype=dtype, g=g),
+        randn(64, dtype=dtype, g=g),
+    )
+    normed, h = fused.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(h, x + residual) and normed.dtype == dtype
+    close(normed, rms_reference(x + residual, weight, 1e-6), dtype)
+    close(fused.rms_norm(x, weight, 1e-6), rms_reference(x, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_normalises_each_head_then_rotates(dtype, g):
+    R, heads, D = 5, 6, 16
+    qk, weight = randn(R, 2, heads, D, dtype=dtype, g=g), randn(heads, D, dtype=dtype, g=g)
+    theta = torch.rand(R, 2, D // 2, generator=g) * 50
+    cos, sin = torch.cat([theta, theta], -1).cos().to(dtype), torch.cat([theta, theta], -1).sin().to(dtype)
+    got = fused.qk_norm_rope(qk, weight, cos, sin, 1e-6)
+    assert got.shape == qk.shape and got.dtype == dtype
+    normed = rms_reference(qk, weight, 1e-6)
+    close(got, rotation_reference(normed, theta), dtype)
+    close(fused.rope(qk, cos, sin), rotation_reference(qk, theta), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_gates_the_up_half(dtype, g):
+    gate_up = randn(4, 1, 96, dtype=dtype, g=g)
+    gate, up = gate_up[..., :48].float(), gate_up[..., 48:].float()
+    close(fused.silu_mul(gate_up), gate * torch.sigmoid(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hstu_pieces_equal_their_formulas(dtype, g):
+    R, H, D = 9, 4, 8
+    w, b = randn(H * D, dtype=dtype, g=g), randn(H * D, dtype=dtype, g=g)
+    x, residual = randn(R, H * D, dtype=dtype, g=g), randn(R, H * D, dtype=dtype, g=g)
+    normed, h = fused.add_layer_norm(x, residual, w, b, 1e-5)
+    assert torch.equal(h, x + residual)
+    close(normed, layer_norm_reference(x + residual, w, b, 1e-5), dtype)
+    u, attn = randn(R, H, D, dtype=dtype, g=g), randn(R, H, D, dtype=dtype, g=g)
+    want = u.reshape(R, -1).float() * layer_norm_reference((attn * 0.5).reshape(R, -1), w, b, 1e-5).float()
+    close(fused.gated_norm(u, attn, w, b, 1e-5, 0.5), want, dtype)
+    q, k, v = (randn(R, H, D, dtype=dtype, g=g) for _ in range(3))
+    score = (q.float() * k.float()).sum(-1) * 0.25
+    close(fused.own_attention(q, k, v, 0.25), (score * torch.sigmoid(score))[..., None] * v.float(), dtype)
+
+
+def test_suffix_merge_equals_one_softmax_over_context_and_suffix(g):
+    """The merged piece against one plain softmax over [context keys, suffix keys] per row."""
+    R, S, H, KV, D, C, U = 6, 2, 4, 2, 8, 5, 3
+    q = torch.randn(R, S, H, D, generator=g)
+    ck, cv = torch.randn(R, C, KV, D, generator=g), torch.randn(R, C, KV, D, generator=g)
+    sk, sv = torch.randn(R, U, KV, D, generator=g), torch.randn(R, U, KV, D, generator=g)
+    mask = (torch.rand(R, S, U, generator=g) > 0.4) | (torch.arange(U) == U - 1)
+    qh = q.transpose(1, 2)  # [R, H, S, D]
+    ck_h, cv_h = (t.repeat_interleave(H // KV, dim=2).transpose(1, 2) for t in (ck, cv))  # [R, H, C, D]
+    sk_h, sv_h = (t.repeat_interleave(H // KV, dim=2).transpose(1, 2) for t in (sk, sv))
+    ctx_scores = qh @ ck_h.transpose(-1, -2) * 0.3
+    out_ctx = (ctx_scores.softmax(-1) @ cv_h).transpose(1, 2).reshape(R * S, H, D)
+    lse_ctx = torch.logsumexp(ctx_scores, -1).permute(1, 0, 2).reshape(H, R * S)
+    got = fused.suffix_merge(q, sk, sv, mask, out_ctx, lse_ctx, 0.3)
+    scores = torch.cat([ctx_scores, (qh @ sk_h.transpose(-1, -2) * 0.3).masked_fill(~mask[:, None], -torch.inf)], -1)
+    want = (scores.softmax(-1) @ torch.cat([cv_h, sv_h], 2)).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_runs_the_plain_pieces_whatever_the_switch():
+    assert fused.pieces(True, "cpu") is fused.PLAIN
+    assert fused.pieces(False, "cpu") is fused.PLAIN
+    assert fused.pieces(False, "cuda") is fused.PLAIN  # CUDA without `fast`: eager, no compiling either
+
+
+def test_packed_prefill_into_one_pool_writes_each_context_where_it_lives(tiny_dir, rng):
+    """The K/V write of a packed pass, one index copy per layer into a shared pool: each context's extent holds
+    what a prefill of it alone writes, and the pool's other tokens are untouched."""
+    model = ModelDir.open(tiny_dir).load_model()
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=rng) for n in (9, 14, 5)]
+    pool = KVPool(model.config, 64, "cpu", torch.float32)
+    pool.k.fill_(7.0)
+    pool.reserve(3)  # the contexts start past the pool's first tokens
+    contexts = [pool.context(len(p)) for p in prompts]
+    model.prefill(model.embed(prompts[2][:2]), contexts[2])  # the third continues a chunked prefill
+    model.prefill_packed(
+        [
+            (model.embed(prompts[0]), contexts[0]),
+            (model.embed(prompts[1]), contexts[1]),
+            (model.embed(prompts[2][2:]), contexts[2]),
+        ]
+    )
+    for prompt, ctx in zip(prompts, contexts, strict=True):
+        alone = ContextKV.allocate(model.config, len(prompt), "cpu", torch.float32)
+        model.prefill(model.embed(prompt), alone)
+        torch.testing.assert_close(ctx.k, alone.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ctx.v, alone.v, rtol=1e-5, atol=1e-5)
+    assert (pool.k[:, :3] == 7.0).all() and (pool.k[:, 3 + 28 :] == 7.0).all()
+
+
+# Ops a layer dispatches on the CPU (bench kernels' figure; the tiny test model, 4 requests of beam 30); at 4f50806,
+# before the fused pieces: 22 / 41 in float32, 28 / 52 in bfloat16 (casts around every norm and in the merge).
+OPS_PER_LAYER = {torch.float32: {"prefill": 22, "decode": 33}, torch.bfloat16: {"prefill": 22, "decode": 38}}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_ops_each_layer_runs_stay_within_their_bound(tiny_dir, dtype):
+    """A change that adds ops to every layer (a cast, an unfused step) fails here; lower the bound when one goes."""
+    engine = Engine.from_pretrained(tiny_dir, dtype=dtype, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    counts, _ = kernels.layer_counts(engine, 40, 4, 30)
+    assert all(counts[p] <= bound for p, bound in OPS_PER_LAYER[dtype].items()), counts

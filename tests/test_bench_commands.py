@@ -176,3 +176,4 @@ def test_bench_kernels(tiny_dir, tmp_path):
     assert per_layer["fused"] == per_layer["unfused"]  # the CPU runs the plain pieces whatever the switch
     assert 0 < per_layer["unfused"]["decode"] < 60 and 0 < per_layer["unfused"]["prefill"] < 60
     assert report["ratios"]["decode_fused_over_unfused"] == 1.0 and report["prefill_logits_max_diff"] == 0.0
+    assert 0 < per_layer["fused"]["hstu_prefill"] and 0 < per_layer["fused"]["hstu_candidates"]

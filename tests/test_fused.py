@@ -158,3 +158,9 @@ def test_the_ops_each_layer_runs_stay_within_their_bound(tiny_dir, dtype):
     engine = Engine.from_pretrained(tiny_dir, dtype=dtype, scheduler=SchedulerConfig(prefix_cache_bytes=0))
     counts, _ = kernels.layer_counts(engine, 40, 4, 30)
     assert all(counts[p] <= bound for p, bound in OPS_PER_LAYER[dtype].items()), counts
+
+
+def test_the_ops_each_hstu_layer_runs_stay_within_their_bound(hstu_dir):
+    model = ModelDir.open(hstu_dir).load_model()
+    counts = kernels.hstu_layer_counts(model, 40, 8, fast=False)
+    assert counts["hstu_prefill"] <= 16 and counts["hstu_candidates"] <= 19, counts

@@ -107,6 +107,9 @@ class KernelsOptions:
     prompt_len: int = opt(1000, "prefill tokens; each decode request's context", min=1)
     requests: int = opt(4, "requests in the decode pass", min=1)
     beam_width: int = opt(30, "rows per request in the decode pass", min=1)
+    hstu_preset: str | None = opt(
+        "tiny", "also an HSTU preset's layers: --prompt-len events, requests x beam width candidates"
+    )
 
 
 @bench("sid-catalog", "sid_catalog.run")

@@ -1,4 +1,5 @@
-"""`genrec bench kernels`: kernels per prefill layer and per decode-pass layer, the fused path against the unfused.
+"""`genrec bench kernels`: kernels per prefill layer and per decode-pass layer, the fused path against the unfused;
+with `--hstu-preset`, also per HSTU layer (a history's prefill, candidates over it).
 
 A layer's count is what the pass with all the model's layers runs beyond the same pass with its first layer only,
 divided by the layers between: every layer alike, whatever runs once per pass (embedding, head, inputs) left out.
@@ -21,8 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from genrec.api import RetrieveRequest
 from genrec.bench.cli import KernelsOptions
 from genrec.bench.common import described, machine, model_dir_for, random_prompt
+from genrec.bench.engine import _hstu_preset
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.decode_batch import DecodeBatch
+from genrec.model import ModelDir
+from genrec.model.hstu import HistoryRows, HistorySegment
 
 GOALS = {"prefill": 15, "decode": 12}  # per layer, CUDA kernels on the fused path (issue #38)
 aten = torch.ops.aten
@@ -32,12 +36,16 @@ FREE = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.de
 def run(o: KernelsOptions) -> dict:
     model_dir = model_dir_for(o.preset, o.model, None)
     counts, logits = {}, {}
+    cuda = torch.device(o.device).type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # the engine's default
+    ranker = None if o.hstu_preset is None else ModelDir.open(_hstu_preset(o.hstu_preset)).load_model(o.device, dtype)
     for name, fast in (("unfused", False), ("fused", True)):
         engine = Engine.from_pretrained(
             model_dir, device=o.device, cuda_fast=fast, scheduler=SchedulerConfig(prefix_cache_bytes=0)
         )
         counts[name], logits[name] = layer_counts(engine, o.prompt_len, o.requests, o.beam_width)
-    cuda = torch.device(o.device).type == "cuda"
+        if ranker is not None:
+            counts[name] |= hstu_layer_counts(ranker, o.prompt_len, o.requests * o.beam_width, fast)
     return {
         "benchmark": "kernels",
         **described(model_dir, o, "device", "prompt_len", "requests", "beam_width"),
@@ -45,7 +53,7 @@ def run(o: KernelsOptions) -> dict:
         "layers": engine.model.config.num_hidden_layers,
         "counted": "CUDA kernels (torch.profiler)" if cuda else "aten ops that compute (CPU dispatch)",
         "per_layer": counts,
-        "ratios": {f"{p}_fused_over_unfused": counts["fused"][p] / counts["unfused"][p] for p in GOALS},
+        "ratios": {f"{p}_fused_over_unfused": n / counts["unfused"][p] for p, n in counts["fused"].items()},
         "goals_per_layer": GOALS if cuda else None,
         "prefill_logits_max_diff": (logits["fused"] - logits["unfused"]).abs().max().item(),
         "machine": machine(),
@@ -73,6 +81,22 @@ def layer_counts(engine: Engine, prompt_len: int, requests: int, beam_width: int
     }
     counts = {name: per_layer(engine.model.model.layers, fn, engine.device) for name, fn in passes.items()}
     return counts, passes["prefill"]().last_logits.float().cpu()
+
+
+def hstu_layer_counts(model, events: int, candidates: int, fast: bool) -> dict:
+    """Per-layer counts of HSTU's history prefill of `events` events and of `candidates` rows over that history."""
+    c, device = model.config, model.device
+    g = torch.Generator().manual_seed(0)
+    items = torch.randint(0, c.num_items, (events + candidates,), generator=g).to(device)
+    history = model.embed_events(items[:events], None, torch.arange(events, device=device))
+    rows = model.embed_events(items[events:], None, torch.full((candidates,), events, device=device))
+    shape = (c.num_hidden_layers, events, c.num_attention_heads, c.head_dim)
+    k, v = torch.zeros(shape, device=device, dtype=model.dtype), torch.zeros(shape, device=device, dtype=model.dtype)
+    passes = {
+        "hstu_prefill": lambda: model.prefill_packed([HistorySegment(history, k, v, 0)], fast),
+        "hstu_candidates": lambda: model.forward_candidates(rows, [HistoryRows(0, candidates, k, v)], fast),
+    }
+    return {name: per_layer(model.layers, fn, device) for name, fn in passes.items()}
 
 
 def per_layer(layers: torch.nn.ModuleList, fn, device) -> float:

@@ -4,10 +4,12 @@ random inputs in float32 and bfloat16; the CPU runs them eagerly, never compiled
 import pytest
 import torch
 
+from genrec.api import RetrieveRequest
 from genrec.bench import kernels
 from genrec.engine import Engine, SchedulerConfig
 from genrec.model import ContextKV, ModelDir, fused
 from genrec.model.kv_pool import KVPool
+from tests.conftest import random_prompt
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -120,6 +122,17 @@ def test_the_cpu_runs_the_plain_pieces_whatever_the_switch():
     assert fused.pieces(True, "cpu") is fused.PLAIN
     assert fused.pieces(False, "cpu") is fused.PLAIN
     assert fused.pieces(False, "cuda") is fused.PLAIN  # CUDA without `fast`: eager, no compiling either
+
+
+def test_a_fast_engine_on_the_cpu_never_compiles(tiny_dir, monkeypatch, rng):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile called on the CPU path")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    fused._compiled.cache_clear()
+    engine = Engine.from_pretrained(tiny_dir, cuda_fast=True, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    request = RetrieveRequest(prompt_token_ids=random_prompt(engine, 20, rng), beam_width=4)
+    assert engine.retrieve([request])[0].items
 
 
 def test_packed_prefill_into_one_pool_writes_each_context_where_it_lives(tiny_dir, rng):

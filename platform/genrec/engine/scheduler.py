@@ -62,7 +62,7 @@ class SchedulerConfig:
     request_timeout_s: float = 60.0
     # Prompts' K/V kept for reuse by later prompts with the same start, inside the pool (None: half of it; 0: off).
     prefix_cache_bytes: int | None = None
-    # Host memory that prefixes evicted from the pool spill to (CUDA; unverified on a GPU: off by default).
+    # Host memory that prefixes evicted from the pool spill to (CUDA; verified on an H200, opt-in: off by default).
     host_cache_bytes: int = 0
 
     def __post_init__(self):

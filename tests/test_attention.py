@@ -78,3 +78,48 @@ def test_zero_row_groups_never_reach_a_kernel():
     from tests.test_engine_robustness import run_isolated
 
     assert run_isolated("tests.test_attention:zero_row_groups").strip() == "ok"
+
+
+@pytest.mark.parametrize("spans", [1, 2, 3, 4])
+def test_one_call_over_every_span_matches_one_softmax_over_the_spans_keys(spans):
+    """The static decode pass's context part (one varlen call per layer, the rows repeated per span, one exact
+    merge) against a plain softmax over each row's spans concatenated; a request with fewer spans, one with none."""
+    from types import SimpleNamespace
+
+    from genrec.model.kv_pool import KVPool
+
+    g = torch.Generator().manual_seed(spans)
+    H, KV, D, B = 4, 2, 8, 16
+    shape = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=KV, head_dim=D)
+    pool = KVPool(shape, 256, "cpu", torch.float32)
+    pool.k.normal_(generator=g), pool.v.normal_(generator=g)
+    # Requests of 3, 5 and 2 rows (then padding): the first has every span, the second one, the third none.
+    counts = [3, 5, 2]
+    layout = [[(10 * j, 7 + j) for j in range(spans)], [(200, 9)], []]
+    q = torch.randn(B, H, D, generator=g)
+    ctx = _static_context(pool, B, spans, counts, layout)
+    out, lse = ctx.at_layer(0).attend(q, 0.3)
+    row = 0
+    for count, parts in zip(counts, layout, strict=True):
+        for r in range(row, row + count):
+            if not parts:
+                assert (out[r] == 0).all() and (lse[:, r] == float("-inf")).all()
+                continue
+            keys = torch.cat([pool.k[0, a : a + n] for a, n in parts]).repeat_interleave(H // KV, 1)
+            values = torch.cat([pool.v[0, a : a + n] for a, n in parts]).repeat_interleave(H // KV, 1)
+            s = torch.einsum("hd,thd->ht", q[r], keys) * 0.3
+            want = torch.einsum("ht,thd->hd", torch.softmax(s, -1), values)
+            assert torch.allclose(out[r], want, atol=1e-5) and torch.allclose(lse[:, r], s.logsumexp(-1), atol=1e-5)
+        row += count
+    assert (out[row:] == 0).all()  # padding rows read no context
+
+
+def _static_context(pool, bucket, spans, counts, layout):
+    """A StaticContext as `DecodeBatch` fills it (the same tables, through its own code)."""
+    from genrec.engine.decode_batch import DecodeBatch
+
+    batch = DecodeBatch(bucket, 0, pool, spans)
+    tables = batch._span_tables(layout, counts, bucket - sum(counts))
+    for buffer, host, dtype in tables:
+        buffer.copy_(torch.as_tensor(host).to(dtype))
+    return batch.context

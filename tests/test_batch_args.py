@@ -40,9 +40,11 @@ def test_engine_and_cache_flags_reach_the_spec_and_the_identity():
         "cuda_fast": True,
     }
     assert spec.cache == CacheConfig(name="users", policy="lfu", shards=2, store="none")
+    assert spec_from("--no-cuda-fast").engine_kwargs()["cuda_fast"] is False  # the opt-out
     plain = RecommendSpec(model="m", users="u", out="o").identity("v", "input")
     identity = spec.identity("v", "input")
-    assert sorted(k for k in identity if identity[k] != plain[k]) == [
+    assert "cuda_fast" not in plain  # derived from the device when not given: not part of a run's identity
+    assert sorted(k for k in identity | plain if identity.get(k) != plain.get(k)) == [
         "cache",
         "cuda_fast",
         "dtype",

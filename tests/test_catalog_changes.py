@@ -3,6 +3,7 @@
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -90,22 +91,29 @@ def test_codebooks_reproduce_build_ids_where_no_prefix_was_full():
         assert distances[codes[row, level]] >= distances[again[row, level]]
 
 
+def _change(*args) -> dict:
+    result = _run(*args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
 def test_retired_items_added_back_get_build_ids_codes(built, tmp_path):
     """The last ADDED rows of the build, retired then added back: where build-ids put each on its nearest
-    prefix, the whole code is build-ids' (the first free last-level index is the one it numbered them)."""
+    prefix, the whole code is build-ids' (the first free last-level index is the one it numbered them). Each change
+    is a new file named by its hash beside the model's catalog, which stays as it was."""
     model, ids, vectors = built
-    original = _catalog(model)
-    retire = _run("catalog", "retire", model, "--items", ",".join(ids[BUILT:]))
-    assert retire.exit_code == 0, retire.output
-    assert len(_catalog(model)) == BUILT
-    result = _run("catalog", "add", model, _items(tmp_path / "new.parquet", ids[BUILT:], vectors[BUILT:]))
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.output)
-    catalog = _catalog(model)
+    original, original_file = _catalog(model), (model / "genrec/catalog.parquet").read_bytes()
+    retired = _change("catalog", "retire", model, "--items", ",".join(ids[BUILT:]))
+    assert len(Catalog.load(retired["catalog"])) == BUILT
+    new_items = _items(tmp_path / "new.parquet", ids[BUILT:], vectors[BUILT:])
+    summary = _change("catalog", "add", model, new_items, "--catalog", retired["catalog"])
+    for change in (retired, summary):
+        digest = hashlib.sha256(open(change["catalog"], "rb").read()).hexdigest()
+        assert change["catalog_version"] == digest[:16]
+        assert change["catalog"] == str(model / "genrec" / f"catalog-{digest[:12]}.parquet")
+    assert (model / "genrec/catalog.parquet").read_bytes() == original_file
+    catalog = Catalog.load(summary["catalog"])
     assert summary["added"] == ADDED and summary["items"] == BUILT + ADDED == len(catalog)
-    assert (
-        summary["catalog_version"] == hashlib.sha256((model / "genrec/catalog.parquet").read_bytes()).hexdigest()[:16]
-    )
     assert catalog.item_ids.tolist() == ids  # existing rows first and unchanged, new rows appended
     assert (catalog.codes[:BUILT] == original.codes[:BUILT]).all()
     assert len(np.unique(catalog.codes, axis=0)) == len(catalog)
@@ -117,6 +125,8 @@ def test_retired_items_added_back_get_build_ids_codes(built, tmp_path):
     unmoved = (nearest == original.codes[:, :2]).all(axis=1)
     assert unmoved.all()  # this catalog had room everywhere: so the codes must be build-ids' exactly
     assert (catalog.codes[BUILT:] == original.codes[BUILT:]).all()
+    # the same content again is the same file: written over itself, not refused
+    assert _change("catalog", "add", model, new_items, "--catalog", retired["catalog"]) == summary
 
 
 def _ranges_layout(*sizes):
@@ -229,11 +239,12 @@ def test_the_engine_retrieves_added_items(built, tmp_path):
     from genrec.engine import Engine, SchedulerConfig
 
     model, ids, vectors = built
-    assert _run("catalog", "retire", model, "--items", ",".join(ids[BUILT:])).exit_code == 0
+    assert _run("catalog", "retire", model, "--items", ",".join(ids[BUILT:]), "--in-place").exit_code == 0
     fresh = [f"new{i}" for i in range(ADDED)]
     moved = vectors[BUILT:] + np.random.default_rng(8).normal(size=(ADDED, DIM)) * 0.3  # not the build's points
-    result = _run("catalog", "add", model, _items(tmp_path / "new.parquet", fresh, moved))
+    result = _run("catalog", "add", model, _items(tmp_path / "new.parquet", fresh, moved), "--in-place")
     assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (model / "genrec").glob("catalog*")) == ["catalog.parquet"]  # rewritten in place
     engine = Engine.from_pretrained(model, scheduler=SchedulerConfig(prefix_cache_bytes=0))
     assert len(engine.catalog) == BUILT + ADDED
     (found,) = engine.retrieve([RetrieveRequest(prompt_token_ids=[5, 6, 7], beam_width=len(engine.catalog))])
@@ -280,11 +291,30 @@ def test_a_catalog_without_codebooks_cannot_take_new_items(built, tmp_path):
         add_items(model, source)
 
 
-def test_import_drops_codebooks_that_no_longer_match_the_catalog(built, tmp_path):
-    model, _, _ = built
-    shutil.copy(model / "genrec/catalog.parquet", tmp_path / "catalog.parquet")
-    assert _run("catalog", "import", model, tmp_path / "catalog.parquet").exit_code == 0
-    assert not (model / "genrec/codebooks.safetensors").exists()
+def test_import_onto_a_trained_catalog_keeps_it_and_its_codebooks_unless_forced(built, tmp_path):
+    """An import is a new version beside the trained catalog, which `catalog add` refuses (its codes are not the
+    codebooks'); replacing the trained catalog needs --in-place and --force, and only that deletes the codebooks."""
+    model, ids, vectors = built
+    trained, codebooks = (model / "genrec/catalog.parquet").read_bytes(), model / "genrec/codebooks.safetensors"
+    source = tmp_path / "other.parquet"
+    shutil.copy(model / "genrec/catalog.parquet", source)
+    imported = _change("catalog", "import", model, source)
+    assert imported["catalog"] == str(model / "genrec" / f"catalog-{imported['catalog_version'][:12]}.parquet")
+    assert (model / "genrec/catalog.parquet").read_bytes() == trained and codebooks.is_file()
+    retired = retire_items(model, ids[:1], base=imported["catalog"])  # a version of the import is one still
+    for base in (imported["catalog"], retired.catalog):
+        with pytest.raises(CatalogError, match=r"was imported \(`genrec catalog import`\): its codes were not made"):
+            add_items(model, _items(tmp_path / "n.parquet", ["n"], vectors[:1]), base=base)
+    for replace in (["--in-place"], ["--out", model / "genrec/catalog.parquet", "--in-place"]):
+        result = _run("catalog", "import", model, source, *replace)
+        assert (
+            result.exit_code != 0
+            and "a trained catalog" in str(result.exception)
+            and "--force" in str(result.exception)
+        )
+    assert (model / "genrec/catalog.parquet").read_bytes() == trained and codebooks.is_file()
+    forced = _change("catalog", "import", model, source, "--in-place", "--force")
+    assert forced["catalog"] == str(model / "genrec/catalog.parquet") and not codebooks.exists()
 
 
 def test_retire_errors_name_the_items(built, tmp_path):
@@ -299,11 +329,16 @@ def test_retire_errors_name_the_items(built, tmp_path):
 def test_item_lists_from_a_file_or_commas(tmp_path):
     (tmp_path / "ids.txt").write_text("a\n\nb \n")
     pq.write_table(pa.table({"item_id": ["c", "d"]}), tmp_path / "ids.parquet")
-    assert read_item_list(str(tmp_path / "ids.txt")) == ["a", "b"]
-    assert read_item_list(str(tmp_path / "ids.parquet")) == ["c", "d"]
+    assert read_item_list(None, tmp_path / "ids.txt") == ["a", "b"]
+    assert read_item_list(None, str(tmp_path / "ids.parquet")) == ["c", "d"]
     assert read_item_list("e, f,") == ["e", "f"]
+    assert read_item_list(str(tmp_path / "ids.txt")) == [str(tmp_path / "ids.txt")]  # --items is never a path
     with pytest.raises(GenrecError, match="names no item"):
         read_item_list(" , ")
+    with pytest.raises(GenrecError, match="--items A,B,... or --items-file FILE"):
+        read_item_list("a", tmp_path / "ids.txt")
+    with pytest.raises(GenrecError, match="--items-file .*nope.txt: no such file"):
+        read_item_list(None, tmp_path / "nope.txt")
 
 
 def test_retire_out_leaves_the_model_catalog_alone(built, tmp_path):
@@ -321,6 +356,13 @@ def test_retire_out_leaves_the_model_catalog_alone(built, tmp_path):
     }
     assert (model / "genrec/catalog.parquet").read_bytes() == before
     assert pq.read_table(out).column("item_id").to_pylist() == ids[1:]
+    again = _run("catalog", "retire", model, "--items", "x1", "--out", out)  # out exists now: not rewritten
+    assert again.exit_code != 0 and "exists; a catalog is rewritten in place only with --in-place" in str(
+        again.exception
+    )
+    assert pq.read_table(out).column("item_id").to_pylist() == ids[1:]
+    assert _run("catalog", "retire", model, "--items", "x1", "--out", out, "--in-place").exit_code == 0
+    assert pq.read_table(out).column("item_id").to_pylist() == [ids[0], *ids[2:]]  # the model's catalog less x1
 
 
 def test_build_ids_writes_the_codebooks_beside_the_catalog_never_in_the_model_root(tiny_dir, tmp_path):
@@ -353,5 +395,10 @@ def test_versions_kept_apart_from_the_models_catalog(built, tmp_path):
     assert again.item_ids.tolist() == ids[5:] + ids[:5]  # the retired version's rows, then the added ones
     for item in ids:
         assert again.code(again.index_of(item)) == original.code(original.index_of(item))
-    result = _run("catalog", "retire", model, "--items", ids[7], "--catalog", back)  # in place: --out defaults to it
+    result = _run("catalog", "retire", model, "--items", ids[7], "--catalog", back, "--in-place")
     assert result.exit_code == 0 and Catalog.load(back).index_of(ids[7]) is None
+    hashed = Path(_change("catalog", "retire", model, "--items", ids[8], "--catalog", back)["catalog"])
+    result = _run("catalog", "retire", model, "--items", ids[9], "--catalog", hashed, "--in-place")
+    assert result.exit_code != 0 and f"{hashed}: its name carries the hash {hashed.name[8:20]}" in str(
+        result.exception
+    )  # a hash-named version is never rewritten: its name would lie

@@ -63,16 +63,19 @@ def test_jsonl_raw_token_ids_and_popularity_and_genrec_round_trip(openonerec, oo
     for n, line in enumerate(lines):
         line["metadata"]["popularity"] = n % 7
     jsonl.write_text("\n".join(json.dumps(line) for line in lines))
-    summary = import_catalog(model_dir, jsonl)
-    again = catalog_rows(model_dir)
+    summary = import_catalog(model_dir, jsonl)  # the model has a catalog now: this is a new version beside it
+    assert summary.catalog == model_dir / "genrec" / f"catalog-{summary.catalog_version[:12]}.parquet"
+    assert catalog_rows(model_dir) == rows  # the model's own catalog untouched
+    again = pq.read_table(summary.catalog).to_pylist()
     assert summary.format == "jsonl"
     assert [(r["item_id"], r["semantic_id"]) for r in again] == [(r["item_id"], r["semantic_id"]) for r in rows]
     assert [r["popularity"] for r in again] == [float(n % 7) for n in range(len(rows))]
 
     own = model_dir.parent / "mine.parquet"
-    table = pq.read_table(model_dir / "genrec" / "catalog.parquet").append_column("genre", pa.array(["x"] * len(rows)))
+    table = pq.read_table(summary.catalog).append_column("genre", pa.array(["x"] * len(rows)))
     pq.write_table(table, own)
-    assert import_catalog(model_dir, own).format == "genrec"
+    summary = import_catalog(model_dir, own, in_place=True)  # replaces the model's own (untrained) catalog
+    assert summary.format == "genrec" and summary.catalog == model_dir / "genrec" / "catalog.parquet"
     assert catalog_rows(model_dir) == [{**r, "genre": "x"} for r in again]  # attributes carried over, not refused
 
 

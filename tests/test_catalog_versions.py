@@ -142,3 +142,30 @@ def test_a_version_no_longer_served_drops_its_compiled_filters(fresh, tmp_path, 
     fresh.rollback_catalog()
     result = full_width(fresh, prompt, allowed_item_ids=allowed)
     assert {i.item_id for i in result.items} == set(allowed) and len(first.filters) == 1
+
+
+def test_a_file_whose_name_carries_another_hash_is_refused(fresh, tiny_dir, tmp_path):
+    """A catalog named by its hash (`genrec catalog` writes catalog-<hash12>.parquet) is checked against it when
+    loaded, live and at start: a file changed after it was written is never served under its name."""
+    import shutil
+
+    from genrec.catalog.catalog import named_hash, versioned_name
+
+    running = fresh.family.catalogs.current
+    subset = write_subset(fresh.catalog, np.arange(40), tmp_path / "subset.parquet")
+    version = catalog_version(subset)
+    named = tmp_path / versioned_name(version)
+    shutil.copy(subset, named)
+    assert named.name == f"catalog-{version[:12]}.parquet" and named_hash(named) == version[:12]
+    assert named_hash(subset) is None and named_hash(tmp_path / "catalog-ABC.parquet") is None
+    lying = tmp_path / versioned_name("0" * 16)
+    shutil.copy(subset, lying)
+    also_running = tmp_path / versioned_name("f" * 16)  # the running version's bytes: no rollback shortcut either
+    shutil.copy(tiny_dir / "genrec" / "catalog.parquet", also_running)
+    for path in (lying, also_running):
+        with pytest.raises(CatalogError, match=rf"{path}: its content hash is [0-9a-f]{{12}}, not the [0f]{{12}} its"):
+            fresh.load_catalog(path)
+        with pytest.raises(CatalogError, match="its name carries"):
+            Catalog.load(path)  # the start-up path (a model directory's catalog, a config's)
+        assert fresh.family.catalogs.current is running
+    assert fresh.load_catalog(named)["catalog_version"] == version

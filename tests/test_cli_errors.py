@@ -111,3 +111,55 @@ def test_force_never_deletes_a_directory_that_is_not_a_model(tmp_path, monkeypat
     (tmp_path / "notes.txt").write_text("precious")
     err = run_main(monkeypatch, capsys, "tiny-model", tmp_path, "--items", "20", "--levels", "2", "--force")
     assert "not a model directory" in err and (tmp_path / "notes.txt").read_text() == "precious"
+
+
+@pytest.fixture
+def own_model(tiny_dir, tmp_path):
+    """A copy of the tiny model these tests may write catalog versions into."""
+    import shutil
+
+    shutil.copytree(tiny_dir, tmp_path / "model")
+    return tmp_path / "model"
+
+
+def test_catalog_changes_refuse_bad_paths_in_one_line(own_model, tmp_path, monkeypatch, capsys):
+    """A comma list longer than a file name (it used to be tried as a path first), --out naming a folder, --out an
+    existing file without --in-place, both or neither of --items / --items-file."""
+    ids = [f"item-{i:06d}" for i in range(40)]
+    long_list = ",".join(ids[:30] + ["nope"])
+    assert len(long_list) > 255
+    cases = [
+        (["--items", long_list], "--items: item 'nope' is not in the catalog (1 of 31)"),
+        (["--items", ids[0], "--out", tmp_path], f"--out {tmp_path}: is a directory"),
+        (["--items", ids[0], "--out", own_model / "genrec" / "catalog.parquet"], "rewritten in place only with"),
+        (["--items", ids[0], "--items-file", tmp_path / "ids.txt"], "--items A,B,... or --items-file FILE"),
+        ([], "--items A,B,... or --items-file FILE"),
+        (["--items-file", tmp_path / "nope.txt"], "nope.txt: no such file"),
+    ]
+    before = sorted(p.name for p in (own_model / "genrec").iterdir())
+    for argv, fragment in cases:
+        err = run_main(monkeypatch, capsys, "catalog", "retire", own_model, *argv)
+        assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
+    assert sorted(p.name for p in (own_model / "genrec").iterdir()) == before  # nothing written
+
+
+@pytest.mark.parametrize("name", ["deep.index.json", "deep.jsonl"])
+def test_import_of_deeply_nested_json_is_one_line(own_model, tmp_path, monkeypatch, capsys, name):
+    depth = 200_000  # past Python's recursion limit in json's decoder
+    nested = "[" * depth + "]" * depth
+    source = tmp_path / name
+    source.write_text(f'{{"0": {nested}}}' if name.endswith(".index.json") else f'{{"item_id": "a", "x": {nested}}}\n')
+    err = run_main(monkeypatch, capsys, "catalog", "import", own_model, source)
+    assert err.startswith(f"error: {source}: ") and "nested too deeply" in err and err.count("\n") == 1
+
+
+def test_import_refuses_to_replace_a_trained_catalog_in_one_line(own_model, monkeypatch, capsys):
+    from genrec.catalog.codebooks import Codebooks
+
+    codebooks = Codebooks(1.0, (torch.zeros(8, 3), torch.zeros(8, 3)), 8)  # TINY: 3 levels of 8 codes
+    codebooks.save(own_model / "genrec" / "codebooks.safetensors")
+    catalog = own_model / "genrec" / "catalog.parquet"
+    before = catalog.read_bytes()
+    err = run_main(monkeypatch, capsys, "catalog", "import", own_model, catalog, "--in-place")
+    assert err.startswith(f"error: {catalog}: a trained catalog") and "--force" in err and err.count("\n") == 1
+    assert catalog.read_bytes() == before and (own_model / "genrec" / "codebooks.safetensors").is_file()

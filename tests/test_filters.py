@@ -246,7 +246,7 @@ def test_masks_are_cached_per_filter_and_bounded_in_bytes_least_recently_used_fi
     served = fengine.family.catalogs.current
     one = RetrieveRequest(prompt="a", filters={"genre": "drama"})
     size = served.filters.get(one).nbytes
-    masks = FilterMasks(served.catalog, served.trie, "cpu", max_bytes=2 * size)
+    masks = FilterMasks(served.catalog, served.trie, max_bytes=2 * size)
     first = masks.get(one)
     again = masks.get(RetrieveRequest(prompt="b", filters={"genre": "drama"}))
     assert again is first and (masks.hits, masks.misses) == (1, 1)
@@ -259,7 +259,7 @@ def test_masks_are_cached_per_filter_and_bounded_in_bytes_least_recently_used_fi
     masks.get(RetrieveRequest(prompt="a", filters={"genre": "news"}))
     assert masks.misses == misses + 1
     assert masks.get(RetrieveRequest(prompt="a")) is None  # no filter: nothing compiled
-    tiny = FilterMasks(served.catalog, served.trie, "cpu", max_bytes=size - 1)
+    tiny = FilterMasks(served.catalog, served.trie, max_bytes=size - 1)
     assert tiny.get(one).allowed == first.allowed and len(tiny) == 0 == tiny.nbytes  # too large to keep
 
 

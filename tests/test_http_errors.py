@@ -1,11 +1,14 @@
-"""FastAPI's own validation errors in genrec's JSON shape (no Ray: a bare FastAPI app with the handler)."""
+"""Validation errors in genrec's JSON shape, each naming its field in genrec's words (no Ray: the request models and
+the formatting function directly, and a bare FastAPI app with the handler)."""
 
+import pytest
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from genrec.serving.http_errors import validation_error_handler
+from genrec.api import RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.serving.http_errors import _invalid, validation_error_handler
 
 
 class Body(BaseModel):
@@ -34,3 +37,54 @@ def test_a_bad_field_is_422_naming_it():
     response = post(b'{"beam_width": "wide"}')
     assert response.status_code == 422
     assert [d["field"] for d in response.json()["details"]] == ["beam_width"]
+
+
+# Each model-level or type error as the 422 names it: (request kind, body, field, the message's genrec words)
+LOCATED = [
+    ("retrieve", {"prompt": "x", "beam_width": 4, "beam_widths": [2, 8]}, "beam_width", "4 differs from the last of"),
+    ("retrieve", {"prompt": "x", "beam_width": 4, "num_results": 9}, "num_results", "9 is above beam_width (4)"),
+    ("recommend", {"prompt": "x", "beam_width": 4, "num_results": 9}, "num_results", "9 is above beam_width (4)"),
+    ("retrieve", {"prompt": "x", "filters": {"": 1, "year": 1995}}, "filters", "key '': must not be empty"),
+    ("retrieve", {"prompt": "x", "beam_widths": []}, "beam_widths", "must not be empty"),
+    ("retrieve", {"prompt": "x", "beam_widths": [4, 0]}, "beam_widths[1]", "must be at least 1"),
+    ("retrieve", {"prompt": "x", "beam_width": "3"}, "beam_width", "must be an integer"),
+    ("retrieve", {"prompt": "x", "beam_widht": 3}, "beam_widht", "is not a field of this request"),
+    ("retrieve", {"prompt": "x", "request_id": "r" * 300}, "request_id", "must have at most 256 characters"),
+    ("retrieve", {}, "prompt", "give exactly one of 'prompt'"),
+    ("retrieve", {"prompt": "x", "messages": []}, "prompt", "'prompt' and 'messages' were given"),
+    ("retrieve", {"prompt": " "}, "prompt", "'prompt' is empty"),
+    ("retrieve", {"prompt": "x", "filters": {"year": {"after": 1}}}, "filters.year", "a range takes gte, gt, lte"),
+    ("score", {"prompt": "x", "candidates": [{"text": "a", "item_id": "b"}]}, "candidates[0].text", "exactly one"),
+    ("score", {"prompt": "x"}, "candidates", "is required"),
+    ("recommend", {"prompt": "x", "score_weight": 2.0}, "score_weight", "applies to rank_by 'joint' only"),
+    ("recommend", {"prompt": "x", "rank_by": "best"}, "rank_by", "must be 'score' or 'joint'"),
+]
+PYDANTIC_WORDS = ("Value error", "Input should", "after validation", "Extra inputs", "Field required", "should have")
+
+
+@pytest.mark.parametrize(("kind", "body", "field", "words"), LOCATED, ids=[str(i) for i in range(len(LOCATED))])
+def test_every_422_names_its_field_in_genrecs_words(kind, body, field, words):
+    model = {"retrieve": RetrieveRequest, "score": ScoreRequest, "recommend": RecommendRequest}[kind]
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    got = _invalid(info.value.errors())
+    (detail,) = got.details
+    assert detail.field == field and words in detail.message, detail
+    assert got.message == f"{field}: {detail.message}"
+    assert not [w for w in PYDANTIC_WORDS if w in got.message], got.message
+
+
+def test_a_model_level_refusal_over_http_is_422_at_its_field():
+    """The handler FastAPI calls with the real request model: the field is located, not null."""
+    app = FastAPI()
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+    @app.post("/v1/retrieve")
+    def retrieve(body: RetrieveRequest):
+        return {}
+
+    response = TestClient(app).post("/v1/retrieve", json={"prompt": "x", "beam_width": 4, "beam_widths": [2, 8]})
+    assert response.status_code == 422
+    assert response.json()["details"] == [
+        {"field": "beam_width", "message": "4 differs from the last of beam_widths (8): give one, or the same"}
+    ]

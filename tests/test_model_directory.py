@@ -180,7 +180,7 @@ def test_model_version_is_a_content_hash(tiny_dir, tmp_path):
 
 def test_a_catalog_change_leaves_the_model_version(tiny_dir, tmp_path):
     """The catalog is versioned apart (catalog_version): a new catalog does not change the model's K/V."""
-    from genrec.catalog.catalog import catalog_version
+    from genrec.catalog.catalog import catalog_version, versioned_name
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_dir, copy)
@@ -188,6 +188,12 @@ def test_a_catalog_change_leaves_the_model_version(tiny_dir, tmp_path):
     catalog.write_bytes(catalog.read_bytes() + b"x")
     assert model_version(copy) == model_version(tiny_dir) == full_hash(tiny_dir)
     assert catalog_version(catalog) != catalog_version(tiny_dir / "genrec" / "catalog.parquet")
+    # `genrec catalog`'s versions beside it, and a write in flight, are no part of the model either
+    shutil.copy(catalog, copy / "genrec" / versioned_name(catalog_version(catalog)))
+    (copy / "genrec" / ".catalog.parquet.0a1b2c3d.tmp").write_bytes(b"half")
+    assert model_version(copy) == model_version(tiny_dir)
+    (copy / "genrec" / "catalog-notahash.parquet").write_bytes(b"x")  # any other file is
+    assert model_version(copy) != model_version(tiny_dir)
 
 
 def full_hash(model_dir) -> str:

@@ -220,6 +220,8 @@ BAD = [
     ("score", {"prompt": "user listened", "candidates": [{"item_id": 7}]}, 422, "candidates[0].item_id"),
     ("score", {"prompt": "user listened", "candidates": [{"text": "x"}], "labels": ["yes"]}, 422, "labels"),
     ("recommend", {"prompt": "user listened", "beam_width": 4, "num_results": 9}, 422, "num_results"),
+    ("retrieve", {"prompt": "user listened", "beam_width": 4, "beam_widths": [2, 2, 8]}, 422, "beam_width"),
+    ("retrieve", {"prompt": "user listened", "filters": {"": 1, "year": 1995}}, 422, "filters"),
     ("recommend", {"prompt": "user listened", "rank_by": "retrieval"}, 422, "rank_by"),
     ("recommend", {"prompt": "user listened", "rank_by": "joint", "score_weight": -1}, 422, "score_weight"),
     ("retrieve", {"prompt": "user listened", "filters": {"genre": "comedy"}}, 422, "filters.genre"),  # no attribute
@@ -262,6 +264,8 @@ def test_bad_input_is_a_4xx_naming_the_field(open_url, client, route, body, stat
     assert error["code"] == "invalid_request" and error["message"]
     if field is not None:
         assert field in response.text
+    if status == 422 and isinstance(body, dict) and field in ("beam_width", "num_results", "filters"):
+        assert field in [d["field"] for d in error["details"]], error  # located, even a check across fields
     assert not [word for word in ("function", "0x", "functools", "constrained-") if word in response.text]
 
 

@@ -46,8 +46,7 @@ def test_defaults_are_the_engines():
         "max_candidates": 2048,
         "score_max_tokens": 16384,
         "max_candidate_tokens": 65536,
-        "cuda_fast": False,
-    }
+    }  # cuda_fast and cuda_graph_max_rows: derived (the fast path on with CUDA; 2048 rows)
     assert options.scheduler_config() == SchedulerConfig()
 
 

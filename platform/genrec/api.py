@@ -21,10 +21,12 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 MAX_BEAM_WIDTH = 1024
 # The request kinds (routes) each model family answers: a Qwen3 semantic-ID decoder, an HSTU ranker.
@@ -68,6 +70,58 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def field_error(model: BaseModel, field: str, problem: str) -> ValidationError:
+    """A check across fields, as an error located at the field it is about (a ValueError from a model validator
+    would be located at the model itself); raise it from the validator."""
+    kind = PydanticCustomError("invalid", "{problem}", {"problem": problem})
+    detail = InitErrorDetails(type=kind, loc=(field,), input=getattr(model, field, None))
+    return ValidationError.from_exception_data(type(model).__name__, [detail])
+
+
+# Pydantic's error types in genrec's words (`error_message`); a type not here keeps pydantic's message.
+_WORDS = {
+    "missing": "is required",
+    "extra_forbidden": "is not a field of this request",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "string_type": "must be text (a string)",
+    "list_type": "must be a list",
+    "tuple_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be above {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be below {lt}",
+    "literal_error": "must be {expected}",
+}
+
+
+def error_message(error: dict) -> str:
+    """One pydantic error (an item of `ValidationError.errors()`) in genrec's words, without the field."""
+    kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    if kind in ("value_error", "assertion_error") and "error" in ctx:
+        return str(ctx["error"])
+    unit = "characters" if kind.startswith("string") or isinstance(error.get("input"), str) else "items"
+    if kind in ("too_short", "string_too_short"):
+        least = ctx.get("min_length", 1)
+        return "must not be empty" if least == 1 else f"must have at least {least} {unit}"
+    if kind in ("too_long", "string_too_long") and "max_length" in ctx:
+        return f"must have at most {ctx['max_length']} {unit}"
+    if kind in _WORDS:
+        try:
+            return _WORDS[kind].format(**ctx)
+        except (KeyError, IndexError):
+            pass
+    return str(error.get("msg", "invalid")).removeprefix("Value error, ")
+
+
 class ChatMessage(_Strict):
     """One chat message, rendered with the others by the model's own chat template."""
 
@@ -92,16 +146,19 @@ class PromptForms(_Strict):
     def _one_prompt(self):
         given = [name for name in PROMPT_FORMS if getattr(self, name) is not None]
         if not given:
-            raise ValueError("give exactly one of 'prompt' (text), 'messages' (chat) or 'prompt_token_ids'")
-        if len(given) > 1:  # the message quotes only the fields given: the batch jobs name the first
+            raise field_error(
+                self, "prompt", "give exactly one of 'prompt' (text), 'messages' (chat) or 'prompt_token_ids'"
+            )
+        if len(given) > 1:  # located at the first form given (a batch job's error row names it); quotes them all
             both = " and ".join(f"'{name}'" for name in given)
-            raise ValueError(f"{both} were given: give exactly one prompt form (text, chat messages or token IDs)")
+            problem = f"{both} were given: give exactly one prompt form (text, chat messages or token IDs)"
+            raise field_error(self, given[0], problem)
         if self.prompt is not None and not self.prompt.strip():
-            raise ValueError("'prompt' is empty")
+            raise field_error(self, "prompt", "'prompt' is empty")
         if self.messages is not None and not self.messages:
-            raise ValueError("'messages' is empty")
+            raise field_error(self, "messages", "'messages' is empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
-            raise ValueError("'prompt_token_ids' is empty")
+            raise field_error(self, "prompt_token_ids", "'prompt_token_ids' is empty")
         return self
 
     @property
@@ -238,12 +295,22 @@ BEAM_WIDTHS_HELP = (
 )
 
 
+NUM_RESULTS_HELP = (
+    "codes whose items are returned (default and at most: beam_width). Results are items, beams are codes: the "
+    "result holds every item of the best num_results codes, a code several items share giving them all, adjacent "
+    "(so more items than num_results where codes are shared; `codes` says how many). A two-stage recommend's "
+    "ranker orders items, not codes: its answer is cut to num_results items"
+)
+
+
 class RetrieveRequest(PromptInput, Filtered):
-    beam_width: Int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams kept at the last level (the results)")
+    beam_width: Int = Field(
+        30, ge=1, le=MAX_BEAM_WIDTH, description="codes kept at the last level: the beams the results come from"
+    )
     beam_widths: list[Annotated[Int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
         None, min_length=1, description=BEAM_WIDTHS_HELP
     )
-    num_results: Int | None = Field(None, ge=1, description="default: beam_width")
+    num_results: Int | None = Field(None, ge=1, description=NUM_RESULTS_HELP)
     exclude_item_ids: list[Text] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -251,12 +318,14 @@ class RetrieveRequest(PromptInput, Filtered):
         if self.beam_widths is not None:
             last = self.beam_widths[-1]
             if "beam_width" in self.model_fields_set and self.beam_width != last:
-                raise ValueError(f"beam_width ({self.beam_width}) differs from the last of beam_widths ({last})")
+                problem = f"{self.beam_width} differs from the last of beam_widths ({last}): give one, or the same"
+                raise field_error(self, "beam_width", problem)
             self.beam_width = last
         if self.num_results is None:
             self.num_results = self.beam_width
         if self.num_results > self.beam_width:
-            raise ValueError(f"num_results ({self.num_results}) exceeds beam_width ({self.beam_width})")
+            problem = f"{self.num_results} is above beam_width ({self.beam_width}): the results come from its beams"
+            raise field_error(self, "num_results", problem)
         return self
 
 
@@ -288,13 +357,14 @@ class Candidate(_Strict):
     def _one_form(self):
         given = [name for name in ("item_id", "token_ids", "text") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"a candidate needs exactly one of item_id, token_ids, text (got {given or 'none'})")
+            problem = f"a candidate needs exactly one of item_id, token_ids, text (got {given or 'none'})"
+            raise field_error(self, given[1] if given else "item_id", problem)
         if self.text is not None and not self.text.strip():
-            raise ValueError("candidate 'text' is empty")
+            raise field_error(self, "text", "candidate 'text' is empty")
         if self.token_ids is not None and not self.token_ids:
-            raise ValueError("candidate 'token_ids' is empty")
+            raise field_error(self, "token_ids", "candidate 'token_ids' is empty")
         if self.item_id is not None and not self.item_id:
-            raise ValueError("candidate 'item_id' is empty")
+            raise field_error(self, "item_id", "candidate 'item_id' is empty")
         return self
 
 
@@ -344,7 +414,7 @@ class RecommendRequest(RetrieveRequest):
     @model_validator(mode="after")
     def _weight_with_joint(self):
         if self.score_weight != 1.0 and self.rank_by != "joint":
-            raise ValueError("'score_weight' applies to rank_by 'joint' only")
+            raise field_error(self, "score_weight", "'score_weight' applies to rank_by 'joint' only")
         return self
 
 

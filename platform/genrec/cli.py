@@ -91,7 +91,29 @@ def build_ids(
     typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))
 
 
-@catalog_app.command("import")
+NEW_VERSION = (
+    "Every change is a new file, written atomically: catalog-<hash12>.parquet beside the model's catalog (its name "
+    "carries its content hash), or --out's. The JSON summary names it and its catalog_version: put the path in the "
+    "Serve config's user_config `catalog` and deploy."
+)
+OUT_HELP = "the catalog file to write (default: MODEL_DIR/genrec/catalog-<hash12>.parquet, a new version)"
+IN_PLACE_HELP = (
+    "rewrite the catalog changed (or --out's file) in place; replicas serving it do not reload it (their "
+    "user_config is unchanged): restart them"
+)
+IMPORT_HELP = f"""Read an item map into a catalog of MODEL_DIR, every code checked against
+the model's tokenizer and SID layout (an error names the row and the item); prints a JSON summary. A model without a
+catalog gets it as its own, MODEL_DIR/genrec/catalog.parquet. {NEW_VERSION} Replacing a trained catalog (build-ids'
+codebooks beside it) needs --force, which deletes the codebooks."""
+ADD_HELP = f"""Code new items from their embeddings with the codebooks build-ids kept
+(nearest code level by level, then the first free last-level code under the prefix) and write the catalog with them
+appended; the existing items keep their codes. {NEW_VERSION}"""
+RETIRE_HELP = f"""Remove items from the catalog (their codes become free for `catalog add`).
+{NEW_VERSION}"""
+BASE_HELP = "the catalog version to change (default: MODEL_DIR/genrec/catalog.parquet)"
+
+
+@catalog_app.command("import", help=IMPORT_HELP)
 def catalog_import(
     model_dir: Path = typer.Argument(..., help="the model directory whose tokenizer the codes must fit"),
     source: Path = typer.Argument(..., help="pid2sid.parquet, *.index.json, a SID-GR *.jsonl, or a catalog.parquet"),
@@ -102,53 +124,44 @@ def catalog_import(
         help="first write MODEL_DIR/genrec/sid_layout.json naming this preset (openonerec | minionerec | genrec), "
         "for a layout the token names do not tell (MiniOneRec: codes end with \\n then EOS)",
     ),
+    out: Path = typer.Option(None, help=OUT_HELP),
+    in_place: bool = typer.Option(False, "--in-place", help="replace MODEL_DIR/genrec/catalog.parquet (or --out's)"),
+    force: bool = typer.Option(False, "--force", help="replace a trained catalog, deleting its codebooks"),
 ):
-    """Read an item map into MODEL_DIR/genrec/catalog.parquet (written atomically), every code checked against
-    the model's tokenizer and SID layout (an error names the row and the item); prints a JSON summary."""
     from genrec.catalog.importers import import_catalog
 
-    summary = import_catalog(model_dir, source, fmt, layout_preset=layout)
+    summary = import_catalog(model_dir, source, fmt, out, layout_preset=layout, in_place=in_place, force=force)
     if summary.warning:
         typer.echo(f"warning: {summary.warning}", err=True)
     typer.echo(json.dumps(summary.as_dict()))
 
 
-CATALOG_TO_CHANGE = "the catalog version to change (default: MODEL_DIR/genrec/catalog.parquet)"
-
-
-@catalog_app.command("add")
+@catalog_app.command("add", help=ADD_HELP)
 def catalog_add(
     model_dir: Path = typer.Argument(..., help="a model directory whose catalog `genrec build-ids` wrote"),
     items: Path = typer.Argument(..., help="Parquet with columns item_id, embedding (list<float>): the new items"),
-    out: Path = typer.Option(None, help="catalog to write (default: the one changed)"),
-    catalog: Path = typer.Option(
-        None, help="the catalog version to change (default: MODEL_DIR/genrec/catalog.parquet)"
-    ),
+    out: Path = typer.Option(None, help=OUT_HELP),
+    catalog: Path = typer.Option(None, help=BASE_HELP),
+    in_place: bool = typer.Option(False, "--in-place", help=IN_PLACE_HELP),
 ):
-    """Code new items from their embeddings with the codebooks build-ids kept (nearest code level by level, then
-    the first free last-level code under the prefix) and write the catalog with them appended, atomically; the
-    existing items keep their codes. Prints a JSON summary with the new catalog's version (a content hash)."""
     from genrec.catalog.changes import add_items
 
-    typer.echo(json.dumps(add_items(model_dir, items, out, catalog).as_dict()))
+    typer.echo(json.dumps(add_items(model_dir, items, out, catalog, in_place).as_dict()))
 
 
-@catalog_app.command("retire")
+@catalog_app.command("retire", help=RETIRE_HELP)
 def catalog_retire(
     model_dir: Path = typer.Argument(..., help="the model directory"),
-    items: str = typer.Option(
-        ..., "--items", help="item IDs, comma-separated, or a file of them (one a line, or Parquet with item_id)"
-    ),
-    out: Path = typer.Option(None, help="catalog to write (default: the one changed)"),
-    catalog: Path = typer.Option(
-        None, help="the catalog version to change (default: MODEL_DIR/genrec/catalog.parquet)"
-    ),
+    items: str = typer.Option(None, "--items", help="item IDs, separated by commas"),
+    items_file: Path = typer.Option(None, "--items-file", help="a file of item IDs: one a line, or Parquet (item_id)"),
+    out: Path = typer.Option(None, help=OUT_HELP),
+    catalog: Path = typer.Option(None, help=BASE_HELP),
+    in_place: bool = typer.Option(False, "--in-place", help=IN_PLACE_HELP),
 ):
-    """Remove items from the catalog (their codes become free for `catalog add`) and write it atomically. Prints a
-    JSON summary with the new catalog's version (a content hash)."""
     from genrec.catalog.changes import read_item_list, retire_items
 
-    typer.echo(json.dumps(retire_items(model_dir, read_item_list(items), out, catalog).as_dict()))
+    retired = retire_items(model_dir, read_item_list(items, items_file), out, catalog, in_place)
+    typer.echo(json.dumps(retired.as_dict()))
 
 
 @app.command("model-version")

@@ -30,12 +30,20 @@ class EngineOptions(BaseModel):
         description="tokens of one score or recommend candidate; beyond: 4xx (default: the longest candidate one "
         "scoring pass holds)",
     )
-    cuda_fast: bool = Field(False, description="the unverified CUDA fast path (custom kernels, CUDA graphs)")
+    cuda_fast: bool | None = Field(
+        None,
+        description="the CUDA fast path (FlashAttention-2 varlen, decode passes replayed as CUDA graphs captured at "
+        "start); default: on with CUDA, false opts out; no effect on the CPU",
+    )
+    cuda_graph_max_rows: int | None = Field(
+        None, ge=16, description="rows of the largest decode pass captured as a CUDA graph at start (default 2048)"
+    )
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments of `Engine.from_pretrained` (besides the model directory and the device). A derived
         default is left out: the options it derives from name it, so a batch run's identity stays as it was."""
         kwargs = self.model_dump(include=set(EngineOptions.model_fields))
-        if kwargs["max_candidate_len"] is None:
-            del kwargs["max_candidate_len"]
+        for derived in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows"):  # by the others, or by the device
+            if kwargs[derived] is None:
+                del kwargs[derived]
         return kwargs

@@ -31,7 +31,7 @@ def show_catalog_change(app, model_dir: Path, item_vectors: dict[str, list[float
     top = [item["item_id"] for item in before["items"][:RETIRED]]
     say(f"\ncatalog {before['catalog_version']}: retrieve gives " + _shown(before, titles))
 
-    retired = _genrec("catalog", "retire", model_dir, "--items", ",".join(top), "--out", versions / "retired.parquet")
+    retired = _genrec("catalog", "retire", model_dir, "--items", ",".join(top))  # model_dir/genrec/catalog-<hash>
     names = "; ".join(titles[i] for i in top)
     say(f"genrec catalog retire: {RETIRED} movies out ({names}) -> catalog {retired['catalog_version']}")
     after_retire = _serve(app, Path(retired["catalog"]), retired["catalog_version"], retrieve, latencies)
@@ -41,8 +41,7 @@ def show_catalog_change(app, model_dir: Path, item_vectors: dict[str, list[float
 
     embeddings = versions / "returning.parquet"
     pq.write_table(pa.table({"item_id": top, "embedding": [item_vectors[i] for i in top]}), embeddings)
-    added = _genrec("catalog", "add", model_dir, embeddings, "--catalog", retired["catalog"],
-                    "--out", versions / "added-back.parquet")  # fmt: skip
+    added = _genrec("catalog", "add", model_dir, embeddings, "--catalog", retired["catalog"])
     say(f"genrec catalog add: the {RETIRED} back from their SVD factors -> catalog {added['catalog_version']}")
     back = _serve(app, Path(added["catalog"]), added["catalog_version"], retrieve, latencies)
     say(f"catalog {back['catalog_version']} (deployed live): retrieve gives " + _shown(back, titles))

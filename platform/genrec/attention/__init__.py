@@ -9,19 +9,19 @@ By concern:
 - `varlen`: the context part of many requests in one call over a token-major pool (plain-torch reference,
   and FlashAttention-2 varlen on CUDA when the engine's `fast` option asks for it);
 - `rows`: which rows of a pass read which pooled context (built once per pass, used by every layer);
-- `static`: the same context call over fixed-size index tensors, for a decode pass a CUDA graph replays.
+- `static`: the same context call over fixed-size index tensors, one call per layer whatever the spans, for a
+  decode pass a CUDA graph replays.
 """
 
 from genrec.attention.merge import shared_context_attention
 from genrec.attention.rows import ContextGroup, ContextRows, PrefillRows
-from genrec.attention.static import SpanIndex, StaticContext, StaticRows, varlen_op
+from genrec.attention.static import StaticContext, StaticRows, varlen_op
 from genrec.attention.varlen import Spans, context_attention, varlen_attention, varlen_reference
 
 __all__ = [
     "ContextGroup",
     "ContextRows",
     "PrefillRows",
-    "SpanIndex",
     "Spans",
     "StaticContext",
     "StaticRows",

@@ -71,3 +71,18 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     weight_b = torch.exp(lse_b - lse).nan_to_num(0.0).T[..., None]
     out = out_a.float() * weight_a + out_b.float() * weight_b
     return out.to(out_a.dtype), lse
+
+
+def merge_spans(out: torch.Tensor, lse: torch.Tensor, spans: int):
+    """The same M queries over `spans` disjoint key sets, computed as one batch of spans * M rows (span-major:
+    out [spans * M, H, D], lse [H, spans * M]), merged exactly into (out [M, H, D], lse [H, M]) in a fixed number of
+    kernels. A span without keys (lse -inf, out 0) adds nothing; a row with no keys at all gets 0 and -inf."""
+    H = lse.shape[0]
+    lse = lse.view(H, spans, -1)
+    top = lse.amax(dim=1, keepdim=True)
+    top = top.masked_fill(top == float("-inf"), 0.0)  # no keys in any span: weights exp(-inf) = 0, not NaN
+    weight = torch.exp(lse - top)  # [H, spans, M]
+    total = weight.sum(dim=1)  # [H, M]
+    merged = torch.einsum("smhd,hsm->mhd", out.view(spans, -1, *out.shape[1:]).float(), weight)
+    merged = merged / total.clamp_min(torch.finfo(total.dtype).tiny).T[..., None]
+    return merged.to(out.dtype), torch.log(total) + top[:, 0]

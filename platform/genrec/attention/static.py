@@ -1,7 +1,7 @@
 """The context call with static shapes, for the decode pass a CUDA graph replays.
 
 The request mix, widths and context lengths are data in fixed-size index tensors, never shapes, so a decode
-pass has the same op shapes whatever its mix (see `genrec.engine.static_batch`).
+pass has the same op shapes whatever its mix (see `genrec.engine.decode_batch`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec.attention.merge import merge_partials
+from genrec.attention.merge import merge_spans
 from genrec.attention.varlen import Spans, varlen_reference
 
 
@@ -49,22 +49,24 @@ def _varlen_op_cuda(q, k, v, cu_q, cu_k, used_k, row_empty, max_q, max_k, scale,
 
 
 @dataclass(frozen=True)
-class SpanIndex:
-    """Span j of every sequence: keys at cu_k[b] for used_k[b] tokens; row_empty [M]: rows whose span is empty."""
+class StaticContext:
+    """The context part of a decode pass over `rows` query rows: ONE varlen call per layer, whatever the spans.
 
+    A context made of several spans (reused prefix pieces, then its own part) reads them as several sequences of the
+    same queries: the rows are repeated once per span (`spans` blocks, span-major), sequence s of block j is
+    request s's rows over its span j (empty where it has fewer), and the blocks' partial softmaxes merge exactly
+    (`merge_spans`). With one span (no prefix reuse: the common pass) there is no repeat and no merge. Index
+    tensors of fixed size: cu_q [spans * (rows + 1) + 1] (query offsets into the repeated rows), cu_k the same size
+    (key offsets in the pool), used_k [spans * (rows + 1)], row_empty [spans * rows] (repeated rows without keys).
+    """
+
+    pool: object  # a KVPool
+    rows: int
+    spans: int
+    cu_q: torch.Tensor
     cu_k: torch.Tensor
     used_k: torch.Tensor
     row_empty: torch.Tensor
-
-
-@dataclass(frozen=True)
-class StaticContext:
-    """The context part of a decode pass: a pool, the queries' sequences (cu_q), and one SpanIndex per span of
-    the contexts (a context reused prefix pieces: several spans), merged exactly."""
-
-    pool: object  # a KVPool
-    cu_q: torch.Tensor
-    spans: tuple[SpanIndex, ...]
     fast: bool = False
 
     def at_layer(self, i: int) -> StaticRows:
@@ -81,9 +83,7 @@ class StaticRows:
     def attend(self, q: torch.Tensor, scale: float):
         c = self.context
         k, v = c.pool.k[self.layer], c.pool.v[self.layer]
-        out = lse = None
-        for s in c.spans:
-            args = (c.cu_q, s.cu_k, s.used_k, s.row_empty, q.shape[0], c.pool.tokens, scale, c.fast)
-            o, e = varlen_op(q, k, v, *args)
-            out, lse = (o, e) if out is None else merge_partials(out, lse, o, e)
-        return out, lse
+        queries = q if c.spans == 1 else q.repeat(c.spans, 1, 1)
+        args = (c.cu_q, c.cu_k, c.used_k, c.row_empty, queries.shape[0], c.pool.tokens, scale, c.fast)
+        out, lse = varlen_op(queries, k, v, *args)
+        return (out, lse) if c.spans == 1 else merge_spans(out, lse, c.spans)

@@ -1,6 +1,6 @@
 """The context part of many requests in one call: each sequence's queries over its own span of a token-major
 pool (gaps allowed). Plain torch on the CPU (the reference); FlashAttention-2 varlen on CUDA when the caller
-passes `fast` (the engine's `cuda_fast` option: off until a GPU run has verified it against the reference)."""
+passes `fast` (the engine's `cuda_fast` option, on by default with CUDA; verified on an H200 against this reference)."""
 
 from __future__ import annotations
 

@@ -144,6 +144,8 @@ def _kind(field) -> dict:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     if annotation is bool:
+        if field.default is None:  # on, off, or derived (e.g. --cuda-fast / --no-cuda-fast, default: by the device)
+            return {"action": argparse.BooleanOptionalAction}
         return {"action": "store_false" if field.default is True else "store_true"}
     if typing.get_origin(annotation) is typing.Literal:
         return {"choices": typing.get_args(annotation)}

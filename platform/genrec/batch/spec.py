@@ -80,7 +80,7 @@ class RecommendSpec(JobSpec):
     beam_widths: list[Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
         None, min_length=1, description="a beam width per code level, e.g. 32,128,256 (beam_width is the last)"
     )
-    num_results: int | None = Field(None, ge=1, description="items per user (default: beam_width)")
+    num_results: int | None = Field(None, ge=1, description="codes per user, all their items (default: beam_width)")
     score: bool = Field(False, description="recommend: label-score the retrieved and the given items, one prefill")
     order_by: Literal["score", "joint"] = Field(
         "score", description="with score: by the label's logprob, or by the item's + score_weight * the label's"

@@ -19,7 +19,7 @@ import typer
 bench_app = typer.Typer(
     help="Benchmarks: each prints JSON with ratios against a baseline of the same run.", no_args_is_help=True
 )
-CUDA_FAST = "CUDA: FA2 varlen + decode graphs (unverified)"
+CUDA_FAST = "CUDA: FA2 varlen + decode graphs captured at start (default: on with CUDA)"
 BLOCK_TOKENS = 16  # a prefix-cache block (genrec.engine.prefix_cache.BLOCK; this module stays free of torch)
 PEER = "vllm: also run vLLM on the same model and prompts (`make peers`)"
 
@@ -88,7 +88,7 @@ class RetrieveOptions:
         False, "also time a cache miss: the same prompts on an engine with the prefix cache on, each a new user's"
     )
     peer: str | None = opt(None, PEER)
-    cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
+    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
     beam_widths: str | None = opt(
         None,
         "also time this per-level schedule, one width per code level ending with --beam-width (e.g. 32,128,256 with "
@@ -128,7 +128,7 @@ class SidCatalogOptions:
     device: str = device_opt()
     repeats: int = opt(5, min=1)
     build_repeats: int = opt(3, "trie builds timed", min=1)
-    cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
+    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
 
 
 @bench("filter", "filters.run")
@@ -161,7 +161,7 @@ class ScoreOptions:
     repeats: int = opt(3, min=1)
     fanout_sample: int = opt(50, "fan-out forwards actually timed (the rest are the same cost)", min=1)
     peer: str | None = opt(None, PEER)
-    cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
+    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
 
 
 @bench("load", "load.run")
@@ -180,7 +180,7 @@ class LoadOptions:
     device: str = device_opt()
     burst: int = opt(64, "requests sent at once to measure saturation throughput", min=1)
     max_running: int | None = opt(None, "requests the engine runs at once (default: 8 on CUDA, 64 on CPU)", min=1)
-    cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
+    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
     threads: int | None = opt(None, "torch threads (default: torch's, one per core)", min=1)
     pin: bool = opt(False, "bind the threads to --threads cores (Linux; needs --threads)", "--pin")
     plot: Path | None = opt(None, "PNG: latency against offered load")
@@ -223,7 +223,7 @@ class ReturningOptions:
     rate: float = opt(0.5, "offered load for the p50/p99 figures, requests per second")
     duration: float = opt(20.0, min=0.1)
     repeats: int = opt(5, "returning requests timed for the single-user figure", min=1)
-    cuda_fast: bool = opt(False, CUDA_FAST, "--cuda-fast")
+    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
     serve: bool = opt(
         False,
         "instead: through a local Serve app with 2 engine replicas (CPU), reuse rate with genrec's user router and "

@@ -154,7 +154,7 @@ def compile_seconds(served, o: FilterOptions, repeats: int = 5) -> float:
     """Median seconds to compile a filter's mask alone (a fresh cache each time, the attribute column prepared)."""
     times = []
     for k in range(repeats):
-        masks = FilterMasks(served.catalog, served.trie, served.filters.device)
+        masks = FilterMasks(served.catalog, served.trie)
         masks.attributes = served.filters.attributes  # its columns already prepared, as after the first request
         start = time.perf_counter()
         masks.get(RetrieveRequest(prompt="x", filters=genre_filter(k, o.genres)))

@@ -133,7 +133,7 @@ def pooled_cohorts(engine, prepared: list, pool):
         ctx = pool.context(len(p.token_ids))
         logits = engine.runner.prefill([(p, ctx, 0, len(p.token_ids))])
         slots = pool.reserve(slots_needed(decoder(engine).trie, [p.request.beam_width]))
-        cohorts.append(start_cohort(decoder(engine).trie, [p], [ctx], logits, slots=slots))
+        cohorts.append(start_cohort(p.served.device_trie(), [p], [ctx], logits, slots=slots))
     return cohorts
 
 

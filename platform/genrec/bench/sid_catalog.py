@@ -33,8 +33,9 @@ def run(o: SidCatalogOptions) -> dict:
     build_s = statistics.median(_build_seconds(large, layout) for _ in range(o.build_repeats))
     dtype = torch.bfloat16 if o.device.startswith("cuda") else torch.float32
     model = directory.load_model(o.device, dtype)
+    fast = o.cuda_fast if o.cuda_fast is not None else o.device.startswith("cuda")
     engines = {
-        name: Engine(Decoder(model, tokenizer, catalog, None, layout, fast=o.cuda_fast), COLD)
+        name: Engine(Decoder(model, tokenizer, catalog, None, layout, fast=fast), COLD, fast=fast)
         for name, catalog in (("large", large), ("small", small))
     }
     generator = torch.Generator().manual_seed(0)

@@ -4,11 +4,17 @@ Codes may have different lengths (MiniOneRec's 4th token only on colliding items
 one code (OpenOneRec has no disambiguating level). Items sharing a code are ordered by the optional `popularity`
 column, highest first, ties (and no column) in catalog row order. Every other column is an item attribute, kept
 row-aligned in `Catalog.attributes` (what request filters test: genrec.catalog.filters).
+
+A catalog version written by genrec is named by its content hash, `catalog-<hash12>.parquet` (`versioned_name`):
+a changed catalog is a changed file name, so a Serve config naming it changes too and every replica loads it. A
+file whose name carries a hash is checked against it whenever it is hashed (`catalog_version`): a file changed
+after it was written is refused, never served under a version it is not.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,9 +24,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from genrec.errors import CatalogError
+from genrec.files import write_atomically
 
 PAD = -1  # past the end of a shorter code in `Catalog.codes`
 CATALOG_COLUMNS = ("item_id", "semantic_id", "popularity")  # every other column is an item attribute
+_VERSIONED_NAME = re.compile(r"catalog-([0-9a-f]{12})\.parquet")
 
 
 @dataclass
@@ -65,9 +73,10 @@ class Catalog:
         return self._index.get(item_id)
 
     @classmethod
-    def load(cls, path: Path, layout=None, version: str | None = None) -> Catalog:
+    def load(cls, path: str | Path, layout=None, version: str | None = None) -> Catalog:
         """`layout`: the model's SidLayout (genrec.model.sid_layout), every code checked against it. `version`: the
         file's `catalog_version` when the caller has hashed it already."""
+        path = Path(path)
         if path.is_dir():
             raise CatalogError(path, "is a directory; the catalog must be one Parquet file")
         if not path.exists():
@@ -106,7 +115,7 @@ class Catalog:
         return cls(np.asarray(item_ids, dtype=object), code_array, lengths, pop, attributes=attrs)
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Written atomically (genrec.files): a reader of `path` sees the old catalog or this one."""
         offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
         tokens = pa.array(self.codes[self.codes != PAD].astype(np.int32))  # row-major: each code, then the next
         columns = {
@@ -117,16 +126,49 @@ class Catalog:
             columns["popularity"] = pa.array(self.popularity, pa.float64())
         for name in self.attributes.column_names if self.attributes is not None else ():
             columns[name] = self.attributes.column(name)
-        pq.write_table(pa.table(columns), path)
+        write_atomically(path, parquet_bytes(pa.table(columns)))
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """The Parquet file of `table`, in memory (hashed before it is named, then written atomically)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def bytes_version(data: bytes) -> str:
+    """The `catalog_version` of a catalog file's bytes."""
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def catalog_version(path: Path) -> str:
-    """A content hash of a catalog file: its version (what answers and batch rows name as `catalog_version`)."""
+    """A content hash of a catalog file: its version (what answers and batch rows name as `catalog_version`).
+    Raises CatalogError when the file's name carries another hash (`versioned_name`): it was changed after it was
+    written."""
     digest = hashlib.sha256()
     with Path(path).open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()[:16]
+    version = digest.hexdigest()[:16]
+    named = named_hash(path)
+    if named is not None and not version.startswith(named):
+        raise CatalogError(
+            path,
+            f"its content hash is {version[:12]}, not the {named} its name carries: the file was changed after it was "
+            "written (a catalog version is never rewritten; write a new one with `genrec catalog`)",
+        )
+    return version
+
+
+def versioned_name(version: str) -> str:
+    """The file name of a catalog version: `catalog-<the first 12 hex of its catalog_version>.parquet`."""
+    return f"catalog-{version[:12]}.parquet"
+
+
+def named_hash(path: str | Path) -> str | None:
+    """The hash a catalog file's name carries (12 hex, `versioned_name`); None when the name carries none."""
+    match = _VERSIONED_NAME.fullmatch(Path(path).name)
+    return match.group(1) if match else None
 
 
 def _item_ids(table: pa.Table, path) -> np.ndarray:

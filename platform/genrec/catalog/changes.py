@@ -6,7 +6,11 @@ the residual, the farthest of the items that want a prefix with too few free cod
 prefix are numbered 0, 1, ...; a retired item's index is free again). An item with no free code under any prefix
 is refused, naming it. The existing items keep their codes and rows; new rows are appended (attribute columns
 null, popularity 0 when the catalog has that column). Retiring removes rows, freeing their codes; it needs no
-codebooks. The new catalog is written atomically and named by a content hash of the file (`catalog_version`).
+codebooks.
+
+Every change (an import's too, `write_version`) is a new file, `catalog-<hash12>.parquet` beside the model's
+catalog (its name carries its content hash, `catalog_version`), or `--out`'s; it is written atomically. A file that
+exists already is rewritten only when asked (`in_place`): a replica serving it would not see the change.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import pyarrow.parquet as pq
 import torch
 
 from genrec.catalog.build_ids import _checked_matrix, _rank_within, read_item_embeddings
-from genrec.catalog.catalog import Catalog, _codes, catalog_version
+from genrec.catalog.catalog import Catalog, _codes, bytes_version, named_hash, parquet_bytes, versioned_name
 from genrec.catalog.codebooks import Codebooks
-from genrec.catalog.importers import write_atomically
 from genrec.errors import CatalogError, GenrecError
+from genrec.files import write_atomically
 
 
 @dataclass(frozen=True)
@@ -39,28 +43,40 @@ class CatalogChange:
 
 
 def add_items(
-    model_dir: str | Path, items_path: str | Path, out: str | Path | None = None, base: str | Path | None = None
+    model_dir: str | Path,
+    items_path: str | Path,
+    out: str | Path | None = None,
+    base: str | Path | None = None,
+    in_place: bool = False,
 ) -> CatalogChange:
     """Code the items of `items_path` (Parquet: item_id, embedding) and write the catalog `base` (default the
-    model's, MODEL_DIR/genrec/catalog.parquet) with them appended to `out` (default: `base` itself). The codebooks
-    are the ones build-ids kept beside the model's catalog."""
+    model's, MODEL_DIR/genrec/catalog.parquet) with them appended as a new version (`write_version`: `out`, or
+    beside the model's catalog; `in_place`: `base` itself). The codebooks are the ones build-ids kept beside the
+    model's catalog; a catalog imported from another project is refused (its codes are not theirs)."""
     directory, layout, catalog, base = _open(model_dir, base)
     codebooks = Codebooks.load(Codebooks.path_beside(directory.catalog_path))
     codebooks.check_layout(layout, Codebooks.path_beside(directory.catalog_path))
+    table = pq.read_table(base)
+    if IMPORTED_KEY in (table.schema.metadata or {}):
+        raise CatalogError(base, f"was imported (`genrec catalog import`): {NO_CODEBOOKS_OF_IMPORT}")
     item_ids, vectors = read_item_embeddings(Path(items_path))
     _check_new_ids(item_ids, catalog, items_path)
     embeddings = _checked_embeddings(vectors, codebooks.dim, item_ids, items_path)
     codes = new_codes(catalog, layout, codebooks, embeddings, item_ids, items_path)
-    table = pq.read_table(base)
     new_rows = _rows_like(table, item_ids.tolist(), codes)
-    return _write(pa.concat_tables([table, new_rows], promote_options="default"), layout, out or base, len(codes), 0)
+    table = pa.concat_tables([table, new_rows], promote_options="default")
+    return _write(table, layout, directory.catalog_path.parent, out, base if in_place else None, len(codes), 0)
 
 
 def retire_items(
-    model_dir: str | Path, item_ids: list[str], out: str | Path | None = None, base: str | Path | None = None
+    model_dir: str | Path,
+    item_ids: list[str],
+    out: str | Path | None = None,
+    base: str | Path | None = None,
+    in_place: bool = False,
 ) -> CatalogChange:
-    """Remove `item_ids` from the catalog `base` (their codes become free) and write it (`out`; both as add_items)."""
-    _, layout, catalog, base = _open(model_dir, base)
+    """Remove `item_ids` from the catalog `base` (their codes become free) and write a new version (as add_items)."""
+    directory, layout, catalog, base = _open(model_dir, base)
     retired = list(dict.fromkeys(item_ids))
     unknown = [item for item in retired if catalog.index_of(item) is None]
     if unknown:
@@ -70,27 +86,68 @@ def retire_items(
     keep = np.ones(len(catalog), dtype=bool)
     keep[[catalog.index_of(item) for item in retired]] = False
     table = pq.read_table(base).filter(pa.array(keep))
-    return _write(table, layout, out or base, 0, len(retired))
+    return _write(table, layout, directory.catalog_path.parent, out, base if in_place else None, 0, len(retired))
 
 
-def read_item_list(value: str) -> list[str]:
-    """`--items`: a file of item IDs (Parquet with item_id, else one ID a line) or IDs separated by commas."""
-    path = Path(value)
-    if path.is_file():
-        if path.suffix == ".parquet":
-            try:
-                table = pq.read_table(path, columns=["item_id"])
-            except (pa.ArrowException, OSError, KeyError) as err:
-                raise GenrecError(f"--items {path}: not Parquet with an item_id column ({err})") from None
-            ids = [str(item) for item in table.column("item_id").to_pylist() if item is not None]
-        else:
-            ids = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+IMPORTED_KEY = b"genrec.imported_from"  # Parquet metadata of an imported catalog (kept by add / retire)
+NO_CODEBOOKS_OF_IMPORT = (
+    "its codes were not made with the codebooks beside the model's catalog, so new items cannot be coded into it; "
+    "build a catalog with `genrec build-ids` to add items"
+)
+
+
+def write_version(table: pa.Table, folder: Path, out: str | Path | None, rewrite: Path | None) -> tuple[Path, str]:
+    """`table` written as a catalog version: to `out`, else over `rewrite` (in place), else to
+    folder/catalog-<hash12>.parquet. A file already there is replaced only when in place (`rewrite` given) or when
+    its name carries this very content's hash. Returns (path, catalog_version)."""
+    data = parquet_bytes(table)
+    version = bytes_version(data)
+    target = Path(out) if out is not None else rewrite or folder / versioned_name(version)
+    named = named_hash(target)
+    if target.is_dir():
+        raise GenrecError(f"--out {target}: is a directory; name the catalog file to write (or leave --out out)")
+    if named is not None and not version.startswith(named):
+        raise GenrecError(
+            f"{target}: its name carries the hash {named}, the new catalog's is {version[:12]}: a catalog version is "
+            f"never rewritten (leave out --out / --in-place to write {versioned_name(version)})"
+        )
+    if target.exists() and rewrite is None and named is None:
+        raise GenrecError(
+            f"{target}: exists; a catalog is rewritten in place only with --in-place (a replica serving it would not "
+            "see the change): leave --out out to write a new version, catalog-<hash>.parquet"
+        )
+    write_atomically(target, data)
+    return target, version
+
+
+def read_item_list(items: str | None, items_file: str | Path | None = None) -> list[str]:
+    """The item IDs of `--items` (separated by commas) or of `--items-file` (Parquet with item_id, else one ID a
+    line): exactly one of them."""
+    if (items is None) == (items_file is None):
+        raise GenrecError("give the items to retire as --items A,B,... or --items-file FILE (one of them)")
+    if items is not None:
+        ids, given = [part.strip() for part in items.split(",")], f"--items {items[:60]!r}"
     else:
-        ids = [part.strip() for part in value.split(",")]
+        ids, given = _ids_in_file(Path(items_file)), f"--items-file {items_file}"
     ids = [item for item in ids if item]
     if not ids:
-        raise GenrecError(f"--items {value!r}: names no item (IDs separated by commas, or a file of them)")
+        raise GenrecError(f"{given}: names no item")
     return ids
+
+
+def _ids_in_file(path: Path) -> list[str]:
+    if not path.is_file():
+        raise GenrecError(f"--items-file {path}: no such file")
+    if path.suffix == ".parquet":
+        try:
+            table = pq.read_table(path, columns=["item_id"])
+        except (pa.ArrowException, OSError, KeyError) as err:
+            raise GenrecError(f"--items-file {path}: not Parquet with an item_id column ({err})") from None
+        return [str(item) for item in table.column("item_id").to_pylist() if item is not None]
+    try:
+        return [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError as err:
+        raise GenrecError(f"--items-file {path}: not UTF-8 text, one item ID a line ({err})") from None
 
 
 def new_codes(catalog: Catalog, layout, codebooks: Codebooks, embeddings, item_ids, source) -> np.ndarray:
@@ -244,9 +301,9 @@ def _rows_like(table: pa.Table, item_ids: list[str], codes: np.ndarray) -> pa.Ta
     return pa.table(columns)
 
 
-def _write(table: pa.Table, layout, out, added: int, retired: int) -> CatalogChange:
-    target = Path(out)
+def _write(table: pa.Table, layout, folder: Path, out, rewrite, added: int, retired: int) -> CatalogChange:
     item_ids = np.array(table.column("item_id").to_pylist(), dtype=object)
-    Catalog.validated(item_ids, _codes(table, target), layout, target)  # the engine loader's checks, before writing
-    write_atomically(table, target)
-    return CatalogChange(added, retired, len(table), target, catalog_version(target))
+    where = Path(out) if out is not None else rewrite or folder
+    Catalog.validated(item_ids, _codes(table, where), layout, where)  # the engine loader's checks, before writing
+    target, version = write_version(table, folder, out, rewrite)
+    return CatalogChange(added, retired, len(table), target, version)

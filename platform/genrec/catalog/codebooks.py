@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from genrec.errors import CatalogError
+from genrec.files import write_atomically
 
 CODEBOOKS_FILE = "codebooks.safetensors"
 NO_CODEBOOKS = (
@@ -47,8 +48,7 @@ class Codebooks:
         tensors = {f"level_{level}": c.contiguous().float() for level, c in enumerate(self.centers)}
         tensors["scale"] = torch.tensor([self.scale], dtype=torch.float32)
         tensors["last_size"] = torch.tensor([self.last_size], dtype=torch.int64)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path))
+        write_atomically(path, save(tensors))
 
     @classmethod
     def load(cls, path: Path) -> Codebooks:

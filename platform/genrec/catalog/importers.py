@@ -12,15 +12,16 @@ Formats (`FORMATS`), told from the file unless forced:
 Every code is checked against the model's tokenizer and SID layout; an error names the file, the row (1-based) and
 the item. A code given with the layout's begin token in front or its ending after has them removed (the catalog
 holds codes without wrappers). A `popularity` column (Parquet) or key (JSONL, top level or in `metadata`) is kept.
-The catalog is written atomically (a temporary file, then a rename), so a server reading the directory never sees
-half a file.
+The catalog is written as a new version (genrec.catalog.changes.write_version: `catalog-<hash12>.parquet` beside
+the model's catalog, or `out`; the model's own `genrec/catalog.parquet` when it has none yet), atomically. Replacing
+a file needs `in_place`, and replacing a trained catalog (build-ids' codebooks beside it) `force` too, which deletes
+the codebooks: they describe the catalog build-ids wrote, not an imported one. An imported catalog is marked so in
+its Parquet metadata, and `genrec catalog add` refuses it.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from genrec.catalog.catalog import CATALOG_COLUMNS, PAD, Catalog, padded_rows
-from genrec.errors import CatalogError, ModelDirectoryError
+from genrec.errors import CatalogError, GenrecError, ModelDirectoryError
+from genrec.files import write_atomically
 
 FORMATS = ("pid2sid", "index-json", "jsonl", "genrec")
 
@@ -76,6 +78,7 @@ class ImportedCatalog:
 @dataclass(frozen=True)
 class ImportSummary:
     catalog: Path
+    catalog_version: str
     format: str
     items: int
     codes: int  # distinct codes
@@ -93,11 +96,17 @@ def import_catalog(
     fmt: str | None = None,
     out: str | Path | None = None,
     layout_preset: str | None = None,
+    in_place: bool = False,
+    force: bool = False,
 ) -> ImportSummary:
     """Read `source` (format `fmt`, or told from the file), check every code against the model's tokenizer and SID
-    layout, and write the model's catalog (`out`, default MODEL_DIR/genrec/catalog.parquet) atomically.
+    layout, and write it as a catalog version (see the module's text: `out`, `in_place`, `force`).
     `layout_preset`: the layout to check against and, once the catalog is written, to record in
     `genrec/sid_layout.json` (`write_layout_preset`); a failed import changes neither file."""
+    from genrec.catalog.changes import IMPORTED_KEY, write_version
+    from genrec.catalog.codebooks import Codebooks
+    from genrec.model.directory import ModelDir
+
     model_dir, source = Path(model_dir), Path(source)
     if not source.is_file():
         raise CatalogError(source, "no such file")
@@ -108,12 +117,23 @@ def import_catalog(
     imported = READERS[fmt](source, tokenizer, layout)
     check_rows(imported, layout, source)
     imported.check_loads(layout, source)
-    target = Path(out) if out is not None else model_dir / "genrec" / "catalog.parquet"
-    write_atomically(imported.table(), target)
-    _drop_codebooks_beside(target)
+    own = ModelDir.catalog_path_of(model_dir)
+    rewrite = own if in_place or not own.exists() else None  # the model's first catalog is its own
+    replaced = Path(out) if out is not None else rewrite
+    trained = replaced is not None and replaced.is_file() and Codebooks.path_beside(replaced).is_file()
+    if trained and not force:
+        raise GenrecError(
+            f"{replaced}: a trained catalog (build-ids' codebooks beside it, which `catalog add` needs); replacing it "
+            "drops them: pass --force to replace it, or leave out --out / --in-place to write a new version beside it"
+        )
+    table = imported.table()
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), IMPORTED_KEY: fmt.encode()})
+    target, version = write_version(table, own.parent, out, rewrite)
+    if trained:
+        Codebooks.path_beside(target).unlink(missing_ok=True)  # they describe the catalog replaced
     if layout_preset is not None:
         write_layout_preset(model_dir, layout_preset)
-    return summarize(imported, fmt, target, layout)
+    return summarize(imported, fmt, target, layout, version)
 
 
 def detect_format(source: Path) -> str:
@@ -274,7 +294,7 @@ def check_rows(imported: ImportedCatalog, layout, source: Path) -> None:
         raise _row_error(source, row, ids[row], f"token {codes[row, pos]} at position {pos} {found}, not level {pos}")
 
 
-def summarize(imported: ImportedCatalog, fmt: str, target: Path, layout) -> ImportSummary:
+def summarize(imported: ImportedCatalog, fmt: str, target: Path, layout, version: str) -> ImportSummary:
     rows = np.ascontiguousarray(imported.codes)  # one opaque value per row: np.unique without axis=0 (faster)
     _, counts = np.unique(rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))), return_counts=True)
     sizes, items = np.unique(imported.lengths, return_counts=True)
@@ -286,6 +306,7 @@ def summarize(imported: ImportedCatalog, fmt: str, target: Path, layout) -> Impo
         )
     return ImportSummary(
         target,
+        version,
         fmt,
         len(imported.lengths),
         len(counts),
@@ -295,29 +316,13 @@ def summarize(imported: ImportedCatalog, fmt: str, target: Path, layout) -> Impo
     )
 
 
-def write_atomically(table: pa.Table, target: Path) -> None:
-    """A temporary file beside the target, then a rename: readers see the old catalog or the new one."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".catalog-", suffix=".parquet", dir=target.parent)
-    os.close(handle)
-    try:
-        pq.write_table(table, temporary)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def write_layout_preset(model_dir: str | Path, preset: str) -> Path:
     """`genrec/sid_layout.json` naming a preset, for a directory whose layout its token names do not tell (a
     MiniOneRec checkpoint's `<a_N>` names read as genrec's, whose codes have no ending). One already there is kept
     when it names the same preset, refused otherwise (it may say more than a preset)."""
     path = _preset_file(Path(model_dir), preset)
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(json.dumps(_preset_body(preset)) + "\n")
-        os.replace(temporary, path)
+        write_atomically(path, (json.dumps(_preset_body(preset)) + "\n").encode())
     return path
 
 
@@ -338,13 +343,6 @@ def _preset_file(model_dir: Path, preset: str) -> Path:
 
 
 # -- small helpers -------------------------------------------------------------------------------------------------
-
-
-def _drop_codebooks_beside(target: Path) -> None:
-    """build-ids' codebooks describe the catalog it wrote, not an imported one: `catalog add` must refuse it."""
-    from genrec.catalog.codebooks import Codebooks
-
-    Codebooks.path_beside(target).unlink(missing_ok=True)
 
 
 def _model_tokens(model_dir: Path, preset: str | None = None):
@@ -432,6 +430,8 @@ def _read_json(source: Path, **options):
         return json.loads(source.read_text(encoding="utf-8"), **options)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CatalogError(source, f"not readable as JSON ({err})") from None
+    except RecursionError:
+        raise CatalogError(source, "not readable as JSON: nested too deeply") from None
 
 
 def _unique_keys(pairs: list, source: Path) -> dict:
@@ -455,6 +455,8 @@ def _json_line(line: str, source: Path, row: int) -> dict:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise CatalogError(source, f"row {row + 1}: not a JSON object ({err})") from None
+    except RecursionError:
+        raise CatalogError(source, f"row {row + 1}: not a JSON object: nested too deeply") from None
     if not isinstance(record, dict):
         raise CatalogError(source, f"row {row + 1}: not a JSON object")
     return record

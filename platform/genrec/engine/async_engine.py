@@ -138,7 +138,9 @@ class AsyncEngine:
         return self.scheduler.reconfigure(**fields)
 
     def metrics(self) -> dict:
-        return {**self.scheduler.metrics.snapshot(), "prefix_cache": self.scheduler.cache.snapshot()}
+        runner = self.engine.runner
+        graphs = {"warmup_s": runner.warmup_s, "uncaptured_passes": runner.uncaptured_passes}
+        return {**self.scheduler.metrics.snapshot(), "prefix_cache": self.scheduler.cache.snapshot(), "graphs": graphs}
 
     @property
     def kv_bytes_reserved(self) -> int:

@@ -301,7 +301,7 @@ def _filter(cohorts: list[BeamCohort], level: int, rows_per_req: list[int], chil
     masks = (f for c in cohorts for f in c.filters)
     for rows, mask in zip(rows_per_req, masks, strict=True):
         if mask is not None:
-            allowed[start : start + rows] &= mask.nodes[level][child[start : start + rows]]
+            allowed[start : start + rows] &= mask.on(allowed.device)[level][child[start : start + rows]]
         start += rows
 
 

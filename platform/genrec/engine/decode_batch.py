@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from genrec.attention import SpanIndex, StaticContext
+from genrec.attention import StaticContext
 from genrec.engine.beam import BeamCohort
 from genrec.staging import to_device
 
@@ -26,26 +26,28 @@ class DecodeBatch:
 
     def __init__(self, bucket: int, past: int, pool, spans: int = 1, fast: bool = False):
         """`spans`: the most spans a context of the pass may have (prefix pieces plus its own part)."""
-        self.bucket, self.past, self.pool = bucket, past, pool
+        self.bucket, self.past, self.pool, self.spans = bucket, past, pool, spans
         device = pool.k.device
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.tokens = torch.zeros(bucket, **i64)
         self.positions = torch.zeros(bucket, **i64)
         self.ancestors = torch.zeros(bucket, past, **i64)
         self.mask = torch.ones(bucket, 1, past + 1, dtype=torch.bool, device=device)
-        span = lambda: SpanIndex(  # noqa: E731
-            cu_k=torch.zeros(bucket + 2, **i32),
-            used_k=torch.zeros(bucket + 1, **i32),
-            row_empty=torch.zeros(bucket, dtype=torch.bool, device=device),
+        sequences = spans * (bucket + 1)  # per span: up to one sequence per row, plus the padding's
+        self.context = StaticContext(
+            pool,
+            bucket,
+            spans,
+            cu_q=torch.zeros(sequences + 1, **i32),
+            cu_k=torch.zeros(sequences + 1, **i32),
+            used_k=torch.zeros(sequences, **i32),
+            row_empty=torch.ones(spans * bucket, dtype=torch.bool, device=device),
+            fast=fast,
         )
-        cu_q = torch.zeros(bucket + 2, **i32)  # up to one sequence per row, plus the padding's
-        self.context = StaticContext(pool, cu_q, tuple(span() for _ in range(spans)), fast)
         self.outputs = None  # (logprobs, new_k, new_v) of a captured graph
 
     def fill(self, cohorts: list[BeamCohort]) -> int:
         """Copy the pass's inputs in (device to device, and host index tables staged); returns the real rows."""
-        B, P = self.bucket, self.past
-        device = self.tokens.device
         rows, pasts, spans, counts = 0, [], [], []
         for c in cohorts:
             n, p = c.rows, c.level - 1  # this pass feeds level c.level's tokens; p earlier tokens per row
@@ -57,26 +59,40 @@ class DecodeBatch:
                 spans.append(ctx.spans())
                 counts.append(width)
             rows += n
-        pad = B - rows
-        pasts = np.asarray(pasts + [0] * pad)
-        mask = np.arange(P + 1)[None, :] < pasts[:, None]
-        mask[:, P] = True  # every row sees its own new token
-        cu = np.cumsum([0, *counts, pad])
-        cu_q = np.concatenate([cu, np.full(B + 2 - len(cu), B)])
-        copies = [(self.mask, mask[:, None], torch.bool), (self.context.cu_q, cu_q, torch.int32)]
-        for j, index in enumerate(self.context.spans):  # span j of every context (none: an empty span)
-            offsets = [s[j][0] if j < len(s) else 0 for s in spans]
-            lengths = [s[j][1] if j < len(s) else 0 for s in spans]
-            starts = np.asarray(offsets + [0] * (B + 2 - len(offsets)))
-            used = np.asarray(lengths + [0] * (B + 1 - len(lengths)))
-            empty = np.repeat(np.asarray(lengths + [0]) == 0, [*counts, pad])
-            copies += [(index.cu_k, starts, torch.int32), (index.used_k, used, torch.int32)]
-            copies.append((index.row_empty, empty, torch.bool))
-        if max(map(len, spans)) > len(self.context.spans):
-            raise ValueError(f"a context has more than the {len(self.context.spans)} spans this batch holds")
+        if spans and max(map(len, spans)) > self.spans:
+            raise ValueError(f"a context has more than the {self.spans} spans this batch holds")
+        pad = self.bucket - rows
+        mask = np.arange(self.past + 1)[None, :] < np.asarray(pasts + [0] * pad)[:, None]
+        mask[:, self.past] = True  # every row sees its own new token
+        copies = [(self.mask, mask[:, None], torch.bool), *self._span_tables(spans, counts, pad)]
+        device = self.tokens.device
         for buffer, host, dtype in copies:
             buffer.copy_(to_device(host, device, dtype), non_blocking=True)
         if pad:
             self.tokens[rows:] = 0
             self.positions[rows:] = 0
         return rows
+
+    def _span_tables(self, spans: list[list[tuple[int, int]]], counts: list[int], pad: int) -> list:
+        """The varlen index tables: block j (rows repeated) holds every request's span j, then the padding rows
+        (no keys); empty sequences fill each block up to its fixed size."""
+        B, S = self.bucket, self.spans
+        sizes = [*counts, pad] + [0] * (B + 1 - len(counts) - 1)  # B + 1 sequences per block
+        ends = np.cumsum(sizes)
+        cu_q, starts, used, empty = [], [], [], []
+        for j in range(S):
+            span_j = [s[j] if j < len(s) else (0, 0) for s in spans] + [(0, 0)] * (B + 1 - len(spans))
+            offsets, lengths = np.asarray(span_j, dtype=np.int64).reshape(-1, 2).T
+            cu_q.append(j * B + ends - np.asarray(sizes))
+            starts.append(offsets)
+            used.append(lengths)
+            empty.append(np.repeat(lengths == 0, sizes))
+        cu_q.append([S * B])
+        starts.append([0])
+        c = self.context
+        return [
+            (c.cu_q, np.concatenate(cu_q), torch.int32),
+            (c.cu_k, np.concatenate(starts), torch.int32),
+            (c.used_k, np.concatenate(used), torch.int32),
+            (c.row_empty, np.concatenate(empty), torch.bool),
+        ]

@@ -248,7 +248,7 @@ class Decoder:
         requests go on to their rows."""
         if not job.prepared.uses_beams:
             return JobState.SCORING
-        trie = job.prepared.served.trie
+        trie = job.prepared.served.device_trie()  # the engine's thread: made here on a version's first use
         job.cohort = start_cohort(trie, [job.prepared], [job.ctx], job.last_logits[None], slots=job.holding.rest)
         return JobState.DECODING
 

@@ -7,6 +7,7 @@ error. An AsyncEngine steps the same scheduler from a background loop instead: o
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -37,9 +38,12 @@ from genrec.errors import CatalogError, InvalidRequestError
 from genrec.model.directory import ModelDir
 from genrec.staging import host_side
 
+log = logging.getLogger(__name__)
+
 FAMILIES = {"qwen3": Decoder, "hstu": Ranker}  # a model directory's family -> the engine's
 LIMITS = ("max_candidates", "score_max_tokens", "max_candidate_tokens", "max_candidate_len")  # the families' limits
 DERIVED = ("max_candidate_len",)  # limits whose None means "worked out from the others"
+GRAPH_MAX_ROWS = 2048  # the largest decode pass captured at start: 8 requests of beam 256
 
 
 class Engine:
@@ -52,11 +56,12 @@ class Engine:
         model_version: str = "",
         fast: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        graph_max_rows: int | None = None,
     ):
         self.family = family
         self.model, self.device = family.model, family.model.device
         self.model_version = model_version  # salts the prefix cache's keys
-        self.runner = ModelRunner(family, fast=fast)
+        self.runner = ModelRunner(family, fast=fast, graph_max_rows=graph_max_rows or GRAPH_MAX_ROWS)
         self.scheduler_config = scheduler or SchedulerConfig()
         self.clock = clock
         self._scheduler: Scheduler | None = None
@@ -81,8 +86,9 @@ class Engine:
         if not isinstance(dtype, torch.dtype):
             dtype = _dtype(EngineOptions(dtype=dtype).dtype, device)
         limits = options.model_dump(include=set(LIMITS))
-        family = FAMILIES[directory.family].from_dir(directory, device, dtype, fast=options.cuda_fast, **limits)
-        return cls(family, scheduler, directory.version, fast=options.cuda_fast)
+        fast = options.cuda_fast if options.cuda_fast is not None else torch.device(device).type == "cuda"
+        family = FAMILIES[directory.family].from_dir(directory, device, dtype, fast=fast, **limits)
+        return cls(family, scheduler, directory.version, fast=fast, graph_max_rows=options.cuda_graph_max_rows)
 
     @property
     def catalog(self):
@@ -137,6 +143,9 @@ class Engine:
         """The engine's one scheduler (and its KV pool), made on first use."""
         if self._scheduler is None:
             self._scheduler = Scheduler(self, self.scheduler_config, self.clock)
+            if self.runner.graphs:  # every decode bucket captured now, before any request (never on a live one)
+                seconds = self.runner.capture(self._scheduler.budget.pool)
+                log.info("captured the decode passes' CUDA graphs in %.1f s", seconds)
         return self._scheduler
 
     # -- the API ---------------------------------------------------------------------------------

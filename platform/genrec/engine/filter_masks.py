@@ -4,7 +4,8 @@ A node is allowed when an allowed item lies beneath it. The beam search ANDs a f
 rows' allowed children in the same gather as the catalog constraint (genrec.engine.beam), so only allowed items
 ever take a beam. Masks index one trie, so the cache belongs to its `ServedCatalog`; it is keyed by the filter as
 given (a canonical JSON of `filters` and `allowed_item_ids`), least recently used first, bounded in bytes, and
-shared by the threads that prepare requests.
+shared by the threads that prepare requests. Compiled on the host (a request's thread); a mask's device copy is made
+by the engine's thread when a cohort starts (`FilterMask.on`), so preparing a request issues no device work.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from genrec.catalog import Catalog, CodeTrie
 from genrec.catalog.filters import Attributes, allowed_items
-from genrec.staging import to_device
 
 FILTER_CACHE_BYTES = 256 << 20  # a 1 M-item, 3-level catalog's mask takes 3.0 MB: some 85 distinct filters
 
@@ -28,23 +28,34 @@ FILTER_CACHE_BYTES = 256 << 20  # a 1 M-item, 3-level catalog's mask takes 3.0 M
 @dataclass(frozen=True)
 class FilterMask:
     items: np.ndarray  # [N] bool, host: the items allowed
-    nodes: list[torch.Tensor]  # per decode step l: [nodes at depth l + 1] bool on the device, allowed below
+    nodes: list[torch.Tensor]  # per decode step l: [nodes at depth l + 1] bool on the host, allowed below
     allowed: int  # items allowed
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)  # device -> its copy of `nodes`
 
     @property
     def nbytes(self) -> int:
-        return self.items.nbytes + sum(t.numel() for t in self.nodes)
+        return self.items.nbytes + 2 * sum(t.numel() for t in self.nodes)  # host masks and one device copy
 
     @classmethod
-    def build(cls, items: np.ndarray, trie: CodeTrie, device) -> FilterMask:
+    def build(cls, items: np.ndarray, trie: CodeTrie) -> FilterMask:
         """One scatter per depth: the nodes of the allowed items (no sort, no count over all items)."""
         index = np.flatnonzero(items)
         nodes = []
         for depth in range(1, trie.levels + 1):
             mask = np.zeros(trie.nodes_at(depth), dtype=bool)
             mask[trie.node_of_item[depth - 1][index]] = True
-            nodes.append(to_device(mask, device, torch.bool))
+            nodes.append(torch.from_numpy(mask))
         return cls(items, nodes, len(index))
+
+    def on(self, device) -> list[torch.Tensor]:
+        """`nodes` on the device, copied once (asynchronously, from pinned memory). The engine's thread only."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.nodes
+        if device not in self._on_device:
+            pinned = [n.pin_memory() for n in self.nodes] if device.type == "cuda" else self.nodes
+            self._on_device[device] = [n.to(device, non_blocking=True) for n in pinned]
+        return self._on_device[device]
 
     def allowed_under(self, trie: CodeTrie, depth: int, nodes: np.ndarray) -> np.ndarray:
         """[len(nodes)] the allowed items below each depth-`depth` node: a node's items are one run of the trie's
@@ -60,8 +71,8 @@ class FilterMask:
 class FilterMasks:
     """The compiled filters of one catalog version (its trie), least recently used first, at most `max_bytes`."""
 
-    def __init__(self, catalog: Catalog, trie: CodeTrie, device, max_bytes: int = FILTER_CACHE_BYTES):
-        self.attributes, self.trie, self.device, self.max_bytes = Attributes(catalog), trie, device, max_bytes
+    def __init__(self, catalog: Catalog, trie: CodeTrie, max_bytes: int = FILTER_CACHE_BYTES):
+        self.attributes, self.trie, self.max_bytes = Attributes(catalog), trie, max_bytes
         self._masks: OrderedDict[str, FilterMask] = OrderedDict()
         self._bytes = self.hits = self.misses = 0
         self.retired = False  # its version is no longer served (retire)
@@ -88,7 +99,7 @@ class FilterMasks:
                 return found
             self.misses += 1
         items = allowed_items(self.attributes, request.filters, request.allowed_item_ids)
-        mask = FilterMask.build(items, self.trie, self.device)
+        mask = FilterMask.build(items, self.trie)
         self._remember(key, mask)
         return mask
 

@@ -3,7 +3,8 @@
 - prefill: chunks of many contexts packed into one pass, each written into its ContextKV (an extent of the
   engine's KV pool) at the positions it continues from;
 - decode (a generating family): one pass for the rows of many beam cohorts (any levels), its inputs as data in
-  fixed buffers, so on CUDA with the `fast` option the pass replays as a captured graph per row bucket;
+  fixed buffers, so on CUDA with the `fast` option the pass replays a graph per row bucket, every bucket captured
+  once at engine start (`capture`), never on a live request;
 - rows: one bounded pass of the jobs' candidate rows over their contexts (scoring, or ranking).
 
 Every pass runs under inference mode. `fast` selects the CUDA attention kernels and graphs; it is passed down,
@@ -12,6 +13,7 @@ never read from a global.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,15 +33,20 @@ class Prefilled:
 
 
 class ModelRunner:
-    def __init__(self, family: Family, fast: bool = False):
+    def __init__(self, family: Family, fast: bool = False, graph_max_rows: int = 2048):
+        """`graph_max_rows`: with CUDA graphs, the largest decode pass captured at start (`capture`); the scheduler
+        caps a pass's rows there (`max_pass_rows`)."""
         self.family, self.model = family, family.model
         self.device = self.model.device
         self.fast = fast
         self.graphs = fast and self.device.type == "cuda"  # static decode passes replayed as CUDA graphs
+        self.graph_max_rows = bucket_of(graph_max_rows)
         self.past = max(family.levels - 2, 0)  # the longest beam suffix a decode pass reads
-        self._buckets: dict[tuple[int, int], DecodeBatch] = {}  # (pool, bucket) -> what its graph reads
-        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._mempool = None
+        self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans) -> a bucketed pass's inputs (no graph)
+        self._captured: dict[tuple, tuple[DecodeBatch, object]] = {}  # (pool, bucket, spans) -> (inputs, graph)
+        self.capture_pass = _CudaGraph  # how a pass is captured (the tests' recorder on the CPU)
+        self.warmup_s: float | None = None  # how long `capture` took
+        self.uncaptured_passes = 0  # bucketed passes that found no captured graph (ran eagerly; none expected)
 
     def new_pool(self, tokens: int) -> KVPool:
         return KVPool(self.model.config, tokens, self.device, self.model.dtype)
@@ -65,6 +72,33 @@ class ModelRunner:
 
     # -- decode ----------------------------------------------------------------------------------
 
+    @property
+    def max_pass_rows(self) -> int | None:
+        """The most rows one decode pass should hold: the largest captured bucket (None: no bound)."""
+        return self.graph_max_rows if self.graphs else None
+
+    @torch.inference_mode()
+    def capture(self, pool: KVPool) -> float:
+        """Capture every decode bucket of `pool` (16 rows up to `graph_max_rows`; contexts of one span and of up to
+        MAX_SPANS), largest first so that one memory pool serves all. Runs once, at engine start, before any request:
+        a live pass never captures (one not captured here runs eagerly), so no capture ever overlaps other CUDA work.
+        Returns the seconds it took."""
+        started = time.perf_counter()
+        mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        bucket, buckets = self.graph_max_rows, []
+        while bucket >= bucket_of(1):
+            buckets.append(bucket)
+            bucket //= 2
+        for bucket in buckets:
+            for spans in (MAX_SPANS, 1):
+                batch = DecodeBatch(bucket, self.past, pool, spans, self.fast)
+                batch.fill([])  # all padding: rows without context, each seeing only its own token
+                graph = self.capture_pass(lambda batch=batch: self.decode_forward(batch), mempool)
+                batch.outputs = graph.outputs
+                self._captured[(id(pool), bucket, spans)] = (batch, graph)
+        self.warmup_s = time.perf_counter() - started
+        return self.warmup_s
+
     @torch.inference_mode()
     def decode(self, cohorts: list[BeamCohort], bucketed: bool | None = None) -> None:
         """One pass for every row of the cohorts (any levels; their contexts and BeamKV slots in one pool), then
@@ -74,43 +108,36 @@ class ModelRunner:
         cohorts = sorted(cohorts, key=lambda c: (c.level, id(c.trie)))
         pool = cohorts[0].slot_pool
         rows = sum(c.rows for c in cohorts)
+        spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
+        key = (id(pool), bucket_of(rows), 1 if spans == 1 else MAX_SPANS)
         bucketed = self.graphs if bucketed is None else bucketed
-        if bucketed:
-            batch = self._bucket(pool, bucket_of(rows))
+        captured = self._captured.get(key) if bucketed and self.graphs else None
+        if captured is not None:
+            batch, graph = captured
+            batch.fill(cohorts)
+            graph.replay()
+            logprobs, new_k, new_v = batch.outputs
         else:
-            spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
-            batch = DecodeBatch(rows, self.past, pool, spans, self.fast)
-        batch.fill(cohorts)
-        logprobs, new_k, new_v = self._replay(batch) if bucketed and self.graphs else self.decode_forward(batch)
+            if bucketed and self.graphs:
+                self.uncaptured_passes += 1  # larger than the largest bucket, or another pool: eager, never captured
+            batch = (
+                self._bucket(key, pool)
+                if bucketed and not self.graphs
+                else DecodeBatch(rows, self.past, pool, spans, self.fast)
+            )
+            batch.fill(cohorts)
+            logprobs, new_k, new_v = self.decode_forward(batch)
         advance_all(cohorts, logprobs[:rows], new_k[:, :rows], new_v[:, :rows])
 
     def decode_forward(self, batch: DecodeBatch):
         """The pass over a filled batch: (logprobs [B, vocab], new_k, new_v [layers, B, 1, kv_heads, hd])."""
         return self.family.decode_forward(batch)
 
-    def _bucket(self, pool: KVPool, bucket: int) -> DecodeBatch:
-        """The bucket's batch, kept: a captured graph reads its buffers at replay."""
-        key = (id(pool), bucket)
+    def _bucket(self, key: tuple, pool: KVPool) -> DecodeBatch:
+        """A bucketed pass's inputs without a graph (the CPU runs the padded pass eagerly): kept per key."""
         if key not in self._buckets:
-            self._buckets[key] = DecodeBatch(bucket, self.past, pool, MAX_SPANS, self.fast)
+            self._buckets[key] = DecodeBatch(key[1], self.past, pool, key[2], self.fast)
         return self._buckets[key]
-
-    def _replay(self, batch: DecodeBatch):
-        key = (id(batch.pool), batch.bucket)
-        graph = self._captured.get(key)
-        if graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.decode_forward(batch)  # warm-up outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            self._mempool = self._mempool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._mempool):
-                batch.outputs = self.decode_forward(batch)
-            self._captured[key] = graph
-        graph.replay()
-        return batch.outputs
 
     # -- rows ------------------------------------------------------------------------------------
 
@@ -118,3 +145,23 @@ class ModelRunner:
     def rows_pass(self, jobs: list, budget: int) -> None:
         """One bounded pass of the jobs' next rows (scoring or ranking); finished jobs get their result."""
         self.family.rows_pass(jobs, budget)
+
+
+class _CudaGraph:
+    """A decode pass captured as a CUDA graph: `replay()` reruns it on whatever its input buffers hold now."""
+
+    def __init__(self, forward, mempool):
+        """`mempool`: shared by the engine's captured passes (captured largest first, replayed one at a time)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()  # warm-up outside the capture (lazy initialisations, autotuning)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA call cannot invalidate this capture (a second guard: captures run
+        # at engine start, before any request, and nothing outside the engine's thread issues device work).
+        with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
+            self.outputs = forward()
+
+    def replay(self) -> None:
+        self.graph.replay()

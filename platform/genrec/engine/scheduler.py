@@ -62,7 +62,7 @@ class SchedulerConfig:
     request_timeout_s: float = 60.0
     # Prompts' K/V kept for reuse by later prompts with the same start, inside the pool (None: half of it; 0: off).
     prefix_cache_bytes: int | None = None
-    # Host memory that prefixes evicted from the pool spill to (CUDA; unverified on a GPU: off by default).
+    # Host memory that prefixes evicted from the pool spill to (CUDA; verified on an H200, opt-in: off by default).
     host_cache_bytes: int = 0
 
     def __post_init__(self):
@@ -260,9 +260,12 @@ class Scheduler:
             self._generated([job])
 
     def _decode(self) -> int:
+        """One decode pass for every generating row; more than one where the rows exceed what a pass may hold (the
+        largest CUDA graph captured at start), each pass of whole requests in admission order."""
         decoding = self.in_state(DECODING)
         rows = sum(j.cohort.rows for j in decoding)
-        self._guarded(decoding, lambda jobs: self.runner.decode([j.cohort for j in jobs]))
+        for jobs in _passes(decoding, self.runner.max_pass_rows):
+            self._guarded(jobs, lambda jobs: self.runner.decode([j.cohort for j in jobs]))
         self._generated([j for j in decoding if j.state is DECODING and j.cohort.done])
         return rows
 
@@ -342,6 +345,20 @@ class Scheduler:
                 job.future.set_result(result)
         except InvalidStateError:
             pass  # the caller cancelled meanwhile: nobody waits for this result
+
+
+def _passes(jobs: list[Job], max_rows: int | None) -> list[list[Job]]:
+    """The jobs split into consecutive groups of at most max_rows rows (a job wider than that alone in its group)."""
+    if max_rows is None:
+        return [jobs] if jobs else []
+    passes, rows = [], max_rows
+    for job in jobs:
+        if rows + job.cohort.rows > max_rows:
+            passes.append([])
+            rows = 0
+        passes[-1].append(job)
+        rows += job.cohort.rows
+    return passes
 
 
 def _by_device(config: SchedulerConfig, device: torch.device) -> SchedulerConfig:

@@ -1,5 +1,9 @@
-"""One catalog version as a decoder serves it: the catalog, its trie on the device, its version, the filters
-compiled against it (masks over its trie: genrec.engine.filter_masks).
+"""One catalog version as a decoder serves it: the catalog, its trie, its version, the filters compiled against it
+(masks over its trie: genrec.engine.filter_masks).
+
+Built on the host, in whichever thread loads it; its device copy is made by the engine's own thread on first use
+(`device_trie`), so a catalog load or a filter compiled beside a running engine issues no device work that could
+meet a CUDA graph capture or stall the engine's stream.
 
 A request takes the decoder's current `ServedCatalog` when it is prepared and keeps it to the end (its exclusions,
 its beams, its results), so a catalog swapped in meanwhile (`CatalogVersions`) never changes a request in flight.
@@ -13,6 +17,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from genrec.catalog import Catalog, CodeTrie
 from genrec.catalog.catalog import catalog_version
 from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMasks
@@ -22,8 +28,10 @@ from genrec.errors import CatalogError
 @dataclass(frozen=True)
 class ServedCatalog:
     catalog: Catalog
-    trie: CodeTrie
+    trie: CodeTrie  # on the host
     filters: FilterMasks = field(default=None, compare=False)  # its compiled filters, cached (by `build`)
+    device: torch.device = field(default=torch.device("cpu"), compare=False)
+    _on_device: list = field(default_factory=list, compare=False, repr=False)  # the device trie, once made
 
     @property
     def version(self) -> str:
@@ -31,10 +39,17 @@ class ServedCatalog:
 
     @classmethod
     def build(cls, catalog: Catalog, layout, device, filter_cache_bytes: int = FILTER_CACHE_BYTES) -> ServedCatalog:
-        """The catalog's trie built on the device (with the layout's ending tokens after every code), and an empty
+        """The catalog's trie built on the host (with the layout's ending tokens after every code), and an empty
         cache of its compiled filters of at most `filter_cache_bytes`."""
-        trie = CodeTrie.build(catalog.codes, device, catalog.lengths, layout.ending, catalog.popularity)
-        return cls(catalog, trie, FilterMasks(catalog, trie, device, filter_cache_bytes))
+        trie = CodeTrie.build(catalog.codes, "cpu", catalog.lengths, layout.ending, catalog.popularity)
+        return cls(catalog, trie, FilterMasks(catalog, trie, filter_cache_bytes), torch.device(device))
+
+    def device_trie(self) -> CodeTrie:
+        """The trie on the engine's device: made on first call, then the same object (cohorts of one version group
+        by it). Call it from the engine's thread only (the one stepping the scheduler)."""
+        if not self._on_device:
+            self._on_device.append(self.trie if self.device.type == "cpu" else self.trie.to(self.device))
+        return self._on_device[0]
 
 
 class CatalogVersions:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
+
+from genrec.files import write_atomically
 
 RECORD = "digests.json"
 LARGE_BYTES = 16 << 20  # below this a file is hashed at every call (config, tokenizer, projector, catalog)
@@ -60,12 +61,8 @@ class DigestRecord:
         """Write what this pass saw, if it differs from the record (atomically; a read-only directory is fine)."""
         if self.seen == self.recorded or not self.path.parent.is_dir():
             return
-        temporary = self.path.with_name(f"{RECORD}.{os.getpid()}.tmp")
         with contextlib.suppress(OSError):
-            temporary.write_text(json.dumps(self.seen, indent=1, sort_keys=True))
-            os.replace(temporary, self.path)
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
+            write_atomically(self.path, json.dumps(self.seen, indent=1, sort_keys=True).encode())
 
 
 def _fresh(entry, key: dict) -> bool:

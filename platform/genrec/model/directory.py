@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
@@ -19,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from genrec.errors import ModelDirectoryError
+from genrec.files import is_temporary
 from genrec.model.chat import PROMPT_FILE
 from genrec.model.config import Qwen3Config
 from genrec.model.digests import RECORD, DigestRecord
@@ -239,10 +241,11 @@ def _read_config(path: Path):
 
 # The catalog's files: versioned apart (`catalog_version`), as a catalog may change under a running model.
 CATALOG_FILES = (f"{GENREC_SUBDIR}/catalog.parquet", f"{GENREC_SUBDIR}/codebooks.safetensors")
+CATALOG_VERSION_FILE = re.compile(rf"{GENREC_SUBDIR}/catalog-[0-9a-f]{{12}}\.parquet")  # `genrec catalog`'s versions
 
 
 def model_version(path: str | Path) -> str:
-    """A content hash of every file in the model directory (names and bytes) but the catalog's: the version Serve
+    """A content hash of every file in the model directory (names and bytes) but the catalogs': the version Serve
     and the batch job report beside the catalog's own (`catalog_version`), so a response or an output row says
     exactly which weights and which catalog produced it. It salts the prefix cache, which a catalog change leaves
     valid. The large files' digests come from `genrec/digests.json` while they are unchanged (see model.digests)."""
@@ -251,7 +254,7 @@ def model_version(path: str | Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(p for p in root.rglob("*") if p.is_file() and not record.owns(p)):
         name = file.relative_to(root).as_posix()
-        if name in CATALOG_FILES:
+        if name in CATALOG_FILES or CATALOG_VERSION_FILE.fullmatch(name) or is_temporary(file):
             continue
         digest.update(name.encode() + b"\0")
         digest.update(record.digest(file, name))

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
+from genrec.files import write_atomically
 from genrec.model import fused
 from genrec.model.fused import Pieces
 from genrec.model.hstu_config import HSTUConfig
@@ -285,7 +286,7 @@ class HSTU(nn.Module):
         body["torch_dtype"] = str(dtype or self.dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(body, indent=2))
         state = {n: p.detach().to("cpu", dtype or p.dtype).contiguous() for n, p in self.state_dict().items()}
-        save_file(state, str(out / "model.safetensors"))
+        write_atomically(out / "model.safetensors", save(state))
         return out
 
 

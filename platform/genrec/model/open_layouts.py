@@ -24,10 +24,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from genrec.files import write_atomically
 from genrec.model.tiny import decoder_config, random_weights
 
 SID_BEGIN, SID_END = "<|sid_begin|>", "<|sid_end|>"
@@ -210,7 +211,8 @@ def _write_decoder(out: Path, spec: OpenLayoutSpec, vocab_size: int, eos_token_i
     body.update(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
     (out / "config.json").write_text(json.dumps(body, indent=2))
     generator = torch.Generator().manual_seed(spec.seed)
-    save_file(random_weights(config, generator, torch.float32), str(out / "model.safetensors"), {"format": "pt"})
+    weights = random_weights(config, generator, torch.float32)
+    write_atomically(out / "model.safetensors", save(weights, {"format": "pt"}))
 
 
 # -- NVIDIA SID-GR's JSONL catalog ---------------------------------------------------------------------------------

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from genrec.errors import ModelDirectoryError
+from genrec.files import write_atomically
 
 
 class SoftTokenProjector(nn.Linear):
@@ -53,5 +54,5 @@ class SoftTokenProjector(nn.Linear):
         return projector
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"weight": self.weight.detach().contiguous(), "bias": self.bias.detach().contiguous()}, str(path))
+        tensors = {"weight": self.weight.detach().contiguous(), "bias": self.bias.detach().contiguous()}
+        write_atomically(path, save(tensors))

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
-from genrec.catalog.catalog import Catalog
+from genrec.catalog.catalog import Catalog, parquet_bytes
 from genrec.errors import ModelDirectoryError
+from genrec.files import write_atomically
 from genrec.model.architecture import ARCHITECTURES
 from genrec.model.config import Qwen3Config
 from genrec.model.directory import GENREC_SUBDIR
@@ -167,7 +167,7 @@ def write_model_dir(
     (out / "config.json").write_text(json.dumps(body, indent=2))
     tokenizer.save_pretrained(str(out))
     generator = torch.Generator(init_device).manual_seed(spec.seed)
-    save_file(random_weights(config, generator, dtype), str(out / "model.safetensors"))
+    write_atomically(out / "model.safetensors", save(random_weights(config, generator, dtype)))
     generator = torch.Generator().manual_seed(spec.seed + 1)
 
     layout = SidLayout.infer(tokenizer)
@@ -325,9 +325,8 @@ def random_hstu(config: HSTUConfig, seed: int = 0, dtype: torch.dtype = torch.fl
 
 
 def write_catalog(path: Path, item_ids: list[str], indices: list[int]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.table({"item_id": pa.array(item_ids, pa.string()), "item_index": pa.array(indices, pa.int64())})
-    pq.write_table(table, path)
+    write_atomically(path, parquet_bytes(table))
 
 
 def write_hstu_dir(out: str | Path, spec: HSTUSpec = HSTUSpec(), dtype: torch.dtype = torch.float32) -> Path:

@@ -128,7 +128,7 @@ class ReplicaOptions(EngineOptions):
         "the KV pool; 0: off)",
     )
     host_cache_bytes: int = Field(
-        0, ge=0, description="host memory evicted prefixes spill to (CUDA; unverified on a GPU: 0, off, by default)"
+        0, ge=0, description="host memory evicted prefixes spill to (CUDA; verified, opt-in: 0, off, by default)"
     )
     torch_threads: int | None = Field(None, ge=1, description="intra-op threads of an engine replica")
     pin_threads: bool = Field(

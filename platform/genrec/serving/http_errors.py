@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from genrec.api import error_message
 from genrec.errors import EngineStopped, GenrecError, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving.schemas import ErrorBody, ErrorDetail
 
@@ -115,10 +116,16 @@ async def http_error_handler(request: Request, error: StarletteHTTPException) ->
 
 
 def _detail(error: dict) -> ErrorDetail:
+    """The field and, in genrec's words (api.error_message), what is wrong with it; a dict key's own error says
+    which key."""
     if error.get("type") == "json_invalid":  # its loc is a character position, not a field
         position = error.get("loc", ("", "?"))[-1]
         return ErrorDetail(message=f"malformed JSON at character {position}: {error.get('msg', '')}")
-    return ErrorDetail(field=_field_path(error.get("loc", ())), message=error.get("msg", "invalid"))
+    loc, message = tuple(error.get("loc", ())), error_message(error)
+    if "[key]" in loc and loc.index("[key]") > 0:  # (..., the key, "[key]"): the key is at fault, not its value
+        at = loc.index("[key]")
+        loc, message = loc[: at - 1], f"key {loc[at - 1]!r}: {message}"
+    return ErrorDetail(field=_field_path(loc), message=message)
 
 
 def _field_path(loc) -> str | None:

@@ -1,0 +1,162 @@
+"""CUDA graph capture happens at engine start only, and every live decode pass replays a captured one.
+
+On the CPU-only CI the runner's capture is replaced by a recorder: "capturing" runs the pass once under a dispatch
+mode that records every op and its shapes; a "replay" reruns the pass on the buffers' current contents and fails
+unless it runs the very same ops on the very same shapes (what replaying a real graph assumes). Everything else is
+the engine's own path: the scheduler, the bucketed batches, the one-call context attention, the selection.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from genrec.api import RetrieveRequest
+from genrec.engine import Engine, SchedulerConfig
+from tests.conftest import random_prompt
+from tests.sync_guard import no_sync
+
+
+class OpShapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+class RecordedGraph:
+    """A CPU stand-in for `torch.cuda.CUDAGraph` around one decode pass (see the module's docstring)."""
+
+    made: list = []
+
+    def __init__(self, forward, mempool):
+        self.forward = forward
+        with OpShapes() as rec:
+            self.outputs = forward()
+        self.ops, self.replays = rec.ops, 0
+        RecordedGraph.made.append(self)
+
+    def replay(self) -> None:
+        with OpShapes() as rec:
+            outputs = self.forward()
+        assert rec.ops == self.ops, "a live pass ran other ops or shapes than the captured one"
+        for captured, now in zip(self.outputs, outputs, strict=True):
+            captured.copy_(now)  # a graph's outputs live in fixed memory
+        self.replays += 1
+
+
+@pytest.fixture
+def graphed(tiny_dir):
+    """An engine whose runner 'captures' as a graph engine on CUDA does: buckets 16 and 32 (a pass holds <= 32 rows)."""
+    RecordedGraph.made = []
+    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    engine.runner.graphs = True  # what `cuda_fast` on CUDA sets
+    engine.runner.capture_pass = RecordedGraph
+    return engine
+
+
+def retrieves(engine, rng, widths):
+    return [
+        RetrieveRequest(prompt_token_ids=random_prompt(engine, 20 + 3 * i, rng), beam_width=w)
+        for i, w in enumerate(widths)
+    ]
+
+
+def test_every_bucket_is_captured_at_start_and_live_passes_only_replay(graphed, engine, rng):
+    assert graphed.scheduler.idle  # the engine starts: its scheduler, its pool, its captures
+    captured = list(RecordedGraph.made)
+    assert len(captured) == 4  # buckets 32 and 16, each for one-span and multi-span contexts
+    assert graphed.runner.warmup_s is not None and graphed.runner.max_pass_rows == 32
+    state = rng.get_state()
+    requests = retrieves(graphed, rng, [7, 12, 30, 5])  # 54 rows at full width: more than one pass holds
+    with no_sync():
+        got = graphed.retrieve(requests)
+    rng.set_state(state)
+    want = engine.retrieve(retrieves(engine, rng, [7, 12, 30, 5]))  # the session's eager engine
+    assert RecordedGraph.made == captured  # nothing captured on a live request
+    assert graphed.runner.uncaptured_passes == 0 and sum(g.replays for g in captured) >= 3
+    for a, b in zip(got, want, strict=True):
+        assert [i.item_id for i in a.items] == [i.item_id for i in b.items]
+        assert np.allclose([i.logprob for i in a.items], [i.logprob for i in b.items], atol=1e-4)
+
+
+def test_a_pass_wider_than_the_largest_capture_runs_eagerly_and_never_captures(graphed, engine, rng):
+    assert graphed.scheduler.idle
+    captured = list(RecordedGraph.made)
+    state = rng.get_state()
+    (got,) = graphed.retrieve(retrieves(graphed, rng, [64]))  # one request of 64 rows: no bucket holds it
+    rng.set_state(state)
+    (want,) = engine.retrieve(retrieves(engine, rng, [64]))
+    assert RecordedGraph.made == captured and graphed.runner.uncaptured_passes > 0
+    assert [i.item_id for i in got.items] == [i.item_id for i in want.items]
+
+
+def test_the_scheduler_splits_decode_rows_into_passes_a_capture_holds():
+    from types import SimpleNamespace
+
+    from genrec.engine.scheduler import _passes
+
+    jobs = [SimpleNamespace(cohort=SimpleNamespace(rows=n)) for n in (10, 20, 5, 40, 1)]
+    groups = _passes(jobs, 32)
+    assert [[j.cohort.rows for j in g] for g in groups] == [[10, 20], [5], [40], [1]]
+    assert _passes(jobs, None) == [jobs] and _passes([], 32) == []
+
+
+def test_a_catalog_load_and_a_filter_make_no_device_tensors_outside_the_engine_thread(engine):
+    """Built on the host in the caller's thread; the device copies are made by the engine's thread at first use.
+    (`meta` stands in for a device here: anything made on it outside `device_trie` / `FilterMask.on` would show.)"""
+    from genrec.api import RetrieveRequest as R
+    from genrec.engine.served_catalog import ServedCatalog
+
+    layout = engine.family.layout
+    served = ServedCatalog.build(engine.catalog, layout, torch.device("meta"))
+    host = [t for t in (*served.trie.ptr, *served.trie.token, *served.trie.child) if t is not None]
+    assert all(t.device.type == "cpu" for t in host)
+    item = engine.catalog.item_ids[0]
+    mask = served.filters.get(R(prompt_token_ids=[1, 2], beam_width=2, allowed_item_ids=[item]))
+    assert all(t.device.type == "cpu" for t in mask.nodes)
+    assert served.device_trie().ptr[0].device.type == "meta" and served.device_trie() is served.device_trie()
+    assert all(t.device.type == "meta" for t in mask.on("meta"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the race needs a CUDA device (gpu_check runs it too)")
+def test_on_cuda_other_threads_device_work_never_breaks_the_graphed_decode(tiny_dir):
+    """`bench load --cuda-fast`'s pattern: an AsyncEngine on CUDA (fast path by default) serves requests of many
+    widths while other threads prepare prompts from the catalog and run their own CUDA work. Before, a bucket was
+    captured on its first live pass and such work broke the capture ("operation not permitted when stream is
+    capturing"); now every bucket is captured at start and live passes only replay."""
+    import threading
+
+    from genrec.engine import AsyncEngine
+
+    served = AsyncEngine.from_pretrained(tiny_dir, device="cuda")
+    assert served.engine.runner.graphs and served.engine.runner.warmup_s is not None
+    stop, errors = threading.Event(), []
+
+    def other_cuda_work():
+        while not stop.is_set():
+            (torch.randn(256, 256, device="cuda") @ torch.randn(256, 256, device="cuda")).sum().item()
+
+    noise = threading.Thread(target=other_cuda_work)
+    noise.start()
+    try:
+        rng = torch.Generator().manual_seed(0)
+        futures = []
+        for i in range(60):
+            width = [1, 5, 17, 40, 130][i % 5]
+            prompt = random_prompt(served.engine, 30 + i, rng)
+            futures.append(served.submit(RetrieveRequest(prompt_token_ids=prompt, beam_width=width)))
+        for future in futures:
+            try:
+                assert future.result(timeout=120).items
+            except Exception as err:  # noqa: BLE001 - collected: every failure is reported below
+                errors.append(repr(err))
+    finally:
+        stop.set()
+        noise.join()
+        served.shutdown()
+    assert errors == [] and served.engine.runner.uncaptured_passes == 0

@@ -44,16 +44,18 @@ class RecordedGraph:
         with OpShapes() as rec:
             outputs = self.forward()
         assert rec.ops == self.ops, "a live pass ran other ops or shapes than the captured one"
-        for captured, now in zip(self.outputs, outputs, strict=True):
-            captured.copy_(now)  # a graph's outputs live in fixed memory
+        for captured, now in zip(self.outputs or (), outputs or (), strict=True):
+            captured.copy_(now)  # a graph's outputs live in fixed memory (a prefill stage writes its buffers)
         self.replays += 1
 
 
 @pytest.fixture
 def graphed(tiny_dir):
-    """An engine whose runner 'captures' as a graph engine on CUDA does: buckets 16 and 32 (a pass holds <= 32 rows)."""
+    """An engine whose runner 'captures' as a graph engine on CUDA does: decode buckets of 16 and 32 rows (a pass holds
+    <= 32 rows), prefill stages for 16, 32 and 64 tokens (a prefill pass holds <= 64 tokens)."""
     RecordedGraph.made = []
-    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
+    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=config)
     engine.runner.graphs = True  # what `cuda_fast` on CUDA sets
     engine.runner.capture_pass = RecordedGraph
     return engine
@@ -69,7 +71,9 @@ def retrieves(engine, rng, widths):
 def test_every_bucket_is_captured_at_start_and_live_passes_only_replay(graphed, engine, rng):
     assert graphed.scheduler.idle  # the engine starts: its scheduler, its pool, its captures
     captured = list(RecordedGraph.made)
-    assert len(captured) == 4  # buckets 32 and 16, each for one-span and multi-span contexts
+    stages = graphed.model.config.num_hidden_layers + 1
+    # Decode: buckets 32 and 16, each for one-span and multi-span contexts; prefill: 3 token buckets of every stage.
+    assert len(captured) == 4 + 3 * stages
     assert graphed.runner.warmup_s is not None and graphed.runner.max_pass_rows == 32
     state = rng.get_state()
     requests = retrieves(graphed, rng, [7, 12, 30, 5])  # 54 rows at full width: more than one pass holds
@@ -78,7 +82,9 @@ def test_every_bucket_is_captured_at_start_and_live_passes_only_replay(graphed, 
     rng.set_state(state)
     want = engine.retrieve(retrieves(engine, rng, [7, 12, 30, 5]))  # the session's eager engine
     assert RecordedGraph.made == captured  # nothing captured on a live request
-    assert graphed.runner.uncaptured_passes == 0 and sum(g.replays for g in captured) >= 3
+    assert graphed.runner.uncaptured_passes == 0
+    decode, prefill = captured[:4], captured[4:]
+    assert sum(g.replays for g in decode) >= 3 and sum(g.replays for g in prefill) >= 2 * stages  # 4 prompts, 2 passes
     for a, b in zip(got, want, strict=True):
         assert [i.item_id for i in a.items] == [i.item_id for i in b.items]
         assert np.allclose([i.logprob for i in a.items], [i.logprob for i in b.items], atol=1e-4)

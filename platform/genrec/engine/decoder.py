@@ -38,10 +38,12 @@ from genrec.engine.decoder_inputs import (
 from genrec.engine.family import Prepared
 from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMask
 from genrec.engine.job import JobState
+from genrec.engine.prefill_graphs import PrefillGraphs
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.scoring import LabelScores, Scorer, score_job
 from genrec.engine.served_catalog import CatalogVersions, ServedCatalog
 from genrec.errors import InvalidRequestError
+from genrec.model import fused
 from genrec.model.chat import ChatTemplate
 from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
@@ -239,9 +241,13 @@ class Decoder:
             return embeds
         return inject_user_embedding(embeds, ids, self.placeholder_id, vector, self.projector)
 
-    def prefill(self, segments: list) -> torch.Tensor:
+    def prefill(self, segments: list, graphs=None) -> torch.Tensor:
         """The logits at each segment's last position [segments, vocab]."""
-        return self.model.prefill_packed(segments, fast=self.fast)
+        return self.model.prefill_packed(segments, fast=self.fast, graphs=graphs)
+
+    def capture_prefill(self, capture_pass, mempool, max_tokens: int) -> PrefillGraphs:
+        """The prefill's stages captured per token bucket up to `max_tokens` (genrec.engine.prefill_graphs)."""
+        return PrefillGraphs(self.model, fused.pieces(self.fast, self.device), max_tokens, capture_pass, mempool)
 
     def start(self, job) -> JobState:
         """Beam requests start their cohort (its first level chosen from the prompt's last logits); score

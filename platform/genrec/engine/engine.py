@@ -144,7 +144,9 @@ class Engine:
         if self._scheduler is None:
             self._scheduler = Scheduler(self, self.scheduler_config, self.clock)
             if self.runner.graphs:  # every decode bucket captured now, before any request (never on a live one)
-                seconds = self.runner.capture(self._scheduler.budget.pool)
+                seconds = self.runner.capture(
+                    self._scheduler.budget.pool, self.scheduler_config.prefill_tokens_per_step
+                )
                 log.info("captured the decode passes' CUDA graphs in %.1f s", seconds)
         return self._scheduler
 

@@ -70,9 +70,13 @@ class Family(Protocol):
     def context_embeds(self, prepared: Prepared, start: int, stop: int) -> torch.Tensor:
         """Input embeddings of context rows [start, stop) on the model's device."""
 
-    def prefill(self, segments: list[tuple[torch.Tensor, object]]) -> list[torch.Tensor | None]:
+    def prefill(self, segments: list[tuple[torch.Tensor, object]], graphs=None) -> list[torch.Tensor | None]:
         """Run each (embeds, ctx) as the positions after ctx.length, writing its K/V into ctx (several contexts in
-        one pass); the outputs at each segment's last position (what starts its next state), or None."""
+        one pass); the outputs at each segment's last position (what starts its next state), or None. `graphs`:
+        what `capture_prefill` returned, replayed where it holds the pass."""
+
+    def capture_prefill(self, capture_pass, mempool, max_tokens: int):
+        """The prefill captured as graphs up to `max_tokens` per pass (genrec.engine.prefill_graphs), or None."""
 
     def start(self, job) -> bool:
         """A prefilled job on to its next state: True if it now generates (Generating only), False if it runs rows."""

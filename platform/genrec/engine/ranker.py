@@ -113,10 +113,14 @@ class Ranker:
         with_buckets = buckets if self.model.config.num_time_buckets else None
         return self.model.embed_events(items, actions, positions, with_buckets)
 
-    def prefill(self, segments: list) -> list[None]:
-        """A history's K/V is all its candidates need: no outputs."""
+    def prefill(self, segments: list, graphs=None) -> list[None]:
+        """A history's K/V is all its candidates need: no outputs. (Not graphed: `capture_prefill`.)"""
         self.model.prefill_contexts(segments)
         return [None] * len(segments)
+
+    def capture_prefill(self, capture_pass, mempool, max_tokens: int) -> None:
+        """HSTU's prefill runs eagerly (its layers are few and short: launches cost little there)."""
+        return None
 
     def start(self, job) -> JobState:
         return JobState.SCORING

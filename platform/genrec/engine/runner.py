@@ -47,6 +47,7 @@ class ModelRunner:
         self.capture_pass = _CudaGraph  # how a pass is captured (the tests' recorder on the CPU)
         self.warmup_s: float | None = None  # how long `capture` took
         self.uncaptured_passes = 0  # bucketed passes that found no captured graph (ran eagerly; none expected)
+        self.prefill_graphs = None  # the prefill's stages per token bucket, once captured
 
     def new_pool(self, tokens: int) -> KVPool:
         return KVPool(self.model.config, tokens, self.device, self.model.dtype)
@@ -68,7 +69,7 @@ class ModelRunner:
         for prepared, ctx, start, n in chunks:
             ctx.length = start
             segments.append((self.family.context_embeds(prepared, start, start + n), ctx))
-        return self.family.prefill(segments)
+        return self.family.prefill(segments, self.prefill_graphs)
 
     # -- decode ----------------------------------------------------------------------------------
 
@@ -78,15 +79,16 @@ class ModelRunner:
         return self.graph_max_rows if self.graphs else None
 
     @torch.inference_mode()
-    def capture(self, pool: KVPool) -> float:
-        """Capture every decode bucket of `pool` (16 rows up to `graph_max_rows`; contexts of one span and of up to
-        MAX_SPANS), largest first so that one memory pool serves all. Runs once, at engine start, before any request:
-        a live pass never captures (one not captured here runs eagerly), so no capture ever overlaps other CUDA work.
-        Returns the seconds it took."""
+    def capture(self, pool: KVPool, prefill_tokens: int) -> float:
+        """Capture every decode bucket of `pool` (a generating family's: 16 rows up to `graph_max_rows`; contexts of
+        one span and of up to MAX_SPANS), largest first so that one memory pool serves all, and the family's prefill
+        stages per token bucket up to `prefill_tokens` (genrec.engine.prefill_graphs). Runs once, at engine start,
+        before any request: a live pass never captures (one not captured here runs eagerly), so no capture ever
+        overlaps other CUDA work. Returns the seconds it took."""
         started = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         bucket, buckets = self.graph_max_rows, []
-        while bucket >= bucket_of(1):
+        while self.family.levels and bucket >= bucket_of(1):
             buckets.append(bucket)
             bucket //= 2
         for bucket in buckets:
@@ -96,6 +98,7 @@ class ModelRunner:
                 graph = self.capture_pass(lambda batch=batch: self.decode_forward(batch), mempool)
                 batch.outputs = graph.outputs
                 self._captured[(id(pool), bucket, spans)] = (batch, graph)
+        self.prefill_graphs = self.family.capture_prefill(self.capture_pass, mempool, prefill_tokens)
         self.warmup_s = time.perf_counter() - started
         return self.warmup_s
 

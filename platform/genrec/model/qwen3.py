@@ -178,47 +178,74 @@ class Qwen3(nn.Module):
         return self.logits(hidden[-1:] if logits_at is None else hidden[logits_at])
 
     @torch.inference_mode()
-    def prefill_packed(self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool = False) -> torch.Tensor:
+    def prefill_packed(
+        self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool = False, graphs=None
+    ) -> torch.Tensor:
         """Several prompts (or prompt chunks) in one pass: projections and MLPs run over all their tokens
         at once, attention per segment. Returns the logits at each segment's last position [n, vocab].
-        `fast`: the CUDA attention kernel (see `genrec.attention.varlen`)."""
-        hidden = self._prefill_hidden(segments, fast)
+        `fast`: the CUDA kernels (see `genrec.attention.varlen`, `genrec.model.fused`); `graphs`: the stages
+        captured as CUDA graphs (`genrec.engine.prefill_graphs`), replayed where a bucket holds the pass."""
+        hidden = self._prefill_hidden(segments, fast, graphs)
         ends = to_device(np.cumsum([len(e) for e, _ in segments]) - 1, hidden.device)
         return self.logits(hidden[ends])
 
-    def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool) -> torch.Tensor:
+    def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool, graphs=None) -> torch.Tensor:
+        """The layer stack over the segments' tokens, one stage between two attention calls at a time (`prefill_stage`):
+        run eagerly, or replayed from `graphs` (`genrec.engine.prefill_graphs`: a bucket of at least as many tokens);
+        the K/V writes and the attention (its shapes follow the segments) run between the stages either way."""
         device = segments[0][0].device
         positions = np.concatenate([np.arange(ctx.length, ctx.length + len(e)) for e, ctx in segments])
         writes = _kv_writes(segments, device)
         for embeds, ctx in segments:
             ctx.length += len(embeds)  # written layer by layer below, before each layer's attention reads it
         x = segments[0][0] if len(segments) == 1 else torch.cat([e for e, _ in segments])
+        n = len(x)
         cos, sin = self.rotary.cos_sin(to_device(positions, device), x.dtype)
         rows = PrefillRows([ctx for _, ctx in segments], [0, *np.cumsum([len(e) for e, _ in segments]).tolist()], fast)
-        ops = fused.pieces(fast, device)
-
-        def attend(i: int, layer: DecoderLayer, normed: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.self_attn.qkv_heads(normed, cos, sin, ops)
+        stages = (
+            graphs.stages(n)
+            if graphs is not None and graphs.holds(n)
+            else EagerStages(self, fused.pieces(fast, device))
+        )
+        x, q, k, v = stages.first(x, cos, sin)
+        for i, layer in enumerate(self.model.layers):
             for pool, slots, tokens in writes:
-                pool.k[i].index_copy_(0, slots, k if tokens is None else k[tokens])
-                pool.v[i].index_copy_(0, slots, v if tokens is None else v[tokens])
-            return rows.attend(q, i, layer.self_attn.scale)
+                pool.k[i].index_copy_(0, slots, k[:n] if tokens is None else k[tokens])
+                pool.v[i].index_copy_(0, slots, v[:n] if tokens is None else v[tokens])
+            x, q, k, v = stages.next(i + 1, rows.attend(q[:n], i, layer.self_attn.scale))
+        return x[:n]
 
-        return self._layers(x, attend, ops)
+    def prefill_stage(self, i: int, x, attn, cos, sin, ops: Pieces):
+        """Stage i of a prefill, everything between two attention calls: stage 0 normalises layer 0's input; stage i
+        in 1..L finishes layer i-1 from its attention output `attn`. Below L it then projects layer i's q, k, v.
+        Returns (x: the residual stream, q, k, v; at L: the hidden states before the final norm, None, None, None)."""
+        normed, x = self._stage(i, x, attn, ops)
+        if normed is None:
+            return x, None, None, None
+        return (x, *self.model.layers[i].self_attn.qkv_heads(normed, cos, sin, ops))
+
+    def _stage(self, i: int, x: torch.Tensor, attn: torch.Tensor | None, ops: Pieces):
+        """Between layer i-1's attention output `attn` and layer i's attention: (normed input of layer i, residual
+        stream); after the last layer (i == L): (None, hidden states before the final norm). Each residual add is
+        fused with the norm after it."""
+        layers, eps = self.model.layers, self.config.rms_norm_eps
+        if i == 0:
+            return ops.rms_norm(x, layers[0].input_layernorm.weight, eps), x
+        layer = layers[i - 1]
+        out = layer.self_attn.o_proj(attn.flatten(-2))
+        normed, x = ops.add_rms_norm(out, x, layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp(normed, ops)
+        if i == len(layers):
+            return None, x + mlp
+        return ops.add_rms_norm(mlp, x, layers[i].input_layernorm.weight, eps)
 
     def _layers(self, x: torch.Tensor, attend, ops: Pieces) -> torch.Tensor:
         """The decoder layers over x [..., hidden]; `attend(i, layer, normed)` is layer i's attention (its output
-        [..., heads, head_dim]). Each residual add is fused with the norm after it. Returns the hidden states
-        before the final norm."""
-        layers, eps = self.model.layers, self.config.rms_norm_eps
-        normed = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn.o_proj(attend(i, layer, normed).flatten(-2))
-            normed, x = ops.add_rms_norm(attn, x, layer.post_attention_layernorm.weight, eps)
-            mlp = layer.mlp(normed, ops)
-            if i + 1 < len(layers):
-                normed, x = ops.add_rms_norm(mlp, x, layers[i + 1].input_layernorm.weight, eps)
-        return x + mlp
+        [..., heads, head_dim]). Returns the hidden states before the final norm."""
+        normed, x = self._stage(0, x, None, ops)
+        for i, layer in enumerate(self.model.layers):
+            normed, x = self._stage(i + 1, x, attend(i, layer, normed), ops)
+        return x
 
     @torch.inference_mode()
     def forward_rows(
@@ -262,6 +289,21 @@ class Qwen3(nn.Module):
 
         x = self._layers(embeds, attend, ops)
         return x, torch.stack(new_k), torch.stack(new_v)
+
+
+class EagerStages:
+    """A prefill's stages run as they come (the CPU, or a pass no captured bucket holds)."""
+
+    def __init__(self, model: Qwen3, ops: Pieces):
+        self.model, self.ops = model, ops
+
+    def first(self, x, cos, sin):
+        self.x, self.cos, self.sin = x, cos, sin
+        return self.next(0, None)
+
+    def next(self, i: int, attn):
+        self.x, q, k, v = self.model.prefill_stage(i, self.x, attn, self.cos, self.sin, self.ops)
+        return self.x, q, k, v
 
 
 def _kv_writes(segments: list[tuple[torch.Tensor, ContextKV]], device) -> list:

@@ -47,10 +47,10 @@ from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
 from genrec.serving import edge, funnel
 from genrec.serving.args import DEPLOYMENTS, FAMILY, IngressSection
-from genrec.serving.http_errors import EngineUnavailable, NotServed, UnknownUser, error_response
+from genrec.serving.http_errors import CatalogNotServed, EngineUnavailable, NotServed, UnknownUser, error_response
 from genrec.serving.metrics import IngressMetrics
 from genrec.serving.replicas import board
-from genrec.serving.router import ROUTING_KEY, routing_key
+from genrec.serving.router import ROUTING_KEY, live_replicas, routing_key
 from genrec.serving.schemas import (
     ErrorBody,
     ModelInfo,
@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 # Kept of every deadline to build and send the answer: the ingress stops waiting for an engine this much earlier.
 ANSWER_MARGIN_S = 0.05
+WATCH_S = 0.05  # how often a ranking in a two-stage recommend looks whether the ranker still has a replica
 MODEL_VERSION_HEADER = "X-Model-Version"
 RANKER_VERSION_HEADER = "X-Ranker-Version"  # a two-stage recommend: the ranking model's version
 # What the messages call each engine deployment: (its queues' owner, its replica).
@@ -198,15 +199,30 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def healthz(self):
-        """Ready when a replica of each of the app's engine deployments answers (no auth: load balancers probe it)."""
+        """Ready when a replica of each of the app's engine deployments answers (no auth: load balancers probe it)
+        and, with a retriever, one of its replicas serves a catalog its config declares (503 catalog_not_served
+        when every one refuses); `catalog` counts the retriever's replicas by catalog status (schemas.CatalogStatus)."""
         try:
             infos = await self._models(time.monotonic() + 5.0)
             versions = {"model_version": infos.get("retriever", infos.get("ranker")).version}
             if len(infos) == 2:
                 versions["ranker_version"] = infos["ranker"].version
-            return {"status": "ok", **versions}
+            catalog = await self._catalog_health() if "retriever" in infos else {}
+            return {"status": "ok", **versions, **catalog}
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
+
+    async def _catalog_health(self) -> dict:
+        """{"catalog": replicas by catalog status} of the retriever's replicas on the board (none there: {}); raises
+        CatalogNotServed when every one is refusing."""
+        replicas = await self._replicas("retriever") or []
+        counts = dict.fromkeys(("declared", "kept_running", "refusing"), 0)
+        for replica in replicas:
+            counts[replica["catalog_status"]] = counts.get(replica["catalog_status"], 0) + 1
+        if replicas and counts["refusing"] == len(replicas):
+            first = replicas[0]
+            raise CatalogNotServed(first["catalog_declared"], f"no replica serves it ({first['catalog_refused']})")
+        return {"catalog": counts} if replicas else {}
 
     async def _models(self, deadline: float) -> dict[str, ModelInfo]:
         """The model of each of the app's engine deployments, each asked of a replica."""
@@ -217,11 +233,14 @@ class Ingress:
         }
 
     async def _replicas(self, name: str) -> list[dict] | None:
-        """The section's replicas as they last reported (replicas.py); None when the board cannot be read."""
+        """The section's replicas as they last reported (replicas.py), those this replica's router knows gone left
+        out; None when the board cannot be read."""
         try:
             app = serve.get_replica_context().app_name
             reader = await asyncio.to_thread(board, app)
-            return await asyncio.wait_for(reader.replicas.remote(DEPLOYMENTS[name]), 2.0)
+            reported = await asyncio.wait_for(reader.replicas.remote(DEPLOYMENTS[name]), 2.0)
+            live = live_replicas(app, DEPLOYMENTS[name])
+            return reported if live is None else [r for r in reported if r["replica"] in live]
         except Exception as err:  # noqa: BLE001 - a view: /v1/model answers without it
             log.warning("genrec: the replica board could not be read (%s)", err)
             return None
@@ -324,14 +343,26 @@ class Ingress:
         remaining = engine_deadline - time.monotonic()
         if remaining <= 0:
             raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s ({target} not reached)")
+        self._check_running(target)  # before the call: none queued for a replica that is not there
         call = getattr(self.handles[target], method).remote(request, remaining, **{ROUTING_KEY: key})
         return await self._engine_call(call, deadline, target)
 
+    def _check_running(self, target: str) -> None:
+        """The ranker without a running replica, as this replica's router of it knows (router.live_replicas): at
+        once EngineUnavailable (a two-stage recommend answers degraded, ranker_unavailable), not a wait on Serve's
+        handle until the deadline for a replacement to start. The retriever's calls wait for one (no fallback)."""
+        handle = self.handles[target]
+        if target == "ranker" and live_replicas(handle.app_name, handle.deployment_name) == frozenset():
+            raise EngineUnavailable(f"{NAMES[target][1]} is unavailable (none is running); retry")
+
     async def _user_embedding(self, body, deadline: float) -> list[float] | None:
+        """The user's vector from the cache, for a body with a user_id and no inline vector. Without a cache there
+        is none to look up: the user_id still scopes and routes the request, and a prompt that needs a vector (a
+        <|user|> placeholder, known once the engine has rendered it) is the engine's 422 naming user_embedding."""
         if getattr(body, "user_embedding", None) is not None or body.user_id is None or isinstance(body, RankBody):
             return None  # an inline vector wins; no user_id, nothing to look up; a ranker takes no vector
         if self.cache_args is None:
-            raise InvalidRequestError("user_id", "this deployment has no embedding cache; send user_embedding")
+            return None
         try:
             if self.cache is None:  # the last lookup found the cache gone: connect again (off the loop)
                 self.cache = await asyncio.to_thread(_connect_cache, self.cache_args)
@@ -352,8 +383,11 @@ class Ingress:
         """The engine's answer; at the deadline (less the time to answer), give up and cancel: a request waiting
         for a replica that never comes (none running, the deployment deleted or replaced) ends then too."""
         queues, replica = NAMES[target]
+        timeout_s = max(0.0, deadline - ANSWER_MARGIN_S - time.monotonic())
         try:
-            return await asyncio.wait_for(response, max(0.0, deadline - ANSWER_MARGIN_S - time.monotonic()))
+            if target != "ranker":
+                return await asyncio.wait_for(response, timeout_s)
+            return await self._unless_gone(response, timeout_s, target)
         except RayTaskError as err:  # first: a RayTaskError wrapping the engine's RequestTimeout is a TimeoutError
             raise _cause(err) from None
         except TimeoutError:
@@ -363,3 +397,21 @@ class Ingress:
             raise Overloaded(f"{queues} queues are full ({err})", self.retry_after_s) from None
         except (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError) as err:
             raise EngineUnavailable(f"{replica} is unavailable ({type(err).__name__}); retry") from None
+
+    async def _unless_gone(self, response, timeout_s: float, target: str):
+        """The response's result within `timeout_s` (else TimeoutError); EngineUnavailable as soon as the target has
+        no running replica (`_check_running`, looked at every WATCH_S): a request held by a replica that died, or
+        waiting for one to be assigned, ends then."""
+        waiter = asyncio.ensure_future(response)
+        end = time.monotonic() + timeout_s
+        try:
+            while not waiter.done():
+                self._check_running(target)
+                if (left := end - time.monotonic()) <= 0:
+                    raise TimeoutError
+                await asyncio.wait({waiter}, timeout=min(WATCH_S, left))
+            return waiter.result()
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+                response.cancel()

@@ -49,8 +49,8 @@ from genrec.serving import edge, funnel
 from genrec.serving.args import DEPLOYMENTS, FAMILY, IngressSection
 from genrec.serving.http_errors import CatalogNotServed, EngineUnavailable, NotServed, UnknownUser, error_response
 from genrec.serving.metrics import IngressMetrics
-from genrec.serving.replicas import board
-from genrec.serving.router import ROUTING_KEY, live_replicas, routing_key
+from genrec.serving.replicas import board, live_replicas
+from genrec.serving.router import ROUTING_KEY, routing_key
 from genrec.serving.schemas import (
     ErrorBody,
     ModelInfo,

@@ -21,8 +21,8 @@ Selected per deployment with `request_router_config: {request_router_class: genr
 
 A replica that refuses requests for want of its declared catalog (its routing stats say `catalog_served: false`,
 engine_server.py) is ranked after every replica that serves it. The router also tells its process which replicas
-of its deployment are running (`live_replicas`): the ingress answers a two-stage recommend without waiting on a
-ranker that has none.
+of its deployment are running (replicas.live_replicas): the ingress answers a two-stage recommend without waiting
+on a ranker that has none.
 """
 
 from __future__ import annotations
@@ -41,15 +41,6 @@ SPILL_AFTER_S = 0.1
 
 FIRST_BLOCK = 16  # tokens (or history events) of one prefix-cache block (genrec.engine.prefix_cache.BLOCK)
 FIRST_TEXT_CHARS = 64  # a text prompt's first characters: roughly its first block
-
-# (app, deployment) -> the unique IDs of its running replicas, as this process's UserRouter last knew them.
-_LIVE: dict[tuple[str, str], frozenset[str]] = {}
-
-
-def live_replicas(app: str, deployment: str) -> frozenset[str] | None:
-    """The deployment's running replicas as this process's router of it knows them: Serve's own view, updated as
-    soon as the controller or a failed call finds a replica gone. None: no UserRouter of it runs here (yet)."""
-    return _LIVE.get((app, deployment))
 
 
 def routing_key(body, sent=None, blocks: int = 1) -> str:
@@ -115,8 +106,12 @@ class UserRouter(RequestRouter):
         self._publish()
 
     def _publish(self) -> None:
-        key = (self.app_name, self._deployment_id.name)
-        _LIVE[key] = frozenset(replica_id.unique_id for replica_id in self.curr_replicas)
+        # Imported here: Serve ships this class to its callers by value, so a global of this module read by its
+        # methods would be a copy of the one the process's other code reads.
+        from genrec.serving.replicas import publish_live
+
+        ids = frozenset(replica_id.unique_id for replica_id in self.curr_replicas)
+        publish_live(self.app_name, self._deployment_id.name, ids)
 
     def initialize_state(self, spill_after_s: float = SPILL_AFTER_S) -> None:
         """`request_router_kwargs`: how long a request waits for its busy primary before the fallback (an

@@ -1,7 +1,7 @@
 """`genrec deploy`: a config that does not pass `genrec.serving.check` (here a live `user_config` Serve would hand to
 the replicas unchecked) is refused before anything is sent; one that passes goes through a real `serve deploy` to a
 `ray start --head` cluster with its dashboard (tests/dashboard_cluster.py), and a refused redeploy leaves the
-running app and its config as they were."""
+running app and its config as they were; a deploy whose catalog a replica does not serve exits 1 naming it."""
 
 import socket
 import subprocess
@@ -103,3 +103,15 @@ def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_pat
         assert running.returncode == 0, running.stderr
         (app,) = [a for a in yaml.safe_load_all(running.stdout) if a]  # the cluster's: still the good config
         assert app["deployments"][0]["user_config"] == {"max_queue": 7}, running.stdout
+
+        # A catalog the replica cannot load: the deploy goes through (Serve hands the user_config to the running
+        # replica, which keeps its catalog), and genrec deploy, having waited for it, says so: exit 1, one line.
+        config = serve_config(tiny_dir, port, max_queue=7)
+        missing = tmp_path / "catalog-gone.parquet"
+        config["applications"][0]["deployments"][0]["user_config"]["catalog"] = str(missing)
+        gone = write(tmp_path / "gone.yaml", config)
+        done = subprocess.run([*GENREC, str(gone), "-a", address], env=env, capture_output=True, text=True, timeout=300)
+        lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert done.returncode == 1 and len(lines) == 1, done.stdout + done.stderr
+        assert f"does not serve the declared catalog {missing}: kept_running" in lines[0], lines[0]
+        assert httpx.post(f"{url}/v1/retrieve", json=retrieve, timeout=30).status_code == 200  # the catalog kept

@@ -219,9 +219,8 @@ class Ingress:
         counts = dict.fromkeys(("declared", "kept_running", "refusing"), 0)
         for replica in replicas:
             counts[replica["catalog_status"]] = counts.get(replica["catalog_status"], 0) + 1
-        if replicas and counts["refusing"] == len(replicas):
-            first = replicas[0]
-            raise CatalogNotServed(first["catalog_declared"], f"no replica serves it ({first['catalog_refused']})")
+        if replicas and counts["refusing"] == len(replicas):  # no path named: /healthz needs no token
+            raise CatalogNotServed(None, "no retriever replica can load it: GET /v1/model says why")
         return {"catalog": counts} if replicas else {}
 
     async def _models(self, deadline: float) -> dict[str, ModelInfo]:

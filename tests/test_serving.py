@@ -17,7 +17,7 @@ from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreReques
 from genrec.model.directory import model_version
 from genrec.model.tiny import write_model_dir
 from tests.conftest import API_TOKEN_ENV, TINY
-from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names
+from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names, wait_for
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 
@@ -361,14 +361,6 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(guarded_u
     assert (stats["limits"]["max_queue"], stats["limits"]["max_running"]) == (256, None)  # as they were
     assert client.post(url, json=body, headers=AUTH).status_code == 200  # the 20 s deadline stayed too
     assert replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer") == before
-
-
-def wait_for(predicate, what: str, timeout_s: float = 60):
-    deadline = time.monotonic() + timeout_s
-    while not (found := predicate()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
-        time.sleep(0.5)
-    return found
 
 
 def test_a_catalog_change_goes_live_on_every_replica_and_rolls_back(guarded_url, tiny_dir, client, tmp_path):

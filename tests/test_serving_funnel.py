@@ -43,6 +43,7 @@ from tests.serve_apps import (
     deployment_states,
     replica_actor_names,
     sticky,
+    wait_for,
 )
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
@@ -420,6 +421,45 @@ def test_a_redeploy_with_a_ranker_that_disagrees_with_its_config_is_refused_and_
     assert {route for route, *_ in answers} == {"recommend", "rank", "healthz"}
     assert {version for _, _, version, _ in answers if version is not None} == {model_version(hstu_dir)}
     assert after == before
+
+
+def test_a_replica_refusing_its_catalog_gets_no_request_a_peer_can_answer(
+    urls, client, funnel_args, tiny_dir, tmp_path
+):
+    """Both retriever replicas serve a declared catalog; its file removed, one is killed: the replacement refuses
+    (its routing stats say so) and the user router sends every user to the replica that serves it (those whose
+    primary the other is too); /healthz stays 200, counting one of each. The config restored, both serve again."""
+    import ray
+
+    declared = tmp_path / "catalog-declared.parquet"
+    shutil.copyfile(tiny_dir / "genrec/catalog.parquet", declared)
+    url, body = f"{urls['funnel']}/v1/retrieve", {"prompt": "user listened to comedy podcast", "beam_width": 4}
+
+    def replicas() -> list[dict]:
+        return client.get(f"{urls['funnel']}/v1/model").json()["replicas"] or []
+
+    def statuses() -> list[str]:
+        return sorted(r["catalog_status"] for r in replicas())
+
+    try:
+        deploy("funnel", [STICKY[0] | {"user_config": {"catalog": str(declared)}}, STICKY[1]], **funnel_args)
+        on_it = [str(declared)] * 2
+        wait_for(lambda: [r["catalog_declared"] for r in replicas()] == on_it, "both on the declared catalog")
+        declared.unlink()
+        victim = replica_actor_names("funnel", "EngineServer")[0]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        wait_for(lambda: statuses() == ["declared", "refusing"], "the replacement refusing", 120)
+        users = [{"user_id": f"user-{i}"} for i in range(24)]  # about half of them have the refusing one as primary
+        wait_for(lambda: all(client.post(url, json=body | u).status_code == 200 for u in users), "every user answered")
+        health = client.get(f"{urls['funnel']}/healthz")
+        assert health.status_code == 200 and health.json()["catalog"] == {
+            "declared": 1,
+            "kept_running": 0,
+            "refusing": 1,
+        }
+    finally:
+        deploy("funnel", STICKY, **funnel_args)  # the model's own catalog: the refusing replica loads it too
+    wait_for(lambda: statuses() == ["declared", "declared"], "both serving again")
 
 
 def under_load(url: str, during, threads: int = 2) -> list[tuple[str, int, str | None, bool]]:

@@ -17,7 +17,9 @@ routing key, so that each user stays on one replica of each deployment. Stage 1 
 to stage 2; when stage 2 fails, the answer is stage 1's, marked degraded (or, set to fail, the error).
 
 Every request ends by its deadline: the ingress stops waiting for an engine then (the engine drops the request at
-its next step), whether the engine is slow, its replicas are gone or its deployment is being replaced. Serve lets
+its next step), whether the engine is slow, its replicas are gone or its deployment is being replaced. In a
+two-stage recommend, a ranker with no running replica (as the ingress's request router of it knows:
+replicas.live_replicas) fails the ranking at once: the answer is degraded without waiting for a replacement. Serve lets
 a replaced ingress replica finish its requests for longer than that (args.DRAIN_MARGIN_S) before it kills it, so
 no request in flight meets the HTTP proxy's plain-text 500.
 """
@@ -66,7 +68,7 @@ log = logging.getLogger(__name__)
 
 # Kept of every deadline to build and send the answer: the ingress stops waiting for an engine this much earlier.
 ANSWER_MARGIN_S = 0.05
-WATCH_S = 0.05  # how often a ranking in a two-stage recommend looks whether the ranker still has a replica
+WATCH_S = 0.05  # how often a two-stage recommend's ranking looks whether the ranker still has a replica
 MODEL_VERSION_HEADER = "X-Model-Version"
 RANKER_VERSION_HEADER = "X-Ranker-Version"  # a two-stage recommend: the ranking model's version
 # What the messages call each engine deployment: (its queues' owner, its replica).
@@ -218,7 +220,8 @@ class Ingress:
         replicas = await self._replicas("retriever") or []
         counts = dict.fromkeys(("declared", "kept_running", "refusing"), 0)
         for replica in replicas:
-            counts[replica["catalog_status"]] = counts.get(replica["catalog_status"], 0) + 1
+            if replica.get("catalog_status") in counts:
+                counts[replica["catalog_status"]] += 1
         if replicas and counts["refusing"] == len(replicas):  # no path named: /healthz needs no token
             raise CatalogNotServed(None, "no retriever replica can load it: GET /v1/model says why")
         return {"catalog": counts} if replicas else {}
@@ -304,10 +307,10 @@ class Ingress:
         if ranking is not None:  # in the cache scope of stage 1's request (the user's, by default)
             ranking = ranking.model_copy(update={"cache_scope": cache_scope(body)})
         if ranking is None:  # nothing to rank: the answer still names the ranker's version
-            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker")
+            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker", True)
             return task, None, info.version
         key = routing_key(body, ranking, self.routing_blocks)
-        ranked, version = await self._call("ranker", "rank_known", ranking, deadline, key)
+        ranked, version = await self._call("ranker", "rank_known", ranking, deadline, key, fallback=True)
         return task, ranked, version
 
     def _degraded(self, items, retrieved, num_results: int | None, reason: str, err: Exception):
@@ -328,30 +331,34 @@ class Ingress:
     async def _ranker(self, deadline: float) -> RankerFacts:
         """What the ranker takes: from the builder; else (its node was down at the deploy) asked once of it."""
         if self.ranker_facts is None:
-            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker")
+            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker", True)
             self.ranker_facts = RankerFacts(
                 tasks=info.tasks, max_history_events=info.max_history_events, max_candidates=info.max_candidates
             )
         return self.ranker_facts
 
-    async def _call(self, target: str, method: str, request, deadline: float, key: str, engine_deadline=None):
+    async def _call(
+        self, target: str, method: str, request, deadline: float, key: str, engine_deadline=None, fallback=False
+    ):
         """(result, model version) of one engine deployment's method. The engine is given until `engine_deadline`
-        (default: the deadline less the time to answer); the ingress waits for its answer until the latter."""
+        (default: the deadline less the time to answer); the ingress waits for its answer until the latter, or,
+        with a `fallback` answer (a two-stage recommend's ranking), while the target has a running replica."""
         if engine_deadline is None:
             engine_deadline = deadline - ANSWER_MARGIN_S
         remaining = engine_deadline - time.monotonic()
         if remaining <= 0:
             raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s ({target} not reached)")
-        self._check_running(target)  # before the call: none queued for a replica that is not there
+        if fallback:
+            self._check_running(target)  # before the call: none queued for a replica that is not there
         call = getattr(self.handles[target], method).remote(request, remaining, **{ROUTING_KEY: key})
-        return await self._engine_call(call, deadline, target)
+        return await self._engine_call(call, deadline, target, fallback)
 
     def _check_running(self, target: str) -> None:
-        """The ranker without a running replica, as this replica's router of it knows (router.live_replicas): at
-        once EngineUnavailable (a two-stage recommend answers degraded, ranker_unavailable), not a wait on Serve's
-        handle until the deadline for a replacement to start. The retriever's calls wait for one (no fallback)."""
+        """EngineUnavailable when the target has no running replica, as this replica's router of it knows
+        (replicas.live_replicas): a two-stage recommend answers degraded (ranker_unavailable) at once instead of
+        waiting on Serve's handle until its deadline for a replacement to start. Calls without a fallback wait."""
         handle = self.handles[target]
-        if target == "ranker" and live_replicas(handle.app_name, handle.deployment_name) == frozenset():
+        if live_replicas(handle.app_name, handle.deployment_name) == frozenset():
             raise EngineUnavailable(f"{NAMES[target][1]} is unavailable (none is running); retry")
 
     async def _user_embedding(self, body, deadline: float) -> list[float] | None:
@@ -378,13 +385,13 @@ class Ingress:
             raise UnknownUser(body.user_id)
         return vectors[0].tolist()
 
-    async def _engine_call(self, response, deadline: float, target: str):
+    async def _engine_call(self, response, deadline: float, target: str, fallback: bool = False):
         """The engine's answer; at the deadline (less the time to answer), give up and cancel: a request waiting
         for a replica that never comes (none running, the deployment deleted or replaced) ends then too."""
         queues, replica = NAMES[target]
         timeout_s = max(0.0, deadline - ANSWER_MARGIN_S - time.monotonic())
         try:
-            if target != "ranker":
+            if not fallback:
                 return await asyncio.wait_for(response, timeout_s)
             return await self._unless_gone(response, timeout_s, target)
         except RayTaskError as err:  # first: a RayTaskError wrapping the engine's RequestTimeout is a TimeoutError

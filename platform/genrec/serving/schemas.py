@@ -167,7 +167,7 @@ class ModelInfo(BaseModel):
     )
     replica: str | None = Field(None, description="the replica that answered")
     replicas: list[ReplicaState] | None = Field(
-        None, description="every replica of this deployment heard from lately, with its catalog version"
+        None, description="every running replica of this deployment heard from lately, with its catalog version"
     )
     max_candidates: int = Field(description="candidates per score, recommend or rank request")
     levels: int | None = Field(None, description="qwen3: semantic-ID code length (the longest code's)")

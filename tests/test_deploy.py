@@ -73,6 +73,26 @@ def test_a_file_that_is_no_serve_config_is_refused_in_one_line_each(tmp_path, te
     refused(path, "error: ")
 
 
+def test_the_report_names_each_replica_not_serving_the_declared_catalog_and_finds_the_app():
+    from genrec.serving.rollout import _replica_problem, app_url
+
+    declared = {"catalog_status": "declared", "catalog_version": "v1", "catalog_declared": "/m/c.parquet"}
+    reported = {
+        "a": declared,
+        "b": declared | {"catalog_version": "v0"},  # the file changed in place after it loaded it
+        "c": declared | {"catalog_status": "refusing", "catalog_version": None, "catalog_refused": "file is missing"},
+    }
+    problems = {r: _replica_problem("genrec", r, reported, "v1") for r in ("a", "b", "c", "d")}
+    assert problems["a"] is None and _replica_problem("genrec", "b", reported, None) is None  # unreadable here
+    assert "replica b serves catalog_version v0, not the declared file's v1" in problems["b"][1]
+    assert "replica c does not serve the declared catalog /m/c.parquet: refusing" in problems["c"][1]
+    assert "(file is missing)" in problems["c"][1] and "replica d has not reported" in problems["d"][1]
+    details = {"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": {"x": {"route_prefix": "/x"}}}
+    assert app_url("http://head:8265", details, "x") == "http://head:8000/x"
+    details["http_options"]["host"] = "10.0.0.7"
+    assert app_url("head:8265", details, "x") == "http://10.0.0.7:8000/x"
+
+
 @pytest.mark.integration
 def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_path):
     with dashboard_cluster() as (address, env):

@@ -122,3 +122,12 @@ def sticky(*deployment_names: str) -> list[dict]:
 
     router = {"request_router_class": USER_ROUTER, "request_router_kwargs": {"spill_after_s": 30}}
     return [{"name": name, "request_router_config": router} for name in deployment_names]
+
+
+def wait_for(predicate, what: str, timeout_s: float = 60):
+    """What `predicate()` returns once it is truthy, asked every half second for up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.5)
+    return found

@@ -1,7 +1,7 @@
 """`genrec deploy`: a config that does not pass `genrec.serving.check` (here a live `user_config` Serve would hand to
 the replicas unchecked) is refused before anything is sent; one that passes goes through a real `serve deploy` to a
 `ray start --head` cluster with its dashboard (tests/dashboard_cluster.py), and a refused redeploy leaves the
-running app and its config as they were."""
+running app and its config as they were; a deploy whose catalog a replica does not serve exits 1 naming it."""
 
 import socket
 import subprocess
@@ -73,6 +73,26 @@ def test_a_file_that_is_no_serve_config_is_refused_in_one_line_each(tmp_path, te
     refused(path, "error: ")
 
 
+def test_the_report_names_each_replica_not_serving_the_declared_catalog_and_finds_the_app():
+    from genrec.serving.rollout import _replica_problem, app_url
+
+    declared = {"catalog_status": "declared", "catalog_version": "v1", "catalog_declared": "/m/c.parquet"}
+    reported = {
+        "a": declared,
+        "b": declared | {"catalog_version": "v0"},  # the file changed in place after it loaded it
+        "c": declared | {"catalog_status": "refusing", "catalog_version": None, "catalog_refused": "file is missing"},
+    }
+    problems = {r: _replica_problem("genrec", r, reported, "v1") for r in ("a", "b", "c", "d")}
+    assert problems["a"] is None and _replica_problem("genrec", "b", reported, None) is None  # unreadable here
+    assert "replica b serves catalog_version v0, not the declared file's v1" in problems["b"][1]
+    assert "replica c does not serve the declared catalog /m/c.parquet: refusing" in problems["c"][1]
+    assert "(file is missing)" in problems["c"][1] and "replica d has not reported" in problems["d"][1]
+    details = {"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": {"x": {"route_prefix": "/x"}}}
+    assert app_url("http://head:8265", details, "x") == "http://head:8000/x"
+    details["http_options"]["host"] = "10.0.0.7"
+    assert app_url("head:8265", details, "x") == "http://10.0.0.7:8000/x"
+
+
 @pytest.mark.integration
 def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_path):
     with dashboard_cluster() as (address, env):
@@ -103,3 +123,15 @@ def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_pat
         assert running.returncode == 0, running.stderr
         (app,) = [a for a in yaml.safe_load_all(running.stdout) if a]  # the cluster's: still the good config
         assert app["deployments"][0]["user_config"] == {"max_queue": 7}, running.stdout
+
+        # A catalog the replica cannot load: the deploy goes through (Serve hands the user_config to the running
+        # replica, which keeps its catalog), and genrec deploy, having waited for it, says so: exit 1, one line.
+        config = serve_config(tiny_dir, port, max_queue=7)
+        missing = tmp_path / "catalog-gone.parquet"
+        config["applications"][0]["deployments"][0]["user_config"]["catalog"] = str(missing)
+        gone = write(tmp_path / "gone.yaml", config)
+        done = subprocess.run([*GENREC, str(gone), "-a", address], env=env, capture_output=True, text=True, timeout=300)
+        lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert done.returncode == 1 and len(lines) == 1, done.stdout + done.stderr
+        assert f"does not serve the declared catalog {missing}: kept_running" in lines[0], lines[0]
+        assert httpx.post(f"{url}/v1/retrieve", json=retrieve, timeout=30).status_code == 200  # the catalog kept

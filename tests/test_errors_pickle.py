@@ -3,6 +3,7 @@
 import pickle
 
 from genrec.errors import CatalogError, InvalidRequestError, ModelDirectoryError, Overloaded, RequestTimeout
+from genrec.serving.http_errors import CatalogNotServed
 
 
 def test_errors_round_trip_with_their_fields():
@@ -12,6 +13,7 @@ def test_errors_round_trip_with_their_fields():
         CatalogError("/models/a/genrec/catalog.parquet", "duplicate item_ids"),
         Overloaded("queue full", retry_after_s=2.5),
         RequestTimeout("late"),
+        CatalogNotServed("/models/a/catalog-1.parquet", "catalog file is missing"),  # raised by a replica
     ):
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error)

@@ -17,7 +17,7 @@ from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreReques
 from genrec.model.directory import model_version
 from genrec.model.tiny import write_model_dir
 from tests.conftest import API_TOKEN_ENV, TINY
-from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names
+from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names, wait_for
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 
@@ -367,14 +367,6 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(guarded_u
     assert replica_actor_names("guarded", "Ingress") + replica_actor_names("guarded", "EngineServer") == before
 
 
-def wait_for(predicate, what: str, timeout_s: float = 60):
-    deadline = time.monotonic() + timeout_s
-    while not (found := predicate()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
-        time.sleep(0.5)
-    return found
-
-
 def test_a_catalog_change_goes_live_on_every_replica_and_rolls_back(guarded_url, tiny_dir, client, tmp_path):
     """One deploy of the retriever's user_config `catalog`: the running replica loads it (none replaced), every
     answer names its version and /v1/model each replica's; a catalog that does not validate is refused and the
@@ -420,6 +412,91 @@ def test_a_catalog_change_goes_live_on_every_replica_and_rolls_back(guarded_url,
     wait_for(lambda: client.post(url, json=body, headers=AUTH).json()["catalog_version"] == original, "rollback")
     assert served()["previous_catalog_version"] == new
     assert replica_actor_names("guarded", "EngineServer") == before
+
+
+def test_a_restarted_replica_serves_its_declared_catalog_or_refuses_never_another(
+    guarded_url, tiny_dir, client, tmp_path
+):
+    """The user_config declares a catalog with items retired; its file is removed and the replica killed under
+    load: the replacement cannot load it and refuses (503 catalog_not_served naming it) rather than serve the model's
+    own catalog: no answer holds a retired item; /v1/model, /healthz and a gauge say so. The file restored, the
+    replica loads it on its own (the config is unchanged: Serve sends no reconfigure)."""
+    import ray
+
+    from genrec.catalog.catalog import Catalog, catalog_version
+
+    catalog = Catalog.load(tiny_dir / "genrec/catalog.parquet")
+    kept = np.arange(0, len(catalog), 2)
+    live_items = set(catalog.item_ids[kept].tolist())
+    declared = tmp_path / "retired.parquet"
+    Catalog(catalog.item_ids[kept], catalog.codes[kept], catalog.lengths[kept]).save(declared)
+    version, saved = catalog_version(declared), declared.read_bytes()
+    user_config = [{"name": "EngineServer", "user_config": {"catalog": str(declared)}}]
+    deploy("guarded", deployments=user_config, **guarded_args(tiny_dir))
+    url, body = f"{guarded_url}/v1/retrieve", {"prompt": "user listened", "beam_width": 16}
+    wait_for(lambda: client.post(url, json=body, headers=AUTH).json()["catalog_version"] == version, "the catalog")
+    declared.unlink()
+    answers, stop = [], threading.Event()
+
+    def load():
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                answers.append(c.post(url, json=body, headers=AUTH))
+
+    workers = [threading.Thread(target=load) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        (name,) = replica_actor_names("guarded", "EngineServer")
+        time.sleep(1)  # answers before the kill too
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        health = wait_for(
+            lambda: (h := client.get(f"{guarded_url}/healthz")).json().get("code") == "catalog_not_served" and h,
+            "healthz",
+            120,
+        )
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert health.status_code == 503 and str(declared) not in health.json()["message"]  # /healthz needs no token
+    model = client.get(f"{guarded_url}/v1/model", headers=AUTH).json()
+    assert (model["catalog_status"], model["catalog_declared"], model["catalog_version"]) == (
+        "refusing",
+        str(declared),
+        None,
+    )
+    assert [(r["catalog_status"], r["catalog_declared"]) for r in model["replicas"]] == [("refusing", str(declared))]
+    served = [a.json() for a in answers if a.status_code == 200]
+    assert served and all({i["item_id"] for i in a["items"]} <= live_items for a in served)
+    assert {a.json()["catalog_version"] for a in answers if a.status_code == 200} == {version}
+    refused = [a for a in answers if a.status_code != 200]
+    assert {a.status_code for a in refused} <= {503, 504}, [a.text for a in refused]  # 504: no replica yet
+    assert {a.json()["code"] for a in refused} <= {"catalog_not_served", "unavailable", "timeout"}
+    late = client.post(url, json=body, headers=AUTH)
+    assert (late.status_code, late.json()["code"], late.headers["retry-after"]) == (503, "catalog_not_served", "1")
+    assert str(declared) in late.json()["message"]
+    assert all(a.headers["retry-after"] == "1" for a in refused if a.status_code == 503)
+    port = ray.nodes()[0]["MetricsExportPort"]
+
+    def gauge():
+        lines = [ln for ln in client.get(f"http://127.0.0.1:{port}/metrics").text.splitlines() if "guarded" in ln]
+        return exported(lines, "ray_genrec_catalog_not_declared", 'state="refusing"') == 1
+
+    wait_for(gauge, "the gauge")
+    declared.write_bytes(saved)
+    answer = wait_for(lambda: (a := client.post(url, json=body, headers=AUTH)).status_code == 200 and a, "reload", 60)
+    assert answer.json()["catalog_version"] == version and client.get(f"{guarded_url}/healthz").status_code == 200
+
+
+def test_without_an_embedding_cache_user_id_scopes_and_routes_and_only_a_placeholder_needs_a_vector(
+    guarded_url, client
+):
+    url = f"{guarded_url}/v1/retrieve"
+    plain = client.post(url, json={"prompt": "user listened", "user_id": 7, "beam_width": 4}, headers=AUTH)
+    assert plain.status_code == 200, plain.text
+    needs = client.post(url, json={"prompt": PROMPT, "user_id": 7, "beam_width": 4}, headers=AUTH)
+    assert needs.status_code == 422 and needs.json()["details"][0]["field"] == "user_embedding", needs.text
 
 
 def test_a_redeploy_of_a_broken_model_directory_is_refused_and_fails_no_request(guarded_url, tiny_dir, tmp_path):

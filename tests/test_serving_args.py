@@ -106,6 +106,9 @@ class QuietMetrics:
     def update(self, _, **__):
         pass
 
+    def finished(self, *_):
+        pass
+
 
 def reconfigure(server, user_config: dict) -> None:
     """What Serve does with a deployment's user_config: awaits the replica's (async) reconfigure."""
@@ -189,10 +192,12 @@ def test_a_catalog_the_replica_cannot_load_is_refused_and_a_rewritten_file_is_lo
     )
     try:
         original = fresh.catalog
+        reconfigure(server, {})  # at start: the model's own catalog, declared
         for bad in ("~no-such-user-genrec/c.parquet", str(tmp_path / "missing.parquet")):
-            reconfigure(server, {"catalog": bad})
+            reconfigure(server, {"catalog": bad})  # live changes: refused, the running catalog stays
             info = server.model_info()
             assert info.catalog_refused and info.catalog_version == original.version, bad
+            assert info.catalog_status == "kept_running" and server.record_routing_stats()["catalog_served"]
         path = tmp_path / "next.parquet"
         for step in (2, 3):  # the same path, rewritten in place between two deploys of the same config
             rows = np.arange(0, len(original), step)
@@ -202,5 +207,55 @@ def test_a_catalog_the_replica_cannot_load_is_refused_and_a_rewritten_file_is_lo
             assert info.catalog_refused is None and info.catalog_items == len(rows)
         reconfigure(server, {})  # the catalog removed from the config: the model's own again
         assert server.model_info().catalog_version == original.version
+    finally:
+        server._stopped.set()
+
+
+def test_a_replica_that_cannot_load_its_declared_catalog_at_start_refuses_until_it_can(monkeypatch, tiny_dir, tmp_path):
+    """A replica started (or restarted) with a catalog it cannot load serves no other (not the model's own, loaded
+    first): every request is a CatalogNotServed naming the file, its routing stats and /v1/model say so; once the
+    file is there it loads it without a reconfigure (Serve sends none for an unchanged config); then a live change
+    it cannot load keeps the running catalog."""
+    import numpy as np
+
+    from genrec.api import RetrieveRequest
+    from genrec.catalog import Catalog
+    from genrec.catalog.catalog import catalog_version
+    from genrec.engine import Engine
+    from genrec.serving.http_errors import CatalogNotServed
+
+    fresh = Engine.from_pretrained(tiny_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    monkeypatch.setattr(engine_server, "EngineMetricsExporter", QuietMetrics)
+    options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
+    server = engine_server.EngineServer.func_or_class(
+        str(tiny_dir), "cpu", options, engine_factory=RecordingEngine(fresh)
+    )
+    declared = tmp_path / "retired.parquet"
+    try:
+        reconfigure(server, {"catalog": str(declared)})  # at start: the file is gone
+        info = server.model_info()
+        assert (info.catalog_status, info.catalog_declared, info.catalog_version) == ("refusing", str(declared), None)
+        assert "retired.parquet" in info.catalog_refused and info.catalog_items == 0
+        assert server.record_routing_stats() == {"catalog_served": False}
+        request = RetrieveRequest(prompt_token_ids=[3, 4, 5], beam_width=2)
+        for call in (server.retrieve, server.allowed_items):
+            with pytest.raises(CatalogNotServed, match=f"catalog not served: {declared}"):
+                asyncio.run(call(request, 10.0))
+
+        async def restored():
+            retry = asyncio.create_task(server._retry_declared(period_s=0.05))
+            await asyncio.sleep(0.2)
+            original = fresh.catalog
+            rows = np.arange(0, len(original), 2)
+            Catalog(original.item_ids[rows], original.codes[rows], original.lengths[rows]).save(declared)
+            await asyncio.wait_for(retry, 30)
+
+        asyncio.run(restored())
+        info = server.model_info()
+        assert (info.catalog_status, info.catalog_version) == ("declared", catalog_version(declared))
+        assert server.record_routing_stats() == {"catalog_served": True}
+        reconfigure(server, {"catalog": str(tmp_path / "missing.parquet")})  # a live change: the running one stays
+        info = server.model_info()
+        assert (info.catalog_status, info.catalog_version) == ("kept_running", catalog_version(declared))
     finally:
         server._stopped.set()

@@ -165,9 +165,10 @@ def test_redeploys_replacing_the_ingress_and_its_ranker_end_every_request_in_jso
     """Under load: (1) a redeploy changes the ranker section (its max_candidates: the ingress is rebuilt too) and
     asks for a ranker no node can host: Serve stops the old ranker, the new one never starts; (2) a redeploy
     replaces the ingress again while both its replicas hold a burst of requests waiting on the gone ranker, with
-    most of their deadline ahead. Every answer is genrec's JSON by the request's deadline: a 200 (degraded while
-    the ranker is gone: the retrieval alone), a 503 with Retry-After or a 504, never the HTTP proxy's plain-text
-    500 that Serve's default 20 s graceful shutdown caused (the replaced ingress killed under its requests)."""
+    most of their deadline ahead (ranks: a two-stage recommend does not wait for a gone ranker). Every answer is
+    genrec's JSON by the request's deadline: a 200 (degraded while the ranker is gone: the retrieval alone, at once),
+    a 503 with Retry-After or a 504, never the HTTP proxy's plain-text 500 that Serve's default 20 s graceful
+    shutdown caused (the replaced ingress killed under its requests)."""
     deploy("rollout", **funnel_args(tiny_dir, hstu_dir, 64, ranker_cpus=0.2))
     base, answers, stop = f"{serve_url}/rollout", [], threading.Event()
     routes = [("recommend", recommend_body), ("recommend", recommend_body), ("rank", rank_body)]
@@ -180,7 +181,7 @@ def test_redeploys_replacing_the_ingress_and_its_ranker_end_every_request_in_jso
         gone = funnel_args(tiny_dir, hstu_dir, 65, ranker_cpus=64)
         replace_ingress("rollout", lambda: deploy_started("rollout", **gone))
         with ThreadPoolExecutor(8) as pool:
-            waiting = [pool.submit(post, base, "recommend", recommend_body(100 + i)) for i in range(8)]
+            waiting = [pool.submit(post, base, "rank", rank_body(100 + i)) for i in range(8)]
             time.sleep(1)
             again = funnel_args(tiny_dir, hstu_dir, 65, ranker_cpus=64, retry_after_s=2)
             replace_ingress("rollout", lambda: deploy_started("rollout", **again))
@@ -197,7 +198,10 @@ def test_redeploys_replacing_the_ingress_and_its_ranker_end_every_request_in_jso
     assert all(a.retry_after is not None for a in every if a.status == 503)
     late = [a for a in every if a.seconds > DEADLINE_S + LATE_S]
     assert late == [], late[:3]
-    # The burst was held by the replaced replicas: each request ended at its deadline, with the retrieval alone.
-    assert [(a.status, a.body["degraded_reason"]) for a in burst] == [(200, "ranker_timeout")] * 8
+    # The burst was held by the replaced replicas: each /v1/rank ended at its deadline (no ranker replica came).
+    assert [(a.status, a.body["code"]) for a in burst] == [(504, "timeout")] * 8
+    # A two-stage recommend did not wait for the gone ranker: the retrieval alone, at once.
+    gone_ranker = [a for a in answers if a.route == "recommend" and a.status == 200 and a.body["degraded"]]
+    assert gone_ranker and {a.body["degraded_reason"] for a in gone_ranker} == {"ranker_unavailable"}
     assert all(DEADLINE_S - 2 < a.seconds for a in burst), [a.seconds for a in burst]
     assert any(a.route == "rank" and a.status == 504 for a in answers)  # no ranker: /v1/rank ends at the deadline

@@ -5,7 +5,7 @@ import asyncio
 
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving import metrics
-from genrec.serving.http_errors import NotServed
+from genrec.serving.http_errors import CatalogNotServed, NotServed
 
 
 class Recorded:
@@ -113,6 +113,7 @@ def test_every_way_an_engine_request_ends_has_its_status():
         Overloaded("engine queue is full"): "overloaded",
         RequestTimeout("late"): "timeout",
         EngineStopped("stopped"): "stopped",
+        CatalogNotServed("/m/catalog-1.parquet", "catalog file is missing"): "catalog_not_served",
         RuntimeError("a bug"): "error",
     }
     assert [metrics.status_of(err) for err in ends] == list(ends.values())

@@ -83,8 +83,9 @@ def test_ranks_are_primary_fallback_rest_and_widen_with_the_wait():
     assert widening(0.0, 0.0) == 2
 
 
-def fake_replica(unique_id: str):
-    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id))
+def fake_replica(unique_id: str, catalog_served: bool | None = None):
+    stats = {} if catalog_served is None else {"catalog_served": catalog_served}  # {}: no stats received yet
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id), routing_stats=stats)
 
 
 def pending(key, waited_s: float = 0.0):
@@ -120,6 +121,24 @@ def test_a_request_without_a_key_goes_to_two_random_replicas():
     (rank,) = choose(router(), replicas, request)
     assert len(rank) == 2 and request.routing_context.should_backoff
     assert choose(router(), replicas[:1], None) == [replicas[:1]]
+
+
+def test_a_replica_refusing_for_want_of_its_catalog_is_ranked_after_every_other():
+    """Whoever the key's primary is, a replica whose routing stats say it serves no declared catalog is offered
+    last, once the request may go anywhere; when none serves it, the ranks are as ever."""
+    ids = replica_ids(4)
+    for refused in ids:
+        replicas = [fake_replica(rid, catalog_served=rid != refused) for rid in ids]
+        order = [rid for rid in rendezvous_order("user:7", ids) if rid != refused]
+        for waited_s, expected in ((0.0, [order[:1]]), (0.2, [order[:1], order[1:2], order[2:], [refused]])):
+            chosen = choose(router(spill_after_s=0.05), replicas, pending("user:7", waited_s))
+            assert [[r.replica_id.unique_id for r in rank] for rank in chosen] == expected
+        (rank,) = choose(router(), replicas, pending(None))
+        assert refused not in {r.replica_id.unique_id for r in rank}
+    every = [fake_replica(rid, catalog_served=False) for rid in ids]
+    chosen = choose(router(spill_after_s=0.05), every, pending("user:7", waited_s=0.2))
+    full = rendezvous_order("user:7", ids)
+    assert [[r.replica_id.unique_id for r in rank] for rank in chosen] == [full[:1], full[1:2], full[2:]]
 
 
 def test_router_kwargs_are_checked():

@@ -13,7 +13,8 @@ of earlier releases: a `warning:` line with the same app in sections); 2: one `e
 passes this check: Serve runs no builder for a change of a deployment's `user_config` alone, so such a config would
 go straight to the running replicas, which refuse it and keep their limits while the deploy reports success. A
 KubeRay RayService file is applied by kubectl, not here; a dashboard that does not answer is one `error:` line
-(exit 2), not `serve deploy`'s traceback.
+(exit 2), not `serve deploy`'s traceback. A config sent, it waits for the deploy and reports each retriever replica
+that does not serve the declared catalog (rollout.py): exit 1, one `error:` line each.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from genrec.serving.args import DEPLOYMENTS, LIVE, AppArgs, IngressLimits, catalog_file
 from genrec.serving.legacy_args import deprecation, sectioned
+from genrec.serving.rollout import wait_and_report
 
 BUILDER = "genrec.serving.app:build_app"
 DEFAULT_DASHBOARD = "http://localhost:8265"  # serve deploy's default address
@@ -242,15 +244,24 @@ def deploy(path: Path, address: str | None, check_model: bool) -> int:
         print(f"error: {path}: not deployed: {silent}", file=sys.stderr)
         return 2
     command = [sys.executable, "-m", "ray.serve.scripts", "deploy", str(path)]
-    return subprocess.run(command + (["--address", address] if address else [])).returncode
+    sent = subprocess.run(command + (["--address", address] if address else [])).returncode
+    if sent != 0:
+        return sent
+    return wait_and_report(load(path), dashboard_url(address), BUILDER, str(path))
+
+
+def dashboard_url(address: str | None) -> str:
+    """The Ray dashboard `serve deploy` sends a config to: `address`, else RAY_DASHBOARD_ADDRESS, else
+    http://localhost:8265, as `serve deploy` picks it."""
+    address = address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD
+    return address if "://" in address else f"http://{address}"
 
 
 def dashboard_silence(address: str | None, timeout_s: float = DASHBOARD_TIMEOUT_S) -> str | None:
-    """Why the Ray dashboard `serve deploy` would send the config to does not answer (its address: `address`, else
-    RAY_DASHBOARD_ADDRESS, else http://localhost:8265, as `serve deploy` picks it); None when it answers (any HTTP
-    status: what it says is `serve deploy`'s to report) or the address is not an HTTP one."""
+    """Why the Ray dashboard `serve deploy` would send the config to (`dashboard_url`) does not answer; None when
+    it answers (any HTTP status: what it says is `serve deploy`'s to report) or the address is not an HTTP one."""
     address = address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD
-    url = address if "://" in address else f"http://{address}"
+    url = dashboard_url(address)
     if not url.startswith(("http://", "https://")):
         return None
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import zlib
@@ -17,6 +18,7 @@ from genrec.engine import AsyncEngine, Engine
 from genrec.errors import GenrecError
 from genrec.serving.args import EngineLimits, ReplicaOptions, RetrieverLive, catalog_file, live_limits
 from genrec.serving.funnel import known_candidates
+from genrec.serving.http_errors import CatalogNotServed
 from genrec.serving.metrics import EngineMetricsExporter, status_of
 from genrec.serving.replicas import REPORT_EVERY_S, board
 from genrec.serving.schemas import ModelInfo
@@ -53,6 +55,12 @@ class EngineServer:
         self.info = describe(self.engine.engine, model_dir, device)
         self.catalog = self.engine.engine.catalog
         self.catalog_refused = None  # why the last catalog the user_config named was refused
+        # A retriever answers only once it serves the catalog its user_config declares (reconfigure, before its first
+        # request): never the model's own catalog, loaded above, in its stead. See `_serve_catalog`.
+        self.declared: str | None = None
+        self.refusing = self.info.family == "qwen3"
+        self._catalog_lock = asyncio.Lock()
+        self._retry: asyncio.Task | None = None
         self.replica = _replica_id()
         self._board = None
         self.metrics = EngineMetricsExporter(self.info.serves)
@@ -74,20 +82,54 @@ class EngineServer:
             self.limits = limits
             if isinstance(live, RetrieverLive):
                 await self._serve_catalog(live.catalog)
+                if self.refusing and (self._retry is None or self._retry.done()):
+                    self._retry = asyncio.create_task(self._retry_declared())
+        elif self.refusing:  # at start: the catalog it declares is unknown, so none is served
+            self.catalog_refused = f"the user_config was refused ({self.config_refused})"
+            self._report()
 
     async def _serve_catalog(self, catalog: str | None) -> None:
         """The catalog the user_config names, loaded unless it is the version served (found by its file's hash, so
-        a file rewritten in place is loaded again). Any failure is a refusal: the running catalog stays and the
-        replica stays up (raising here would have Serve tear it down, and its replacements fail alike)."""
-        try:
-            path = catalog_file(self.model_dir, catalog)
-            await asyncio.to_thread(self.engine.load_catalog, path)
-            self.catalog_refused = None
-            log.info("genrec: serving catalog %s (%s)", path, self.engine.engine.catalog.version)
-        except Exception as err:  # noqa: BLE001 - see above
-            self.catalog_refused = str(err) if isinstance(err, GenrecError) else f"{catalog}: {err!r}"
-            log.error("genrec: catalog %s refused, the running one stays: %s", catalog, self.catalog_refused)
+        a file rewritten in place is loaded again). Any failure is a refusal, and the replica stays up (raising
+        here would have Serve tear it down, and its replacements fail alike): on a live change the running catalog
+        stays (`kept_running`); at start (nothing declared served yet) the replica refuses requests (`refusing`)
+        rather than serve the model's own catalog, which its config may have replaced (items retired)."""
+        async with self._catalog_lock:  # a retry (`_retry_declared`) and a reconfigure never load at once
+            self.declared = catalog  # as the config names it, until resolved (e.g. an unknown ~user is not)
+            try:
+                path = catalog_file(self.model_dir, catalog)
+                self.declared = str(path)
+                await asyncio.to_thread(self.engine.load_catalog, path)
+                self.catalog_refused, self.refusing = None, False
+                log.info("genrec: serving catalog %s (%s)", path, self.engine.engine.catalog.version)
+            except Exception as err:  # noqa: BLE001 - see above
+                self.catalog_refused = str(err) if isinstance(err, GenrecError) else f"{catalog}: {err!r}"
+                stays = "requests are refused" if self.refusing else "the running one stays"
+                log.error("genrec: catalog %s refused, %s: %s", catalog, stays, self.catalog_refused)
         self._report()
+
+    async def _retry_declared(self, period_s: float = REPORT_EVERY_S) -> None:
+        """While refusing: the declared catalog loaded again once its file changes (restored, remounted), since
+        Serve calls no reconfigure for an unchanged config."""
+        seen = _file_state(self.declared)
+        while self.refusing:
+            await asyncio.sleep(period_s)
+            if (now := _file_state(self.declared)) != seen and now is not None:
+                seen = now
+                await self._serve_catalog(self.declared)  # a resolved path names the same file again
+
+    @property
+    def catalog_status(self) -> str | None:
+        """A retriever's: declared, kept_running or refusing (schemas.CatalogStatus); a ranker's: None."""
+        if self.info.family != "qwen3":
+            return None
+        if self.refusing:
+            return "refusing"
+        return "kept_running" if self.catalog_refused is not None else "declared"
+
+    def _check_serving(self) -> None:
+        if self.refusing:
+            raise CatalogNotServed(self.declared, self.catalog_refused or "not loaded yet")
 
     # `routing_key` is read by the caller's request router (router.py), not here.
     async def retrieve(self, request, timeout_s: float, routing_key: str | None = None):
@@ -119,6 +161,7 @@ class EngineServer:
     async def allowed_items(self, request, timeout_s: float, routing_key: str | None = None):
         """A two-stage recommend's given item IDs its `filters` allow (funnel.py): the attributes are in this
         replica's catalog. Host work, in a worker thread."""
+        self._check_serving()
         return await asyncio.to_thread(self.engine.engine.allowed_items, request), self.info.version
 
     async def render_prompt(self, request, timeout_s: float, routing_key: str | None = None):
@@ -127,16 +170,25 @@ class EngineServer:
         return await asyncio.to_thread(self.engine.render_prompt, request), self.info.version
 
     def model_info(self, routing_key: str | None = None) -> ModelInfo:
-        """The model, and the catalog this replica serves now (its levels and codes too)."""
+        """The model, and the catalog this replica serves now (its levels and codes too; none while refusing)."""
         served = describe(self.engine.engine, self.model_dir, self.device)  # its catalog fields: the served one's
-        return served.model_copy(update={"replica": self.replica, "catalog_refused": self.catalog_refused})
+        return served.model_copy(update={"replica": self.replica, **self._catalog_state()})
 
     def _catalog_state(self) -> dict:
-        """This replica's catalog versions and the last refused catalog (what it reports to the app's board)."""
+        """This replica's catalog versions, the last refused catalog and the declared one, and whether it serves it
+        (what it reports to the app's board); a refusing replica serves no catalog version."""
         state = {"replica": self.replica, "catalog_refused": self.catalog_refused}
         if self.info.family == "qwen3":
             state |= self.engine.engine.catalog_state() | {"catalog_items": len(self.engine.engine.catalog)}
+            state |= {"catalog_declared": self.declared, "catalog_status": self.catalog_status}
+            if self.refusing:
+                state |= {"catalog_version": None, "previous_catalog_version": None, "catalog_items": 0}
         return state
+
+    def record_routing_stats(self) -> dict:
+        """Serve's routing stats of this replica, which its callers' request routers read (router.py): a replica
+        refusing requests for want of its declared catalog is tried last."""
+        return {"catalog_served": not self.refusing}
 
     def _report(self) -> None:
         """This replica's catalog state to the app's board (GET /v1/model lists every replica's); outside Serve
@@ -178,6 +230,7 @@ class EngineServer:
     async def _run(self, kind: str, request, timeout_s: float):
         started, status = time.perf_counter(), "error"
         try:
+            self._check_serving()
             # Validation and tokenizing run in a worker thread: this event loop also answers health checks.
             future = await asyncio.to_thread(self.engine.submit, request, timeout_s, kind)
             result = await asyncio.wrap_future(future)  # cancelling this cancels the request in the engine
@@ -192,7 +245,8 @@ class EngineServer:
     def _export_until_stopped(self, period_s: float = 1.0) -> None:
         ticks = 0
         while not self._stopped.wait(period_s):
-            self.metrics.update(self.engine.metrics(), config_refused=self.config_refused is not None)
+            status = self.catalog_status
+            self.metrics.update(self.engine.metrics(), config_refused=self.config_refused is not None, catalog=status)
             if ticks % int(REPORT_EVERY_S / period_s) == 0:
                 self._report()
             ticks += 1
@@ -215,6 +269,15 @@ def describe(engine: Engine, model_dir: str, device: str) -> ModelInfo:
         serves=list(family.kinds),
         **family.describe(),
     )
+
+
+def _file_state(path: str | None) -> tuple | None:
+    """What tells a file's versions apart without reading it (None: there is none at `path`)."""
+    try:
+        stat = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _replica_id() -> str:

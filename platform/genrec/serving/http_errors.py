@@ -1,8 +1,8 @@
 """Every way a request can fail, as an HTTP status and a JSON body that says what to do about it.
 
-Client mistakes are 4xx naming the field (a route of the other model family: 404 not_served); overload and a
-replaced replica are 503 with Retry-After; a missed deadline is 504. Only a bug is a 500 (logged with its
-traceback, answered without internals).
+Client mistakes are 4xx naming the field (a route of the other model family: 404 not_served); overload, a
+replaced replica and a replica that cannot serve its declared catalog are 503 with Retry-After; a missed deadline
+is 504. Only a bug is a 500 (logged with its traceback, answered without internals).
 """
 
 from __future__ import annotations
@@ -55,6 +55,18 @@ class EngineUnavailable(GenrecError):
     """The engine replica, or the embedding cache, died or is being replaced: retry shortly."""
 
 
+class CatalogNotServed(GenrecError):
+    """A retriever replica that could not load the catalog its config declares (since its start) answers nothing
+    rather than another catalog: retry shortly (the router sends requests to replicas that serve it first)."""
+
+    def __init__(self, catalog: str | None, why: str):
+        super().__init__(f"catalog not served: {catalog or 'the one its user_config declares'} ({why})")
+        self.catalog, self.why = catalog, why
+
+    def __reduce__(self):  # raised in an engine replica, read in the ingress: rebuilt from its fields
+        return type(self), (self.catalog, self.why)
+
+
 # What `_classify` answers with a 4xx: the client's mistake, whichever deployment caught it.
 CLIENT_ERRORS = (InvalidRequestError, ValidationError, Unauthorized, UnknownUser, NotServed, TooLarge)
 
@@ -88,6 +100,8 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
         return 503, {"code": "overloaded", "message": str(error)}, retry
     if isinstance(error, EngineStopped | EngineUnavailable):
         return 503, {"code": "unavailable", "message": str(error)}, retry
+    if isinstance(error, CatalogNotServed):
+        return 503, {"code": "catalog_not_served", "message": str(error)}, retry
     if isinstance(error, RequestTimeout):
         return 504, {"code": "timeout", "message": str(error)}, {}
     log.error("request failed unexpectedly", exc_info=error)

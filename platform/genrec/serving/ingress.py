@@ -17,7 +17,9 @@ routing key, so that each user stays on one replica of each deployment. Stage 1 
 to stage 2; when stage 2 fails, the answer is stage 1's, marked degraded (or, set to fail, the error).
 
 Every request ends by its deadline: the ingress stops waiting for an engine then (the engine drops the request at
-its next step), whether the engine is slow, its replicas are gone or its deployment is being replaced. Serve lets
+its next step), whether the engine is slow, its replicas are gone or its deployment is being replaced. In a
+two-stage recommend, a ranker with no running replica (as the ingress's request router of it knows:
+replicas.live_replicas) fails the ranking at once: the answer is degraded without waiting for a replacement. Serve lets
 a replaced ingress replica finish its requests for longer than that (args.DRAIN_MARGIN_S) before it kills it, so
 no request in flight meets the HTTP proxy's plain-text 500.
 """
@@ -47,9 +49,9 @@ from genrec.cache.actor import EmbeddingCache
 from genrec.errors import CacheError, InvalidRequestError, Overloaded, RequestTimeout, StoreError
 from genrec.serving import edge, funnel
 from genrec.serving.args import DEPLOYMENTS, FAMILY, IngressSection
-from genrec.serving.http_errors import EngineUnavailable, NotServed, UnknownUser, error_response
+from genrec.serving.http_errors import CatalogNotServed, EngineUnavailable, NotServed, UnknownUser, error_response
 from genrec.serving.metrics import IngressMetrics
-from genrec.serving.replicas import board
+from genrec.serving.replicas import board, live_replicas
 from genrec.serving.router import ROUTING_KEY, routing_key
 from genrec.serving.schemas import (
     ErrorBody,
@@ -66,6 +68,7 @@ log = logging.getLogger(__name__)
 
 # Kept of every deadline to build and send the answer: the ingress stops waiting for an engine this much earlier.
 ANSWER_MARGIN_S = 0.05
+WATCH_S = 0.05  # how often a two-stage recommend's ranking looks whether the ranker still has a replica
 MODEL_VERSION_HEADER = "X-Model-Version"
 RANKER_VERSION_HEADER = "X-Ranker-Version"  # a two-stage recommend: the ranking model's version
 # What the messages call each engine deployment: (its queues' owner, its replica).
@@ -198,15 +201,30 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def healthz(self):
-        """Ready when a replica of each of the app's engine deployments answers (no auth: load balancers probe it)."""
+        """Ready when a replica of each of the app's engine deployments answers (no auth: load balancers probe it)
+        and, with a retriever, one of its replicas serves a catalog its config declares (503 catalog_not_served
+        when every one refuses); `catalog` counts the retriever's replicas by catalog status (schemas.CatalogStatus)."""
         try:
             infos = await self._models(time.monotonic() + 5.0)
             versions = {"model_version": infos.get("retriever", infos.get("ranker")).version}
             if len(infos) == 2:
                 versions["ranker_version"] = infos["ranker"].version
-            return {"status": "ok", **versions}
+            catalog = await self._catalog_health() if "retriever" in infos else {}
+            return {"status": "ok", **versions, **catalog}
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
+
+    async def _catalog_health(self) -> dict:
+        """{"catalog": replicas by catalog status} of the retriever's replicas on the board (none there: {}); raises
+        CatalogNotServed when every one is refusing."""
+        replicas = await self._replicas("retriever") or []
+        counts = dict.fromkeys(("declared", "kept_running", "refusing"), 0)
+        for replica in replicas:
+            if replica.get("catalog_status") in counts:
+                counts[replica["catalog_status"]] += 1
+        if replicas and counts["refusing"] == len(replicas):  # no path named: /healthz needs no token
+            raise CatalogNotServed(None, "no retriever replica can load it: GET /v1/model says why")
+        return {"catalog": counts} if replicas else {}
 
     async def _models(self, deadline: float) -> dict[str, ModelInfo]:
         """The model of each of the app's engine deployments, each asked of a replica."""
@@ -217,11 +235,14 @@ class Ingress:
         }
 
     async def _replicas(self, name: str) -> list[dict] | None:
-        """The section's replicas as they last reported (replicas.py); None when the board cannot be read."""
+        """The section's replicas as they last reported (replicas.py), those this replica's router knows gone left
+        out; None when the board cannot be read."""
         try:
             app = serve.get_replica_context().app_name
             reader = await asyncio.to_thread(board, app)
-            return await asyncio.wait_for(reader.replicas.remote(DEPLOYMENTS[name]), 2.0)
+            reported = await asyncio.wait_for(reader.replicas.remote(DEPLOYMENTS[name]), 2.0)
+            live = live_replicas(app, DEPLOYMENTS[name])
+            return reported if live is None else [r for r in reported if r["replica"] in live]
         except Exception as err:  # noqa: BLE001 - a view: /v1/model answers without it
             log.warning("genrec: the replica board could not be read (%s)", err)
             return None
@@ -286,10 +307,10 @@ class Ingress:
         if ranking is not None:  # in the cache scope of stage 1's request (the user's, by default)
             ranking = ranking.model_copy(update={"cache_scope": cache_scope(body)})
         if ranking is None:  # nothing to rank: the answer still names the ranker's version
-            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker")
+            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker", True)
             return task, None, info.version
         key = routing_key(body, ranking, self.routing_blocks)
-        ranked, version = await self._call("ranker", "rank_known", ranking, deadline, key)
+        ranked, version = await self._call("ranker", "rank_known", ranking, deadline, key, fallback=True)
         return task, ranked, version
 
     def _degraded(self, items, retrieved, num_results: int | None, reason: str, err: Exception):
@@ -310,28 +331,44 @@ class Ingress:
     async def _ranker(self, deadline: float) -> RankerFacts:
         """What the ranker takes: from the builder; else (its node was down at the deploy) asked once of it."""
         if self.ranker_facts is None:
-            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker")
+            info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker", True)
             self.ranker_facts = RankerFacts(
                 tasks=info.tasks, max_history_events=info.max_history_events, max_candidates=info.max_candidates
             )
         return self.ranker_facts
 
-    async def _call(self, target: str, method: str, request, deadline: float, key: str, engine_deadline=None):
+    async def _call(
+        self, target: str, method: str, request, deadline: float, key: str, engine_deadline=None, fallback=False
+    ):
         """(result, model version) of one engine deployment's method. The engine is given until `engine_deadline`
-        (default: the deadline less the time to answer); the ingress waits for its answer until the latter."""
+        (default: the deadline less the time to answer); the ingress waits for its answer until the latter, or,
+        with a `fallback` answer (a two-stage recommend's ranking), while the target has a running replica."""
         if engine_deadline is None:
             engine_deadline = deadline - ANSWER_MARGIN_S
         remaining = engine_deadline - time.monotonic()
         if remaining <= 0:
             raise RequestTimeout(f"no answer within {self.request_timeout_s:g} s ({target} not reached)")
+        if fallback:
+            self._check_running(target)  # before the call: none queued for a replica that is not there
         call = getattr(self.handles[target], method).remote(request, remaining, **{ROUTING_KEY: key})
-        return await self._engine_call(call, deadline, target)
+        return await self._engine_call(call, deadline, target, fallback)
+
+    def _check_running(self, target: str) -> None:
+        """EngineUnavailable when the target has no running replica, as this replica's router of it knows
+        (replicas.live_replicas): a two-stage recommend answers degraded (ranker_unavailable) at once instead of
+        waiting on Serve's handle until its deadline for a replacement to start. Calls without a fallback wait."""
+        handle = self.handles[target]
+        if live_replicas(handle.app_name, handle.deployment_name) == frozenset():
+            raise EngineUnavailable(f"{NAMES[target][1]} is unavailable (none is running); retry")
 
     async def _user_embedding(self, body, deadline: float) -> list[float] | None:
+        """The user's vector from the cache, for a body with a user_id and no inline vector. Without a cache there
+        is none to look up: the user_id still scopes and routes the request, and a prompt that needs a vector (a
+        <|user|> placeholder, known once the engine has rendered it) is the engine's 422 naming user_embedding."""
         if getattr(body, "user_embedding", None) is not None or body.user_id is None or isinstance(body, RankBody):
             return None  # an inline vector wins; no user_id, nothing to look up; a ranker takes no vector
         if self.cache_args is None:
-            raise InvalidRequestError("user_id", "this deployment has no embedding cache; send user_embedding")
+            return None
         try:
             if self.cache is None:  # the last lookup found the cache gone: connect again (off the loop)
                 self.cache = await asyncio.to_thread(_connect_cache, self.cache_args)
@@ -348,12 +385,15 @@ class Ingress:
             raise UnknownUser(body.user_id)
         return vectors[0].tolist()
 
-    async def _engine_call(self, response, deadline: float, target: str):
+    async def _engine_call(self, response, deadline: float, target: str, fallback: bool = False):
         """The engine's answer; at the deadline (less the time to answer), give up and cancel: a request waiting
         for a replica that never comes (none running, the deployment deleted or replaced) ends then too."""
         queues, replica = NAMES[target]
+        timeout_s = max(0.0, deadline - ANSWER_MARGIN_S - time.monotonic())
         try:
-            return await asyncio.wait_for(response, max(0.0, deadline - ANSWER_MARGIN_S - time.monotonic()))
+            if not fallback:
+                return await asyncio.wait_for(response, timeout_s)
+            return await self._unless_gone(response, timeout_s, target)
         except RayTaskError as err:  # first: a RayTaskError wrapping the engine's RequestTimeout is a TimeoutError
             raise _cause(err) from None
         except TimeoutError:
@@ -363,3 +403,21 @@ class Ingress:
             raise Overloaded(f"{queues} queues are full ({err})", self.retry_after_s) from None
         except (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError) as err:
             raise EngineUnavailable(f"{replica} is unavailable ({type(err).__name__}); retry") from None
+
+    async def _unless_gone(self, response, timeout_s: float, target: str):
+        """The response's result within `timeout_s` (else TimeoutError); EngineUnavailable as soon as the target has
+        no running replica (`_check_running`, looked at every WATCH_S): a request held by a replica that died, or
+        waiting for one to be assigned, ends then."""
+        waiter = asyncio.ensure_future(response)
+        end = time.monotonic() + timeout_s
+        try:
+            while not waiter.done():
+                self._check_running(target)
+                if (left := end - time.monotonic()) <= 0:
+                    raise TimeoutError
+                await asyncio.wait({waiter}, timeout=min(WATCH_S, left))
+            return waiter.result()
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+                response.cancel()

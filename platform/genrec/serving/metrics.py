@@ -9,7 +9,8 @@ the first error.
 Ingress: every HTTP answer it gives (route, status), its own refusals included (401, 408, 413, 400/422 of the
 body's validation, 404...), which never reach the engine's counter; with a funnel, the two-stage recommends
 answered with the retrieval alone (reason: funnel.REASONS), starting at 0. Both: whether the last `user_config`
-was refused (1) or applied (0).
+was refused (1) or applied (0). A retriever replica: whether it serves the catalog its config declares
+(`genrec_catalog_not_declared{state}`, 1 when not: `sum by (state)` counts such replicas).
 
 Series of a replaced replica: Ray's metrics agent (2.60) drops a gauge series that has not been set for two
 export intervals, so every gauge here is set again each second while its replica lives and disappears within
@@ -30,7 +31,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from genrec.engine.metrics import LATENCY_BUCKETS
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving.funnel import REASONS
-from genrec.serving.http_errors import NotServed
+from genrec.serving.http_errors import CatalogNotServed, NotServed
 
 # How an engine request that failed ends: the `status` tag of genrec_requests (the first type that matches).
 ERROR_STATUSES = (
@@ -39,7 +40,10 @@ ERROR_STATUSES = (
     (Overloaded, "overloaded"),
     (RequestTimeout, "timeout"),
     (EngineStopped, "stopped"),
+    (CatalogNotServed, "catalog_not_served"),
 )
+# A retriever replica not serving the catalog its config declares (schemas.CatalogStatus): the states of the gauge.
+UNDECLARED = ("kept_running", "refusing")
 REQUEST_STATUSES = ("ok", *(status for _, status in ERROR_STATUSES), "error")
 
 
@@ -78,6 +82,12 @@ class EngineMetricsExporter:
         )
         self.load_s = 0.0  # set by the replica once loaded; exported with the rest every second
         self.user_config_refused = refused_gauge()
+        self.catalog_undeclared = Gauge(
+            "genrec_catalog_not_declared",
+            description="1: this retriever replica does not serve the catalog its config declares; state kept_running: "
+            "it refused a live change and serves the one before, refusing: it answers 503 (none since its start)",
+            tag_keys=("state",),
+        )
         self.prefix_cache = PrefixCacheExporter()
 
     def finished(self, kind: str, status: str, seconds: float) -> None:
@@ -85,9 +95,12 @@ class EngineMetricsExporter:
         if status == "ok":
             self.latency.observe(seconds, tags={"kind": kind})
 
-    def update(self, snapshot: dict, config_refused: bool = False) -> None:
+    def update(self, snapshot: dict, config_refused: bool = False, catalog: str | None = None) -> None:
+        """`catalog`: the replica's catalog status (declared, kept_running, refusing; None: a ranker's)."""
         self.model_load_seconds.set(self.load_s)
         self.user_config_refused.set(int(config_refused))
+        for state in UNDECLARED:
+            self.catalog_undeclared.set(int(catalog == state), tags={"state": state})
         self.queue_depth.set(snapshot["queue_depth"])
         self.running.set(snapshot["running"])
         self.kv_bytes.set(snapshot["kv_bytes_reserved"])

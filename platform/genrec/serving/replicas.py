@@ -4,6 +4,11 @@ A Serve handle reaches one replica per call and cannot list them, so each engine
 catalog versions, a refused catalog) to one small actor per app, `ReplicaBoard`, when it changes and every few
 seconds; the ingress reads the board. A replica not heard from for `STALE_S` is left out (gone, or replaced).
 The board holds nothing that matters across its own loss: a new one fills within one report period.
+
+The board lags a replica's death by up to `STALE_S`; Serve's request router in each caller knows at once (from the
+controller, or from a call that found the replica dead). The UserRouter (router.py) publishes what it knows to its
+process (`publish_live`), and the ingress reads it (`live_replicas`): the board's list without the replicas gone,
+and a ranker without any replica found at once.
 """
 
 from __future__ import annotations
@@ -14,6 +19,19 @@ import ray
 
 REPORT_EVERY_S = 5.0
 STALE_S = 3 * REPORT_EVERY_S
+
+# (app, deployment) -> the unique IDs of its running replicas, as this process's UserRouter of it last knew them.
+_LIVE: dict[tuple[str, str], frozenset[str]] = {}
+
+
+def publish_live(app: str, deployment: str, replica_ids: frozenset[str]) -> None:
+    _LIVE[(app, deployment)] = replica_ids
+
+
+def live_replicas(app: str, deployment: str) -> frozenset[str] | None:
+    """The deployment's running replicas as this process's router of it knows them (Serve's own view); None: no
+    UserRouter of it runs in this process (yet), e.g. the deployment uses Serve's default router."""
+    return _LIVE.get((app, deployment))
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)

@@ -18,6 +18,11 @@ ID); the highest is the key's primary, the next its one fallback, then the rest.
 
 Selected per deployment with `request_router_config: {request_router_class: genrec.serving.router:UserRouter}`
 (the builder's default for the engine deployment; see app.py).
+
+A replica that refuses requests for want of its declared catalog (its routing stats say `catalog_served: false`,
+engine_server.py) is ranked after every replica that serves it. The router also tells its process which replicas
+of its deployment are running (replicas.live_replicas): the ingress answers a two-stage recommend without waiting
+on a ranker that has none.
 """
 
 from __future__ import annotations
@@ -92,6 +97,22 @@ class UserRouter(RequestRouter):
 
     spill_after_s = SPILL_AFTER_S
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._publish()
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._publish()
+
+    def _publish(self) -> None:
+        # Imported here: Serve ships this class to its callers by value, so a global of this module read by its
+        # methods would be a copy of the one the process's other code reads.
+        from genrec.serving.replicas import publish_live
+
+        ids = frozenset(replica_id.unique_id for replica_id in self.curr_replicas)
+        publish_live(self.app_name, self._deployment_id.name, ids)
+
     def initialize_state(self, spill_after_s: float = SPILL_AFTER_S) -> None:
         """`request_router_kwargs`: how long a request waits for its busy primary before the fallback (an
         unknown keyword fails the router's start instead of vanishing)."""
@@ -102,14 +123,26 @@ class UserRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        serving, refusing = by_catalog(candidate_replicas)
         if pending_request is None:
-            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+            return [random.sample(serving, min(2, len(serving)))]
         # When no rank offered accepts (each replica at max_ongoing_requests), Serve calls again after a backoff
         # sleep rather than at once; the ranks offered widen with the wait, so a busy primary is retried for a
         # while before the request spills to the fallback (which serves it cold).
         pending_request.routing_context.should_backoff = True
         key = pending_request.kwargs.get(ROUTING_KEY)
-        if not isinstance(key, str) or not key:
-            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         widen = widening(time.time() - pending_request.created_at, self.spill_after_s)
-        return ranks(key, candidate_replicas, lambda r: r.replica_id.unique_id, widen)
+        if not isinstance(key, str) or not key:
+            chosen = [random.sample(serving, min(2, len(serving)))]
+        else:
+            chosen = ranks(key, serving, lambda r: r.replica_id.unique_id, widen)
+        return chosen + [refusing] if refusing and widen == 2 else chosen
+
+
+def by_catalog(replicas: list) -> tuple[list, list]:
+    """(the replicas that serve their declared catalog, those refusing for want of it); when none serves it, all
+    are taken as serving (ranked as ever: each answers 503 until it does)."""
+    refusing = [r for r in replicas if r.routing_stats.get("catalog_served") is False]
+    if len(refusing) == len(replicas):
+        return replicas, []
+    return [r for r in replicas if r.routing_stats.get("catalog_served") is not False], refusing

@@ -123,12 +123,21 @@ class RankerFacts(BaseModel):
         return cls(tasks=list(config.tasks), max_history_events=events, max_candidates=max_candidates)
 
 
+# A retriever replica and the catalog its config declares: `declared`, it serves it; `kept_running`, it refused a
+# live change to it and serves the catalog it ran before; `refusing`, it has served no declared catalog since its
+# start and answers 503 catalog_not_served (rather than any other catalog).
+CatalogStatus = Literal["declared", "kept_running", "refusing"]
+CATALOG_DECLARED = "the catalog file the replica's user_config declares (the model directory's when it names none)"
+
+
 class ReplicaState(BaseModel):
     replica: str
     catalog_version: str | None = None
     previous_catalog_version: str | None = None
     catalog_items: int | None = None
     catalog_refused: str | None = None
+    catalog_declared: str | None = Field(None, description=CATALOG_DECLARED)
+    catalog_status: CatalogStatus | None = None
 
 
 class ModelInfo(BaseModel):
@@ -150,9 +159,15 @@ class ModelInfo(BaseModel):
     catalog_refused: str | None = Field(
         None, description="why the last catalog the user_config named was refused (the running one stays)"
     )
+    catalog_declared: str | None = Field(None, description=f"qwen3: {CATALOG_DECLARED}")
+    catalog_status: CatalogStatus | None = Field(
+        None,
+        description="qwen3: declared (serves the declared catalog), kept_running (refused a live change to it, serves "
+        "the one before), refusing (none since its start: answers 503 catalog_not_served)",
+    )
     replica: str | None = Field(None, description="the replica that answered")
     replicas: list[ReplicaState] | None = Field(
-        None, description="every replica of this deployment heard from lately, with its catalog version"
+        None, description="every running replica of this deployment heard from lately, with its catalog version"
     )
     max_candidates: int = Field(description="candidates per score, recommend or rank request")
     levels: int | None = Field(None, description="qwen3: semantic-ID code length (the longest code's)")
@@ -179,7 +194,8 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     code: str = Field(
-        description="invalid_request | unauthorized | unknown_user | not_served | overloaded | timeout | unavailable"
+        description="invalid_request | unauthorized | unknown_user | not_served | overloaded | timeout | unavailable | "
+        "catalog_not_served"
     )
     message: str
     details: list[ErrorDetail] = []

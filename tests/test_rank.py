@@ -6,9 +6,13 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from genrec.api import Event, RankRequest, RetrieveRequest
+from genrec.bench.engine import plain_masked_forward, rank_request
 from genrec.catalog.catalog import catalog_version
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.engine.scheduler import Scheduler
@@ -143,3 +147,26 @@ def test_the_async_engine_ranks_concurrent_requests(ranker, hstu_dir):
         async_engine.shutdown()
     for request, result in zip(requests, results, strict=True):
         assert np.abs(probs(result, SPEC.tasks) - reference(ranker, hstu_dir, request)).max() <= TOL
+
+
+class OneDevice(TorchDispatchMode):
+    """Fails any op whose tensors (one-element host scalars aside) lie on more than one device; moves are allowed."""
+
+    MOVES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor) and t.dim()]
+        devices = {t.device for t in tensors}
+        if func not in self.MOVES and len(devices) > 1:
+            raise AssertionError(f"{func} mixes devices {sorted(map(str, devices))}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_rank_benchs_plain_forward_runs_on_the_models_device(hstu_dir):
+    """`bench rank --device cuda` failed in this baseline (its indices stayed on the host). The model on the meta
+    device stands in for a GPU here: an op mixing a host tensor with the model's fails."""
+    engine = Engine.from_pretrained(hstu_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    engine.model.to("meta")
+    with OneDevice():
+        out = plain_masked_forward(engine, rank_request(engine, 30, 5))
+    assert out.device.type == "meta" and out.shape == (5, len(SPEC.tasks))

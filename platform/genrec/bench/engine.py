@@ -314,7 +314,8 @@ def rank_request(engine: Engine, events: int, candidates: int, seed: int = 0) ->
 
 @torch.inference_mode()
 def plain_masked_forward(engine: Engine, request: RankRequest) -> torch.Tensor:
-    """The whole [history + candidates] sequence in one forward with the dense ranking mask: the baseline."""
+    """The whole [history + candidates] sequence in one forward with the dense ranking mask: the baseline. Its
+    indices and mask are built on the host, then moved to the model's device (each at once)."""
     model, prepared = engine.model, engine.prepare(request)
     T, C = len(prepared.token_ids), len(prepared.candidate_rows)
     events = prepared.token_ids
@@ -322,9 +323,10 @@ def plain_masked_forward(engine: Engine, request: RankRequest) -> torch.Tensor:
     actions = torch.cat([events[:, 1], torch.full((C,), model.config.no_action)])
     buckets = torch.cat([events[:, 2], torch.full((C,), model.config.unknown_bucket)])
     positions = torch.cat([torch.arange(T), torch.full((C,), T)])
-    x = model.embed_events(items, actions, positions, buckets if model.config.num_time_buckets else None)
     mask = torch.ones(T + C, T + C, dtype=torch.bool).tril()
     mask[T:, T:] = torch.eye(C, dtype=torch.bool)
+    items, actions, buckets, positions, mask = (t.to(model.device) for t in (items, actions, buckets, positions, mask))
+    x = model.embed_events(items, actions, positions, buckets if model.config.num_time_buckets else None)
     for layer in model.layers:
         u, v, q, k = layer.project(x)
         scores = F.silu(torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)) * model.scale) * mask

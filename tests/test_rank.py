@@ -15,6 +15,7 @@ from genrec.api import Event, RankRequest, RetrieveRequest
 from genrec.bench.engine import plain_masked_forward, rank_request
 from genrec.catalog.catalog import catalog_version
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.engine.pass_cost import PassCost
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import InvalidRequestError
 from tests.conftest import HSTU_TINY as SPEC
@@ -106,6 +107,23 @@ def test_a_returning_users_history_is_reused_and_equals_a_cold_run(ranker, hstu_
         assert list(warm.items[0].scores) == ["like", "click"]
         assert np.abs(probs(warm, ["click", "like"]) - reference(ranker, hstu_dir, request)[:, :2]).max() <= TOL
     assert reused[0] == 0 and all(r >= 96 for r in reused[1:])
+
+
+def test_a_history_whose_pieces_cost_more_than_its_prefill_is_recomputed(hstu_dir):
+    """The cost rule through the engine: the ranker costed as on CUDA, where each cached piece's attention calls
+    cost more than this short history's prefill, reads nothing back and still equals the reference."""
+    engine = Engine.from_pretrained(hstu_dir)
+    engine.family.cost = PassCost.hstu(engine.model.config, "cuda")
+    scheduler, rng = Scheduler(engine), random.Random(5)
+    events = history(rng, 100)
+    for _ in range(2):
+        events = events + history(rng, 10, start_time=events[-1].timestamp)
+        request = RankRequest(history=events, candidates=candidates(rng, 12), cache_scope="user-1")
+        future = scheduler.submit(engine.prepare(request))
+        while not scheduler.idle:
+            scheduler.step()
+        assert np.abs(probs(future.result(), SPEC.tasks) - reference(engine, hstu_dir, request)).max() <= TOL
+    assert scheduler.cache.stats.tokens_reused == 0 and scheduler.cache.bytes > 0  # kept, but not worth reading
 
 
 def test_rank_requests_are_validated_naming_the_field(ranker):

@@ -272,7 +272,7 @@ def rank(o: RankOptions) -> dict:
     fanout_s = seconds.pop("one_request_per_candidate_sample") * o.candidates / len(singles)
     seconds["one_request_per_candidate"] = fanout_s
     one = seconds["genrec_one_pass"]
-    warm = _warm_and_cold(engine, request, o.new_events, o.repeats, o.device)
+    warm = warm_and_cold(engine, request, o.new_events, o.repeats, o.device)
     return {
         "benchmark": "rank",
         **described(path, o, "device"),
@@ -335,12 +335,17 @@ def plain_masked_forward(engine: Engine, request: RankRequest) -> torch.Tensor:
     return model.task_probs(x[T:])
 
 
-def _warm_and_cold(engine: Engine, request: RankRequest, new_events: int, repeats: int, device: str) -> dict:
+def warm_and_cold(
+    engine: Engine, request: RankRequest, new_events: int, repeats: int, device: str, every_piece: bool = False
+) -> dict:
     """A returning user: the history cached, `new_events` more each visit; the same requests with no cache. The
-    scheduler is stepped directly so that only the engine's work is timed (each request prepared beforehand)."""
+    scheduler is stepped directly so that only the engine's work is timed (each request prepared beforehand).
+    `every_piece`: also warm with the cost rule off (every cached piece read, genrec.engine.prefix_cache)."""
     out = {}
-    for name, cache in (("cold", 0), ("warm", None)):
+    modes = [("cold", 0, True), ("warm", None, True)] + [("warm_every_piece", None, False)] * every_piece
+    for name, cache, rule in modes:
         scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=cache, request_timeout_s=600))
+        scheduler.cache.gain = scheduler.cache.gain if rule else None
         history, times = list(request.history), []
         for visit in range(repeats + 1):
             last = history[-1].timestamp
@@ -353,6 +358,7 @@ def _warm_and_cold(engine: Engine, request: RankRequest, new_events: int, repeat
             if visit:  # the first visit fills the cache
                 times.append(seconds)
         out[f"{name}_s"] = statistics.median(times)
+        out[f"{name}_events_reused"] = scheduler.cache.stats.tokens_reused
     out["cold_over_warm"] = out["cold_s"] / out["warm_s"]
     return out
 

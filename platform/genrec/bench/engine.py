@@ -259,7 +259,7 @@ def _fanout(engine, model_dir, request, device, sample):
 
 
 def rank(o: RankOptions) -> dict:
-    path = o.model or _hstu_preset(o.preset)
+    path = o.model or hstu_preset_dir(o.preset)
     engine = Engine.from_pretrained(path, device=o.device, scheduler=COLD)
     request = rank_request(engine, o.events, o.candidates)
     singles = [request.model_copy(update={"candidates": [c]}) for c in request.candidates[: o.fanout_sample]]
@@ -291,7 +291,7 @@ def rank(o: RankOptions) -> dict:
     }
 
 
-def _hstu_preset(name: str) -> Path:
+def hstu_preset_dir(name: str) -> Path:
     from genrec.model.tiny import hstu_preset, write_hstu_dir
 
     target = presets_root() / f"hstu-{name}"

@@ -3,6 +3,8 @@ engine's answers pass against float32; a broken engine's, a result whose scores 
 k best (even with their exact scores) fail."""
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,3 +85,13 @@ def test_the_rule_states_its_noise_and_refuses_what_it_cannot_judge():
     assert not judge([("a", -0.5), ("b", -1.2)], exact, -1.0)["ok"]  # b's own score off its exact one
     assert not judge([("a", -0.5), ("z", -0.7)], exact, -1.0)["ok"]  # an item the float32 engine did not score
     assert not judge([], exact, -1.0)["ok"]
+
+
+def test_the_gpu_check_imports_no_ray():
+    """The GPU machine has no Ray: the check and every bench module it loads import without it."""
+    code = (
+        "import sys, genrec.bench.gpu_check, genrec.bench.load, genrec.bench.engine\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'pandas', 'fastapi', 'starlette'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"

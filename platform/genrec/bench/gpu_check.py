@@ -43,6 +43,8 @@ session still returns everything that finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import statistics
 import tempfile
@@ -57,7 +59,7 @@ from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.attention import Spans, varlen_attention, varlen_reference
 from genrec.bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
 from genrec.bench.common import decoder, interleaved_medians, model_dir_for, random_prompt
-from genrec.engine import Engine, SchedulerConfig
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.model.tiny import ModelSpec, preset, write_model_dir
 
 # -- 1, 2: versions and kernels ----------------------------------------------------------------------------------
@@ -121,6 +123,10 @@ def varlen_checks(device) -> dict:
     return out
 
 
+KV_BUDGET = 8 << 30  # bytes of KV pool per engine: 8 contexts of 5,000 tokens and their beams fit (bf16)
+COLD = SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=KV_BUDGET)  # the prefix cache off: rounds repeat
+SID_GR_WIDTH, SID_GR_LEVELS = 256, 3  # SID-GR's headline shape: beam 256, 3 tokens, contexts 1,000 and 5,000
+
 # -- 3: correctness, judged against float32 ----------------------------------------------------------------------
 
 NOISE_SHARE = 1 / 32  # ν = NOISE_SHARE * |t_k|, at least NOISE_FLOOR (the module's docstring says why)
@@ -173,11 +179,12 @@ def tiny_judged(device, architecture: str = "qwen3") -> dict:
     """The tiny preset (3 levels) of the decoder architecture, bf16, fast and eager, judged against float32."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny", architecture=architecture, levels=3))
+        bf16 = {"device": device, "dtype": torch.bfloat16, "scheduler": COLD}
         engines = {
-            "fast": Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16, cuda_fast=True),
-            "eager": Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16, cuda_fast=False),
+            "fast": Engine.from_pretrained(model_dir, cuda_fast=True, **bf16),
+            "eager": Engine.from_pretrained(model_dir, cuda_fast=False, **bf16),
         }
-        reference = Engine.from_pretrained(model_dir, device=device, dtype=torch.float32, cuda_fast=False)
+        reference = Engine.from_pretrained(model_dir, device=device, dtype=torch.float32, scheduler=COLD)
         g = torch.Generator().manual_seed(3)
         out = {
             f"{n}/{w}": judged(
@@ -202,10 +209,6 @@ def agreement(a: Engine, b: Engine, retrieve: list, score: list) -> tuple[list[b
 
 
 # -- 4: SID-GR's shapes, timed -----------------------------------------------------------------------------------
-
-SID_GR_WIDTH, SID_GR_LEVELS = 256, 3  # SID-GR's headline shape: beam 256, 3 tokens, contexts 1,000 and 5,000
-KV_BUDGET = 12 << 30  # bytes of KV pool per scheduler: 8 contexts of 5,000 tokens and their beams fit
-COLD = SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=KV_BUDGET)  # the prefix cache off: rounds repeat
 
 
 def big_engines(device, preset_name: str) -> dict[str, Engine]:
@@ -276,12 +279,21 @@ def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
     }
 
 
-def callers_rate(engine: Engine, requests: list[RetrieveRequest], callers: int = 4, each: int = 4) -> dict:
-    """`callers` threads, each submitting a request and waiting for it, `each` times, over one AsyncEngine (a
-    scheduler of its own over the engine's weights): requests per second, and latency. One round first, untimed."""
-    from genrec.bench.load import serving
+@contextlib.contextmanager
+def driven(engine: Engine):
+    """An AsyncEngine driving `engine` itself (its runner, its captured graphs, its KV pool); shut down after, when
+    the engine's synchronous API serves again."""
+    async_engine = AsyncEngine(engine)
+    try:
+        yield async_engine
+    finally:
+        async_engine.shutdown()
 
-    with serving(engine, prefix_cache_bytes=0, kv_budget_bytes=KV_BUDGET) as (async_engine, _):
+
+def callers_rate(engine: Engine, requests: list[RetrieveRequest], callers: int = 4, each: int = 4) -> dict:
+    """`callers` threads, each submitting a request and waiting for it, `each` times, over an AsyncEngine driving
+    the engine: requests per second, and latency. One round first, untimed."""
+    with driven(engine) as async_engine:
 
         def caller(first: int, count: int) -> list[float]:
             seconds = []
@@ -326,7 +338,8 @@ def hstu(device) -> dict:
 def load_pattern(engine: Engine, seconds: float = 6.0, timeout_s: float = 90.0) -> dict:
     """`bench load --cuda-fast`'s pattern in-process: this thread makes prompts (reading the trie on the device, as
     its request maker does) and submits requests of many beam widths, while the engine loop captures (or replays)
-    a decode graph for each new row bucket. Records every request's error."""
+    a decode graph for each new row bucket: a fresh runner over the engine's weights (`bench load`'s `serving`), so
+    that no bucket was captured before. Records every request's error."""
     from genrec.bench.load import serving
 
     widths, g = (1, 3, 8, 30, 64, 100, 256, 17), torch.Generator().manual_seed(7)
@@ -337,7 +350,7 @@ def load_pattern(engine: Engine, seconds: float = 6.0, timeout_s: float = 90.0) 
             prompt = random_prompt(engine, 300 + 97 * (len(futures) % 9), g)
             width = widths[len(futures) % len(widths)]
             futures.append(
-                async_engine.submit(RetrieveRequest(prompt_token_ids=prompt, beam_width=width), kind="retrieve")
+                async_engine.submit(RetrieveRequest(prompt_token_ids=prompt, beam_width=width), timeout_s, "retrieve")
             )
             time.sleep(0.05)
         done_by = time.perf_counter() + timeout_s
@@ -436,6 +449,7 @@ class Report:
                 self.parts[name] = result
             except Exception:  # noqa: BLE001 - a failing part is reported, the others still run
                 self.parts[name] = {"error": traceback.format_exc()[-3000:]}
+            gc.collect()  # an AsyncEngine and its engine refer to each other: their KV pools go back now
             self.parts.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
         self.path.write_text(json.dumps(self.parts, indent=2, default=str))
         print(name, json.dumps(self.parts[name], default=str)[:1500], flush=True)

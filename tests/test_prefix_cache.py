@@ -220,3 +220,56 @@ def test_warm_and_cold_prompts_prefilled_in_one_pass_equal_their_cold_runs(engin
     assert scheduler.cache.stats.tokens_reused == 64
     for request, future in zip(requests, futures, strict=True):
         assert_equal(future.result(), cold(engine, request))
+
+
+def chained_entries(engine, runs, gain):
+    """A cache (gain rule `gain`) holding one prompt's blocks as consecutive entries of `runs` tokens each: what a
+    returning user's visits leave, read back as one piece per entry. Returns the cache and the prompt's keys."""
+    pool = engine.runner.new_pool(4096)
+    cache = PrefixCache(4096 * pool.bytes_per_token)
+    keys, prefix = block_keys(np.arange(sum(runs) + BLOCK), b"", None, None), []
+    for n in runs:
+        ctx = ContextKV(pool.reserve(n), prefix)
+        ctx.length += n
+        cache.insert(keys, ctx)
+        prefix = cache.lookup(keys, ctx.length // BLOCK)  # the next visit reads all so far (a retained hold each)
+        ctx.release()
+    for piece in prefix:
+        piece.extent.release()
+    cache.gain = gain
+    return cache, keys
+
+
+def test_reuse_reads_only_the_pieces_that_gain_more_than_they_cost(engine):
+    """`gain(tokens, pieces)` weighs a prefix's saved prefill against its pieces' overhead; without one (or where
+    pieces cost nothing) the longest prefix is read, as it always was."""
+    runs = [64, 16, 32]
+    for gain, want in (
+        (None, [64, 16, 32]),
+        (lambda tokens, pieces: tokens, [64, 16, 32]),
+        (lambda tokens, pieces: tokens - 20 * pieces, [64, 16, 32]),  # the 2nd alone does not pay, with the 3rd it does
+        (lambda tokens, pieces: tokens - 40 * pieces, [64]),  # the 2nd (16) and 3rd (32) cost more than they save
+        (lambda tokens, pieces: tokens - 100 * pieces, []),  # nothing pays: all recomputed
+    ):
+        cache, keys = chained_entries(engine, runs, gain)
+        pieces = cache.lookup(keys, len(keys))
+        assert [p.length for p in pieces] == want, gain
+        held = {id(p.extent): p.extent.holders for p in pieces}
+        assert all(h == 2 for h in held.values())  # the cache's hold and the caller's, on what it reads only
+        assert cache.evict_one() == (len(pieces) < len(runs))  # an entry not read stays evictable
+
+
+def test_the_rankers_piece_cost_follows_the_device(engine):
+    """The rule's inputs: a piece costs the tiny HSTU's passes nothing on the CPU (where the longest prefix is read,
+    as always), and on CUDA more than a 2,000-event history's whole prefill (an H200 recomputed it faster than it
+    read it in pieces); a long history pays there too. A decoder's pieces cost nothing (its calls are fixed)."""
+    from genrec.engine.pass_cost import PassCost
+    from genrec.model.tiny import hstu_preset
+
+    config = hstu_preset("tiny").config()
+    cpu, cuda = PassCost.hstu(config, "cpu"), PassCost.hstu(config, "cuda")
+    assert cpu.piece_cost == 0 and cpu.reuse_gain(BLOCK, 1) > 0
+    assert cpu.reuse_gain(2000, 3) > cpu.reuse_gain(2000 - BLOCK, 2)  # on the CPU the longest prefix gains most
+    assert cuda.reuse_gain(2000, 1) < 0 < cuda.reuse_gain(8000, 1)
+    assert cuda.reuse_gain(8000, 1) > cuda.reuse_gain(8000 + BLOCK, 2)  # one more small piece costs more than it saves
+    assert engine.family.cost.piece_cost == 0

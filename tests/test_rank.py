@@ -6,11 +6,16 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from genrec.api import Event, RankRequest, RetrieveRequest
+from genrec.bench.engine import plain_masked_forward, rank_request
 from genrec.catalog.catalog import catalog_version
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.engine.pass_cost import PassCost
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import InvalidRequestError
 from tests.conftest import HSTU_TINY as SPEC
@@ -104,6 +109,23 @@ def test_a_returning_users_history_is_reused_and_equals_a_cold_run(ranker, hstu_
     assert reused[0] == 0 and all(r >= 96 for r in reused[1:])
 
 
+def test_a_history_whose_pieces_cost_more_than_its_prefill_is_recomputed(hstu_dir):
+    """The cost rule through the engine: the ranker costed as on CUDA, where each cached piece's attention calls
+    cost more than this short history's prefill, reads nothing back and still equals the reference."""
+    engine = Engine.from_pretrained(hstu_dir)
+    engine.family.cost = PassCost.hstu(engine.model.config, "cuda")
+    scheduler, rng = Scheduler(engine), random.Random(5)
+    events = history(rng, 100)
+    for _ in range(2):
+        events = events + history(rng, 10, start_time=events[-1].timestamp)
+        request = RankRequest(history=events, candidates=candidates(rng, 12), cache_scope="user-1")
+        future = scheduler.submit(engine.prepare(request))
+        while not scheduler.idle:
+            scheduler.step()
+        assert np.abs(probs(future.result(), SPEC.tasks) - reference(engine, hstu_dir, request)).max() <= TOL
+    assert scheduler.cache.stats.tokens_reused == 0 and scheduler.cache.bytes > 0  # kept, but not worth reading
+
+
 def test_rank_requests_are_validated_naming_the_field(ranker):
     rng = random.Random(6)
     good = RankRequest(history=history(rng, 3), candidates=candidates(rng, 2))
@@ -143,3 +165,26 @@ def test_the_async_engine_ranks_concurrent_requests(ranker, hstu_dir):
         async_engine.shutdown()
     for request, result in zip(requests, results, strict=True):
         assert np.abs(probs(result, SPEC.tasks) - reference(ranker, hstu_dir, request)).max() <= TOL
+
+
+class OneDevice(TorchDispatchMode):
+    """Fails any op whose tensors (one-element host scalars aside) lie on more than one device; moves are allowed."""
+
+    MOVES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor) and t.dim()]
+        devices = {t.device for t in tensors}
+        if func not in self.MOVES and len(devices) > 1:
+            raise AssertionError(f"{func} mixes devices {sorted(map(str, devices))}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_rank_benchs_plain_forward_runs_on_the_models_device(hstu_dir):
+    """`bench rank --device cuda` failed in this baseline (its indices stayed on the host). The model on the meta
+    device stands in for a GPU here: an op mixing a host tensor with the model's fails."""
+    engine = Engine.from_pretrained(hstu_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    engine.model.to("meta")
+    with OneDevice():
+        out = plain_masked_forward(engine, rank_request(engine, 30, 5))
+    assert out.device.type == "meta" and out.shape == (5, len(SPEC.tasks))

@@ -259,7 +259,7 @@ def _fanout(engine, model_dir, request, device, sample):
 
 
 def rank(o: RankOptions) -> dict:
-    path = o.model or _hstu_preset(o.preset)
+    path = o.model or hstu_preset_dir(o.preset)
     engine = Engine.from_pretrained(path, device=o.device, scheduler=COLD)
     request = rank_request(engine, o.events, o.candidates)
     singles = [request.model_copy(update={"candidates": [c]}) for c in request.candidates[: o.fanout_sample]]
@@ -272,7 +272,7 @@ def rank(o: RankOptions) -> dict:
     fanout_s = seconds.pop("one_request_per_candidate_sample") * o.candidates / len(singles)
     seconds["one_request_per_candidate"] = fanout_s
     one = seconds["genrec_one_pass"]
-    warm = _warm_and_cold(engine, request, o.new_events, o.repeats, o.device)
+    warm = warm_and_cold(engine, request, o.new_events, o.repeats, o.device)
     return {
         "benchmark": "rank",
         **described(path, o, "device"),
@@ -291,7 +291,7 @@ def rank(o: RankOptions) -> dict:
     }
 
 
-def _hstu_preset(name: str) -> Path:
+def hstu_preset_dir(name: str) -> Path:
     from genrec.model.tiny import hstu_preset, write_hstu_dir
 
     target = presets_root() / f"hstu-{name}"
@@ -314,7 +314,8 @@ def rank_request(engine: Engine, events: int, candidates: int, seed: int = 0) ->
 
 @torch.inference_mode()
 def plain_masked_forward(engine: Engine, request: RankRequest) -> torch.Tensor:
-    """The whole [history + candidates] sequence in one forward with the dense ranking mask: the baseline."""
+    """The whole [history + candidates] sequence in one forward with the dense ranking mask: the baseline. Its
+    indices and mask are built on the host, then moved to the model's device (each at once)."""
     model, prepared = engine.model, engine.prepare(request)
     T, C = len(prepared.token_ids), len(prepared.candidate_rows)
     events = prepared.token_ids
@@ -322,9 +323,10 @@ def plain_masked_forward(engine: Engine, request: RankRequest) -> torch.Tensor:
     actions = torch.cat([events[:, 1], torch.full((C,), model.config.no_action)])
     buckets = torch.cat([events[:, 2], torch.full((C,), model.config.unknown_bucket)])
     positions = torch.cat([torch.arange(T), torch.full((C,), T)])
-    x = model.embed_events(items, actions, positions, buckets if model.config.num_time_buckets else None)
     mask = torch.ones(T + C, T + C, dtype=torch.bool).tril()
     mask[T:, T:] = torch.eye(C, dtype=torch.bool)
+    items, actions, buckets, positions, mask = (t.to(model.device) for t in (items, actions, buckets, positions, mask))
+    x = model.embed_events(items, actions, positions, buckets if model.config.num_time_buckets else None)
     for layer in model.layers:
         u, v, q, k = layer.project(x)
         scores = F.silu(torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)) * model.scale) * mask
@@ -333,12 +335,17 @@ def plain_masked_forward(engine: Engine, request: RankRequest) -> torch.Tensor:
     return model.task_probs(x[T:])
 
 
-def _warm_and_cold(engine: Engine, request: RankRequest, new_events: int, repeats: int, device: str) -> dict:
+def warm_and_cold(
+    engine: Engine, request: RankRequest, new_events: int, repeats: int, device: str, every_piece: bool = False
+) -> dict:
     """A returning user: the history cached, `new_events` more each visit; the same requests with no cache. The
-    scheduler is stepped directly so that only the engine's work is timed (each request prepared beforehand)."""
+    scheduler is stepped directly so that only the engine's work is timed (each request prepared beforehand).
+    `every_piece`: also warm with the cost rule off (every cached piece read, genrec.engine.prefix_cache)."""
     out = {}
-    for name, cache in (("cold", 0), ("warm", None)):
+    modes = [("cold", 0, True), ("warm", None, True)] + [("warm_every_piece", None, False)] * every_piece
+    for name, cache, rule in modes:
         scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=cache, request_timeout_s=600))
+        scheduler.cache.gain = scheduler.cache.gain if rule else None
         history, times = list(request.history), []
         for visit in range(repeats + 1):
             last = history[-1].timestamp
@@ -351,6 +358,7 @@ def _warm_and_cold(engine: Engine, request: RankRequest, new_events: int, repeat
             if visit:  # the first visit fills the cache
                 times.append(seconds)
         out[f"{name}_s"] = statistics.median(times)
+        out[f"{name}_events_reused"] = scheduler.cache.stats.tokens_reused
     out["cold_over_warm"] = out["cold_s"] / out["warm_s"]
     return out
 

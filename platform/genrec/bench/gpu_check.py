@@ -1,15 +1,39 @@
-"""The prepared check for a GPU session (issue 12): one command, about 10 minutes on an H200, JSON out.
+"""The prepared check for a GPU session (issue 38): one command, under 5 minutes on one H200, without Ray.
 
-    python -m genrec.bench.gpu_check --out gpu_check.json [--quick]
+    PYTHONPATH=platform python -m genrec.bench.gpu_check --out gpu_check.json --budget-s 280 [--quick]
 
+Parts, in order; each part's JSON is written as it finishes, a failing part records its error and the others go
+on, and a part that would start after `--budget-s` is skipped:
 1. versions, and the schema of the FlashAttention-2 varlen aten op (seqused_k present?);
-2. the CUDA varlen path (the engine option `cuda_fast`) against the plain-torch reference: decode-like spans (gaps
-   in the pool, a sequence without keys, GQA) and causal prefill-like spans, bf16 and fp16, plus the float32
-   reference on CUDA against the CPU; then a tiny engine's retrieve/score with the switch off and on;
-3. launches per decode pass (torch.profiler) eager, eager with FA2 varlen, and replayed as a CUDA graph, and the
-   graph's results against eager, Qwen3-1.7B dims, bf16, 4 requests x beam 30 at prompt 2000;
-4. `genrec bench retrieve` (2000/30/5 and 1000/256/3) and `bench load` saturation, switch off and on.
-Every part records its error instead of stopping the rest; the JSON is rewritten after each part.
+2. kernels: the CUDA varlen path against the plain-torch float32 reference (decode-like spans with gaps, a sequence
+   without keys, GQA; causal prefill-like spans), bf16 and fp16, and the float32 reference on CUDA against the CPU;
+3. correctness of the fast path and of eager, each judged on its own against float32 (`judge`, below): the tiny
+   preset (qwen3, qwen2), then Qwen3-1.7B dimensions at SID-GR's shape (beam 256, 3 levels, contexts 1,000 and
+   5,000);
+4. SID-GR's shapes timed in-process from submission to result, prompt tokens given (Qwen3-1.7B dimensions, bf16,
+   random weights, prefix cache off; beam 256 / 3 levels at contexts 1,000 and 5,000): one request, a batch of 8,
+   4 concurrent callers (threads over an AsyncEngine), fast (`cuda_fast=True`) beside eager (`cuda_fast=False`) and
+   one plain prefill of the same prompts;
+5. HSTU (tiny preset) at 2,000 events / 500 candidates: `genrec bench rank` in-process, and a returning user cold,
+   warm under the cost rule and warm reading every cached piece, at 2,000 and 4,000 events;
+6. `bench load --cuda-fast`'s pattern in-process: a thread making prompts (reading the trie on the device) and
+   submitting requests of many widths while the engine loop captures and replays decode graphs; its errors;
+7. launches per decode pass (torch.profiler): eager, FA2 varlen, replayed as a CUDA graph.
+
+**The correctness rule** (`judge`). In bf16 two correct engines return different items where log-probabilities
+nearly tie, so neither is compared with the other: each engine's returned items are re-scored exactly by a float32
+engine restricted to them (`allowed_item_ids` = those items, `beam_width` = their number: the search keeps every
+prefix, so it is exhaustive over them), and the float32 engine's own beam search gives its k-th best log-probability
+t_k (k = the items returned). The bf16 noise allowance is ν = max(|t_k| / 32, 1/16): a share of the spread of the
+log-probabilities from certainty (0) down to t_k. With random weights the logits are centred, so their spread sets
+both the log-probabilities' size and bf16's rounding of them (unit roundoff 2^-8, accumulated over the layers):
+errors of 0.5-0.8 % of |t_k| were seen (the tiny preset on a CPU and an H200, Qwen3-1.7B's dimensions on an H200),
+a quarter of the allowance; 1/16 is a floor for peaked distributions whose t_k is near 0. The engine is right when
+  (1) every returned item's own log-probability is within ν of its exact one (it reports its own item's score: a
+      result whose scores are shuffled among its items fails), and
+  (2) every returned item's exact log-probability is at least t_k - ν (each is among the k best within noise: the
+      items of a broken engine fail).
+A CPU test holds the rule to that: a bf16 engine passes, a broken one and a shuffled result fail.
 
 Also `genrec bench suite` (`run_suite`): the benchmark runs a device is asked for, in priority order, one JSON file
 each. Each run is isolated: a failure is written as its own JSON and the suite goes on, so a time-limited device
@@ -19,22 +43,26 @@ session still returns everything that finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
-import subprocess
-import sys
+import statistics
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.attention import Spans, varlen_attention, varlen_reference
-from genrec.bench.cli import LoadOptions, RetrieveOptions, ScoreOptions, SuiteOptions
-from genrec.bench.common import decoder, model_dir_for, random_prompt
-from genrec.engine import Engine
+from genrec.bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
+from genrec.bench.common import decoder, interleaved_medians, model_dir_for, random_prompt
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.model.tiny import ModelSpec, preset, write_model_dir
+
+# -- 1, 2: versions and kernels ----------------------------------------------------------------------------------
 
 
 def versions() -> dict:
@@ -95,6 +123,79 @@ def varlen_checks(device) -> dict:
     return out
 
 
+KV_BUDGET = 8 << 30  # bytes of KV pool per engine: 8 contexts of 5,000 tokens and their beams fit (bf16)
+COLD = SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=KV_BUDGET)  # the prefix cache off: rounds repeat
+SID_GR_WIDTH, SID_GR_LEVELS = 256, 3  # SID-GR's headline shape: beam 256, 3 tokens, contexts 1,000 and 5,000
+
+# -- 3: correctness, judged against float32 ----------------------------------------------------------------------
+
+NOISE_SHARE = 1 / 32  # ν = NOISE_SHARE * |t_k|, at least NOISE_FLOOR (the module's docstring says why)
+NOISE_FLOOR = 1 / 16
+
+
+def judge(returned: list[tuple[str, float]], exact: dict[str, float], kth_best: float) -> dict:
+    """The rule (module docstring): `returned` (item, its own log-probability) by the engine judged, `exact` those
+    items' float32 log-probabilities (restricted, exhaustive), `kth_best` the float32 beam search's k-th best."""
+    noise = max(abs(kth_best) * NOISE_SHARE, NOISE_FLOOR)
+    missing = [item for item, _ in returned if item not in exact]
+    found = [(item, logprob) for item, logprob in returned if item in exact]
+    error = max((abs(logprob - exact[item]) for item, logprob in found), default=0.0)
+    shortfall = max((kth_best - exact[item] for item, _ in found), default=0.0)
+    return {
+        "ok": bool(returned) and not missing and error <= noise and shortfall <= noise,
+        "noise": noise,
+        "max_logprob_error": error,  # (1): at most the noise
+        "max_shortfall_below_kth_best": shortfall,  # (2): at most the noise
+        "missing": missing[:5],
+    }
+
+
+def exact_logprobs(reference: Engine, request: RetrieveRequest, items: list[str]) -> dict[str, float]:
+    """The items' exact log-probabilities after the request's prompt: `reference` restricted to them, its beam as
+    wide as they are many (every prefix kept: exhaustive)."""
+    distinct = list(dict.fromkeys(items))
+    fields = request.model_dump() | {"allowed_item_ids": distinct, "beam_width": len(distinct), "num_results": None}
+    (result,) = reference.retrieve([RetrieveRequest.model_validate(fields)])
+    return {i.item_id: i.logprob for i in result.items}
+
+
+def judged(engines: dict[str, Engine], reference: Engine, request: RetrieveRequest) -> dict:
+    """Each engine's answer to the request judged against the float32 `reference` on its own."""
+    (truth,) = reference.retrieve([request])
+    kth_best = min(i.logprob for i in truth.items)
+    best = {i.item_id for i in truth.items}
+    out = {"kth_best_float32": kth_best}
+    for name, engine in engines.items():
+        (result,) = engine.retrieve([request])
+        returned = [(i.item_id, i.logprob) for i in result.items]
+        verdict = judge(returned, exact_logprobs(reference, request, [item for item, _ in returned]), kth_best)
+        verdict["overlap_with_float32"] = len(best & {item for item, _ in returned}) / max(len(best), 1)
+        out[name] = verdict
+    out["ok"] = all(out[name]["ok"] for name in engines)
+    return out
+
+
+def tiny_judged(device, architecture: str = "qwen3") -> dict:
+    """The tiny preset (3 levels) of the decoder architecture, bf16, fast and eager, judged against float32."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny", architecture=architecture, levels=3))
+        bf16 = {"device": device, "dtype": torch.bfloat16, "scheduler": COLD}
+        engines = {
+            "fast": Engine.from_pretrained(model_dir, cuda_fast=True, **bf16),
+            "eager": Engine.from_pretrained(model_dir, cuda_fast=False, **bf16),
+        }
+        reference = Engine.from_pretrained(model_dir, device=device, dtype=torch.float32, scheduler=COLD)
+        g = torch.Generator().manual_seed(3)
+        out = {
+            f"{n}/{w}": judged(
+                engines, reference, RetrieveRequest(prompt_token_ids=random_prompt(reference, n, g), beam_width=w)
+            )
+            for n, w in ((200, 30), (57, 256), (1000, 100))
+        }
+        out["ok"] = all(part["ok"] for part in out.values())
+        return out
+
+
 def agreement(a: Engine, b: Engine, retrieve: list, score: list) -> tuple[list[bool], float, float]:
     """Two engines on the same requests: per retrieve request, the same items or not; the largest difference of
     their beams' log-probabilities and of their scores."""
@@ -107,21 +208,161 @@ def agreement(a: Engine, b: Engine, retrieve: list, score: list) -> tuple[list[b
     return same, beams, scores
 
 
-def engine_checks(device, architecture: str = "qwen3") -> dict:
-    """A tiny engine of the decoder architecture, bf16: retrieve and score with the CUDA fast path off, then on."""
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny", architecture=architecture))
-        engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
-        fast_engine = Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16, cuda_fast=True)
-        g = torch.Generator().manual_seed(3)
-        retrieve = [
-            RetrieveRequest(prompt_token_ids=random_prompt(engine, n, g), beam_width=w)
-            for n, w in ((200, 30), (57, 256))
-        ]
-        cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:64]]
-        score = [ScoreRequest(prompt_token_ids=random_prompt(engine, 90, g), candidates=cands)]
-        same, beams, scores = agreement(engine, fast_engine, retrieve, score)
-        return {"retrieve_items_equal": same, "retrieve_max_logprob_diff": beams, "score_max_logprob_diff": scores}
+# -- 4: SID-GR's shapes, timed -----------------------------------------------------------------------------------
+
+
+def big_engines(device, preset_name: str) -> dict[str, Engine]:
+    """The preset's dimensions (Qwen3-1.7B's), random weights: bf16 with the fast path on and off (passed
+    explicitly, whatever the default), and the float32 reference the correctness rule re-scores with."""
+    model_dir = model_dir_for(preset_name, None, SID_GR_LEVELS)
+    bf16 = {"device": device, "dtype": torch.bfloat16, "scheduler": COLD}
+    return {
+        "fast": Engine.from_pretrained(model_dir, cuda_fast=True, **bf16),
+        "eager": Engine.from_pretrained(model_dir, cuda_fast=False, **bf16),
+        "float32": Engine.from_pretrained(
+            model_dir, device=device, dtype=torch.float32, cuda_fast=False, scheduler=COLD
+        ),
+    }
+
+
+def sid_gr_requests(engine: Engine, context: int, count: int = 8) -> list[RetrieveRequest]:
+    g = torch.Generator().manual_seed(context)
+    width = SID_GR_WIDTH
+    return [RetrieveRequest(prompt_token_ids=random_prompt(engine, context, g), beam_width=width) for _ in range(count)]
+
+
+def big_judged(big: dict[str, Engine], contexts: list[int]) -> dict:
+    """SID-GR's shape: one request per context, fast and eager each judged against float32."""
+    arms = {name: big[name] for name in ("fast", "eager")}
+    out = {str(n): judged(arms, big["float32"], sid_gr_requests(big["fast"], n, 1)[0]) for n in contexts}
+    out["ok"] = all(part["ok"] for part in out.values())
+    return out
+
+
+def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
+    """One request and a batch of 8, fast beside eager and beside one plain prefill of the same prompts (the floor);
+    then 4 concurrent callers, fast beside eager. Seconds are medians, from submission to result."""
+    fast, eager = big["fast"], big["eager"]
+    requests = sid_gr_requests(fast, context)
+    prepared = [fast.prepare(r) for r in requests]
+    one = interleaved_medians(
+        {
+            "fast": lambda: fast.retrieve(requests[:1]),
+            "eager": lambda: eager.retrieve(requests[:1]),
+            "one_prefill": lambda: fast.runner.prefill_alone(prepared[0]),
+        },
+        5,
+        device,
+    )
+    batch = interleaved_medians(
+        {
+            "fast": lambda: fast.retrieve(requests),
+            "eager": lambda: eager.retrieve(requests),
+            "one_prefill_each": lambda: [fast.runner.prefill_alone(p) for p in prepared],
+        },
+        3,
+        device,
+    )
+    concurrent = {name: callers_rate(big[name], requests) for name in ("fast", "eager")}
+    return {
+        "one_request_s": one,
+        "batch_8_s": batch,
+        "concurrent_4": concurrent,
+        "ratios": {
+            "one_fast_over_prefill": one["fast"] / one["one_prefill"],
+            "one_eager_over_fast": one["eager"] / one["fast"],
+            "batch_fast_over_prefills": batch["fast"] / batch["one_prefill_each"],
+            "batch_eager_over_fast": batch["eager"] / batch["fast"],
+            "concurrent_fast_over_eager_rate": concurrent["fast"]["requests_per_s"]
+            / concurrent["eager"]["requests_per_s"],
+        },
+    }
+
+
+@contextlib.contextmanager
+def driven(engine: Engine):
+    """An AsyncEngine driving `engine` itself (its runner, its captured graphs, its KV pool); shut down after, when
+    the engine's synchronous API serves again."""
+    async_engine = AsyncEngine(engine)
+    try:
+        yield async_engine
+    finally:
+        async_engine.shutdown()
+
+
+def callers_rate(engine: Engine, requests: list[RetrieveRequest], callers: int = 4, each: int = 4) -> dict:
+    """`callers` threads, each submitting a request and waiting for it, `each` times, over an AsyncEngine driving
+    the engine: requests per second, and latency. One round first, untimed."""
+    with driven(engine) as async_engine:
+
+        def caller(first: int, count: int) -> list[float]:
+            seconds = []
+            for j in range(count):
+                start = time.perf_counter()
+                async_engine.submit(requests[(first + j) % len(requests)], kind="retrieve").result()
+                seconds.append(time.perf_counter() - start)
+            return seconds
+
+        with ThreadPoolExecutor(callers) as pool:
+            list(pool.map(caller, range(callers), [1] * callers))  # warm-up: the shapes of 4 at once
+            start = time.perf_counter()
+            latencies = [s for part in pool.map(caller, range(callers), [each] * callers) for s in part]
+            wall = time.perf_counter() - start
+    return {
+        "requests": len(latencies),
+        "requests_per_s": len(latencies) / wall,
+        "p50_s": statistics.median(latencies),
+        "max_s": max(latencies),
+    }
+
+
+# -- 5: HSTU -----------------------------------------------------------------------------------------------------
+
+
+def hstu(device) -> dict:
+    """`genrec bench rank` at 2,000 events / 500 candidates on the device (its plain-forward baseline included), and
+    a returning user (10 events more per visit) cold, warm under the cost rule, and warm reading every piece."""
+    from genrec.bench import engine as benches
+
+    out = {"bench_rank": benches.rank(RankOptions(device=device, repeats=5, fanout_sample=5))}
+    ranker = Engine.from_pretrained(benches.hstu_preset_dir("tiny"), device=device, scheduler=COLD)
+    for events in (2000, 4000):
+        request = benches.rank_request(ranker, events, 500)
+        out[f"returning {events}/500"] = benches.warm_and_cold(ranker, request, 10, 5, device, every_piece=True)
+    return out
+
+
+# -- 6: bench load's pattern -------------------------------------------------------------------------------------
+
+
+def load_pattern(engine: Engine, seconds: float = 6.0, timeout_s: float = 90.0) -> dict:
+    """`bench load --cuda-fast`'s pattern in-process: this thread makes prompts (reading the trie on the device, as
+    its request maker does) and submits requests of many beam widths, while the engine loop captures (or replays)
+    a decode graph for each new row bucket: a fresh runner over the engine's weights (`bench load`'s `serving`), so
+    that no bucket was captured before. Records every request's error."""
+    from genrec.bench.load import serving
+
+    widths, g = (1, 3, 8, 30, 64, 100, 256, 17), torch.Generator().manual_seed(7)
+    futures, errors = [], []
+    with serving(engine, prefix_cache_bytes=0, kv_budget_bytes=KV_BUDGET) as (async_engine, _):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            prompt = random_prompt(engine, 300 + 97 * (len(futures) % 9), g)
+            width = widths[len(futures) % len(widths)]
+            futures.append(
+                async_engine.submit(RetrieveRequest(prompt_token_ids=prompt, beam_width=width), timeout_s, "retrieve")
+            )
+            time.sleep(0.05)
+        done_by = time.perf_counter() + timeout_s
+        for future in futures:
+            try:
+                future.result(timeout=max(0.0, done_by - time.perf_counter()))
+            except Exception as err:  # noqa: BLE001 - recorded: what this part is for
+                errors.append(f"{type(err).__name__}: {err}"[:300])
+    return {"submitted": len(futures), "errors": len(errors), "first_errors": errors[:3], "ok": not errors}
+
+
+# -- 7: launches per decode pass ---------------------------------------------------------------------------------
 
 
 def pooled_cohorts(engine, prepared: list, pool):
@@ -147,20 +388,16 @@ def _cohorts(engine, prompt_len, beams):
     return pooled_cohorts(engine, prepared, engine.runner.new_pool(len(beams) * (prompt_len + 4096)))
 
 
-def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: list[int]) -> dict:
-    """Kernels and launch calls of one decode pass (torch.profiler): eager with the switch off; eager with
-    FA2 varlen; the static pass replayed as a CUDA graph. Also graph replay against eager (logprobs, items)."""
+def launches_per_decode_pass(engines: dict[str, Engine], prompt_len: int, beams: list[int]) -> dict:
+    """Kernels and launch calls of one decode pass (torch.profiler): the `eager` engine; the `fast` one eagerly
+    (FA2 varlen); the static pass replayed as a CUDA graph. Also graph replay against eager (logprobs, items)."""
     from torch.profiler import ProfilerActivity, profile
 
     from genrec.engine.beam import fetch_finals
 
-    engines = {
-        fast: Engine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16, cuda_fast=fast)
-        for fast in (False, True)
-    }
     out, finals = {}, {}
     for mode in ("eager", "varlen", "graphs"):
-        engine = engines[mode != "eager"]
+        engine = engines["eager" if mode == "eager" else "fast"]
         cohorts, bucketed = _cohorts(engine, prompt_len, beams), mode == "graphs"
         engine.runner.decode(cohorts, bucketed)  # warm-up (and capture) on the first pass
         torch.cuda.synchronize()
@@ -191,66 +428,67 @@ def launches_per_decode_pass(device, model_dir: Path, prompt_len: int, beams: li
     return out
 
 
-def bench(args: list[str], fast: bool, timeout: int) -> dict:
-    cmd = [sys.executable, "-m", "genrec.cli", "bench", *args, *(["--cuda-fast"] if fast else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if done.returncode:
-        return {"error": done.stderr[-3000:], "cmd": " ".join(cmd)}
-    result = json.loads(done.stdout)
-    return {k: result[k] for k in ("seconds", "ratios", "saturation", "rates") if k in result}
+# -- the run -----------------------------------------------------------------------------------------------------
+
+
+class Report:
+    """The parts' results, rewritten to `path` after each part; a part records its error instead of raising, and
+    one that would start after the deadline is skipped."""
+
+    def __init__(self, path: Path, budget_s: float):
+        self.path, self.deadline, self.parts = path, time.perf_counter() + budget_s, {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def part(self, name: str, fn):
+        start, result = time.perf_counter(), None
+        if start > self.deadline:
+            self.parts[name] = {"skipped": "out of time (--budget-s)"}
+        else:
+            try:
+                result = fn()
+                self.parts[name] = result
+            except Exception:  # noqa: BLE001 - a failing part is reported, the others still run
+                self.parts[name] = {"error": traceback.format_exc()[-3000:]}
+            gc.collect()  # an AsyncEngine and its engine refer to each other: their KV pools go back now
+            self.parts.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+        self.path.write_text(json.dumps(self.parts, indent=2, default=str))
+        print(name, json.dumps(self.parts[name], default=str)[:1500], flush=True)
+        return result
+
+
+def loaded(big: dict, device, preset_name: str) -> dict:
+    big.update(big_engines(device, preset_name))
+    memory = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    return {"engines": sorted(big), "gpu_memory_gib": round(memory / 2**30, 1)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
-    parser.add_argument("--quick", action="store_true", help="checks and launch counts only, no benches")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="parts that would start later are skipped")
+    parser.add_argument("--budget-s", type=float, default=280.0, help="parts that would start later are skipped")
+    parser.add_argument("--quick", action="store_true", help="versions, kernels and correctness only")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script's parts (kernels fail)")
+    parser.add_argument("--preset", default="qwen3-1.7b", help="the decoder of parts 3-7 (tiny for a dry run)")
+    parser.add_argument("--contexts", default="1000,5000", help="SID-GR's contexts, tokens")
     args = parser.parse_args()
-    device = "cuda"
-    report: dict = {}
-    deadline = time.perf_counter() + args.budget_s
-
-    def part(name, fn):
-        start = time.perf_counter()
-        if start > deadline:
-            report[name] = {"skipped": "out of time (--budget-s)"}
-            args.out.write_text(json.dumps(report, indent=2, default=str))
-            return
-        try:
-            report[name] = fn()
-        except Exception:  # noqa: BLE001 - a failing part is reported, the others still run
-            report[name] = {"error": traceback.format_exc()[-3000:]}
-        report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
-        args.out.write_text(json.dumps(report, indent=2, default=str))
-        print(name, json.dumps(report[name], default=str)[:2000], flush=True)
-
-    part("versions", versions)
-    part("varlen", lambda: varlen_checks(device))
-    part("engine", lambda: engine_checks(device))
-    part("engine qwen2", lambda: engine_checks(device, "qwen2"))
-
-    def shape(command: str, prompt_len: int, beam: int, levels: int) -> list[str]:
-        sizes = ["--prompt-len", str(prompt_len), "--beam-width", str(beam), "--levels", str(levels)]
-        return [command, "--preset", "qwen3-1.7b", "--device", device, *sizes]
-
-    no_hf = ["--no-hf-baseline", "--repeats", "5"]
-    retrieve = {
-        "2000/30/5": shape("retrieve", 2000, 30, 5) + no_hf,
-        "1000/256/3": shape("retrieve", 1000, 256, 3) + no_hf,
-    }
-    if not args.quick:
-        for name, cli in retrieve.items():
-            for fast in (False, True):
-                part(f"retrieve {name} {'fast' if fast else 'eager'}", lambda cli=cli, fast=fast: bench(cli, fast, 240))
-
-    def launches():
-        return launches_per_decode_pass(device, model_dir_for("qwen3-1.7b", None, 5), 2000, [30, 30, 30, 30])
-
-    part("launches_per_decode_pass 4 x 2000/30", launches)
-    if not args.quick:
-        load = shape("load", 2000, 30, 5) + ["--rates", "60", "--duration", "5"]
-        for fast in (False, True):
-            part(f"load 2000/30/5 {'fast' if fast else 'eager'}", lambda fast=fast: bench(load, fast, 240))
+    device, report = args.device, Report(args.out, args.budget_s)
+    contexts = [int(n) for n in args.contexts.split(",")]
+    report.part("versions", versions)
+    report.part("kernels", lambda: varlen_checks(device))
+    for architecture in ("qwen3", "qwen2"):
+        report.part(f"judged tiny {architecture}", lambda a=architecture: tiny_judged(device, a))
+    big: dict[str, Engine] = {}
+    report.part(f"load {args.preset}", lambda: loaded(big, device, args.preset))
+    if not big:
+        return
+    report.part(f"judged {args.preset} 256/3", lambda: big_judged(big, contexts))
+    if args.quick:
+        return
+    for context in contexts:
+        report.part(f"sid-gr {context}/256/3", lambda n=context: sid_gr_timed(big, n, device))
+    report.part("hstu 2000/500", lambda: hstu(device))
+    report.part("load pattern (fast)", lambda: load_pattern(big["fast"]))
+    report.part("launches per decode pass 4 x 2000/30", lambda: launches_per_decode_pass(big, 2000, [30] * 4))
 
 
 def gpu_consistency(device: str) -> dict:

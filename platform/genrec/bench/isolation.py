@@ -23,7 +23,7 @@ import torch
 from genrec.api import RetrieveRequest
 from genrec.bench.cli import IsolationOptions
 from genrec.bench.common import machine, model_dir_for, random_prompt, timed
-from genrec.bench.engine import _hstu_preset, rank_request
+from genrec.bench.engine import hstu_preset_dir, rank_request
 from genrec.engine import Engine
 
 GOAL = 0.6  # across users, one-try accuracy at most this (chance is 0.5)
@@ -32,7 +32,7 @@ ATTACKER = "user:attacker"
 
 def run(o: IsolationOptions) -> dict:
     retriever = Engine.from_pretrained(model_dir_for(o.preset, None, None), device=o.device)  # the cache on
-    ranker = Engine.from_pretrained(_hstu_preset(o.preset), device=o.device)
+    ranker = Engine.from_pretrained(hstu_preset_dir(o.preset), device=o.device)
     families = {
         "retriever": _Retrieves(retriever, o.prompt_len, o.beam_width),
         "ranker": _Ranks(ranker, o.events, o.candidates),

@@ -17,6 +17,11 @@ over contexts of C tokens, L from 4 to 4096, C from 16 to 4096, on the `tiny` an
 passes of 256-4096 rows over 16-4000 events on the `tiny` HSTU preset). Seconds = a x tokens + b x token-keys fitted
 per kind; the span is a / b. `genrec bench deadline` prints seconds per token-equivalent over such shapes, the check
 that one number fits them all.
+
+A reused prefix piece (genrec.engine.prefix_cache) saves its prefill but costs a request's passes a fixed overhead:
+where each piece is an attention call of its own per layer (the HSTU ranker's), one more call in every pass that reads
+the history. `piece_cost` is that overhead in token-equivalents, from the device's fixed cost of a call
+(CALL_FLOPS); `reuse_gain` weighs the two, and the prefix cache reads no more pieces than gain.
 """
 
 from __future__ import annotations
@@ -31,11 +36,23 @@ CONTEXT_EFFICIENCY = 1.0
 OWN_EFFICIENCY = 1 / 6
 HSTU_EFFICIENCY = 0.5
 
+# A device's fixed cost of one more attention call (its kernel launches and the Python around them), as the FLOPs the
+# device runs in that time: seconds per call x sustained FLOP/s. CUDA: ~150 µs x ~200 TFLOP/s (one H200: the `tiny`
+# HSTU's returning user, 2,000 events read in 3 pieces, ran 0.6-0.7x as fast as recomputing them, ~4 ms more over
+# 24 more calls). Other devices count it as nothing: on the CPU a call costs ~40 µs x ~60 GFLOP/s (this repository's
+# development machine, one thread), under 10 token-equivalents of the `tiny` HSTU, less than one 16-event block's
+# prefill, so any piece pays there (only toy models far smaller than `tiny` would recompute).
+CALL_FLOPS = {"cuda": 3e10}
+# The passes of a returning user's rank request that read its history: the prefill of its new events and one pass of
+# its candidates (more only when they exceed `score_max_tokens`).
+HSTU_HISTORY_READS = 2
+
 
 @dataclass(frozen=True)
 class PassCost:
     context_span: float  # context keys that cost one token-equivalent per query token
     own_span: float  # own keys that cost one token-equivalent per query token
+    piece_cost: float = 0.0  # what one more reused prefix piece costs a request's passes (0: nothing)
 
     @classmethod
     def qwen3(cls, config) -> PassCost:
@@ -51,11 +68,16 @@ class PassCost:
         return cls(span * CONTEXT_EFFICIENCY, span * OWN_EFFICIENCY)
 
     @classmethod
-    def hstu(cls, config) -> PassCost:
-        """Per row and layer: the u, v, q, k projection and the output one; per key: q.k and the SiLU-weighted v."""
+    def hstu(cls, config, device_type: str = "cpu") -> PassCost:
+        """Per row and layer: the u, v, q, k projection and the output one; per key: q.k and the SiLU-weighted v.
+        Each reused piece is one more call per layer in each pass that reads the history (HSTU_HISTORY_READS):
+        `piece_cost` = those calls' FLOPs on `device_type` (CALL_FLOPS) over a token-equivalent's (the layers
+        cancel)."""
         width = config.num_attention_heads * config.head_dim
-        span = 5 * config.hidden_size * width / (2 * width) * HSTU_EFFICIENCY
-        return cls(span, span)
+        per_token = 5 * config.hidden_size * width  # multiply-adds per row and layer
+        span = per_token / (2 * width) * HSTU_EFFICIENCY
+        call = CALL_FLOPS.get(device_type, 0.0)
+        return cls(span, span, HSTU_HISTORY_READS * call / (2 * per_token))
 
     def rows(self, count: int, width: int, context_keys: int) -> float:
         """`count` rows padded to `width` tokens, over contexts of `context_keys` keys in all (summed over rows)."""
@@ -70,6 +92,11 @@ class PassCost:
         """A prefill chunk of `tokens` after `start` context tokens (each attends to all of them and, at most, to
         every token of the chunk)."""
         return tokens * (1 + (start + tokens) / self.context_span)
+
+    def reuse_gain(self, tokens: int, pieces: int) -> float:
+        """What reading `tokens` cached tokens in `pieces` pieces gains a request over prefilling them: their
+        prefill, less the pieces' overhead. Positive: the reuse pays."""
+        return self.prefill(0, tokens) - pieces * self.piece_cost
 
     def prefill_fits(self, start: int, budget: float) -> int:
         """The most tokens a chunk after `start` can take within `budget`."""

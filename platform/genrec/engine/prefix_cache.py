@@ -14,7 +14,10 @@ request could match, so they are neither computed nor handed to the cache.
 
 After its prefill, a request hands its own extent (the K/V of the prompt past its reused prefix) to the cache,
 which keys its whole blocks. A later prompt reads its longest cached prefix as at most MAX_SPANS - 1 pieces of
-the pool, without copying or recomputing them, and prefills the rest at the positions that follow.
+the pool, without copying or recomputing them, and prefills the rest at the positions that follow. Where each piece
+costs the request's passes a fixed overhead (the HSTU ranker's: one attention call per piece and layer), it reads
+only the first pieces that gain more than they cost (`gain`, genrec.engine.pass_cost.PassCost.reuse_gain), maybe
+none: on a GPU a short history is recomputed faster than it is read in pieces.
 
 Memory is the KV pool's own, counted in bytes: the cache holds at most `capacity_bytes`, and admission of a
 request that does not fit takes entries back first. An entry a running request reads is never taken. Eviction
@@ -34,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Self
 
@@ -117,9 +121,17 @@ class CacheStats:
 
 
 class PrefixCache:
-    def __init__(self, capacity_bytes: int, protected_share: float = 0.8, host: HostTier | None = None):
-        """`host`: a second tier that evicted entries spill to (HostTier, below), or None."""
-        self.capacity_bytes, self.host = capacity_bytes, host
+    def __init__(
+        self,
+        capacity_bytes: int,
+        protected_share: float = 0.8,
+        host: HostTier | None = None,
+        gain: Callable[[int, int], float] | None = None,
+    ):
+        """`host`: a second tier that evicted entries spill to (HostTier, below), or None. `gain(tokens, pieces)`:
+        what reading a prefix of `tokens` tokens in `pieces` pieces gains a request (positive: it pays); None: the
+        longest prefix always does."""
+        self.capacity_bytes, self.host, self.gain = capacity_bytes, host, gain
         self.protected_limit = int(capacity_bytes * protected_share)
         self._blocks: dict[bytes, tuple[_Entry, int]] = {}  # key -> (entry, pool offset of the block)
         self._probation: OrderedDict[_Entry, None] = OrderedDict()  # least recently used first
@@ -140,26 +152,41 @@ class PrefixCache:
         return self.capacity_bytes > 0
 
     def lookup(self, keys: list[bytes], max_blocks: int) -> list[Piece]:
-        """The longest cached prefix of at most `max_blocks` blocks, as pool pieces (adjacent blocks of one
-        entry merge), at most MAX_SPANS - 1 of them. Each piece's extent is retained for the caller."""
-        pieces: list[Piece] = []
-        used: list[_Entry] = []
-        for key in keys[:max_blocks]:
+        """The cached prefix of at most `max_blocks` blocks that gains most (the longest, unless its last pieces
+        cost more than they save: `gain`), as pool pieces (adjacent blocks of one entry merge), at most
+        MAX_SPANS - 1 of them. Each piece's extent is retained for the caller."""
+        runs = self._runs(keys[:max_blocks])
+        runs = runs[: self._paying(runs)]
+        for entry, _, _ in runs:
+            self._touch(entry)
+        return [Piece(entry.extent.retain(), start, length) for entry, start, length in runs]  # held from here
+
+    def _runs(self, keys: list[bytes]) -> list[tuple[_Entry, int, int]]:
+        """The longest cached prefix of these keys as (entry, pool offset, tokens) runs, at most MAX_SPANS - 1."""
+        runs: list[tuple[_Entry, int, int]] = []
+        for key in keys:
             found = self._blocks.get(key) or self._restore(key)
             if found is None:
                 break
             entry, start = found
-            last = pieces[-1] if pieces else None
-            if last is not None and last.extent is entry.extent and last.start + last.length == start:
-                pieces[-1] = Piece(entry.extent, last.start, last.length + BLOCK)
-            elif len(pieces) < MAX_SPANS - 1:
-                pieces.append(Piece(entry.extent.retain(), start, BLOCK))  # held from here: nothing evicts it
-                used.append(entry)
+            if runs and runs[-1][0] is entry and runs[-1][1] + runs[-1][2] == start:
+                runs[-1] = (entry, runs[-1][1], runs[-1][2] + BLOCK)
+            elif len(runs) < MAX_SPANS - 1:
+                runs.append((entry, start, BLOCK))
             else:
                 break
-        for entry in used:
-            self._touch(entry)
-        return pieces
+        return runs
+
+    def _paying(self, runs: list[tuple[_Entry, int, int]]) -> int:
+        """How many of the runs to read: the count of greatest positive gain (the fewest among equals), 0 if none."""
+        if self.gain is None:
+            return len(runs)
+        best, count, tokens = 0.0, 0, 0
+        for n, (_, _, length) in enumerate(runs, start=1):
+            tokens += length
+            if (gain := self.gain(tokens, n)) > best:
+                best, count = gain, n
+        return count
 
     def insert(self, keys: list[bytes], ctx: ContextKV) -> None:
         """Key the whole blocks of the context's own part (its prompt fully written); the cache holds its extent."""

@@ -43,7 +43,7 @@ class Ranker:
         self.device = model.device
         self.max_candidates = max_candidates
         self.score_max_tokens = score_max_tokens
-        self.cost = PassCost.hstu(model.config)
+        self.cost = PassCost.hstu(model.config, model.device.type)
         self.levels = 0  # nothing generates
 
     @classmethod

@@ -98,7 +98,11 @@ class Scheduler:
         self.budget = KVBudget(self.runner.new_pool(budget // self.per_token))
         cache_bytes = self.config.prefix_cache_bytes
         host = HostTier(self.config.host_cache_bytes, self.budget.pool) if self.config.host_cache_bytes else None
-        self.cache = PrefixCache(cache_bytes if cache_bytes is not None else self.budget.capacity // 2, host=host)
+        self.cache = PrefixCache(
+            cache_bytes if cache_bytes is not None else self.budget.capacity // 2,
+            host=host,
+            gain=self.family.cost.reuse_gain,  # pieces that cost more than they save are not read
+        )
         self.metrics = EngineMetrics(clock)
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
         self.waiting: deque[Job] = deque()

@@ -379,13 +379,13 @@ def pooled_cohorts(engine, prepared: list, pool):
 
 
 def _cohorts(engine, prompt_len, beams):
-    """Fresh cohorts of `beams` widths in a pool of their own."""
+    """Fresh cohorts of `beams` widths in the engine's own pool: the one its decode graphs were captured for."""
     g = torch.Generator().manual_seed(5)
     prepared = [
         engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, g), beam_width=width))
         for width in beams
     ]
-    return pooled_cohorts(engine, prepared, engine.runner.new_pool(len(beams) * (prompt_len + 4096)))
+    return pooled_cohorts(engine, prepared, engine.scheduler.budget.pool)
 
 
 def launches_per_decode_pass(engines: dict[str, Engine], prompt_len: int, beams: list[int]) -> dict:
@@ -399,7 +399,7 @@ def launches_per_decode_pass(engines: dict[str, Engine], prompt_len: int, beams:
     for mode in ("eager", "varlen", "graphs"):
         engine = engines["eager" if mode == "eager" else "fast"]
         cohorts, bucketed = _cohorts(engine, prompt_len, beams), mode == "graphs"
-        engine.runner.decode(cohorts, bucketed)  # warm-up (and capture) on the first pass
+        engine.runner.decode(cohorts, bucketed)  # warm-up (graphs were captured at the engine's start)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from genrec.api import RetrieveRequest
 from genrec.bench.cli import KernelsOptions
 from genrec.bench.common import described, machine, model_dir_for, random_prompt
-from genrec.bench.engine import _hstu_preset
+from genrec.bench.engine import hstu_preset_dir
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.decode_batch import DecodeBatch
 from genrec.model import ModelDir
@@ -38,7 +38,9 @@ def run(o: KernelsOptions) -> dict:
     counts, logits = {}, {}
     cuda = torch.device(o.device).type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32  # the engine's default
-    ranker = None if o.hstu_preset is None else ModelDir.open(_hstu_preset(o.hstu_preset)).load_model(o.device, dtype)
+    ranker = (
+        None if o.hstu_preset is None else ModelDir.open(hstu_preset_dir(o.hstu_preset)).load_model(o.device, dtype)
+    )
     for name, fast in (("unfused", False), ("fused", True)):
         engine = Engine.from_pretrained(
             model_dir, device=o.device, cuda_fast=fast, scheduler=SchedulerConfig(prefix_cache_bytes=0)

@@ -35,11 +35,20 @@ class Ranker:
     name = "hstu"
     kinds = FAMILY_KINDS["hstu"]
 
-    def __init__(self, model, items: ItemIndex, max_candidates: int = 2048, score_max_tokens: int = 16384, **_):
+    def __init__(
+        self,
+        model,
+        items: ItemIndex,
+        max_candidates: int = 2048,
+        score_max_tokens: int = 16384,
+        fast: bool = False,
+        **_,
+    ):
         """`score_max_tokens`: one ranking pass's estimated cost in token-equivalents (a candidate row costs one,
-        plus its attention over the history: genrec.engine.pass_cost). Options only the decoder has
-        (max_candidate_tokens, max_candidate_len, fast) are accepted and unused."""
-        self.model, self.catalog = model, items
+        plus its attention over the history: genrec.engine.pass_cost). `fast`: on CUDA, the compiled layer pieces
+        (genrec.model.fused). Options only the decoder has (max_candidate_tokens, max_candidate_len) are accepted
+        and unused."""
+        self.model, self.catalog, self.fast = model, items, fast
         self.device = model.device
         self.max_candidates = max_candidates
         self.score_max_tokens = score_max_tokens
@@ -115,7 +124,7 @@ class Ranker:
 
     def prefill(self, segments: list, graphs=None) -> list[None]:
         """A history's K/V is all its candidates need: no outputs. (Not graphed: `capture_prefill`.)"""
-        self.model.prefill_contexts(segments)
+        self.model.prefill_contexts(segments, fast=self.fast)
         return [None] * len(segments)
 
     def capture_prefill(self, capture_pass, mempool, max_tokens: int) -> None:
@@ -140,7 +149,9 @@ class Ranker:
             offset += b - a
         if part:
             items, positions = to_device(np.concatenate(items), device), to_device(np.concatenate(positions), device)
-            probs = model.task_probs(model.candidates_over(model.embed_events(items, None, positions), groups))
+            probs = model.task_probs(
+                model.candidates_over(model.embed_events(items, None, positions), groups, fast=self.fast)
+            )
             for (k, _, _), g in zip(part, groups, strict=True):
                 job = jobs[k]
                 job.scored.append(probs[g.start : g.stop][:, to_device(job.prepared.tasks, device)])

@@ -166,3 +166,15 @@ def test_on_cuda_other_threads_device_work_never_breaks_the_graphed_decode(tiny_
         noise.join()
         served.shutdown()
     assert errors == [] and served.engine.runner.uncaptured_passes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA engine's start")
+def test_on_cuda_a_float32_engine_starts_and_serves_without_graphs(tiny_dir, engine):
+    """float32 has no FlashAttention kernel (its attention reads index tables on the host): the fast path's graphs
+    stay off, and it answers as the CPU does."""
+    cuda = Engine.from_pretrained(tiny_dir, device="cuda", dtype=torch.float32)
+    assert not cuda.runner.graphs and cuda.scheduler.idle
+    g = torch.Generator().manual_seed(4)
+    requests = [RetrieveRequest(prompt_token_ids=random_prompt(cuda, 40, g), beam_width=9)]
+    (got,), (want,) = cuda.retrieve(requests), engine.retrieve(requests)
+    assert [i.item_id for i in got.items] == [i.item_id for i in want.items]

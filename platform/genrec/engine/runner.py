@@ -39,7 +39,10 @@ class ModelRunner:
         self.family, self.model = family, family.model
         self.device = self.model.device
         self.fast = fast
-        self.graphs = fast and self.device.type == "cuda"  # static decode passes replayed as CUDA graphs
+        # Passes replayed as CUDA graphs: with the FlashAttention-2 kernel only (bf16 / fp16), whose index tables stay
+        # on the device; a float32 engine's attention reads them on the host, which no graph can hold.
+        half = self.model.dtype in (torch.float16, torch.bfloat16)
+        self.graphs = fast and self.device.type == "cuda" and half
         self.graph_max_rows = bucket_of(graph_max_rows)
         self.past = max(family.levels - 2, 0)  # the longest beam suffix a decode pass reads
         self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans) -> a bucketed pass's inputs (no graph)

@@ -4,8 +4,11 @@ A piece is what lies between two matrix products (or attention calls): a residua
 q/k norm and the rotation, SiLU·mul, a beam's own suffix attention and its merge with the context part. Eagerly
 (the CPU, or CUDA without the engine's `fast` option) each is a few ops and these functions are the reference; on
 CUDA with `fast` the same functions are compiled by `torch.compile` (Inductor: a piece becomes one or a few Triton
-kernels, float32 kept in registers, never written back) with dynamic row counts, so a new number of rows does not
-recompile, and without "reduce-overhead" (no graphs of its own: a decode pass is captured whole by the runner).
+kernels, float32 kept in registers, never written back) with automatic dynamic shapes: a piece is compiled for the
+first shape it sees and once more, with the axes that changed (rows, tokens) symbolic, when another comes; the
+model's own sizes (hidden, heads, head_dim) stay constants, so the reductions are single-pass (on an H200 this was
+faster than `dynamic=True`, which makes every size symbolic: a 5,000-token prefill 40.2 vs 42.2 ms, its q/k
+norm + RoPE 1.1 vs 4.0 ms). No "reduce-overhead" (no graphs of its own: the runner captures whole passes).
 The caller picks with `pieces(fast, device)`; the CPU never compiles.
 
 Numerics are transformers': each norm normalises in float32, rounds to the input's dtype, then scales.
@@ -96,5 +99,5 @@ def pieces(fast: bool, device) -> Pieces:
 @functools.cache
 def _compiled() -> Pieces:
     """Compiled once per process; each piece compiles at its first call (the engine's warm-up)."""
-    compile = functools.partial(torch.compile, fullgraph=True, dynamic=True)
+    compile = functools.partial(torch.compile, fullgraph=True, dynamic=None)
     return Pieces(**{f.name: compile(getattr(PLAIN, f.name)) for f in fields(Pieces)})

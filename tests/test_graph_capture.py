@@ -9,23 +9,12 @@ the engine's own path: the scheduler, the bucketed batches, the one-call context
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from genrec.api import RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
 from tests.conftest import random_prompt
 from tests.sync_guard import no_sync
-
-
-class OpShapes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-        self.ops.append((str(func), shapes))
-        return func(*args, **(kwargs or {}))
+from tests.test_decode_graph import OpShapes  # the op-and-shape recorder the graph tests share
 
 
 class RecordedGraph:

@@ -16,9 +16,10 @@ import pyarrow.parquet as pq
 
 from genrec.catalog import Catalog
 from genrec.catalog.build_ids import catalog_and_codebooks
+from genrec.catalog.catalog import parquet_bytes
 from genrec.catalog.codebooks import Codebooks
-from genrec.catalog.importers import write_atomically
 from genrec.errors import GenrecError
+from genrec.files import write_atomically
 from genrec.model.directory import ModelDir
 from genrec_demo.data import MovieLens
 from genrec_demo.factors import Factors
@@ -36,7 +37,7 @@ def write_catalog(path: Path, catalog: Catalog, codebooks: Codebooks, data: Movi
     table = pq.read_table(path)
     for name, column in item_attributes(data, catalog.item_ids.tolist()).items():
         table = table.append_column(name, column)
-    write_atomically(table, path)
+    write_atomically(path, parquet_bytes(table))
     codebooks.save(Codebooks.path_beside(path))
 
 

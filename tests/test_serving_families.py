@@ -23,7 +23,7 @@ def ranker_server(hstu_dir):
     server = EngineServer.func_or_class(str(hstu_dir), "cpu", options)
     yield server
     server._stopped.set()
-    server.engine.shutdown()
+    server.driver.shutdown()
 
 
 def test_model_info_of_each_family(engine, tiny_dir, hstu_dir):

@@ -1,4 +1,4 @@
-"""The seam between the engine and a model family: what the scheduler and the runner call, and nothing else.
+"""The seam between the engine and a model family: all the engine, its scheduler and runner, and the servers use.
 
 A family turns its kinds of request into a context (a prompt's tokens, or a user's events) and rows over that
 context. Both families hold the context as per-layer K/V in an extent of the engine's KV pool (`ContextKV`), so
@@ -50,7 +50,7 @@ def request_kind(request, expected: str | None = None) -> str:
 
 
 class Family(Protocol):
-    """What both families implement: all the engine, its scheduler and runner, and the servers read of a family."""
+    """What both families implement."""
 
     name: str  # "qwen3" | "hstu"
     kinds: tuple[str, ...]  # the request kinds it answers

@@ -26,6 +26,8 @@ from genrec.api import (
     RetrieveResult,
     ScoreRequest,
 )
+from genrec.catalog import Catalog
+from genrec.catalog.item_index import ItemIndex
 from genrec.engine.decode_batch import DecodeBatch
 from genrec.engine.job import Job, JobState, Prepared
 from genrec.engine.pass_cost import PassCost
@@ -56,7 +58,7 @@ class Family(Protocol):
     kinds: tuple[str, ...]  # the request kinds it answers
     model: torch.nn.Module  # its `config` has the KV shape (num_hidden_layers, num_key_value_heads, head_dim)
     fast: bool  # the CUDA fast path: its kernels, and passes replayed as graphs (genrec.engine.runner)
-    catalog: object  # item IDs <-> what the model reads of them (the version served now)
+    catalog: Catalog | ItemIndex  # item IDs <-> what the model reads of them: codes, or embedding rows (served now)
     catalogs: CatalogVersions | None  # the catalog versions it serves, changed live; None: its catalog is fixed
     cost: PassCost  # what its passes cost in token-equivalents: rows passes and prefill chunks are bounded by it
     score_max_tokens: int  # the bound of one rows pass, in token-equivalents (`cost`)

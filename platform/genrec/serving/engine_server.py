@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 @serve.deployment(name="EngineServer", health_check_period_s=5, health_check_timeout_s=10)
 class EngineServer:
+    driver: AsyncEngine | None = None  # until __init__ builds it (Serve may call __del__ after a failed __init__)
+
     def __init__(
         self,
         model_dir: str,
@@ -225,10 +227,9 @@ class EngineServer:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self):  # Serve calls this after draining the replica's ongoing requests
-        driver = getattr(self, "driver", None)  # None: __init__ failed before it was built
-        if driver is not None:
+        if self.driver is not None:
             self._stopped.set()
-            driver.shutdown(timeout_s=5.0, drain=True)
+            self.driver.shutdown(timeout_s=5.0, drain=True)
 
     async def _run(self, kind: str, request, timeout_s: float):
         started, status = time.perf_counter(), "error"

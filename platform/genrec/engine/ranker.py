@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genrec.api import FAMILY_KINDS, PromptResult, RankedItem, RankRequest, RankResult
+from genrec.api import FAMILY_KINDS, PromptForms, PromptResult, RankedItem, RankRequest, RankResult
 from genrec.attention import ContextGroup
 from genrec.catalog.item_index import ItemIndex
 from genrec.engine.job import JobState, Prepared
@@ -108,7 +108,7 @@ class Ranker:
         kv_tokens = len(events) + len(candidate_rows)
         return PreparedHistory(req, kind, events, kv_tokens, candidate_rows=candidate_rows, tasks=tasks)
 
-    def render_prompt(self, req) -> PromptResult:
+    def render_prompt(self, req: PromptForms) -> PromptResult:
         """A ranker's context is a history: it has no prompt to show."""
         raise InvalidRequestError("request", f"this engine's model ({self.name}) takes no prompt")
 

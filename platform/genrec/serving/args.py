@@ -16,9 +16,8 @@ options (`deployment`: Serve's own keys, passed straight through, over genrec's 
 from __future__ import annotations
 
 import logging
-import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -47,7 +46,7 @@ def _models_in(annotation) -> list[type[BaseModel]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     found = []
-    for arg in typing.get_args(annotation):
+    for arg in get_args(annotation):
         found += _models_in(arg)
     return found
 

@@ -5,7 +5,7 @@
 
 Retrieves by default; --score recommends (retrieve, then label-score the items and the given candidates on the
 same prefill); --order-by joint [--score-weight W] orders by the generator's and the label's log-probabilities
-together (RecommendRequest.rank_by). --rank and --rank-by are the deprecated names of --score and --order-by.
+together (RecommendRequest.rank_by).
 
 --ranker HSTU_DIR adds a second Ray Data stage (its own --rank-actors, --rank-cpus-per-actor): each user's items
 are ranked after the user's `history` column (as jobs/batch_rank.py reads it) and ordered by --rank-task's

@@ -87,7 +87,7 @@ def test_fifty_concurrent_mixed_requests_equal_one_by_one(engine, async_engine, 
 
 
 def test_chunked_prefill_gives_the_same_results(engine, rng):
-    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=5))
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefill_tokens_per_step=5))
     requests = [RetrieveRequest(prompt_token_ids=random_prompt(engine, 37, rng), beam_width=9) for _ in range(3)]
     futures = [scheduler.submit(engine.prepare(r)) for r in requests]
     steps = 0
@@ -100,7 +100,7 @@ def test_chunked_prefill_gives_the_same_results(engine, rng):
 
 
 def test_cancellation_frees_kv_at_once(engine, rng):
-    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=8))
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefill_tokens_per_step=8))
     long_one = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 200, rng))))
     scheduler.step()
     assert scheduler.budget.reserved > 0 and scheduler.in_state(JobState.PREFILLING)
@@ -130,7 +130,7 @@ def test_cancelled_await_frees_kv(engine, rng):
 
 def test_timeout_fails_the_request_and_frees_kv(engine, rng):
     clock = ManualClock()
-    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=4), clock)
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefill_tokens_per_step=4), clock)
     future = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 100, rng))), 0.01)
     scheduler.step()
     assert not future.done()
@@ -142,7 +142,7 @@ def test_timeout_fails_the_request_and_frees_kv(engine, rng):
 
 
 def test_overload_is_refused_fast(engine, rng):
-    scheduler = Scheduler(engine, SchedulerConfig(max_queue=3))
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(max_queue=3))
     request = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 10, rng)))
     for _ in range(3):
         scheduler.submit(request)
@@ -154,8 +154,8 @@ def test_overload_is_refused_fast(engine, rng):
 
 def test_a_request_that_does_not_fit_waits_for_memory(engine, rng):
     request = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 30, rng), beam_width=8))
-    one = Scheduler(engine).per_token * request.kv_tokens
-    scheduler = Scheduler(engine, SchedulerConfig(kv_budget_bytes=one))
+    one = Scheduler(engine.family, engine.runner).per_token * request.kv_tokens
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(kv_budget_bytes=one))
     first, second = scheduler.submit(request), scheduler.submit(request)
     scheduler.step()
     assert len(scheduler.waiting) == 1 and scheduler.budget.reserved == one
@@ -163,7 +163,7 @@ def test_a_request_that_does_not_fit_waits_for_memory(engine, rng):
         scheduler.step()
     assert first.result().items == second.result().items
     with pytest.raises(InvalidRequestError, match="bytes of KV"):
-        Scheduler(engine, SchedulerConfig(kv_budget_bytes=one - 1)).submit(request)
+        Scheduler(engine.family, engine.runner, SchedulerConfig(kv_budget_bytes=one - 1)).submit(request)
 
 
 def test_a_failing_request_fails_alone_and_the_loop_keeps_serving(engine, async_engine, rng, monkeypatch):
@@ -200,7 +200,7 @@ def test_a_repeated_prompt_prefills_only_past_its_cached_blocks(engine, rng, mon
     spans = []
     original = engine.family.context_embeds
     monkeypatch.setattr(engine.family, "context_embeds", lambda p, *span: spans.append(span) or original(p, *span))
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     prompt = random_prompt(engine, 40, rng)
     user = "user-1"  # reuse is within a cache scope
     retrieve = scheduler.submit(
@@ -338,7 +338,7 @@ def test_reconfigure_changes_live_limits_and_validates_them(engine, rng):
 
 
 def test_a_lower_max_queue_applies_to_the_next_submission(engine, rng):
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     request = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 10, rng)))
     scheduler.submit(request)
     scheduler.reconfigure(max_queue=1)
@@ -365,7 +365,7 @@ def test_scheduler_config_refuses_values_that_would_stall(fields):
 
 
 def test_a_zero_or_negative_request_timeout_is_refused_not_defaulted(engine, rng):
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     prepared = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 5, rng)))
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(InvalidRequestError, match="timeout_s"):

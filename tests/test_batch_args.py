@@ -1,5 +1,5 @@
 """The batch jobs' flags, derived from the settings' fields: the engine and cache flags reach the spec, bad values
-are one line naming the flag, the deprecated recommend flags still work with a warning, and the run identity holds
+are one line naming the flag, the removed recommend flags are refused, and the run identity holds
 what changes results (the engine's options) but not how the run executes (the KV budget)."""
 
 import argparse
@@ -134,15 +134,17 @@ def test_every_setting_is_a_flag_of_the_job(script, models):
     assert script != "batch_recommend.py" or {"--cache", "--cache-shards", "--cache-store-path"} <= flags
 
 
-def test_the_deprecated_recommend_flags_still_work_with_a_warning(capsys):
-    spec = spec_from("--rank", "--rank-by", "joint", "--score-weight", "0.5")
-    assert spec == spec_from("--score", "--order-by", "joint", "--score-weight", "0.5")
-    assert (spec.score, spec.order_by) == (True, "joint")
-    assert spec.identity("v", "in")["rank"] is True and spec.identity("v", "in")["rank_by"] == "joint"  # as before
-    assert capsys.readouterr().err.splitlines() == [
-        "warning: --rank is deprecated: use --score",
-        "warning: --rank-by is deprecated: use --order-by",
-    ]
+def test_the_removed_recommend_flags_are_refused_and_the_identity_keeps_their_keys(capsys):
+    """--rank and --rank-by (--score's and --order-by's names before) are gone (docs/CHANGELOG.md): refused by
+    argparse, exit 2, naming the flag. The identity keeps their names as its keys, so that a rerun of a run made with
+    them keeps its run_id."""
+    for old in ("--rank", "--rank-by"):
+        with pytest.raises(SystemExit) as exited:
+            spec_from(old, *(["joint"] if old == "--rank-by" else []))
+        assert exited.value.code == 2 and old in capsys.readouterr().err.splitlines()[-1]
+    identity = spec_from("--score", "--order-by", "joint", "--score-weight", "0.5").identity("v", "in")
+    assert (identity["rank"], identity["rank_by"], identity["score_weight"]) == (True, "joint", 0.5)
+    assert not {"score", "order_by"} & set(identity)
 
 
 def test_the_rank_job_keeps_its_rank_by_task():

@@ -93,7 +93,7 @@ def test_another_users_guesses_reuse_nothing_so_a_timing_test_is_at_chance(engin
     """Victims' prompts are served; another user then tries guesses, half of them right (a victim's prompt, and its
     start with more after it), half wrong, once each: with their own scope, or none, no guess reads a block (so
     one-try accuracy is the wrong guesses' share, chance); in the victim's own scope the right ones do."""
-    scheduler = Scheduler(engine)  # the prefix cache on
+    scheduler = Scheduler(engine.family, engine.runner)  # the prefix cache on
     victims = prompts(engine, rng, 4)
     for user, prompt in enumerate(victims):
         assert served(scheduler, engine, retrieve(prompt, cache_scope=f"user:{user}"))[1] == 0
@@ -114,14 +114,14 @@ def test_another_users_guesses_reuse_nothing_so_a_timing_test_is_at_chance(engin
 def test_the_victims_scope_still_reuses_which_is_why_user_ids_must_be_authenticated(engine, rng):
     """genrec does not authenticate user_id: a caller in the victim's scope (over HTTP, one who sends the victim's
     user_id) reads the victim's blocks. The docs say so; this pins it."""
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     (victim,) = prompts(engine, rng, 1)
     served(scheduler, engine, retrieve(victim, cache_scope="user:victim"))
     assert served(scheduler, engine, retrieve(victim, cache_scope="user:victim"))[1] == 64
 
 
 def test_a_declared_shared_prefix_is_reused_across_scopes_and_the_rest_is_not(engine, rng):
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     template = random_prompt(engine, 2 * BLOCK, rng)  # every prompt opens with it
     first, second, third = (template + p for p in prompts(engine, rng, 3, length=50))
     shared = {"shared_prefix": 2 * BLOCK + 7}  # two whole blocks public; the partial third one is not
@@ -137,7 +137,7 @@ def test_a_declared_shared_prefix_is_reused_across_scopes_and_the_rest_is_not(en
 
 
 def test_a_keyless_request_leaves_nothing_in_the_cache_but_its_shared_prefix(engine, rng):
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     a, b = prompts(engine, rng, 2)
     served(scheduler, engine, retrieve(a))
     assert scheduler.cache.snapshot()["entries"] == 0 and scheduler.budget.pool.used == 0  # as with the cache off

@@ -307,7 +307,7 @@ def test_recommend_drops_given_candidates_the_filter_does_not_allow(fengine, rng
 
 
 def test_filtered_steps_run_without_a_sync(fengine, rng):
-    scheduler = Scheduler(fengine, SchedulerConfig(prefill_tokens_per_step=16))
+    scheduler = Scheduler(fengine.family, fengine.runner, SchedulerConfig(prefill_tokens_per_step=16))
     batch = [
         RetrieveRequest(prompt_token_ids=random_prompt(fengine, 20, rng), beam_width=7, filters={"genre": "music"}),
         RetrieveRequest(prompt_token_ids=random_prompt(fengine, 20, rng), beam_width=4),

@@ -62,7 +62,9 @@ def test_admission_takes_real_pool_space_and_everything_comes_back(engine, rng):
     prepared = [engine.prepare(r) for r in requests]
     tokens = [p.kv_tokens for p in prepared]
     scheduler = Scheduler(
-        engine, SchedulerConfig(kv_budget_bytes=Scheduler(engine).per_token * (tokens[0] + tokens[1]))
+        engine.family,
+        engine.runner,
+        SchedulerConfig(kv_budget_bytes=Scheduler(engine.family, engine.runner).per_token * (tokens[0] + tokens[1])),
     )
     pool = scheduler.budget.pool
     futures = [scheduler.submit(p) for p in prepared]
@@ -81,9 +83,11 @@ def test_cached_prompts_hold_pool_space_until_evicted_for_a_request_that_does_no
     small = RetrieveRequest(prompt_token_ids=random_prompt(engine, 20, rng), beam_width=4, cache_scope="user-1")
     big = RetrieveRequest(prompt_token_ids=random_prompt(engine, 60, rng), beam_width=4, cache_scope="user-2")
     need = engine.prepare(big).kv_tokens
-    per_token = Scheduler(engine).per_token
+    per_token = Scheduler(engine.family, engine.runner).per_token
     budget = per_token * need
-    scheduler = Scheduler(engine, SchedulerConfig(kv_budget_bytes=budget, prefix_cache_bytes=budget))
+    scheduler = Scheduler(
+        engine.family, engine.runner, SchedulerConfig(kv_budget_bytes=budget, prefix_cache_bytes=budget)
+    )
     pool = scheduler.budget.pool
     first = scheduler.submit(engine.prepare(small))
     while not scheduler.idle:

@@ -59,7 +59,7 @@ def test_engine_batches_run_without_a_sync(engine, rng):
 
 
 def test_scheduler_steps_run_without_a_sync(engine, rng):
-    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=16))
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefill_tokens_per_step=16))
     batch = requests(engine, rng)
     futures = [scheduler.submit(engine.prepare(r)) for r in batch + batch[:1]]  # the repeat hits the cache
     with no_sync():

@@ -123,7 +123,7 @@ def test_a_long_candidate_request_ends_at_the_pass_after_its_deadline_and_a_retr
     small retrieve behind it is served between them, and the request ends at the step after its deadline."""
     family = engine.family
     clock = ManualClock()
-    scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0), clock)
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=0), clock)
     request = long_score(engine, rng, family.max_candidate_len)
     assert 12 * family.max_candidate_len <= family.score_max_tokens  # what the padded-token bound let into one pass
     big = scheduler.submit(engine.prepare(request), timeout_s=2)
@@ -150,7 +150,7 @@ def test_a_long_candidate_request_ends_at_the_pass_after_its_deadline_and_a_retr
 
 def test_a_deadline_that_passes_during_the_prefill_pass_ends_the_request_before_its_rows_pass(engine, rng, monkeypatch):
     clock = ManualClock()
-    scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0), clock)
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=0), clock)
     runner, rows_passes = engine.runner, []
     prefill, rows_pass = runner.prefill, runner.rows_pass
 
@@ -178,7 +178,7 @@ def test_a_deadline_that_passes_during_a_decode_pass_ends_a_scoring_request_befo
 
     engine = Engine.from_pretrained(tiny_dir, score_max_tokens=64, scheduler=SchedulerConfig(prefix_cache_bytes=0))
     clock = ManualClock()
-    scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0), clock)
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=0), clock)
     scoring = scheduler.submit(engine.prepare(long_score(engine, rng, 30, n=10)), timeout_s=5)
     retrieve = engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 9, rng), beam_width=3))
     decoding = scheduler.submit(retrieve, timeout_s=100)
@@ -202,7 +202,9 @@ def test_a_deadline_that_passes_during_a_decode_pass_ends_a_scoring_request_befo
 
 def test_a_long_prompt_prefills_in_chunks_bounded_by_their_cost(engine, rng, monkeypatch):
     budget = 64
-    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=budget, prefix_cache_bytes=0))
+    scheduler = Scheduler(
+        engine.family, engine.runner, SchedulerConfig(prefill_tokens_per_step=budget, prefix_cache_bytes=0)
+    )
     steps, prefill = [], engine.runner.prefill
     monkeypatch.setattr(
         engine.runner, "prefill", lambda chunks: (steps.append([(s, n) for *_, s, n in chunks]), prefill(chunks))[1]

@@ -53,7 +53,7 @@ def returning_user(engine, rng, start=70, appends=(9, 23, 1, 40, 16, 5)):
 @pytest.mark.parametrize("kind", ["retrieve", "score", "recommend"])
 def test_a_returning_user_reuses_the_cached_prefix_and_equals_a_cold_run(arch_engine, rng, kind):
     engine = arch_engine  # each decoder architecture's
-    scheduler = Scheduler(engine)  # prefix cache on (the default)
+    scheduler = Scheduler(engine.family, engine.runner)  # prefix cache on (the default)
     cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:6]] + [Candidate(text="news")]
     make = {
         "retrieve": lambda p: RetrieveRequest(prompt_token_ids=p, beam_width=8, cache_scope=USER),
@@ -72,7 +72,7 @@ def test_a_returning_user_reuses_the_cached_prefix_and_equals_a_cold_run(arch_en
 
 
 def test_reuse_holds_at_most_max_spans_pieces_and_recomputes_the_small_tail(engine, rng):
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     spans = []
     original = scheduler.budget.admit
 
@@ -90,8 +90,10 @@ def test_reuse_holds_at_most_max_spans_pieces_and_recomputes_the_small_tail(engi
 
 
 def test_warm_equals_cold_with_evictions_in_between(engine, rng):
-    per_token = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0)).per_token
-    scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=per_token * 200))  # room for a few entries
+    per_token = Scheduler(engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=0)).per_token
+    scheduler = Scheduler(
+        engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=per_token * 200)
+    )  # room for a few entries
     users = [list(returning_user(engine, rng, start=60, appends=(17, 30))) for _ in range(3)]
     for step in range(3):  # users take turns: their entries push each other out
         for user, prompts in enumerate(users):
@@ -103,7 +105,7 @@ def test_warm_equals_cold_with_evictions_in_between(engine, rng):
 
 
 def test_a_soft_token_ties_later_blocks_to_its_embedding(engine, rng):
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     user = engine.family.tokenizer.convert_tokens_to_ids(USER_TOKEN)
     prompt = random_prompt(engine, 60, rng)
     prompt[20] = user  # in block 1: block 0 is shared by every embedding, blocks 1.. are not
@@ -119,7 +121,7 @@ def test_a_soft_token_ties_later_blocks_to_its_embedding(engine, rng):
 
 
 def test_an_edit_in_the_middle_reuses_only_the_blocks_before_it(engine, rng):
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     prompt = random_prompt(engine, 90, rng)
     run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=4, cache_scope=USER))
     edited = list(prompt)
@@ -189,9 +191,9 @@ def test_one_off_prompts_do_not_flush_a_returning_users_prefix(engine):
 def test_an_evicted_prefix_spills_to_the_host_tier_and_comes_back_on_a_hit(engine, rng):
     """A second tier (host memory; sized explicitly here, off by default): an entry evicted from the pool is kept
     there and copied back when its user returns; the result still equals a cold run."""
-    per_token = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0)).per_token
+    per_token = Scheduler(engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=0)).per_token
     config = SchedulerConfig(prefix_cache_bytes=per_token * 100, host_cache_bytes=per_token * 1000)
-    scheduler = Scheduler(engine, config)
+    scheduler = Scheduler(engine.family, engine.runner, config)
     users = [list(returning_user(engine, rng, start=80, appends=(12,))) for _ in range(3)]
     for user, prompts in enumerate(users):  # three first visits: 80 tokens each, only one fits the pool's share
         run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompts[0], beam_width=6, cache_scope=f"user-{user}"))
@@ -206,7 +208,7 @@ def test_an_evicted_prefix_spills_to_the_host_tier_and_comes_back_on_a_hit(engin
 
 def test_warm_and_cold_prompts_prefilled_in_one_pass_equal_their_cold_runs(engine, rng):
     """One packed prefill pass mixing a chunk with a reused prefix and chunks without: each equals a cold run."""
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     returning = list(returning_user(engine, rng, start=64, appends=(9,)))
     run(scheduler, engine, RetrieveRequest(prompt_token_ids=returning[0], beam_width=5, cache_scope=USER))
     requests = [

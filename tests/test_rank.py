@@ -89,7 +89,7 @@ def test_requests_batched_and_chunked_equal_each_alone(hstu_dir, ranker):
 
 
 def test_a_returning_users_history_is_reused_and_equals_a_cold_run(ranker, hstu_dir):
-    scheduler = Scheduler(ranker)  # prefix cache on
+    scheduler = Scheduler(ranker.family, ranker.runner)  # prefix cache on
     rng = random.Random(5)
     events = history(rng, 100)
     reused = []
@@ -114,7 +114,7 @@ def test_a_history_whose_pieces_cost_more_than_its_prefill_is_recomputed(hstu_di
     cost more than this short history's prefill, reads nothing back and still equals the reference."""
     engine = Engine.from_pretrained(hstu_dir)
     engine.family.cost = PassCost.hstu(engine.model.config, "cuda")
-    scheduler, rng = Scheduler(engine), random.Random(5)
+    scheduler, rng = Scheduler(engine.family, engine.runner), random.Random(5)
     events = history(rng, 100)
     for _ in range(2):
         events = events + history(rng, 10, start_time=events[-1].timestamp)

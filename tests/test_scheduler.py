@@ -39,7 +39,7 @@ def test_every_state_is_visited_in_order_and_ends_finished(engine, rng, monkeypa
         original(job, state)
 
     monkeypatch.setattr(Job, "move", recording)
-    scheduler = Scheduler(engine, SchedulerConfig(prefill_tokens_per_step=16))
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefill_tokens_per_step=16))
     cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:3]]
     scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 40, rng), request_id="r")))
     scheduler.submit(
@@ -60,7 +60,7 @@ def test_a_retry_after_a_failure_never_runs_a_job_that_already_finished(engine, 
         return original(prepared, scores)
 
     monkeypatch.setattr(results, "score_result", failing)
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine.family, engine.runner)
     cands = [Candidate(item_id=i) for i in engine.catalog.item_ids[:4]]
     good, bad = (
         scheduler.submit(
@@ -134,7 +134,7 @@ def test_a_deadline_is_checked_between_scoring_passes(tiny_dir, rng):
 
     engine = Engine.from_pretrained(tiny_dir, score_max_tokens=64)
     clock = ManualClock()
-    scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0), clock)
+    scheduler = Scheduler(engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=0), clock)
     future = scheduler.submit(engine.prepare(big_score(engine, rng)), timeout_s=2)
     while not scheduler.in_state(JobState.SCORING):
         assert not future.done(), future.exception()

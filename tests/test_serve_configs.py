@@ -9,8 +9,8 @@ from ray.serve.schema import ServeDeploySchema
 
 from genrec.serving.app import application
 from genrec.serving.args import DEPLOYMENTS as ENGINE_DEPLOYMENTS
-from genrec.serving.args import AppArgs, EngineLimits, IngressLimits
-from genrec.serving.check import deployments_of, main, problems, unknown_keys
+from genrec.serving.args import AppArgs, EngineLimits, IngressLimits, unknown_keys
+from genrec.serving.check import deployments_of, main, problems
 
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
 FUNNELS = [DEPLOYMENTS / "funnel-local.yaml", DEPLOYMENTS / "funnel-gpu.yaml"]
@@ -215,46 +215,24 @@ def test_the_config_check_knows_the_ranker(tiny_dir, hstu_dir):
     assert any("deployments[1].name: no deployment 'RankerServer'" in p for p in problems(config))
 
 
-def test_args_in_the_flat_form_of_earlier_releases_still_deploy_with_a_warning(tmp_path, capsys):
-    """The flat form is read for one more release: the same app as its sections, and a warning (the builder's log,
-    the check's `warning:` line) that shows that form."""
-    flat = {
-        "model_dir": "/m",
-        "engine_num_cpus": 0.5,
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "request_timeout_s": 30,
-        "ingress_num_cpus": 0.1,
-        "cache": {"name": "users", "dim": 8},
-        "ranker": {"model_dir": "/r", "max_candidates": 64, "engine_num_cpus": 0.3},
-    }
-    old = AppArgs.model_validate(flat)
-    new = AppArgs.model_validate(
-        {
-            "retriever": {
-                "model_dir": "/m",
-                "deployment": {
-                    "ray_actor_options": {"num_cpus": 0.5},
-                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 2},
-                },
-            },
-            "ranker": {"model_dir": "/r", "max_candidates": 64, "deployment": {"ray_actor_options": {"num_cpus": 0.3}}},
-            "ingress": {
-                "cache": {"name": "users", "dim": 8},
-                "limits": {"request_timeout_s": 30},
-                "deployment": {"ray_actor_options": {"num_cpus": 0.1}},
-            },
-        }
-    )
-    assert old.model_dump() == new.model_dump() and new.deprecation is None
-    assert "deprecated" in old.deprecation and '"retriever": {' in old.deprecation
+def test_args_in_the_flat_form_of_earlier_releases_are_refused_by_name(tmp_path, capsys):
+    """The flat form (model_dir, engine_num_cpus... at the top) is gone (docs/CHANGELOG.md): its keys are refused
+    by name, by the builder's validation and by the check (exit 2), never read as something else."""
+    from pydantic import ValidationError
+
+    flat = {"model_dir": "/m", "engine_num_cpus": 0.5, "ingress_replicas": 2}
+    with pytest.raises(ValidationError) as err:
+        AppArgs.model_validate(flat)
+    assert {e["loc"][0] for e in err.value.errors() if e["type"] == "extra_forbidden"} == set(flat)
     config = yaml.safe_load((DEPLOYMENTS / "funnel-local.yaml").read_text())
     config["applications"][0]["args"] = flat
     path = tmp_path / "flat.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert main([str(path)]) == 0
-    (warning,) = capsys.readouterr().err.splitlines()
-    assert warning.startswith(f"warning: {path}: applications[0].args: args in the flat form are deprecated")
+    assert main([str(path)]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert all(line.startswith(f"error: {path}: applications[0]") for line in errors)
+    for key in flat:
+        assert any(f"applications[0].args.{key}: Extra inputs are not permitted" in line for line in errors), key
 
 
 def test_a_section_refuses_serve_options_it_does_not_pass_through():

@@ -75,7 +75,7 @@ def test_a_cache_without_dim_is_refused():
 
 
 class RecordingEngine:
-    """An engine factory standing in for the replica's AsyncEngine: records what EngineServer builds it with (the
+    """A driver factory standing in for the replica's AsyncEngine: records what EngineServer builds it with (the
     Engine's keyword arguments and its SchedulerConfig) and what it sets live."""
 
     def __init__(self, tiny):
@@ -124,7 +124,7 @@ def recorded(monkeypatch, engine):
 def test_engine_server_builds_the_engine_with_the_options(recorded, tiny_dir):
     args = AppArgs(retriever={"model_dir": str(tiny_dir), **OPTIONS}).retriever
     server = engine_server.EngineServer.func_or_class(
-        args.model_dir, args.device, args.replica_options(), engine_factory=recorded
+        args.model_dir, args.device, args.replica_options(), driver_factory=recorded
     )
     try:
         assert recorded.built == {"device": "cpu", **args.replica_options().engine_kwargs()}
@@ -136,7 +136,7 @@ def test_engine_server_builds_the_engine_with_the_options(recorded, tiny_dir):
 
 def test_reconfigure_sets_every_limit_and_a_removed_one_reverts(recorded, tiny_dir):
     options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
-    server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", options, engine_factory=recorded)
+    server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", options, driver_factory=recorded)
     try:
         reconfigure(server, {"max_queue": 5, "max_running": 2})
         reconfigure(server, {"max_running": 2})  # max_queue removed from the config's user_config
@@ -157,7 +157,7 @@ def test_a_user_config_that_does_not_validate_keeps_the_running_limits(recorded,
     are in force."""
     options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
     server = engine_server.EngineServer.func_or_class(
-        str(tiny_dir), "cpu", options, EngineLimits(max_queue=9), engine_factory=recorded
+        str(tiny_dir), "cpu", options, EngineLimits(max_queue=9), driver_factory=recorded
     )
     try:
         assert recorded.config.max_queue == 9
@@ -188,7 +188,7 @@ def test_a_catalog_the_replica_cannot_load_is_refused_and_a_rewritten_file_is_lo
     monkeypatch.setattr(engine_server, "EngineMetricsExporter", QuietMetrics)
     options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
     server = engine_server.EngineServer.func_or_class(
-        str(tiny_dir), "cpu", options, engine_factory=RecordingEngine(fresh)
+        str(tiny_dir), "cpu", options, driver_factory=RecordingEngine(fresh)
     )
     try:
         original = fresh.catalog
@@ -228,7 +228,7 @@ def test_a_replica_that_cannot_load_its_declared_catalog_at_start_refuses_until_
     monkeypatch.setattr(engine_server, "EngineMetricsExporter", QuietMetrics)
     options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
     server = engine_server.EngineServer.func_or_class(
-        str(tiny_dir), "cpu", options, engine_factory=RecordingEngine(fresh)
+        str(tiny_dir), "cpu", options, driver_factory=RecordingEngine(fresh)
     )
     declared = tmp_path / "retired.parquet"
     try:

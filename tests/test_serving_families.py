@@ -9,6 +9,7 @@ import pytest
 
 from genrec.api import Event, RankRequest, RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
+from genrec.engine.family import Family, Generating
 from genrec.errors import InvalidRequestError
 from genrec.serving.args import AppArgs
 from genrec.serving.engine_server import EngineServer, describe
@@ -23,7 +24,7 @@ def ranker_server(hstu_dir):
     server = EngineServer.func_or_class(str(hstu_dir), "cpu", options)
     yield server
     server._stopped.set()
-    server.engine.shutdown()
+    server.driver.shutdown()
 
 
 def test_model_info_of_each_family(engine, tiny_dir, hstu_dir):
@@ -36,6 +37,24 @@ def test_model_info_of_each_family(engine, tiny_dir, hstu_dir):
     assert (ranker.family, ranker.serves, ranker.tasks) == ("hstu", ["rank"], list(SPEC.tasks))
     assert (ranker.catalog_items, ranker.max_history_events) == (SPEC.items, SPEC.max_positions - 1)
     assert ranker.levels is ranker.max_beam_width is ranker.max_prompt_tokens is ranker.user_dim is None
+
+
+def declared(protocol) -> set[str]:
+    """The members a family protocol declares, its bases' included."""
+    bases = [c for c in protocol.__mro__ if Family in c.__mro__]
+    return {name for c in bases for name in (*vars(c), *c.__annotations__) if not name.startswith("_")}
+
+
+def test_each_family_has_every_member_the_seam_declares(engine, ranker):
+    """The engine, its scheduler and runner and the servers read a family only through the protocol (no probing
+    for an optional member): the decoder implements all of Generating, the ranker all of Family, and what only a
+    generating family has is there in the ranker as "none" (no levels, no live catalog, no prompt)."""
+    assert {"levels", "fast", "catalogs", "render_prompt", "capture_prefill", "describe"} <= declared(Family)
+    assert declared(Generating) - declared(Family) == {"decode_forward", "generated"}
+    for family, protocol in ((engine.family, Generating), (ranker.family, Family)):
+        assert sorted(name for name in declared(protocol) if not hasattr(family, name)) == [], family.name
+    assert (engine.family.levels > 0, ranker.family.levels) == (True, 0)
+    assert engine.live_catalog and not ranker.live_catalog and ranker.family.catalogs is None
 
 
 def test_the_replica_ranks_as_the_engine_does_and_ignores_the_routing_key(ranker_server, hstu_dir):

@@ -6,9 +6,6 @@ from genrec.batch.spec import Execution, FunnelSpec, RankingExecution, RankSpec,
 from genrec.batch.user_embeddings import load_user_embeddings
 from genrec.cache.config import CacheConfig
 
-# The names before one job shape, kept for one release: BatchSpec is RecommendSpec; each run_* is run.
-BatchSpec, run_batch, run_funnel, run_rank = RecommendSpec, run, run, run
-
 __all__ = [
     "CacheConfig",
     "Execution",

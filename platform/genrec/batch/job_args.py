@@ -2,8 +2,7 @@
 `--kebab-case` of its name, with its description as help, its type, its default; a bool is a switch (`--no-NAME`
 for one that defaults to true), a Literal's values are the choices, and a nested model (the cache) is a flag for
 its name plus one per setting (`--cache NAME --cache-shards N`). Flags left out are left out of the settings, so
-the defaults are the settings' own (one place). A spec's `renamed` fields keep their old flags for one release,
-with a warning. Bad input is one `error:` line naming the flag, exit status 2.
+the defaults are the settings' own (one place). Bad input is one `error:` line naming the flag, exit status 2.
 """
 
 from __future__ import annotations
@@ -40,19 +39,11 @@ def run_command(doc: str, variants: tuple[tuple[type[BaseModel], ...], ...], arg
 
 def parse(variants: tuple[tuple[type[BaseModel], ...], ...], argv: list[str], doc: str | None = None) -> tuple:
     """The spec and the settings of how it executes that `argv` gives."""
-    widest = variants[-1][0]
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     required = {name for name, field in variants[0][0].model_fields.items() if field.is_required()}
     for model in variants[-1]:
         add_flags(parser, model, required)
-    for old, new in widest.renamed.items():
-        hidden = {"dest": old, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
-        parser.add_argument(_flag((old,)), **hidden, **_kind(widest.model_fields[new]))
     given = vars(parser.parse_args(argv))
-    for old, new in widest.renamed.items():
-        if old in given:
-            print(f"warning: {_flag((old,))} is deprecated: use {_flag((new,))}", file=sys.stderr)
-            given.setdefault(new, given.pop(old))
     spec_type, *how = chosen = next(v for v in variants if given.keys() <= _names(v))
     missing = [name for name, field in spec_type.model_fields.items() if field.is_required() and name not in given]
     if missing and chosen is not variants[0]:  # e.g. --rank-actors without --ranker

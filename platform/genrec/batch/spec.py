@@ -41,7 +41,6 @@ class JobSpec(EngineOptions):
     The engine's options (EngineOptions: dtype, the scoring chunk, the fast path...) are part of it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    renamed: ClassVar[dict[str, str]] = {}  # a deprecated flag's name -> the field it sets now
 
     model: str = Field(min_length=1, description="model directory")
     users: str = Field(min_length=1, description="users Parquet file or directory (local path or URI)")
@@ -73,8 +72,6 @@ class JobSpec(EngineOptions):
 
 class RecommendSpec(JobSpec):
     """The recommend job: retrieve (or with `score` recommend) for every user."""
-
-    renamed: ClassVar[dict[str, str]] = {"rank": "score", "rank_by": "order_by"}
 
     beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search")
     beam_widths: list[Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
@@ -117,7 +114,9 @@ class RecommendSpec(JobSpec):
         return self
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
-        return {  # "rank", "rank_by": score's and order_by's names before; kept, so that run_ids stay the same
+        # "rank", "rank_by": score's and order_by's names before (their old flags are gone: docs/CHANGELOG.md); kept
+        # as the identity's keys, so that the run_ids of earlier runs stay the same.
+        return {
             **super().identity(model_version, input_fingerprint),
             "beam_width": self.beam_width,
             **({"beam_widths": self.beam_widths} if self.beam_widths else {}),  # absent: run_ids stay as before

@@ -344,7 +344,8 @@ def warm_and_cold(
     out = {}
     modes = [("cold", 0, True), ("warm", None, True)] + [("warm_every_piece", None, False)] * every_piece
     for name, cache, rule in modes:
-        scheduler = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=cache, request_timeout_s=600))
+        config = SchedulerConfig(prefix_cache_bytes=cache, request_timeout_s=600)
+        scheduler = Scheduler(engine.family, engine.runner, config, model_version=engine.model_version)
         scheduler.cache.gain = scheduler.cache.gain if rule else None
         history, times = list(request.history), []
         for visit in range(repeats + 1):

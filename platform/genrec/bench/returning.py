@@ -184,7 +184,8 @@ def admission(model_dir, engine: Engine, o: ReturningOptions, requests: int = 60
     the cache holds about half the returning users' prompts. Reuse rate of the same request sequence under the
     segmented LRU (probation, then protected once reused) and under a plain LRU (the cache's protected share set
     to 0 directly: no engine option says it)."""
-    per_token = Scheduler(engine, SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=1 << 20)).per_token
+    config = SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=1 << 20)
+    per_token = Scheduler(engine.family, engine.runner, config).per_token
     capacity = per_token * o.events * decoder(engine).levels * max(o.users // 2, 1)
     out = {}
     for name, protected_share in (("segmented_lru", 0.8), ("plain_lru", 0.0)):

@@ -35,7 +35,7 @@ def run(o: SidCatalogOptions) -> dict:
     model = directory.load_model(o.device, dtype)
     fast = o.cuda_fast if o.cuda_fast is not None else o.device.startswith("cuda")
     engines = {
-        name: Engine(Decoder(model, tokenizer, catalog, None, layout, fast=fast), COLD, fast=fast)
+        name: Engine(Decoder(model, tokenizer, catalog, None, layout, fast=fast), COLD)
         for name, catalog in (("large", large), ("small", small))
     }
     generator = torch.Generator().manual_seed(0)

@@ -35,9 +35,8 @@ from genrec.engine.decoder_inputs import (
     prompt_token_ids,
     render_prompt,
 )
-from genrec.engine.family import Prepared
 from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMask
-from genrec.engine.job import JobState
+from genrec.engine.job import JobState, Prepared
 from genrec.engine.prefill_graphs import PrefillGraphs
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.scoring import LabelScores, Scorer, score_job
@@ -166,6 +165,8 @@ class Decoder:
 
     def render_prompt(self, req: PromptForms) -> PromptResult:
         """The request's prompt as `prepare` runs it (its text and token IDs), checked the same way."""
+        if not isinstance(req, PromptForms):
+            raise InvalidRequestError("request", f"expected a PromptRequest, got {type(req).__name__}")
         vocab_size = self.model.config.vocab_size
         return render_prompt(req, self.chat, vocab_size, self.max_prompt_tokens, self.placeholder_id, self.begin)
 

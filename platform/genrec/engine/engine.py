@@ -29,10 +29,12 @@ from genrec.api import (
     ScoreResult,
 )
 from genrec.engine.decoder import Decoder
-from genrec.engine.family import Family, Prepared, request_kind
+from genrec.engine.family import Family, request_kind
+from genrec.engine.job import Prepared
 from genrec.engine.ranker import Ranker
 from genrec.engine.runner import ModelRunner
 from genrec.engine.scheduler import Scheduler, SchedulerConfig, check_int
+from genrec.engine.served_catalog import CatalogVersions
 from genrec.engine_options import EngineOptions
 from genrec.errors import CatalogError, InvalidRequestError
 from genrec.model.directory import ModelDir
@@ -54,14 +56,13 @@ class Engine:
         family: Family,
         scheduler: SchedulerConfig | None = None,
         model_version: str = "",
-        fast: bool = False,
         clock: Callable[[], float] = time.monotonic,
         graph_max_rows: int | None = None,
     ):
         self.family = family
         self.model, self.device = family.model, family.model.device
         self.model_version = model_version  # salts the prefix cache's keys
-        self.runner = ModelRunner(family, fast=fast, graph_max_rows=graph_max_rows or GRAPH_MAX_ROWS)
+        self.runner = ModelRunner(family, graph_max_rows=graph_max_rows or GRAPH_MAX_ROWS)
         self.scheduler_config = scheduler or SchedulerConfig()
         self.clock = clock
         self._scheduler: Scheduler | None = None
@@ -88,7 +89,7 @@ class Engine:
         limits = options.model_dump(include=set(LIMITS))
         fast = options.cuda_fast if options.cuda_fast is not None else torch.device(device).type == "cuda"
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, fast=fast, **limits)
-        return cls(family, scheduler, directory.version, fast=fast, graph_max_rows=options.cuda_graph_max_rows)
+        return cls(family, scheduler, directory.version, graph_max_rows=options.cuda_graph_max_rows)
 
     @property
     def catalog(self):
@@ -96,6 +97,11 @@ class Engine:
         return self.family.catalog
 
     # -- catalog versions (a decoder's) ---------------------------------------------------------
+
+    @property
+    def live_catalog(self) -> bool:
+        """Whether the catalog it serves changes live (`load_catalog`); if not, it is the model directory's."""
+        return self.family.catalogs is not None
 
     def load_catalog(self, path: str | Path) -> dict:
         """Serve the catalog file `path` from the next request on, without a restart: it is checked against the
@@ -132,8 +138,8 @@ class Engine:
         index = map(served.catalog.index_of, given)
         return [item for item, k in zip(given, index, strict=True) if k is not None and mask.items[k]]
 
-    def _catalog_versions(self):
-        versions = getattr(self.family, "catalogs", None)
+    def _catalog_versions(self) -> CatalogVersions:
+        versions = self.family.catalogs
         if versions is None:
             raise CatalogError("catalog", f"this engine's model ({self.family.name}) has no catalog to change live")
         return versions
@@ -142,7 +148,9 @@ class Engine:
     def scheduler(self) -> Scheduler:
         """The engine's one scheduler (and its KV pool), made on first use."""
         if self._scheduler is None:
-            self._scheduler = Scheduler(self, self.scheduler_config, self.clock)
+            self._scheduler = Scheduler(
+                self.family, self.runner, self.scheduler_config, self.clock, model_version=self.model_version
+            )
             if self.runner.graphs:  # every decode bucket captured now, before any request (never on a live one)
                 seconds = self.runner.capture(
                     self._scheduler.budget.pool, self.scheduler_config.prefill_tokens_per_step
@@ -170,13 +178,8 @@ class Engine:
     def render_prompt(self, request: PromptForms) -> PromptResult:
         """A request's prompt as this engine runs it: its text (a chat rendered by the model's template) and token
         IDs, checked as a request's prompt is. No compute, no scheduler: any request with a prompt will do."""
-        render = getattr(self.family, "render_prompt", None)
-        if render is None:
-            raise InvalidRequestError("request", f"this engine's model ({self.family.name}) takes no prompt")
-        if not isinstance(request, PromptForms):
-            raise InvalidRequestError("request", f"expected a PromptRequest, got {type(request).__name__}")
         with host_side():
-            return render(request)
+            return self.family.render_prompt(request)
 
     def prepare(self, request, kind: str | None = None) -> Prepared:
         """The request checked against the model (its kind first: one this family serves, `kind` when given)."""

@@ -1,4 +1,4 @@
-"""The seam between the engine and a model family: what the scheduler and the runner call, and nothing else.
+"""The seam between the engine and a model family: all the engine, its scheduler and runner, and the servers use.
 
 A family turns its kinds of request into a context (a prompt's tokens, or a user's events) and rows over that
 context. Both families hold the context as per-layer K/V in an extent of the engine's KV pool (`ContextKV`), so
@@ -13,13 +13,26 @@ Implementations: `genrec.engine.decoder.Decoder` (Qwen3: retrieve, score, recomm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest
+from genrec.api import (
+    PromptForms,
+    PromptResult,
+    RankRequest,
+    RecommendRequest,
+    RetrieveRequest,
+    RetrieveResult,
+    ScoreRequest,
+)
+from genrec.catalog import Catalog
+from genrec.catalog.item_index import ItemIndex
+from genrec.engine.decode_batch import DecodeBatch
+from genrec.engine.job import Job, JobState, Prepared
 from genrec.engine.pass_cost import PassCost
+from genrec.engine.prefill_graphs import PrefillGraphs
+from genrec.engine.served_catalog import CatalogVersions
 from genrec.errors import InvalidRequestError
 
 # The request class of each kind, the most specific first (a RecommendRequest is also a RetrieveRequest).
@@ -38,30 +51,25 @@ def request_kind(request, expected: str | None = None) -> str:
     return kind
 
 
-@dataclass
-class Prepared:
-    """A request checked against the model and turned into host tensors, before any model compute: everything a
-    client can get wrong is refused while preparing it (InvalidRequestError naming the field)."""
-
-    request: RetrieveRequest | ScoreRequest | RecommendRequest | RankRequest
-    kind: str
-    # The context on the host: a prompt's token IDs [T] int64, or a history's events [T, 3] int64. Its rows are
-    # what the prefix cache keys.
-    token_ids: torch.Tensor
-    kv_tokens: int = 0  # pool tokens it holds at its peak: its context, beam suffixes, candidate rows
-
-
 class Family(Protocol):
     """What both families implement."""
 
     name: str  # "qwen3" | "hstu"
     kinds: tuple[str, ...]  # the request kinds it answers
     model: torch.nn.Module  # its `config` has the KV shape (num_hidden_layers, num_key_value_heads, head_dim)
-    catalog: object  # item IDs <-> what the model reads of them
+    fast: bool  # the CUDA fast path: its kernels, and passes replayed as graphs (genrec.engine.runner)
+    catalog: Catalog | ItemIndex  # item IDs <-> what the model reads of them: codes, or embedding rows (served now)
+    catalogs: CatalogVersions | None  # the catalog versions it serves, changed live; None: its catalog is fixed
     cost: PassCost  # what its passes cost in token-equivalents: rows passes and prefill chunks are bounded by it
+    score_max_tokens: int  # the bound of one rows pass, in token-equivalents (`cost`)
+    levels: int  # decode passes of the longest generation (0: it never generates)
 
     def prepare(self, request, kind: str) -> Prepared:
         """Check a request of one of `kinds` against the model; raise InvalidRequestError naming the field."""
+
+    def render_prompt(self, request: PromptForms) -> PromptResult:
+        """A request's prompt as `prepare` runs it (text and token IDs), checked the same way; a family that takes
+        no prompt raises InvalidRequestError."""
 
     def block_keys(self, prepared: Prepared, salt: bytes) -> list[bytes]:
         """The prefix cache's keys of the context's whole blocks that another request may reuse, under the request's
@@ -75,13 +83,14 @@ class Family(Protocol):
         one pass); the outputs at each segment's last position (what starts its next state), or None. `graphs`:
         what `capture_prefill` returned, replayed where it holds the pass."""
 
-    def capture_prefill(self, capture_pass, mempool, max_tokens: int):
+    def capture_prefill(self, capture_pass, mempool, max_tokens: int) -> PrefillGraphs | None:
         """The prefill captured as graphs up to `max_tokens` per pass (genrec.engine.prefill_graphs), or None."""
 
-    def start(self, job) -> bool:
-        """A prefilled job on to its next state: True if it now generates (Generating only), False if it runs rows."""
+    def start(self, job: Job) -> JobState:
+        """A prefilled job on to its next state: DECODING if it now generates (its beam cohort started: Generating
+        only), SCORING if it runs rows."""
 
-    def rows_pass(self, jobs: list, budget: int) -> None:
+    def rows_pass(self, jobs: list[Job], budget: int) -> None:
         """One pass of the jobs' next rows, in order, estimated (`cost`) at most `budget` token-equivalents unless
         its first row alone costs more; a job whose rows are all done gets its `result`."""
 
@@ -90,10 +99,11 @@ class Family(Protocol):
 
 
 class Generating(Family, Protocol):
-    """A family whose jobs generate before their rows (the Qwen3 decoder's beam search)."""
+    """A family whose jobs generate before their rows (the Qwen3 decoder's beam search): `levels` > 0."""
 
-    def decode_forward(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def decode_forward(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode pass over a filled `DecodeBatch`: (logprobs [B, vocab], new_k, new_v)."""
 
-    def generated(self, job, beams) -> bool:
-        """A job whose generation finished (its beams fetched): its result, or True if it goes on to rows."""
+    def generated(self, job: Job, beams: list[tuple[int, float]]) -> RetrieveResult | None:
+        """A job whose generation finished (its beams fetched): its result, or None if it goes on to rows (the
+        beams kept on the job)."""

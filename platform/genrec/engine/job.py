@@ -1,4 +1,5 @@
-"""A request inside the scheduler: its state, the moves allowed between states, and what each state holds."""
+"""A request inside the scheduler: prepared (checked, on the host), its state, the moves allowed between states, and
+what each state holds."""
 
 from __future__ import annotations
 
@@ -8,11 +9,23 @@ from enum import Enum
 
 import torch
 
-from genrec.api import RetrieveResult
+from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, RetrieveResult, ScoreRequest
 from genrec.engine.beam import BeamCohort
-from genrec.engine.family import Prepared
 from genrec.engine.kv_budget import Holding
 from genrec.engine.scoring import ScoreJob
+
+
+@dataclass
+class Prepared:
+    """A request checked against the model and turned into host tensors, before any model compute: everything a
+    client can get wrong is refused while preparing it (InvalidRequestError naming the field)."""
+
+    request: RetrieveRequest | ScoreRequest | RecommendRequest | RankRequest
+    kind: str
+    # The context on the host: a prompt's token IDs [T] int64, or a history's events [T, 3] int64. Its rows are
+    # what the prefix cache keys.
+    token_ids: torch.Tensor
+    kv_tokens: int = 0  # pool tokens it holds at its peak: its context, beam suffixes, candidate rows
 
 
 class JobState(Enum):

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genrec.api import FAMILY_KINDS, RankedItem, RankRequest, RankResult
+from genrec.api import FAMILY_KINDS, PromptForms, PromptResult, RankedItem, RankRequest, RankResult
 from genrec.attention import ContextGroup
 from genrec.catalog.item_index import ItemIndex
-from genrec.engine.family import Prepared
-from genrec.engine.job import JobState
+from genrec.engine.job import JobState, Prepared
 from genrec.engine.pass_cost import PassCost
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.results import check_finite
@@ -34,6 +33,7 @@ class PreparedHistory(Prepared):
 class Ranker:
     name = "hstu"
     kinds = FAMILY_KINDS["hstu"]
+    catalogs = None  # its item index is the model directory's: no catalog changes live
 
     def __init__(
         self,
@@ -107,6 +107,10 @@ class Ranker:
         # Its history, and one row per candidate over it.
         kv_tokens = len(events) + len(candidate_rows)
         return PreparedHistory(req, kind, events, kv_tokens, candidate_rows=candidate_rows, tasks=tasks)
+
+    def render_prompt(self, req: PromptForms) -> PromptResult:
+        """A ranker's context is a history: it has no prompt to show."""
+        raise InvalidRequestError("request", f"this engine's model ({self.name}) takes no prompt")
 
     def block_keys(self, prepared: PreparedHistory, salt: bytes) -> list[bytes]:
         """Scoped by the request (its shared prefix counted in events)."""

@@ -7,8 +7,8 @@
   once at engine start (`capture`), never on a live request;
 - rows: one bounded pass of the jobs' candidate rows over their contexts (scoring, or ranking).
 
-Every pass runs under inference mode. `fast` selects the CUDA attention kernels and graphs; it is passed down,
-never read from a global.
+Every pass runs under inference mode. The family's `fast` selects the CUDA attention kernels and graphs; it is
+passed down, never read from a global.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 from genrec.engine.beam import BeamCohort, advance_all
 from genrec.engine.decode_batch import DecodeBatch, bucket_of
-from genrec.engine.family import Family, Prepared
+from genrec.engine.family import Family
+from genrec.engine.job import Prepared
 from genrec.model.kv_pool import MAX_SPANS, ContextKV, KVPool
 
 
@@ -33,16 +34,16 @@ class Prefilled:
 
 
 class ModelRunner:
-    def __init__(self, family: Family, fast: bool = False, graph_max_rows: int = 2048):
+    def __init__(self, family: Family, graph_max_rows: int = 2048):
         """`graph_max_rows`: with CUDA graphs, the largest decode pass captured at start (`capture`); the scheduler
         caps a pass's rows there (`max_pass_rows`)."""
         self.family, self.model = family, family.model
         self.device = self.model.device
-        self.fast = fast
+        self.fast = family.fast
         # Passes replayed as CUDA graphs: with the FlashAttention-2 kernel only (bf16 / fp16), whose index tables stay
         # on the device; a float32 engine's attention reads them on the host, which no graph can hold.
         half = self.model.dtype in (torch.float16, torch.bfloat16)
-        self.graphs = fast and self.device.type == "cuda" and half
+        self.graphs = self.fast and self.device.type == "cuda" and half
         self.graph_max_rows = bucket_of(graph_max_rows)
         self.past = max(family.levels - 2, 0)  # the longest beam suffix a decode pass reads
         self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans) -> a bucketed pass's inputs (no graph)

@@ -25,11 +25,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from genrec.engine.beam import fetch_finals
-from genrec.engine.family import Prepared
-from genrec.engine.job import Job, JobState
+from genrec.engine.family import Family
+from genrec.engine.job import Job, JobState, Prepared
 from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token
 from genrec.engine.metrics import EngineMetrics
 from genrec.engine.prefix_cache import BLOCK, HostTier, PrefixCache
+from genrec.engine.runner import ModelRunner
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
 
 WAITING, PREFILLING, DECODING, SCORING, FINISHED = JobState
@@ -83,12 +84,19 @@ LIVE_FIELDS = ("request_timeout_s", "max_queue", "max_running", "prefill_tokens_
 
 
 class Scheduler:
-    """Sequences the requests of one engine (`genrec.engine.Engine`: its family, runner and model version)."""
+    """Sequences the requests of one family, whose passes `runner` makes (an Engine's: `genrec.engine.Engine`)."""
 
-    def __init__(self, engine, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
-        self.family, self.runner = engine.family, engine.runner
-        self.salt = engine.model_version.encode()  # cached prefixes of another model version never match
-        self.device = engine.device
+    def __init__(
+        self,
+        family: Family,
+        runner: ModelRunner,
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        model_version: str = "",
+    ):
+        self.family, self.runner = family, runner
+        self.salt = model_version.encode()  # cached prefixes of another model version never match
+        self.device = runner.device
         self.clock = clock
         self.config = _by_device(config or SchedulerConfig(), self.device)
         model = self.runner.model

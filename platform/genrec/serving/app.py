@@ -2,8 +2,6 @@
 
 # No `from __future__ import annotations`: Serve reads build_app's parameter annotation (AppArgs) to
 # validate a config's `args`; a string annotation would hand it a plain dict.
-import logging
-
 from ray.serve import Application
 
 from genrec.serving.args import DEPLOYMENTS, AppArgs, EngineSection
@@ -13,14 +11,10 @@ from genrec.serving.preflight import preflight
 from genrec.serving.router import USER_ROUTER
 from genrec.serving.schemas import RankerFacts
 
-log = logging.getLogger(__name__)
-
 
 def build_app(args: AppArgs) -> Application:
     """The app of `args`, once what its engine replicas will load has checked out (preflight.py): a deploy that
     could not start them is refused here, before Serve replaces any running replica."""
-    if args.deprecation:
-        log.warning("genrec: %s", args.deprecation)
     checked = preflight(args)
     ranker = checked.get("ranker")
     facts = RankerFacts.of(ranker.config, args.ranker.max_candidates) if ranker is not None else None

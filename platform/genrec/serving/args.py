@@ -11,18 +11,15 @@ options (`deployment`: Serve's own keys, passed straight through, over genrec's 
                   deployment: {autoscaling_config: {min_replicas: 2, max_replicas: 8}, max_ongoing_requests: 128}}
       ranker:    {model_dir: /models/hstu, max_candidates: 1024, deployment: {ray_actor_options: {num_gpus: 0.25}}}
       ingress:   {auth_token_env: GENREC_API_TOKEN, limits: {request_timeout_s: 10}, deployment: {num_replicas: 2}}
-
-The flat form of earlier releases (model_dir, engine_num_cpus, ingress_replicas... at the top) is read for one
-more release, with a warning that shows the same app in this form (legacy_args.py).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from genrec.cache.config import CacheConfig
 from genrec.engine_options import EngineOptions
@@ -41,6 +38,55 @@ OWNED = {
     "user_config": "it is the section's `limits`",
     "request_router_config": "choose it with the section's `router` (or override it in the config's `deployments`)",
 }
+FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation may hold (through Optional, Union, list, dict values)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found = []
+    for arg in get_args(annotation):
+        found += _models_in(arg)
+    return found
+
+
+def unknown_keys(value, model: type[BaseModel], path: str = "") -> list[str]:
+    """Where `value` (a config's dict) has keys `model` (a Serve schema) does not define."""
+    if isinstance(value, list):
+        return [bad for i, item in enumerate(value) for bad in unknown_keys(item, model, f"{path}[{i}]")]
+    if not isinstance(value, dict):
+        return []
+    fields = {f.alias or name: f for name, f in model.model_fields.items()} | dict(model.model_fields)
+    bad = []
+    for key, item in value.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            bad.append(where)
+        elif key not in FREE_FORM:
+            for sub in _models_in(fields[key].annotation):
+                bad += unknown_keys(item, sub, where)
+    return bad
+
+
+def deployment_problems(options: dict) -> list[str]:
+    """What Serve would drop or refuse in one deployment's options: unknown keys (nested ones too), bad values,
+    an autoscaling config that does not hold (min above max...). Each names where it is."""
+    # Ray Serve's schemas on first use: importing these arguments stays light.
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import DeploymentSchema
+
+    found = [f"{where}: not an option of a Serve deployment" for where in unknown_keys(options, DeploymentSchema)]
+    checks = [(DeploymentSchema, {"name": "check", **options})]
+    if isinstance(options.get("autoscaling_config"), dict):
+        checks.append((AutoscalingConfig, options["autoscaling_config"]))
+    for model, value in checks:
+        try:
+            model.model_validate(value)
+        except ValidationError as err:
+            prefix = "autoscaling_config." if model is AutoscalingConfig else ""
+            found += [f"{prefix}{'.'.join(map(str, e['loc'])) or '(options)'}: {e['msg']}" for e in err.errors()]
+    return found
 
 
 class _Args(BaseModel):
@@ -58,8 +104,6 @@ class _Deployed(_Args):
     @classmethod
     def _serve_options(cls, options: dict) -> dict:
         """Checked as Serve will check them, and for what Serve would drop silently (an unknown key)."""
-        from genrec.serving.check import deployment_problems  # here: check imports these arguments
-
         for key in options:
             if key in OWNED:
                 raise ValueError(f"{key!r} is not set here: {OWNED[key]}")
@@ -299,22 +343,6 @@ class AppArgs(_Args):
         "`history` ranks the retrieved items with it",
     )
     ingress: IngressSection = IngressSection()
-
-    _deprecation: str | None = PrivateAttr(None)  # set when the args came in the flat form of earlier releases
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _from_the_flat_form(cls, raw, handler):
-        from genrec.serving.legacy_args import deprecation, sectioned
-
-        args = handler(sectioned(raw))
-        args._deprecation = deprecation(raw)
-        return args
-
-    @property
-    def deprecation(self) -> str | None:
-        """Why these args are deprecated, with their new form (None: they are not)."""
-        return self._deprecation
 
     @model_validator(mode="after")
     def _a_model(self):

@@ -6,8 +6,8 @@ deploys and does nothing), and a deployment's `user_config` is read only by the 
 validate (args.live_limits). This checks every key against Serve's schema, each app's `args` (AppArgs), each
 deployment's `user_config` (IngressLimits / EngineLimits) and that the deployments it names exist; with
 `--model`, also each engine section's model directory on this machine, as the builder does on the cluster
-(preflight.py). A KubeRay RayService file is read through its `serveConfigV2`. Exit 0: fine (args in the flat form
-of earlier releases: a `warning:` line with the same app in sections); 2: one `error:` line per problem.
+(preflight.py). A KubeRay RayService file is read through its `serveConfigV2`. Exit 0: fine; 2: one `error:` line
+per problem.
 
 `genrec deploy CONFIG.yaml [-a ADDRESS] [--model]` (`deploy`) sends Serve's `serve deploy` only for a config that
 passes this check: Serve runs no builder for a change of a deployment's `user_config` alone, so such a config would
@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import typing
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -30,62 +29,13 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from genrec.serving.args import DEPLOYMENTS, LIVE, AppArgs, IngressLimits, catalog_file
-from genrec.serving.legacy_args import deprecation, sectioned
+from genrec.errors import GenrecError
+from genrec.serving.args import DEPLOYMENTS, LIVE, AppArgs, IngressLimits, catalog_file, unknown_keys
 from genrec.serving.rollout import wait_and_report
 
 BUILDER = "genrec.serving.app:build_app"
 DEFAULT_DASHBOARD = "http://localhost:8265"  # serve deploy's default address
 DASHBOARD_TIMEOUT_S = 10.0
-FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
-
-
-def _models_in(annotation) -> list[type[BaseModel]]:
-    """The pydantic models a field's annotation may hold (through Optional, Union, list, dict values)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    found = []
-    for arg in typing.get_args(annotation):
-        found += _models_in(arg)
-    return found
-
-
-def unknown_keys(value, model: type[BaseModel], path: str = "") -> list[str]:
-    """Where `value` (a config's dict) has keys `model` (a Serve schema) does not define."""
-    if isinstance(value, list):
-        return [bad for i, item in enumerate(value) for bad in unknown_keys(item, model, f"{path}[{i}]")]
-    if not isinstance(value, dict):
-        return []
-    fields = {f.alias or name: f for name, f in model.model_fields.items()} | dict(model.model_fields)
-    bad = []
-    for key, item in value.items():
-        where = f"{path}.{key}" if path else key
-        if key not in fields:
-            bad.append(where)
-        elif key not in FREE_FORM:
-            for sub in _models_in(fields[key].annotation):
-                bad += unknown_keys(item, sub, where)
-    return bad
-
-
-def deployment_problems(options: dict) -> list[str]:
-    """What Serve would drop or refuse in one deployment's options: unknown keys (nested ones too), bad values,
-    an autoscaling config that does not hold (min above max...). Each names where it is."""
-    from pydantic import ValidationError
-    from ray.serve.config import AutoscalingConfig
-    from ray.serve.schema import DeploymentSchema
-
-    found = [f"{where}: not an option of a Serve deployment" for where in unknown_keys(options, DeploymentSchema)]
-    checks = [(DeploymentSchema, {"name": "check", **options})]
-    if isinstance(options.get("autoscaling_config"), dict):
-        checks.append((AutoscalingConfig, options["autoscaling_config"]))
-    for model, value in checks:
-        try:
-            model.model_validate(value)
-        except ValidationError as err:
-            prefix = "autoscaling_config." if model is AutoscalingConfig else ""
-            found += [f"{prefix}{'.'.join(map(str, e['loc'])) or '(options)'}: {e['msg']}" for e in err.errors()]
-    return found
 
 
 def problems(config: dict, check_model: bool = False) -> list[str]:
@@ -135,8 +85,7 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
 def _catalog_problems(app: dict, model_dir: str, where: str) -> list[str]:
     """A catalog the retriever's user_config names, loaded as its replicas will load it (they would refuse it and
     keep serving the running one, so a deploy that changes nothing else would silently change nothing)."""
-    from genrec.catalog import Catalog
-    from genrec.errors import GenrecError
+    from genrec.catalog import Catalog  # here: torch loads only to check a model (--model)
     from genrec.model.directory import ModelDir
 
     found = []
@@ -159,25 +108,14 @@ def _catalog_problems(app: dict, model_dir: str, where: str) -> list[str]:
 
 def deployments_of(args: dict) -> dict[str, type[BaseModel]]:
     """The app's deployments (by name) and what their user_config validates into."""
-    sections = sectioned(args) if isinstance(args, dict) else {}
+    sections = args if isinstance(args, dict) else {}
     engines = {DEPLOYMENTS[name]: LIVE[name] for name in DEPLOYMENTS if sections.get(name) is not None}
     return {"Ingress": IngressLimits, **engines}
 
 
-def flat_form_warnings(config) -> list[str]:
-    """One line for each app whose args are in the flat form of earlier releases, with its sectioned form."""
-    found = []
-    for i, app in enumerate(_list(config.get("applications")) if isinstance(config, dict) else []):
-        notice = deprecation(app.get("args")) if isinstance(app, dict) and app.get("import_path") == BUILDER else None
-        if notice:
-            found.append(f"applications[{i}].args: {notice}")
-    return found
-
-
 def _model_problems(args: AppArgs, where: str) -> list[str]:
     """The builder's checks (preflight.py), here on this machine."""
-    from genrec.errors import GenrecError
-    from genrec.serving.preflight import DeployRefused, check_cache, check_family, check_model_dir
+    from genrec.serving.preflight import DeployRefused, check_cache, check_family, check_model_dir  # as above
 
     checked = {}
     try:
@@ -220,13 +158,6 @@ def file_problems(path: Path, check_model: bool = False) -> list[str]:
         return problems(load(path), check_model)
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
         return [f"cannot read it ({type(err).__name__}: {err})"]
-
-
-def _flat_warnings(path: Path) -> list[str]:
-    try:
-        return flat_form_warnings(load(path))
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
-        return []  # file_problems says why it cannot be read
 
 
 def deploy(path: Path, address: str | None, check_model: bool) -> int:
@@ -285,8 +216,6 @@ def main(argv: list[str]) -> int:
         return 2
     failed = False
     for path in paths:
-        for warning in _flat_warnings(path):
-            print(f"warning: {path}: {warning}", file=sys.stderr)
         found = file_problems(path, check_model)
         for problem in found:
             print(f"error: {path}: {problem}", file=sys.stderr)

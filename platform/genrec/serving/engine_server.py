@@ -29,16 +29,19 @@ log = logging.getLogger(__name__)
 
 @serve.deployment(name="EngineServer", health_check_period_s=5, health_check_timeout_s=10)
 class EngineServer:
+    driver: AsyncEngine | None = None  # until __init__ builds it (Serve may call __del__ after a failed __init__)
+
     def __init__(
         self,
         model_dir: str,
         device: str,
         options: ReplicaOptions,
         limits: EngineLimits = EngineLimits(),
-        engine_factory: Callable[..., AsyncEngine] | None = None,
+        driver_factory: Callable[..., AsyncEngine] | None = None,
     ):
-        """`engine_factory(model_dir, device, options, limits)`: the replica's AsyncEngine (default: `load_engine`;
-        tests pass their own)."""
+        """`driver_factory(model_dir, device, options, limits)`: the replica's AsyncEngine (default: `load_driver`;
+        tests pass their own). The replica holds it as `driver` (submits, live limits, health, metrics) and the
+        Engine it drives as `engine` (the model, its catalog)."""
         # Before the model loads, so that torch's threads start on their cores.
         self.threads = apply_threads(
             options.torch_threads,
@@ -50,15 +53,16 @@ class EngineServer:
         started = time.perf_counter()
         # The builder's limits until reconfigure applies the config's (and if the config's are refused).
         self.limits, self.config_refused = limits, None
-        self.engine = (engine_factory or load_engine)(model_dir, device, options, limits)
+        self.driver = (driver_factory or load_driver)(model_dir, device, options, limits)
+        self.engine: Engine = self.driver.engine
         self.model_dir, self.device = model_dir, device
-        self.info = describe(self.engine.engine, model_dir, device)
-        self.catalog = self.engine.engine.catalog
+        self.info = describe(self.engine, model_dir, device)
+        self.catalog = self.engine.catalog
         self.catalog_refused = None  # why the last catalog the user_config named was refused
         # A retriever answers only once it serves the catalog its user_config declares (reconfigure, before its first
         # request): never the model's own catalog, loaded above, in its stead. See `_serve_catalog`.
         self.declared: str | None = None
-        self.refusing = self.info.family == "qwen3"
+        self.refusing = self.engine.live_catalog
         self._catalog_lock = asyncio.Lock()
         self._retry: asyncio.Task | None = None
         self.replica = _replica_id()
@@ -74,11 +78,11 @@ class EngineServer:
         not validate is refused and the running limits stay (see args.live_limits); `stats()` and a gauge say so.
         A catalog is loaded off this event loop (health checks and requests go on) and swapped in between
         requests; one that does not validate is refused, the running one stays, and /v1/model says why."""
-        live_model = RetrieverLive if self.info.family == "qwen3" else EngineLimits
+        live_model = RetrieverLive if self.engine.live_catalog else EngineLimits
         live, self.config_refused = live_limits(live_model, user_config, self.limits)
         if self.config_refused is None:
             limits = live.limits() if isinstance(live, RetrieverLive) else live
-            self.engine.reconfigure(**limits.model_dump())
+            self.driver.reconfigure(**limits.model_dump())
             self.limits = limits
             if isinstance(live, RetrieverLive):
                 await self._serve_catalog(live.catalog)
@@ -99,9 +103,9 @@ class EngineServer:
             try:
                 path = catalog_file(self.model_dir, catalog)
                 self.declared = str(path)
-                await asyncio.to_thread(self.engine.load_catalog, path)
+                await asyncio.to_thread(self.driver.load_catalog, path)
                 self.catalog_refused, self.refusing = None, False
-                log.info("genrec: serving catalog %s (%s)", path, self.engine.engine.catalog.version)
+                log.info("genrec: serving catalog %s (%s)", path, self.engine.catalog.version)
             except Exception as err:  # noqa: BLE001 - see above
                 self.catalog_refused = str(err) if isinstance(err, GenrecError) else f"{catalog}: {err!r}"
                 stays = "requests are refused" if self.refusing else "the running one stays"
@@ -120,8 +124,9 @@ class EngineServer:
 
     @property
     def catalog_status(self) -> str | None:
-        """A retriever's: declared, kept_running or refusing (schemas.CatalogStatus); a ranker's: None."""
-        if self.info.family != "qwen3":
+        """Where the catalog changes live (a retriever): declared, kept_running or refusing (schemas.CatalogStatus);
+        else None."""
+        if not self.engine.live_catalog:
             return None
         if self.refusing:
             return "refusing"
@@ -162,24 +167,24 @@ class EngineServer:
         """A two-stage recommend's given item IDs its `filters` allow (funnel.py): the attributes are in this
         replica's catalog. Host work, in a worker thread."""
         self._check_serving()
-        return await asyncio.to_thread(self.engine.engine.allowed_items, request), self.info.version
+        return await asyncio.to_thread(self.engine.allowed_items, request), self.info.version
 
     async def render_prompt(self, request, timeout_s: float, routing_key: str | None = None):
         """POST /v1/prompt: the request's prompt as this replica's engine runs it (text, token IDs); no compute,
         so not queued: rendered in a worker thread, this event loop also answers health checks."""
-        return await asyncio.to_thread(self.engine.render_prompt, request), self.info.version
+        return await asyncio.to_thread(self.driver.render_prompt, request), self.info.version
 
     def model_info(self, routing_key: str | None = None) -> ModelInfo:
         """The model, and the catalog this replica serves now (its levels and codes too; none while refusing)."""
-        served = describe(self.engine.engine, self.model_dir, self.device)  # its catalog fields: the served one's
+        served = describe(self.engine, self.model_dir, self.device)  # its catalog fields: the served one's
         return served.model_copy(update={"replica": self.replica, **self._catalog_state()})
 
     def _catalog_state(self) -> dict:
         """This replica's catalog versions, the last refused catalog and the declared one, and whether it serves it
         (what it reports to the app's board); a refusing replica serves no catalog version."""
         state = {"replica": self.replica, "catalog_refused": self.catalog_refused}
-        if self.info.family == "qwen3":
-            state |= self.engine.engine.catalog_state() | {"catalog_items": len(self.engine.engine.catalog)}
+        if self.engine.live_catalog:
+            state |= self.engine.catalog_state() | {"catalog_items": len(self.engine.catalog)}
             state |= {"catalog_declared": self.declared, "catalog_status": self.catalog_status}
             if self.refusing:
                 state |= {"catalog_version": None, "previous_catalog_version": None, "catalog_items": 0}
@@ -211,28 +216,27 @@ class EngineServer:
         random routing key reaches each replica of a user-routed deployment)."""
         return {
             "replica": self.replica,
-            "metrics": self.engine.metrics(),
+            "metrics": self.driver.metrics(),
             "limits": self.limits.model_dump(),
             "user_config_refused": self.config_refused,
             "threads": self.threads.as_dict(),
         }
 
     def check_health(self) -> None:
-        if not self.engine.healthy:
+        if not self.driver.healthy:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self):  # Serve calls this after draining the replica's ongoing requests
-        engine = getattr(self, "engine", None)
-        if engine is not None:
+        if self.driver is not None:
             self._stopped.set()
-            engine.shutdown(timeout_s=5.0, drain=True)
+            self.driver.shutdown(timeout_s=5.0, drain=True)
 
     async def _run(self, kind: str, request, timeout_s: float):
         started, status = time.perf_counter(), "error"
         try:
             self._check_serving()
             # Validation and tokenizing run in a worker thread: this event loop also answers health checks.
-            future = await asyncio.to_thread(self.engine.submit, request, timeout_s, kind)
+            future = await asyncio.to_thread(self.driver.submit, request, timeout_s, kind)
             result = await asyncio.wrap_future(future)  # cancelling this cancels the request in the engine
             status = "ok"
             return result, self.info.version
@@ -246,13 +250,13 @@ class EngineServer:
         ticks = 0
         while not self._stopped.wait(period_s):
             status = self.catalog_status
-            self.metrics.update(self.engine.metrics(), config_refused=self.config_refused is not None, catalog=status)
+            self.metrics.update(self.driver.metrics(), config_refused=self.config_refused is not None, catalog=status)
             if ticks % int(REPORT_EVERY_S / period_s) == 0:
                 self._report()
             ticks += 1
 
 
-def load_engine(model_dir: str, device: str, options: ReplicaOptions, limits: EngineLimits) -> AsyncEngine:
+def load_driver(model_dir: str, device: str, options: ReplicaOptions, limits: EngineLimits) -> AsyncEngine:
     """The replica's engine: the model directory loaded with the replica's options, driven by a background loop."""
     scheduler = options.scheduler_config(limits)
     return AsyncEngine(Engine.from_pretrained(model_dir, device=device, scheduler=scheduler, **options.engine_kwargs()))

@@ -98,7 +98,36 @@ def test_the_scheduler_splits_decode_rows_into_passes_a_capture_holds():
     jobs = [SimpleNamespace(cohort=SimpleNamespace(rows=n)) for n in (10, 20, 5, 40, 1)]
     groups = _passes(jobs, 32)
     assert [[j.cohort.rows for j in g] for g in groups] == [[10, 20], [5], [40], [1]]
+    jobs = [SimpleNamespace(cohort=SimpleNamespace(rows=n)) for n in (0, 32, 0)]  # a job of no rows first
+    assert [[j.cohort.rows for j in g] for g in _passes(jobs, 32)] == [[0, 32, 0]]
     assert _passes(jobs, None) == [jobs] and _passes([], 32) == []
+
+
+def test_every_decode_graph_writes_into_one_set_of_outputs(graphed):
+    """The [rows, vocab] outputs are held once for all buckets (the largest's), not once per captured graph."""
+    assert graphed.scheduler.idle
+    outputs = [batch.outputs for batch, _ in graphed.runner._captured.values()]
+    assert len(outputs) == 4 and {o[0].shape[0] for o in outputs} == {16, 32}
+    for logprobs, new_k, new_v in outputs:
+        assert logprobs.data_ptr() == outputs[0][0].data_ptr() and new_k.data_ptr() == outputs[0][1].data_ptr()
+        assert new_v.data_ptr() == outputs[0][2].data_ptr() and new_k.shape[1] == logprobs.shape[0]
+
+
+def test_a_failed_capture_leaves_no_scheduler_and_the_next_use_captures_again(tiny_dir):
+    config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
+    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=config)
+    engine.runner.graphs = True
+
+    def failing(forward, mempool):
+        raise RuntimeError("capture failed")
+
+    engine.runner.capture_pass = failing
+    with pytest.raises(RuntimeError, match="capture failed"):
+        _ = engine.scheduler
+    assert engine._scheduler is None
+    RecordedGraph.made = []
+    engine.runner.capture_pass = RecordedGraph
+    assert engine.scheduler.idle and len(RecordedGraph.made) > 4
 
 
 def test_a_catalog_load_and_a_filter_make_no_device_tensors_outside_the_engine_thread(engine):

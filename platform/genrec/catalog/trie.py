@@ -104,8 +104,12 @@ class CodeTrie:
         return self.token[level][edge], self.child[level][edge], valid
 
     def to(self, device) -> CodeTrie:
+        """The trie with its tensors on `device`: on CUDA copied asynchronously from pinned memory (the engine's
+        thread makes it at a catalog's first use: it must not wait for the device)."""
+        cuda = torch.device(device).type == "cuda"
+
         def move(ts):
-            return [t.to(device) if t is not None else None for t in ts]
+            return [None if t is None else (t.pin_memory() if cuda else t).to(device, non_blocking=cuda) for t in ts]
 
         return CodeTrie(
             move(self.ptr),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -66,6 +67,7 @@ class Engine:
         self.scheduler_config = scheduler or SchedulerConfig()
         self.clock = clock
         self._scheduler: Scheduler | None = None
+        self._making_scheduler = threading.Lock()
         self.driver = None  # the AsyncEngine stepping the scheduler, while one does
 
     @classmethod
@@ -146,16 +148,18 @@ class Engine:
 
     @property
     def scheduler(self) -> Scheduler:
-        """The engine's one scheduler (and its KV pool), made on first use."""
-        if self._scheduler is None:
-            self._scheduler = Scheduler(
-                self.family, self.runner, self.scheduler_config, self.clock, model_version=self.model_version
-            )
-            if self.runner.graphs:  # every decode bucket captured now, before any request (never on a live one)
-                seconds = self.runner.capture(
-                    self._scheduler.budget.pool, self.scheduler_config.prefill_tokens_per_step
+        """The engine's one scheduler (and its KV pool), made on first use, its passes captured before it is seen:
+        a capture that fails leaves no scheduler behind (the next use tries again), and no other thread can submit
+        to it while it captures."""
+        with self._making_scheduler:
+            if self._scheduler is None:
+                scheduler = Scheduler(
+                    self.family, self.runner, self.scheduler_config, self.clock, model_version=self.model_version
                 )
-                log.info("captured the decode passes' CUDA graphs in %.1f s", seconds)
+                if self.runner.graphs:  # every decode bucket captured now, before any request (never on a live one)
+                    seconds = self.runner.capture(scheduler.budget.pool, self.scheduler_config.prefill_tokens_per_step)
+                    log.info("captured the decode passes' CUDA graphs in %.1f s", seconds)
+                self._scheduler = scheduler
         return self._scheduler
 
     # -- the API ---------------------------------------------------------------------------------

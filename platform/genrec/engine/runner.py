@@ -13,6 +13,7 @@ passed down, never read from a global.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -90,21 +91,33 @@ class ModelRunner:
         before any request: a live pass never captures (one not captured here runs eagerly), so no capture ever
         overlaps other CUDA work. Returns the seconds it took."""
         started = time.perf_counter()
-        mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        with _on(self.device):
+            mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+            self._capture_decode(pool, mempool)
+            self.prefill_graphs = self.family.capture_prefill(self.capture_pass, mempool, prefill_tokens)
+        self.warmup_s = time.perf_counter() - started
+        return self.warmup_s
+
+    def _capture_decode(self, pool: KVPool, mempool) -> None:
+        """Every decode bucket, largest first. Each graph copies its outputs into one set of buffers sized by the
+        largest bucket (each pass reads its own rows of it), so the [rows, vocab] outputs are held once, not per
+        graph; what a graph makes inside goes back to the shared memory pool for the next capture to reuse."""
         bucket, buckets = self.graph_max_rows, []
         while self.family.levels and bucket >= bucket_of(1):
             buckets.append(bucket)
             bucket //= 2
+        outputs = None
         for bucket in buckets:
             for spans in (MAX_SPANS, 1):
                 batch = DecodeBatch(bucket, self.past, pool, spans, self.fast)
                 batch.fill([])  # all padding: rows without context, each seeing only its own token
-                graph = self.capture_pass(lambda batch=batch: self.decode_forward(batch), mempool)
-                batch.outputs = graph.outputs
+                if outputs is None:
+                    outputs = [torch.empty_like(t) for t in self.decode_forward(batch)]
+                batch.outputs = _rows_of(outputs, bucket)
+                graph = self.capture_pass(
+                    lambda batch=batch: _copy_into(batch.outputs, self.decode_forward(batch)), mempool
+                )
                 self._captured[(id(pool), bucket, spans)] = (batch, graph)
-        self.prefill_graphs = self.family.capture_prefill(self.capture_pass, mempool, prefill_tokens)
-        self.warmup_s = time.perf_counter() - started
-        return self.warmup_s
 
     @torch.inference_mode()
     def decode(self, cohorts: list[BeamCohort], bucketed: bool | None = None) -> None:
@@ -122,7 +135,7 @@ class ModelRunner:
         if captured is not None:
             batch, graph = captured
             batch.fill(cohorts)
-            graph.replay()
+            graph.replay()  # on the device it was captured on (a graph's replay guards it)
             logprobs, new_k, new_v = batch.outputs
         else:
             if bucketed and self.graphs:
@@ -154,20 +167,39 @@ class ModelRunner:
         self.family.rows_pass(jobs, budget)
 
 
+def _rows_of(outputs: list[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
+    """The first `rows` rows of a decode pass's outputs (logprobs [B, vocab]; new_k, new_v [layers, B, ...])."""
+    logprobs, new_k, new_v = outputs
+    return logprobs[:rows], new_k[:, :rows], new_v[:, :rows]
+
+
+def _copy_into(targets, values) -> None:
+    for target, value in zip(targets, values, strict=True):
+        target.copy_(value)
+
+
+def _on(device: torch.device):
+    """The engine's device made current, so that streams, graphs and their pool are made on it (an engine on
+    cuda:1 in a process whose current device is cuda:0 would otherwise capture nothing)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class _CudaGraph:
-    """A decode pass captured as a CUDA graph: `replay()` reruns it on whatever its input buffers hold now."""
+    """A pass captured as a CUDA graph: `replay()` reruns it on whatever its input buffers hold now. Made with the
+    engine's device current (`_on`)."""
 
     def __init__(self, forward, mempool):
         """`mempool`: shared by the engine's captured passes (captured largest first, replayed one at a time)."""
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # on the current device: the engine's
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             forward()  # warm-up outside the capture (lazy initialisations, autotuning)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA call cannot invalidate this capture (a second guard: captures run
-        # at engine start, before any request, and nothing outside the engine's thread issues device work).
-        with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
+        # at engine start, before any request, and nothing outside the engine's thread issues device work). The
+        # capture stream is our own: torch's default one is made once per process, on whichever device was first.
+        with torch.cuda.graph(self.graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
             self.outputs = forward()
 
     def replay(self) -> None:

@@ -363,9 +363,9 @@ def _passes(jobs: list[Job], max_rows: int | None) -> list[list[Job]]:
     """The jobs split into consecutive groups of at most max_rows rows (a job wider than that alone in its group)."""
     if max_rows is None:
         return [jobs] if jobs else []
-    passes, rows = [], max_rows
+    passes, rows = [], 0
     for job in jobs:
-        if rows + job.cohort.rows > max_rows:
+        if not passes or rows + job.cohort.rows > max_rows:
             passes.append([])
             rows = 0
         passes[-1].append(job)

@@ -22,6 +22,7 @@ import urllib.request
 
 from pydantic import ValidationError
 
+from genrec.errors import GenrecError
 from genrec.serving.args import DEPLOYMENTS, AppArgs, catalog_file
 
 DEPLOY_WAIT_S = 600.0  # an app of many GPU replicas can take minutes to start
@@ -147,8 +148,8 @@ def _declared_version(model_dir: str, catalog: str | None) -> str | None:
 
     try:
         return catalog_version(catalog_file(model_dir, catalog))
-    except (OSError, RuntimeError):  # missing here, unreadable, an unknown ~user
-        return None
+    except (OSError, RuntimeError, GenrecError):  # missing here, unreadable, an unknown ~user, renamed after writing
+        return None  # the replicas' own reports then say why they refuse it
 
 
 def _get_json(url: str, headers: dict | None = None) -> dict:

@@ -259,3 +259,26 @@ def test_a_replica_that_cannot_load_its_declared_catalog_at_start_refuses_until_
         assert (info.catalog_status, info.catalog_version) == ("kept_running", catalog_version(declared))
     finally:
         server._stopped.set()
+
+
+def test_a_ranker_that_scales_to_zero_is_never_answered_for_want_of_a_replica(monkeypatch):
+    """Idle at zero replicas, the ranker's request must reach Serve's handle (which starts one): the ingress's
+    fail-fast check lets it through; a ranker that keeps a replica, with none running, is answered at once."""
+    from types import SimpleNamespace
+
+    from genrec.serving import replicas
+    from genrec.serving.http_errors import EngineUnavailable
+    from genrec.serving.ingress import Ingress
+
+    base = {"model_dir": "m", "deployment": {"autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}}
+    scaling = AppArgs.model_validate({"retriever": {"model_dir": "r"}, "ranker": base})
+    assert scaling.ranker.scales_to_zero() and not scaling.retriever.scales_to_zero()
+    fixed = AppArgs.model_validate({"ranker": base | {"deployment": {"num_replicas": 1}}})
+    assert not fixed.ranker.scales_to_zero()
+
+    monkeypatch.setitem(replicas._LIVE, ("app", "RankerServer"), frozenset())  # the router knows none running
+    handle = SimpleNamespace(app_name="app", deployment_name="RankerServer")
+    check = Ingress.func_or_class._check_running
+    check(SimpleNamespace(handles={"ranker": handle}, idle_at_zero=frozenset({"ranker"})), "ranker")
+    with pytest.raises(EngineUnavailable, match="none is running"):
+        check(SimpleNamespace(handles={"ranker": handle}, idle_at_zero=frozenset()), "ranker")

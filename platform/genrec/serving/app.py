@@ -28,7 +28,9 @@ def application(args: AppArgs, ranker_facts: RankerFacts | None = None) -> Appli
     engines = {name: _engine(args, section, DEPLOYMENTS[name]) for name, section in args.engines().items()}
     ingress = args.ingress
     options = ingress.deployment_options(ingress.defaults()) | {"user_config": ingress.limits.model_dump()}
-    return Ingress.options(**options).bind(engines.get("retriever"), engines.get("ranker"), ingress, ranker_facts)
+    idle_at_zero = frozenset(name for name, section in args.engines().items() if section.scales_to_zero())
+    handles = engines.get("retriever"), engines.get("ranker")
+    return Ingress.options(**options).bind(*handles, ingress, ranker_facts, idle_at_zero)
 
 
 def _engine(args: AppArgs, section: EngineSection, name: str):

@@ -233,6 +233,12 @@ class EngineSection(ReplicaOptions, _Deployed):
             "backpressure_config": {"status_code": 503, "retry_after_s": retry_after_s},
         }
 
+    def scales_to_zero(self) -> bool:
+        """Whether the deployment may have no replica while idle (autoscaling min_replicas 0): a request must then
+        reach Serve's handle, which starts one, so none is answered for want of a running replica."""
+        options = self.deployment_options(self.defaults(1))
+        return "num_replicas" not in options and options.get("autoscaling_config", {}).get("min_replicas", 1) == 0
+
     def resources(self, retry_after_s: int = 1) -> tuple[float, float]:
         """CPUs and GPUs one replica reserves (a config file's `deployments` may still override them)."""
         actor = self.deployment_options(self.defaults(retry_after_s))["ray_actor_options"]

@@ -133,10 +133,19 @@ def build_api(ingress) -> FastAPI:
 @serve.deployment(name="Ingress", max_ongoing_requests=1024)
 @serve.ingress()
 class Ingress:
-    def __init__(self, retriever, ranker, settings: IngressSection, ranker_facts: RankerFacts | None = None):
+    def __init__(
+        self,
+        retriever,
+        ranker,
+        settings: IngressSection,
+        ranker_facts: RankerFacts | None = None,
+        idle_at_zero: frozenset[str] = frozenset(),
+    ):
         """`retriever`, `ranker`: handles of the app's engine deployments (None: the app has no such section);
-        `ranker_facts`: what a two-stage request is checked against (None: asked of the ranker on first use)."""
+        `ranker_facts`: what a two-stage request is checked against (None: asked of the ranker on first use);
+        `idle_at_zero`: the deployments that scale to zero replicas while idle (EngineSection.scales_to_zero)."""
         self.handles = {"retriever": retriever, "ranker": ranker}
+        self.idle_at_zero = idle_at_zero
         self.settings = settings
         self.retry_after_s = settings.retry_after_s
         self.metrics = IngressMetrics(funnel=retriever is not None and ranker is not None)
@@ -356,7 +365,10 @@ class Ingress:
     def _check_running(self, target: str) -> None:
         """EngineUnavailable when the target has no running replica, as this replica's router of it knows
         (replicas.live_replicas): a two-stage recommend answers degraded (ranker_unavailable) at once instead of
-        waiting on Serve's handle until its deadline for a replacement to start. Calls without a fallback wait."""
+        waiting on Serve's handle until its deadline for a replacement to start. Calls without a fallback wait, and
+        so does a call to a deployment that scales to zero: none running is its idle state, and the call starts one."""
+        if target in self.idle_at_zero:
+            return
         handle = self.handles[target]
         if live_replicas(handle.app_name, handle.deployment_name) == frozenset():
             raise EngineUnavailable(f"{NAMES[target][1]} is unavailable (none is running); retry")

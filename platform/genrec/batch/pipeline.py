@@ -86,13 +86,7 @@ def run(
     processed, first_shard_s = 0, None
     if pending:
         out.check_writable()
-        ray = ensure_ray()  # only now: bad input fails fast, and a finished run needs no cluster
-        try:
-            for _, run_on in plan:
-                check_gpus(ray, run_on.num_gpus, run_on.gpu_wait_s)
-        except GenrecError:
-            out.abandon_new_run()  # nothing ran: the rerun (e.g. with --num-gpus 0) is a new run
-            raise
+        _claim_cluster(plan, out)
         for report in _run_stages(pending, plan, run_id, worker):
             first_shard_s = first_shard_s or round(time.perf_counter() - start, 3)
             if report["skipped"]:  # committed meanwhile by a late worker of a killed run
@@ -121,6 +115,18 @@ def run(
         ranker_version=identity.get("ranker_version"),
         degraded_users=sum(c.degraded for c in counts.values()) if len(plan) > 1 else None,
     )
+
+
+def _claim_cluster(plan: list[tuple[Job, Execution]], out: OutputDir) -> None:
+    """Ray, only once there is work (bad input fails fast, and a finished run needs no cluster), with the GPUs
+    every stage asks for."""
+    ray = ensure_ray()
+    try:
+        for _, run_on in plan:
+            check_gpus(ray, run_on.num_gpus, run_on.gpu_wait_s)
+    except GenrecError:
+        out.abandon_new_run()  # nothing ran: the rerun (e.g. with --num-gpus 0) is a new run
+        raise
 
 
 def _run_stages(pending: list[Shard], plan: list[tuple[Job, Execution]], run_id: str, worker: type[ShardWorker]):

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from genrec.model.tiny import HSTUSpec, ModelSpec, write_hstu_dir, write_model_dir
+from genrec.testing.tiny import HSTUSpec, ModelSpec, write_hstu_dir, write_model_dir
 
 TINY = ModelSpec(items=300, levels=3, codebook=8, user_dim=6, seed=1)
 # The same model as Qwen2 (q/k/v biases, no q/k norm), with tied embeddings like Qwen2.5-0.5B to 3B.
@@ -172,7 +172,7 @@ def serve_url(ray_cluster):
 @pytest.fixture(scope="session")
 def openonerec(tmp_path_factory):
     """A tiny checkpoint in OpenOneRec's layout, as downloaded (no genrec/ files): a WrittenCheckpoint."""
-    from genrec.model.open_layouts import write_openonerec_dir
+    from genrec.testing.open_layouts import write_openonerec_dir
     from tests.open_checkpoints import OPEN_SPEC
 
     return write_openonerec_dir(tmp_path_factory.mktemp("openonerec") / "OneRec-tiny", OPEN_SPEC)
@@ -181,7 +181,7 @@ def openonerec(tmp_path_factory):
 @pytest.fixture(scope="session")
 def minionerec(tmp_path_factory):
     """A tiny checkpoint in MiniOneRec's layout, as downloaded (no genrec/ files): a WrittenCheckpoint."""
-    from genrec.model.open_layouts import write_minionerec_dir
+    from genrec.testing.open_layouts import write_minionerec_dir
     from tests.open_checkpoints import OPEN_SPEC
 
     return write_minionerec_dir(tmp_path_factory.mktemp("minionerec") / "MiniOneRec-tiny", OPEN_SPEC)

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from genrec.batch.jobs import Retrieve  # noqa: E402
 from genrec.batch.worker import ShardWorker  # noqa: E402
-from genrec.model.tiny import ModelSpec, write_model_dir  # noqa: E402
+from genrec.testing.tiny import ModelSpec, write_model_dir  # noqa: E402
 
 TINY = ModelSpec(items=300, levels=3, codebook=8, user_dim=6, seed=1)
 USERS, BATCH = 24, 2  # 12 shards

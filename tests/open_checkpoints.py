@@ -5,7 +5,7 @@ import shutil
 
 import torch
 
-from genrec.model.open_layouts import OpenLayoutSpec
+from genrec.testing.open_layouts import OpenLayoutSpec
 
 OPEN_SPEC = OpenLayoutSpec(items=120, codebook=16, shared=12, seed=3)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from genrec.model.tiny import HSTUSpec, write_hstu_dir
+from genrec.testing.tiny import HSTUSpec, write_hstu_dir
 
 SPEC = HSTUSpec(items=60, hidden=16, layers=1, heads=2, head_dim=8, max_positions=32, actions=3, time_buckets=4)
 EVENT = pa.struct([("item_id", pa.string()), ("action", pa.int32()), ("timestamp", pa.float64())])

@@ -13,7 +13,7 @@ import pytest
 
 from genrec.batch.semantic_ids import build_semantic_ids, fixed_size_block
 from genrec.catalog import Catalog
-from genrec.catalog.build_ids import build_catalog
+from genrec.catalog_tools.build_ids import build_catalog
 from genrec.model.sid_layout import SidLayout
 from genrec.model.tokenizer import load_tokenizer
 from tests import rank_inputs

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from genrec.catalog import Catalog
-from genrec.catalog.build_ids import balanced_assign, build_catalog, residual_codes
+from genrec.catalog_tools.build_ids import balanced_assign, build_catalog, residual_codes
 from genrec.cli import app
 from genrec.errors import GenrecError
 from genrec.model.sid_layout import SidLayout

@@ -8,12 +8,12 @@ import torch
 from typer.testing import CliRunner
 
 from genrec.catalog import Catalog, CodeTrie
-from genrec.catalog.build_ids import residual_codes
-from genrec.catalog.reference import allowed_tokens_fn
+from genrec.catalog_tools.build_ids import residual_codes
 from genrec.cli import app
 from genrec.errors import CatalogError
 from genrec.model.sid_layout import SidLayout
 from genrec.model.tokenizer import load_tokenizer
+from genrec.testing.reference import allowed_tokens_fn
 
 
 def test_trie_children_equal_plain_prefix_sets():

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 from genrec.api import RetrieveRequest
 from genrec.catalog import Catalog
-from genrec.catalog.build_ids import codes_and_codebooks
-from genrec.catalog.changes import add_items, new_codes, read_item_list, retire_items
-from genrec.catalog.codebooks import Codebooks
+from genrec.catalog_tools.build_ids import codes_and_codebooks
+from genrec.catalog_tools.changes import add_items, new_codes, read_item_list, retire_items
+from genrec.catalog_tools.codebooks import Codebooks
 from genrec.cli import app
 from genrec.errors import CatalogError, GenrecError
 from genrec.model.directory import ModelDir

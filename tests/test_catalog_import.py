@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from genrec.catalog.importers import detect_format, import_catalog, write_layout_preset
+from genrec.catalog_tools.importers import detect_format, import_catalog, write_layout_preset
 from genrec.errors import CatalogError, ModelDirectoryError
-from genrec.model.open_layouts import write_sidgr_jsonl
+from genrec.testing.open_layouts import write_sidgr_jsonl
 from tests.open_checkpoints import fresh_copy
 from tests.test_cli_errors import run_main
 

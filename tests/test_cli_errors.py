@@ -154,7 +154,7 @@ def test_import_of_deeply_nested_json_is_one_line(own_model, tmp_path, monkeypat
 
 
 def test_import_refuses_to_replace_a_trained_catalog_in_one_line(own_model, monkeypatch, capsys):
-    from genrec.catalog.codebooks import Codebooks
+    from genrec.catalog_tools.codebooks import Codebooks
 
     codebooks = Codebooks(1.0, (torch.zeros(8, 3), torch.zeros(8, 3)), 8)  # TINY: 3 levels of 8 codes
     codebooks.save(own_model / "genrec" / "codebooks.safetensors")

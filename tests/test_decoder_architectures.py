@@ -18,7 +18,7 @@ from genrec.engine import Engine
 from genrec.errors import ModelDirectoryError
 from genrec.model import ContextKV, ModelDir, Qwen3Config
 from genrec.model.qwen3 import checkpoint_layout, meta_qwen3
-from genrec.model.tiny import ModelSpec, write_model_dir
+from genrec.testing.tiny import ModelSpec, write_model_dir
 
 # The keys a Qwen2.5-0.5B config.json carries, with its shapes (head_dim left out: hidden / heads).
 QWEN25_SHAPED = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from genrec.catalog import Catalog
-from genrec.catalog.codebooks import Codebooks
+from genrec.catalog_tools.codebooks import Codebooks
 from genrec.files import write_atomically
 from genrec.model.soft_token import SoftTokenProjector
 
@@ -47,7 +47,7 @@ def test_files_and_folders_get_the_modes_the_umask_gives(tmp_path, umask_027):
 
 
 def test_a_catalog_version_written_by_the_cli_has_the_umask_modes(tiny_dir, tmp_path, umask_027):
-    from genrec.catalog.changes import retire_items
+    from genrec.catalog_tools.changes import retire_items
 
     out = tmp_path / "versions" / "v2.parquet"
     change = retire_items(tiny_dir, ["item-000003"], out)

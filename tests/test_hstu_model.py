@@ -17,7 +17,7 @@ from genrec.model.directory import ModelDir
 from genrec.model.hstu import HSTU, HistoryRows, HistorySegment
 from genrec.model.hstu_config import HSTUConfig
 from genrec.model.kv_pool import KVPool
-from genrec.model.tiny import HSTUSpec, random_hstu, write_hstu_dir
+from genrec.testing.tiny import HSTUSpec, random_hstu, write_hstu_dir
 from tests.hstu_reference import ranking_mask, reference_rank
 
 TOL = 1e-5  # float32 model vs float64 reference

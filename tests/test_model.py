@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from genrec.attention import ContextGroup, ContextRows
 from genrec.model import ContextKV, ModelDir
-from genrec.model.tiny import ModelSpec, write_model_dir
+from genrec.testing.tiny import ModelSpec, write_model_dir
 
 TOL = 1e-4
 

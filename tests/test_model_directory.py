@@ -18,8 +18,8 @@ from genrec.engine import Engine
 from genrec.errors import CatalogError, ModelDirectoryError
 from genrec.model.directory import model_version
 from genrec.model.sid_layout import SidLayout
-from genrec.model.tiny import ModelSpec, write_model_dir
 from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN
+from genrec.testing.tiny import ModelSpec, write_model_dir
 
 
 def test_layout_is_a_plain_hf_directory_plus_genrec_subfolder(tiny_dir):

@@ -21,11 +21,11 @@ from genrec.errors import ModelDirectoryError
 from genrec.model.directory import ModelDir
 from genrec.model.hstu import load_hstu
 from genrec.model.qwen3 import load_qwen3
-from genrec.model.tiny import ModelSpec, write_model_dir
 from genrec.serving import check
 from genrec.serving.app import build_app
 from genrec.serving.args import AppArgs
 from genrec.serving.preflight import DeployRefused
+from genrec.testing.tiny import ModelSpec, write_model_dir
 from tests import rank_inputs
 
 REPO = Path(__file__).resolve().parents[1]

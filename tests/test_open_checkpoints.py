@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
-from genrec.catalog.importers import import_catalog, write_layout_preset
+from genrec.catalog_tools.importers import import_catalog, write_layout_preset
 from genrec.engine import Engine, SchedulerConfig
-from genrec.model.open_layouts import alpaca_prompt, openonerec_messages, openonerec_prompt
+from genrec.testing.open_layouts import alpaca_prompt, openonerec_messages, openonerec_prompt
 from tests.open_checkpoints import fresh_copy, hf_constrained_beams, hf_sequence_logprobs
 
 TOL = 1e-4

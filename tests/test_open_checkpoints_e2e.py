@@ -10,10 +10,10 @@ import pytest
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.batch import Execution, RecommendSpec, run
-from genrec.catalog.importers import import_catalog
+from genrec.catalog_tools.importers import import_catalog
 from genrec.engine import Engine, SchedulerConfig
 from genrec.model.directory import model_version
-from genrec.model.open_layouts import openonerec_messages, openonerec_prompt
+from genrec.testing.open_layouts import openonerec_messages, openonerec_prompt
 from tests.open_checkpoints import fresh_copy
 from tests.serve_apps import delete, deploy
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genrec.model.open_layouts import SID_BEGIN, SID_END, alpaca_prompt, openonerec_prompt
+from genrec.testing.open_layouts import SID_BEGIN, SID_END, alpaca_prompt, openonerec_prompt
 from tests.open_checkpoints import OPEN_SPEC
 
 
@@ -86,7 +86,7 @@ def test_minionerec_is_qwen2_with_qkv_biases_and_no_qk_norm(minionerec):
 
 @pytest.mark.parametrize("which", ["openonerec", "minionerec"])
 def test_written_checkpoints_are_deterministic(which, tmp_path, request):
-    from genrec.model import open_layouts
+    from genrec.testing import open_layouts
 
     written = request.getfixturevalue(which)
     again = getattr(open_layouts, f"write_{which}_dir")(tmp_path / "again", OPEN_SPEC)

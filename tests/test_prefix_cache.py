@@ -266,7 +266,7 @@ def test_the_rankers_piece_cost_follows_the_device(engine):
     as always), and on CUDA more than a 2,000-event history's whole prefill (an H200 recomputed it faster than it
     read it in pieces); a long history pays there too. A decoder's pieces cost nothing (its calls are fixed)."""
     from genrec.engine.pass_cost import PassCost
-    from genrec.model.tiny import hstu_preset
+    from genrec.testing.tiny import hstu_preset
 
     config = hstu_preset("tiny").config()
     cpu, cuda = PassCost.hstu(config, "cpu"), PassCost.hstu(config, "cuda")

@@ -396,7 +396,7 @@ def test_a_chat_on_openonerecs_layout_opens_the_code_after_the_think_block(tmp_p
     """OpenOneRec prompts with the Qwen3 template, thinking off, then `<|sid_begin|>`: the engine appends the begin
     token after the rendered chat (the prompt does not end with it), as it does after the same text; token IDs that
     already end with it are taken as they are. All three answer alike."""
-    from genrec.model.tiny import ModelSpec
+    from genrec.testing.tiny import ModelSpec
     from tests.sid_tokenizers import openonerec_tokenizer
 
     spec = ModelSpec(items=40, levels=3, codebook=4, seed=3, user_dim=0, hidden=32, layers=2, heads=2, kv_heads=1)

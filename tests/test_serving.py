@@ -15,7 +15,7 @@ import pytest
 
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
 from genrec.model.directory import model_version
-from genrec.model.tiny import write_model_dir
+from genrec.testing.tiny import write_model_dir
 from tests.conftest import API_TOKEN_ENV, TINY
 from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names, wait_for
 

@@ -9,11 +9,11 @@ import pytest
 from pydantic import ValidationError
 
 from genrec.errors import ModelDirectoryError
-from genrec.model.tiny import write_hstu_dir
 from genrec.serving import preflight
 from genrec.serving.app import build_app
 from genrec.serving.args import AppArgs, EngineSection
 from genrec.serving.preflight import DeployRefused, check_model_dir, engine_nodes
+from genrec.testing.tiny import write_hstu_dir
 from tests.conftest import TINY
 from tests.test_serving_families import SPEC
 

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from genrec.catalog import Catalog
-from genrec.catalog.build_ids import catalog_and_codebooks
 from genrec.catalog.catalog import parquet_bytes
-from genrec.catalog.codebooks import Codebooks
+from genrec.catalog_tools.build_ids import catalog_and_codebooks
+from genrec.catalog_tools.codebooks import Codebooks
 from genrec.errors import GenrecError
 from genrec.files import write_atomically
 from genrec.model.directory import ModelDir

@@ -38,14 +38,14 @@ def tiny_model(
     force: bool = typer.Option(False, "--force", help="replace a model directory already at OUT_DIR"),
 ):
     """Write a complete model directory with random weights of the real architecture (Qwen3 or Qwen2, or HSTU)."""
-    from genrec.model.tiny import ModelSpec, make_room, write_model_dir
+    from genrec.testing.tiny import ModelSpec, make_room, write_model_dir
 
     if family not in ("qwen3", "hstu"):
         raise typer.BadParameter("--family must be qwen3 or hstu")
     if family == "hstu" and architecture != "qwen3":
         raise typer.BadParameter("--architecture is the qwen3 family's decoder; an HSTU model has none")
     if family == "hstu":
-        from genrec.model.tiny import HSTUSpec, write_hstu_dir
+        from genrec.testing.tiny import HSTUSpec, write_hstu_dir
 
         make_room(out_dir, force)
         hstu = HSTUSpec(items=items, hidden=hidden, layers=layers, heads=heads, head_dim=head_dim, seed=seed)
@@ -79,8 +79,8 @@ def build_ids(
 ):
     """Semantic IDs by residual k-means per level plus a last, disambiguating level; the codebooks that code a new
     item later (`genrec catalog add`) are written beside the catalog, as codebooks.safetensors."""
-    from genrec.catalog.build_ids import build_catalog_and_codebooks
-    from genrec.catalog.codebooks import Codebooks
+    from genrec.catalog_tools.build_ids import build_catalog_and_codebooks
+    from genrec.catalog_tools.codebooks import Codebooks
     from genrec.model.directory import ModelDir
 
     directory = ModelDir.open(model, family="qwen3")
@@ -128,7 +128,7 @@ def catalog_import(
     in_place: bool = typer.Option(False, "--in-place", help="replace MODEL_DIR/genrec/catalog.parquet (or --out's)"),
     force: bool = typer.Option(False, "--force", help="replace a trained catalog, deleting its codebooks"),
 ):
-    from genrec.catalog.importers import import_catalog
+    from genrec.catalog_tools.importers import import_catalog
 
     summary = import_catalog(model_dir, source, fmt, out, layout_preset=layout, in_place=in_place, force=force)
     if summary.warning:
@@ -144,7 +144,7 @@ def catalog_add(
     catalog: Path = typer.Option(None, help=BASE_HELP),
     in_place: bool = typer.Option(False, "--in-place", help=IN_PLACE_HELP),
 ):
-    from genrec.catalog.changes import add_items
+    from genrec.catalog_tools.changes import add_items
 
     typer.echo(json.dumps(add_items(model_dir, items, out, catalog, in_place).as_dict()))
 
@@ -158,7 +158,7 @@ def catalog_retire(
     catalog: Path = typer.Option(None, help=BASE_HELP),
     in_place: bool = typer.Option(False, "--in-place", help=IN_PLACE_HELP),
 ):
-    from genrec.catalog.changes import read_item_list, retire_items
+    from genrec.catalog_tools.changes import read_item_list, retire_items
 
     retired = retire_items(model_dir, read_item_list(items, items_file), out, catalog, in_place)
     typer.echo(json.dumps(retired.as_dict()))

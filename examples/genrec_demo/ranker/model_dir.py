@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from genrec.model.directory import GENREC_SUBDIR
-from genrec.model.tiny import write_catalog
+from genrec.testing.tiny import write_catalog
 from genrec_demo.data import MovieLens
 from genrec_demo.factors import Factors
 from genrec_demo.ranker.config import RankerConfig

@@ -15,8 +15,8 @@ from genrec.errors import GenrecError
 
 def build_semantic_ids(embeddings: str, model: str, out: str | None = None, iters: int = 20, seed: int = 0) -> dict:
     from genrec.batch.spec import model_dir
-    from genrec.catalog.build_ids import catalog_and_codebooks
-    from genrec.catalog.codebooks import Codebooks
+    from genrec.catalog_tools.build_ids import catalog_and_codebooks
+    from genrec.catalog_tools.codebooks import Codebooks
 
     directory = model_dir(model, "qwen3")  # a bad model directory fails before any reading
     layout = directory.load_sid_layout()

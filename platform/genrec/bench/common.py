@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from genrec.errors import GenrecError
-from genrec.model.tiny import preset, write_model_dir
+from genrec.testing.tiny import preset, write_model_dir
 
 
 def presets_root() -> Path:

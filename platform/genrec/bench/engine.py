@@ -36,10 +36,10 @@ from genrec.bench.common import (
     random_prompt,
     timed,
 )
-from genrec.catalog.reference import allowed_tokens_fn
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.scheduler import Scheduler
 from genrec.model import ContextKV
+from genrec.testing.reference import allowed_tokens_fn
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)
 
@@ -292,7 +292,7 @@ def rank(o: RankOptions) -> dict:
 
 
 def hstu_preset_dir(name: str) -> Path:
-    from genrec.model.tiny import hstu_preset, write_hstu_dir
+    from genrec.testing.tiny import hstu_preset, write_hstu_dir
 
     target = presets_root() / f"hstu-{name}"
     if not (target / "genrec" / "catalog.parquet").exists():

@@ -60,7 +60,7 @@ from genrec.attention import Spans, varlen_attention, varlen_reference
 from genrec.bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
 from genrec.bench.common import decoder, interleaved_medians, model_dir_for, random_prompt
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
-from genrec.model.tiny import ModelSpec, preset, write_model_dir
+from genrec.testing.tiny import ModelSpec, preset, write_model_dir
 
 # -- 1, 2: versions and kernels ----------------------------------------------------------------------------------
 

@@ -153,11 +153,11 @@ def funnel(o: FunnelOptions) -> dict:
 def _funnel_models(model: Path | None, ranker: Path | None, scratch: Path) -> tuple[Path, Path]:
     """The given directories, else tiny ones of the demo's shapes (hidden 64, 2 layers, random weights)."""
     if model is None:
-        from genrec.model.tiny import ModelSpec, write_model_dir
+        from genrec.testing.tiny import ModelSpec, write_model_dir
 
         model = write_model_dir(scratch / "qwen3", ModelSpec(hidden=64, layers=2))
     if ranker is None:
-        from genrec.model.tiny import HSTUSpec, write_hstu_dir
+        from genrec.testing.tiny import HSTUSpec, write_hstu_dir
 
         ranker = write_hstu_dir(scratch / "hstu", HSTUSpec(hidden=64, layers=2))
     return Path(model), Path(ranker)

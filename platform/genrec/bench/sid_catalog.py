@@ -19,7 +19,7 @@ from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.decoder import Decoder
 from genrec.model.directory import ModelDir
-from genrec.model.tiny import preset, write_model_dir
+from genrec.testing.tiny import preset, write_model_dir
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)  # every round repeats the prompts: no prefix reuse
 GOALS = {"trie_build_s": 30.0, "retrieve_large_over_small": 1.05}

@@ -6,6 +6,8 @@ the family's directory object (Qwen3Dir, HSTUDir), which knows its family, confi
 user-vector width, loads each part for the engine, and checks everything an engine replica would read without
 reading the weights (`check`: the deploy's preflight, the batch driver's), each tensor's shape and dtype in the
 weight files' headers against what the config implies included. Nothing else in genrec opens a model's files.
+Each loader imports its part when called (the tokenizer's transformers, the forward code, safetensors): `check`,
+run by light processes such as the deploy's preflight, never pays for them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import ClassVar
 
 import torch
 
+from genrec.catalog.catalog import Catalog
+from genrec.catalog.item_index import ItemIndex
 from genrec.errors import ModelDirectoryError
 from genrec.files import is_temporary
 from genrec.model.chat import PROMPT_FILE
@@ -158,7 +162,6 @@ class Qwen3Dir(ModelDir):
 
     def load_catalog(self, tokenizer=None, layout=None):
         """The item catalog, every code checked against the model's SID layout."""
-        from genrec.catalog.catalog import Catalog
 
         layout = layout if layout is not None else self.load_sid_layout(tokenizer)
         return Catalog.load(self.catalog_path, layout)
@@ -212,7 +215,6 @@ class HSTUDir(ModelDir):
         return HSTUConfig.from_dict(raw, self.path / "config.json")
 
     def load_catalog(self):
-        from genrec.catalog.item_index import ItemIndex
 
         return ItemIndex.load(self.catalog_path, self.config.num_items)
 

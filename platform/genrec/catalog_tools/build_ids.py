@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 
 from genrec.catalog.catalog import Catalog
-from genrec.catalog.codebooks import Codebooks
+from genrec.catalog_tools.codebooks import Codebooks
 from genrec.errors import GenrecError
 
 

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from genrec.files import write_atomically
-from genrec.model.tiny import decoder_config, random_weights
+from genrec.testing.tiny import decoder_config, random_weights
 
 SID_BEGIN, SID_END = "<|sid_begin|>", "<|sid_end|>"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -205,7 +205,7 @@ def _minionerec_index(spec: OpenLayoutSpec) -> dict[str, list[str]]:
 
 def _write_decoder(out: Path, spec: OpenLayoutSpec, vocab_size: int, eos_token_id: int, architecture: str) -> None:
     """config.json (the architecture's own keys, as transformers writes them) and peaked random weights under
-    transformers' names: genrec.model.tiny's, so a Qwen2 has its q/k/v biases and no q/k norm."""
+    transformers' names: genrec.testing.tiny's, so a Qwen2 has its q/k/v biases and no q/k norm."""
     config = decoder_config(spec, vocab_size, architecture, tie_word_embeddings=False)
     body = config.to_hf_dict()
     body.update(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)

@@ -12,7 +12,7 @@ Formats (`FORMATS`), told from the file unless forced:
 Every code is checked against the model's tokenizer and SID layout; an error names the file, the row (1-based) and
 the item. A code given with the layout's begin token in front or its ending after has them removed (the catalog
 holds codes without wrappers). A `popularity` column (Parquet) or key (JSONL, top level or in `metadata`) is kept.
-The catalog is written as a new version (genrec.catalog.changes.write_version: `catalog-<hash12>.parquet` beside
+The catalog is written as a new version (genrec.catalog_tools.changes.write_version: `catalog-<hash12>.parquet` beside
 the model's catalog, or `out`; the model's own `genrec/catalog.parquet` when it has none yet), atomically. Replacing
 a file needs `in_place`, and replacing a trained catalog (build-ids' codebooks beside it) `force` too, which deletes
 the codebooks: they describe the catalog build-ids wrote, not an imported one. An imported catalog is marked so in
@@ -31,8 +31,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from genrec.catalog.catalog import CATALOG_COLUMNS, PAD, Catalog, padded_rows
+from genrec.catalog_tools.changes import IMPORTED_KEY, write_version
+from genrec.catalog_tools.codebooks import Codebooks
 from genrec.errors import CatalogError, GenrecError, ModelDirectoryError
 from genrec.files import write_atomically
+from genrec.model.directory import ModelDir
+from genrec.model.sid_layout import LAYOUT_FILE, PRESETS, SidLayout
+from genrec.model.tokenizer import load_tokenizer
 
 FORMATS = ("pid2sid", "index-json", "jsonl", "genrec")
 
@@ -103,9 +108,6 @@ def import_catalog(
     layout, and write it as a catalog version (see the module's text: `out`, `in_place`, `force`).
     `layout_preset`: the layout to check against and, once the catalog is written, to record in
     `genrec/sid_layout.json` (`write_layout_preset`); a failed import changes neither file."""
-    from genrec.catalog.changes import IMPORTED_KEY, write_version
-    from genrec.catalog.codebooks import Codebooks
-    from genrec.model.directory import ModelDir
 
     model_dir, source = Path(model_dir), Path(source)
     if not source.is_file():
@@ -332,7 +334,6 @@ def _preset_body(preset: str) -> dict:
 
 def _preset_file(model_dir: Path, preset: str) -> Path:
     """Where the preset goes, refused when it is unknown or the directory's file already says something else."""
-    from genrec.model.sid_layout import LAYOUT_FILE, PRESETS
 
     if preset not in PRESETS:
         raise ModelDirectoryError(model_dir, f"layout preset {preset!r} is not one of {sorted(PRESETS)}")
@@ -347,8 +348,6 @@ def _preset_file(model_dir: Path, preset: str) -> Path:
 
 def _model_tokens(model_dir: Path, preset: str | None = None):
     """The model's tokenizer and SID layout, or `preset`'s (a ranker's directory has no codes to import)."""
-    from genrec.model.sid_layout import SidLayout
-    from genrec.model.tokenizer import load_tokenizer
 
     if not model_dir.is_dir():
         raise ModelDirectoryError(model_dir, "model directory does not exist")

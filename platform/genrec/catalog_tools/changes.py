@@ -23,11 +23,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from genrec.catalog.build_ids import _checked_matrix, _rank_within, read_item_embeddings
 from genrec.catalog.catalog import Catalog, _codes, bytes_version, named_hash, parquet_bytes, versioned_name
-from genrec.catalog.codebooks import Codebooks
+from genrec.catalog_tools.build_ids import _checked_matrix, _rank_within, read_item_embeddings
+from genrec.catalog_tools.codebooks import Codebooks
 from genrec.errors import CatalogError, GenrecError
 from genrec.files import write_atomically
+from genrec.model.directory import ModelDir
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,6 @@ def _first_free_last(codes: np.ndarray, prefixes: np.ndarray, layout, item_ids, 
 
 def _open(model_dir, base=None):
     """The model directory, its SID layout, the catalog to change (`base`, default the model's) and its path."""
-    from genrec.model.directory import ModelDir
 
     directory = ModelDir.open(model_dir, family="qwen3")
     layout = directory.load_sid_layout()

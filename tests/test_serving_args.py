@@ -20,7 +20,7 @@ OPTIONS = {
     "kv_budget_bytes": 1 << 20,
     "prefix_cache_bytes": 0,
     "host_cache_bytes": 1 << 16,
-    "torch_threads": 1,
+    "threads": 1,
 }
 
 
@@ -59,7 +59,7 @@ def test_defaults_are_the_engines():
         ("score_max_tokens", 0),
         ("max_candidates", 0),
         ("dtype", "float64"),
-        ("torch_threads", 0),
+        ("threads", 0),
         ("cuda_fast", "sometimes"),
         ("kv_budget", 1),
     ],

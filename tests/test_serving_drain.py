@@ -91,7 +91,7 @@ LATE_S = 3.0  # past its deadline, what an answer may take on a loaded 2-core ma
 
 def funnel_args(tiny_dir, hstu_dir, max_candidates: int, ranker_cpus: float, retry_after_s: int = 1) -> dict:
     return {
-        "retriever": {"model_dir": str(tiny_dir), "torch_threads": 1},
+        "retriever": {"model_dir": str(tiny_dir), "threads": 1},
         "ranker": {
             "model_dir": str(hstu_dir),
             "max_candidates": max_candidates,

@@ -218,7 +218,7 @@ def funnel_args(tiny_dir, hstu_dir):
     ranker = {"model_dir": str(hstu_dir), "max_candidates": RANKER_LIMIT, **TWO}
     ranker["deployment"] = ranker["deployment"] | {"ray_actor_options": {"num_cpus": 0.15}}
     return {
-        "retriever": {"model_dir": str(tiny_dir), "torch_threads": 1, **TWO},
+        "retriever": {"model_dir": str(tiny_dir), "threads": 1, **TWO},
         "ranker": ranker,
         "ingress": {"limits": {"request_timeout_s": 20}},
     }
@@ -231,7 +231,7 @@ def urls(serve_url, tiny_dir, funnel_args):
     plain = {
         "retriever": {
             "model_dir": str(tiny_dir),
-            "torch_threads": 1,
+            "threads": 1,
             "deployment": {"ray_actor_options": {"num_cpus": 0.1}},
         }
     }
@@ -508,7 +508,7 @@ def frail_args(tiny_dir, hstu_dir, ranker_gone: bool, on_failure: str = "degrade
         ranker["deployment"] = {"ray_actor_options": {"num_cpus": 64}}
     ingress = {"limits": {"request_timeout_s": FRAIL_DEADLINE_S}, "funnel_reserve_s": 1.0}
     return {
-        "retriever": {"model_dir": str(tiny_dir), "torch_threads": 1},
+        "retriever": {"model_dir": str(tiny_dir), "threads": 1},
         "ranker": ranker,
         "ingress": ingress | {"funnel_on_ranker_failure": on_failure},
     }

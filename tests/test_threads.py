@@ -117,10 +117,8 @@ def test_more_pinned_threads_than_available_cores_are_refused(restored):
 
 
 def test_replica_options_take_the_binding_next_to_the_threads():
-    options = AppArgs(
-        retriever={"model_dir": "/m", "torch_threads": 2, "pin_threads": True}
-    ).retriever.replica_options()
-    assert (options.torch_threads, options.pin_threads) == (2, True)
+    options = AppArgs(retriever={"model_dir": "/m", "threads": 2, "pin_threads": True}).retriever.replica_options()
+    assert (options.threads, options.pin_threads) == (2, True)
     assert ReplicaOptions().pin_threads is False  # unchanged by default
     assert "pin_threads" not in options.engine_kwargs()  # not an Engine option
 
@@ -128,9 +126,10 @@ def test_replica_options_take_the_binding_next_to_the_threads():
 @pytest.mark.parametrize(
     ("fields", "fragment"),
     [
-        ({"pin_threads": True}, "pin_threads needs torch_threads"),
-        ({"torch_threads": 0}, "torch_threads"),
-        ({"torch_threads": 2, "pin_threads": "sometimes"}, "pin_threads"),
+        ({"pin_threads": True}, "pin_threads\n.*needs threads"),
+        ({"threads": 0}, "threads"),
+        ({"threads": True}, "threads"),
+        ({"threads": 2, "pin_threads": "sometimes"}, "pin_threads"),
     ],
 )
 def test_bad_replica_thread_options_are_refused_at_deploy_by_name(fields, fragment):
@@ -149,13 +148,11 @@ def test_the_engine_replica_applies_its_thread_options_before_loading(monkeypatc
         calls.append((threads, pin, names["threads_name"], names["pin_name"]))
         raise _Stop  # before the model loads: what was asked is all this test needs
 
-    monkeypatch.setattr(engine_server, "apply_threads", recording)
-    options = AppArgs(
-        retriever={"model_dir": "/m", "torch_threads": 3, "pin_threads": True}
-    ).retriever.replica_options()
+    monkeypatch.setattr(thread_settings, "apply_threads", recording)
+    options = AppArgs(retriever={"model_dir": "/m", "threads": 3, "pin_threads": True}).retriever.replica_options()
     with pytest.raises(_Stop):
         engine_server.EngineServer.func_or_class("/m", "cpu", options)
-    assert calls == [(3, True, "torch_threads", "pin_threads")]
+    assert calls == [(3, True, "threads", "pin_threads")]
 
 
 # The batch job's
@@ -176,7 +173,7 @@ def test_pinning_without_threads_is_one_line_naming_the_flags(capsys):
     with pytest.raises(SystemExit) as exited:
         run_job(lambda: _execution("--pin-threads") and 0)
     err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.count("\n") == 1 and "--pin-threads needs --threads" in err, err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "--pin-threads: needs threads" in err, err
 
 
 def test_the_batch_actor_applies_its_thread_options_before_loading(monkeypatch):

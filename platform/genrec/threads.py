@@ -4,8 +4,8 @@ Without a setting an engine under Ray runs as many threads as its CPU reservatio
 Binding is for cores a process has to itself: on a contended machine a thread bound to a busy core cannot move
 to an idle moment of another (`genrec bench threads`, 2 cores: at a load of 3 one bound thread took 1.5x as long
 as unbound, at a load of 4 it was level; the thread count mattered more than binding). The Serve engine
-replica (`torch_threads`, `pin_threads`), the batch job's actors (`--threads`, `--pin-threads`) and `genrec bench
-load` (`--threads`, `--pin`) all apply their settings here, before the engine is loaded.
+replica (`threads`, `pin_threads`) and the batch job's actors (`--threads`, `--pin-threads`) declare them as one type,
+`ThreadSettings`; they and `genrec bench load` (`--threads`, `--pin`) apply them here, before the engine is loaded.
 
 The cores are chosen among those the process may run on (`os.sched_getaffinity`: what Ray, a container or
 `taskset` left it; Ray itself reserves CPUs by count, not by core). Processes on one node start at different
@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+
+from pydantic import BaseModel, Field, field_validator
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,28 @@ class Applied:
 
     def as_dict(self) -> dict:
         return {"threads": self.threads, "pinned_cores": list(self.cores) if self.cores is not None else None}
+
+
+class ThreadSettings(BaseModel):
+    """An engine process's CPU threads, as a Serve engine replica's config and a batch job's flags state them."""
+
+    threads: int | None = Field(
+        None, ge=1, strict=True, description="torch intra-op threads (default: torch's; under Ray, one per CPU)"
+    )
+    pin_threads: bool = Field(
+        False, strict=True, description="bind the threads to `threads` cores of the node (genrec.threads; Linux)"
+    )
+
+    @field_validator("pin_threads")
+    @classmethod
+    def _pinning_needs_a_count(cls, pin: bool, info) -> bool:
+        if pin and info.data.get("threads") is None:
+            raise ValueError("needs threads: the number of cores to bind the threads to")
+        return pin
+
+    def apply(self, slot: int | None = None, *, threads_name: str = "threads", pin_name: str = "pin_threads"):
+        """`apply_threads` with these settings (names: how the caller's user wrote them, for its errors)."""
+        return apply_threads(self.threads, self.pin_threads, slot=slot, threads_name=threads_name, pin_name=pin_name)
 
 
 def check_thread_settings(

@@ -19,6 +19,7 @@ from genrec.engine_options import EngineOptions
 from genrec.errors import GenrecError, ModelDirectoryError
 from genrec.model.directory import GENREC_SUBDIR, ModelDir
 from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
+from genrec.threads import ThreadSettings
 
 FORMAT = 4  # bump when the output layout or columns change (3: repeated user_ids refused; 4: catalog_version)
 FUNNEL_FORMAT = 5  # the funnel's own (4: the degraded columns; 5: catalog_version); the other jobs keep FORMAT
@@ -213,8 +214,9 @@ def run_id_of(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class Execution(BaseModel):
-    """How the run is spread over the cluster; changing it between a run and its rerun is fine."""
+class Execution(ThreadSettings):
+    """How the run is spread over the cluster, each actor's threads included (`--threads`, `--pin-threads`:
+    genrec.threads.ThreadSettings); changing it between a run and its rerun is fine."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -227,18 +229,9 @@ class Execution(BaseModel):
         "wait this long (0: refuse at once)",
     )
     cpus_per_actor: float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
-    threads: int | None = Field(None, ge=1, description="torch threads per actor (default: Ray's, 1 per CPU)")
-    pin_threads: bool = Field(False, description="bind each actor's threads to `threads` cores (Linux)")
     kv_budget_bytes: int | None = Field(None, ge=1, description="each actor's KV pool (default: by device)")
     max_error_fraction: float = Field(0.01, ge=0, le=1, description="exit 1 above this fraction of bad rows")
     progress: bool = Field(True, description="Ray Data progress bars")
-
-    @model_validator(mode="after")
-    def _pin_needs_threads(self):
-        from genrec.threads import check_thread_settings
-
-        check_thread_settings(self.threads, self.pin_threads, threads_name="--threads", pin_name="--pin-threads")
-        return self
 
 
 class RankingExecution(BaseModel):

@@ -40,12 +40,9 @@ class ShardWorker:
         """`hand_on`: hand the shards on to the next stage; `execution`: its threads and KV budget are the actor's;
         `catalog_version`: the one the driver found at the run's start (None: not checked)."""
         from genrec.engine import Engine, SchedulerConfig
-        from genrec.threads import apply_threads
 
         # Before the model loads, so that torch's threads start on their cores.
-        self.threads = apply_threads(
-            execution.threads, execution.pin_threads, threads_name="--threads", pin_name="--pin-threads"
-        )
+        self.threads = execution.apply(threads_name="--threads", pin_name="--pin-threads")
         self.job, self.run_id, self.hand_on, spec = job, run_id, hand_on, job.spec
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
         scheduler = SchedulerConfig(kv_budget_bytes=execution.kv_budget_bytes, prefix_cache_bytes=0)

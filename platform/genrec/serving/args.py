@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from genrec.cache.config import CacheConfig
 from genrec.engine_options import EngineOptions
+from genrec.threads import ThreadSettings
 
 if TYPE_CHECKING:
     from genrec.engine import SchedulerConfig
@@ -158,9 +159,9 @@ def catalog_file(model_dir: str, catalog: str | None) -> Path:
     return Path(model_dir) / Path(catalog).expanduser()  # an absolute `catalog` replaces model_dir
 
 
-class ReplicaOptions(EngineOptions):
+class ReplicaOptions(EngineOptions, ThreadSettings):
     """What an engine replica is built with: the Engine's options, its scheduler's sizes and its threads
-    (a change replaces the replicas)."""
+    (`threads`, `pin_threads`: genrec.threads.ThreadSettings); a change replaces the replicas."""
 
     kv_budget_bytes: int | None = Field(
         None, ge=1, description="the KV pool, allocated once (default: 4 GiB on the CPU, half the free GPU memory)"
@@ -174,19 +175,6 @@ class ReplicaOptions(EngineOptions):
     host_cache_bytes: int = Field(
         0, ge=0, description="host memory evicted prefixes spill to (CUDA; verified, opt-in: 0, off, by default)"
     )
-    torch_threads: int | None = Field(None, ge=1, description="intra-op threads of an engine replica")
-    pin_threads: bool = Field(
-        False, description="bind the replica's threads to torch_threads cores of its node (genrec.threads; Linux)"
-    )
-
-    @model_validator(mode="after")
-    def _pin_needs_threads(self):
-        from genrec.threads import check_thread_settings  # no torch import: the ingress validates these too
-
-        names = {"threads_name": "torch_threads", "pin_name": "pin_threads"}
-        check_thread_settings(self.torch_threads, self.pin_threads, **names)
-        return self
-
     def scheduler_config(self, limits: EngineLimits = EngineLimits()) -> SchedulerConfig:
         from genrec.engine import SchedulerConfig  # here: the ingress imports these arguments without torch
 

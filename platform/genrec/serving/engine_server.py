@@ -22,7 +22,6 @@ from genrec.serving.http_errors import CatalogNotServed
 from genrec.serving.metrics import EngineMetricsExporter, status_of
 from genrec.serving.replicas import REPORT_EVERY_S, board
 from genrec.serving.schemas import ModelInfo
-from genrec.threads import apply_threads
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +42,7 @@ class EngineServer:
         tests pass their own). The replica holds it as `driver` (submits, live limits, health, metrics) and the
         Engine it drives as `engine` (the model, its catalog)."""
         # Before the model loads, so that torch's threads start on their cores.
-        self.threads = apply_threads(
-            options.torch_threads,
-            options.pin_threads,
-            slot=_replica_slot(),
-            threads_name="torch_threads",
-            pin_name="pin_threads",
-        )
+        self.threads = options.apply(slot=_replica_slot())
         started = time.perf_counter()
         # The builder's limits until reconfigure applies the config's (and if the config's are refused).
         self.limits, self.config_refused = limits, None

@@ -416,3 +416,20 @@ def test_a_process_that_exits_while_the_loop_is_mid_step_exits_cleanly(tiny_dir)
     from tests.test_engine_robustness import run_isolated
 
     assert run_isolated("tests.test_async_engine:exit_mid_step", tiny_dir).strip() == "ok"  # no abort at exit
+
+
+def test_every_request_handed_to_the_engine_is_counted_once_by_how_it_ended(engine, rng):
+    """The one outcome count (genrec.engine.metrics): answered, refused at submit (invalid, full), and refused by
+    a caller before submitting (`refused`)."""
+    ae = AsyncEngine(Engine(engine.family, SchedulerConfig(max_queue=1)))
+    try:
+        ae.submit(RetrieveRequest(prompt_token_ids=random_prompt(engine, 8, rng))).result(timeout=60)
+        with pytest.raises(InvalidRequestError):
+            ae.submit(RetrieveRequest(prompt="user liked", beam_widths=[2]), kind="retrieve")
+        with pytest.raises(InvalidRequestError):
+            ae.submit(RetrieveRequest(prompt="user liked"), kind="score")
+        ae.refused("retrieve", EngineStopped("a caller's refusal"))
+        assert ae.metrics()["requests"] == {"retrieve:ok": 1, "retrieve:invalid": 1, "score:invalid": 1,
+                                            "retrieve:stopped": 1}  # fmt: skip
+    finally:
+        ae.shutdown()

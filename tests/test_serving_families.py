@@ -74,7 +74,8 @@ def test_a_request_of_the_other_family_is_refused_by_the_replica(ranker_server):
     queues anything."""
     with pytest.raises(InvalidRequestError, match="serves rank, not retrieve"):
         asyncio.run(ranker_server.retrieve(RetrieveRequest(prompt="user listened"), 10.0))
-    assert ranker_server.stats()["metrics"]["requests"].get("retrieve:invalid", 0) == 0  # never reached the engine
+    metrics = ranker_server.stats()["metrics"]
+    assert metrics["requests"]["retrieve:invalid"] == 1 and metrics["queue_depth"] == 0  # counted once, not queued
 
 
 def test_not_served_is_a_404_and_survives_pickling():

@@ -2,7 +2,9 @@
 increments (a counter only goes up), bytes held and entries gauges. No Ray cluster: the metric classes are fakes."""
 
 import asyncio
+import concurrent.futures
 
+from genrec.engine.metrics import OUTCOMES, outcome_of
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving import metrics
 from genrec.serving.http_errors import CatalogNotServed, NotServed
@@ -85,6 +87,7 @@ def test_the_step_in_flight_is_exported(monkeypatch):
         "batch_rows_per_step": {"p50": None},
         "prefill_tokens_per_step": {"p50": None},
         "step_in_flight_s": 42.5,
+        "requests": {},
     }
     exporter.update(snapshot)
     assert exporter.step_in_flight.value == 42.5
@@ -97,17 +100,30 @@ def test_the_engines_counters_start_at_zero(monkeypatch):
         monkeypatch.setattr(metrics, name, Recorded)
     exporter = metrics.EngineMetricsExporter(["retrieve", "score"])
     series = exporter.requests.series
-    expected = {(("kind", k), ("status", s)) for k in ("retrieve", "score") for s in metrics.REQUEST_STATUSES}
+    expected = {(("kind", k), ("status", s)) for k in ("retrieve", "score") for s in OUTCOMES}
     assert set(series) == expected and set(series.values()) == {0}
     assert all(c.series == {(): 0} for c in exporter.prefix_cache.counters.values())
-    exporter.finished("score", "timeout", 0.5)
+    exporter.export_outcomes({"score:timeout": 1})
     assert {key: n for key, n in series.items() if n} == {(("kind", "score"), ("status", "timeout")): 1}
 
 
-def test_every_way_an_engine_request_ends_has_its_status():
-    """The replica tags a failed request by status_of (engine_server._run); each status starts at 0 above."""
+def test_the_exported_outcomes_move_by_what_the_engines_count_moved(monkeypatch):
+    """The replica exports the engine's one outcome count: each export adds what moved since the last, once."""
+    monkeypatch.setattr(metrics, "Counter", Recorded)
+    exporter = metrics.EngineMetricsExporter()
+    series = exporter.requests.series
+    exporter.export_outcomes({"retrieve:ok": 3, "retrieve:invalid": 1})
+    exporter.export_outcomes({"retrieve:ok": 3, "retrieve:invalid": 1})  # nothing moved: nothing added
+    exporter.export_outcomes({"retrieve:ok": 5, "retrieve:invalid": 1, "score:overloaded": 2})
+    counted = {dict(key)["kind"] + ":" + dict(key)["status"]: n for key, n in series.items() if n}
+    assert counted == {"retrieve:ok": 5, "retrieve:invalid": 1, "score:overloaded": 2}
+
+
+def test_every_way_a_request_ends_has_its_outcome():
+    """A failed request is counted by outcome_of (the engine's, the replica's refusals); each starts at 0 above."""
     ends = {
         asyncio.CancelledError(): "cancelled",
+        concurrent.futures.CancelledError(): "cancelled",
         InvalidRequestError("beam_width", "too wide"): "invalid",
         NotServed("rank", "qwen3", ["retrieve"]): "invalid",
         Overloaded("engine queue is full"): "overloaded",
@@ -116,5 +132,5 @@ def test_every_way_an_engine_request_ends_has_its_status():
         CatalogNotServed("/m/catalog-1.parquet", "catalog file is missing"): "catalog_not_served",
         RuntimeError("a bug"): "error",
     }
-    assert [metrics.status_of(err) for err in ends] == list(ends.values())
-    assert set(ends.values()) | {"ok"} == set(metrics.REQUEST_STATUSES)
+    assert [outcome_of(err) for err in ends] == list(ends.values())
+    assert set(ends.values()) | {"ok"} == set(OUTCOMES)

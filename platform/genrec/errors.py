@@ -2,7 +2,10 @@
 
 
 class GenrecError(Exception):
-    """Base class of every deliberate genrec error."""
+    """Base class of every deliberate genrec error. `outcome`: how a request it ends is counted
+    (genrec.engine.metrics)."""
+
+    outcome = "error"
 
 
 class ModelDirectoryError(GenrecError):
@@ -24,6 +27,8 @@ class CatalogError(ModelDirectoryError):
 class InvalidRequestError(GenrecError, ValueError):
     """A request is well-formed but cannot be served (unknown item, prompt too long, ...)."""
 
+    outcome = "invalid"
+
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
         self.field = field
@@ -44,6 +49,8 @@ class StoreError(GenrecError):
 class Overloaded(GenrecError):
     """The engine's queue is full: retry later (HTTP 503 with Retry-After)."""
 
+    outcome = "overloaded"
+
     def __init__(self, message: str, retry_after_s: float = 1.0):
         super().__init__(message)
         self.retry_after_s = retry_after_s
@@ -52,6 +59,10 @@ class Overloaded(GenrecError):
 class RequestTimeout(GenrecError, TimeoutError):
     """A request did not finish within its deadline; its resources were freed."""
 
+    outcome = "timeout"
+
 
 class EngineStopped(GenrecError):
     """The engine was shut down: requests it held were failed (or drained) and new ones are refused."""
+
+    outcome = "stopped"

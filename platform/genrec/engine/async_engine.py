@@ -32,6 +32,8 @@ from genrec.api import (
     ScoreResult,
 )
 from genrec.engine.engine import Engine
+from genrec.engine.family import KINDS
+from genrec.engine.metrics import outcome_of
 from genrec.engine.scheduler import SchedulerConfig
 from genrec.errors import EngineStopped
 
@@ -98,17 +100,26 @@ class AsyncEngine:
 
     def submit(self, request, timeout_s: float | None = None, kind: str | None = None) -> Future:
         """Thread-safe, non-blocking: validate (as `kind` when given), queue, return a future of the request's kind
-        of result. Raises Overloaded when full and EngineStopped once the engine is shut down (or its loop is gone)."""
-        with self._lock:
-            if not self.healthy:
-                raise EngineStopped(self._unhealthy_reason())
-            prepared = self.engine.prepare(request, kind)
-            future = self.scheduler.submit(prepared, timeout_s)
-            with self._settled:
-                self._held.add(future)
-            future.add_done_callback(self._release)
+        of result. Raises Overloaded when full and EngineStopped once the engine is shut down (or its loop is gone);
+        a refusal is counted as the request's outcome (genrec.engine.metrics)."""
+        try:
+            with self._lock:
+                if not self.healthy:
+                    raise EngineStopped(self._unhealthy_reason())
+                prepared = self.engine.prepare(request, kind)
+                future = self.scheduler.submit(prepared, timeout_s)
+                with self._settled:
+                    self._held.add(future)
+                future.add_done_callback(self._release)
+        except Exception as err:
+            self.refused(kind or _kind_of(request), err)
+            raise
         self._wake.set()
         return future
+
+    def refused(self, kind: str, err: BaseException) -> None:
+        """Count a request that ended before the engine queued it (refused here, or by the caller)."""
+        self.scheduler.metrics.finished(kind, outcome_of(err))
 
     @property
     def healthy(self) -> bool:
@@ -187,3 +198,8 @@ class AsyncEngine:
                 self._wake.clear()
         # Stopped: free the KV of what was still running (its callers already have EngineStopped).
         self.scheduler.fail_all(EngineStopped("the engine shut down before this request finished"), status="stopped")
+
+
+def _kind_of(request) -> str:
+    """The kind a request is counted under when it was refused before its kind was checked."""
+    return next((kind for kind, cls in KINDS.items() if isinstance(request, cls)), "unknown")

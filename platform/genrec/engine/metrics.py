@@ -1,15 +1,33 @@
-"""Plain counters and histograms kept by the engine loop; the Serve layer exports them."""
+"""Plain counters and histograms kept by the engine loop; the Serve layer exports them.
+
+`EngineMetrics.requests` is the one count of how requests end: every request handed to the engine, by kind and
+outcome (`OUTCOMES`): the scheduler counts those it queued when they finish, `AsyncEngine.submit` those it refused,
+and a caller that refuses one before submitting it (a Serve replica not serving its catalog) counts it here too.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import concurrent.futures
 import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 
+from genrec.errors import GenrecError
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+# How a request ends; "error": anything not meant (a bug). catalog_not_served: a Serve replica's refusal.
+OUTCOMES = ("ok", "cancelled", "invalid", "overloaded", "timeout", "stopped", "catalog_not_served", "error")
+
+
+def outcome_of(err: BaseException) -> str:
+    """How a request that failed ends: the error's own outcome (genrec.errors), cancelled, or error."""
+    if isinstance(err, asyncio.CancelledError | concurrent.futures.CancelledError):
+        return "cancelled"
+    return err.outcome if isinstance(err, GenrecError) else "error"
 
 
 class Histogram:

@@ -175,6 +175,7 @@ class ReplicaOptions(EngineOptions, ThreadSettings):
     host_cache_bytes: int = Field(
         0, ge=0, description="host memory evicted prefixes spill to (CUDA; verified, opt-in: 0, off, by default)"
     )
+
     def scheduler_config(self, limits: EngineLimits = EngineLimits()) -> SchedulerConfig:
         from genrec.engine import SchedulerConfig  # here: the ingress imports these arguments without torch
 

@@ -19,7 +19,7 @@ from genrec.errors import GenrecError
 from genrec.serving.args import EngineLimits, ReplicaOptions, RetrieverLive, catalog_file, live_limits
 from genrec.serving.funnel import known_candidates
 from genrec.serving.http_errors import CatalogNotServed
-from genrec.serving.metrics import EngineMetricsExporter, status_of
+from genrec.serving.metrics import EngineMetricsExporter
 from genrec.serving.replicas import REPORT_EVERY_S, board
 from genrec.serving.schemas import ModelInfo
 
@@ -225,19 +225,19 @@ class EngineServer:
             self.driver.shutdown(timeout_s=5.0, drain=True)
 
     async def _run(self, kind: str, request, timeout_s: float):
-        started, status = time.perf_counter(), "error"
+        """The request's result; its outcome is counted by the engine (genrec.engine.metrics), its refusal here
+        too."""
+        started = time.perf_counter()
         try:
             self._check_serving()
-            # Validation and tokenizing run in a worker thread: this event loop also answers health checks.
-            future = await asyncio.to_thread(self.driver.submit, request, timeout_s, kind)
-            result = await asyncio.wrap_future(future)  # cancelling this cancels the request in the engine
-            status = "ok"
-            return result, self.info.version
-        except BaseException as err:  # CancelledError included
-            status = status_of(err)
+        except CatalogNotServed as err:
+            self.driver.refused(kind, err)
             raise
-        finally:
-            self.metrics.finished(kind, status, time.perf_counter() - started)
+        # Validation and tokenizing run in a worker thread: this event loop also answers health checks.
+        future = await asyncio.to_thread(self.driver.submit, request, timeout_s, kind)
+        result = await asyncio.wrap_future(future)  # cancelling this cancels the request in the engine
+        self.metrics.answered(kind, time.perf_counter() - started)
+        return result, self.info.version
 
     def _export_until_stopped(self, period_s: float = 1.0) -> None:
         ticks = 0

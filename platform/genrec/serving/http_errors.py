@@ -38,6 +38,8 @@ class UnknownUser(GenrecError):
 class NotServed(GenrecError):
     """A route of the other model family: this deployment's model does not answer that kind of request."""
 
+    outcome = "invalid"
+
     def __init__(self, kind: str, family: str, serves: list[str]):
         routes = ", ".join(f"/v1/{k}" for k in serves)
         super().__init__(f"this deployment serves a {family} model, which answers {routes}; not /v1/{kind}")
@@ -58,6 +60,8 @@ class EngineUnavailable(GenrecError):
 class CatalogNotServed(GenrecError):
     """A retriever replica that could not load the catalog its config declares (since its start) answers nothing
     rather than another catalog: retry shortly (the router sends requests to replicas that serve it first)."""
+
+    outcome = "catalog_not_served"
 
     def __init__(self, catalog: str | None, why: str):
         super().__init__(f"catalog not served: {catalog or 'the one its user_config declares'} ({why})")

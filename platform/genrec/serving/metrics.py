@@ -1,6 +1,7 @@
 """Metrics exported through `ray.serve.metrics` (Prometheus at each node's metrics export port).
 
-Engine, per request (kind, status): a counter and a latency histogram. Every second, the engine loop's state:
+Engine, per request: how it ended (kind, status: the engine's one outcome count, genrec.engine.metrics, exported
+each second) and, answered, its latency at the replica (kind). Every second, the engine loop's state:
 queue depth, running requests, KV bytes reserved, and recent rows and prefill tokens per step; and the prefix
 cache's: tokens reused and prompted, hits, evictions, spills (counters: Prometheus adds `_total`), bytes held
 and entries (gauges). Reuse rate = rate(..._tokens_reused_total) / rate(..._tokens_prompted_total). The engine's
@@ -21,34 +22,17 @@ vanished would read as a reset to Prometheus), and no API lets a replica remove 
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Iterable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from genrec.engine.metrics import LATENCY_BUCKETS
-from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
+from genrec.engine.metrics import LATENCY_BUCKETS, OUTCOMES
 from genrec.serving.funnel import REASONS
-from genrec.serving.http_errors import CatalogNotServed, NotServed
 
-# How an engine request that failed ends: the `status` tag of genrec_requests (the first type that matches).
-ERROR_STATUSES = (
-    (asyncio.CancelledError, "cancelled"),
-    ((InvalidRequestError, NotServed), "invalid"),
-    (Overloaded, "overloaded"),
-    (RequestTimeout, "timeout"),
-    (EngineStopped, "stopped"),
-    (CatalogNotServed, "catalog_not_served"),
-)
 # A retriever replica not serving the catalog its config declares (schemas.CatalogStatus): the states of the gauge.
 UNDECLARED = ("kept_running", "refusing")
-REQUEST_STATUSES = ("ok", *(status for _, status in ERROR_STATUSES), "error")
-
-
-def status_of(err: BaseException) -> str:
-    return next((status for types, status in ERROR_STATUSES if isinstance(err, types)), "error")
 
 
 def start_at_zero(counter: Counter, tag_sets: Iterable[dict[str, str]] = ({},)) -> None:
@@ -62,7 +46,8 @@ class EngineMetricsExporter:
     def __init__(self, kinds: Iterable[str] = ()):
         """`kinds`: the request kinds the replica serves, whose counters start at 0."""
         self.requests = Counter("genrec_requests", description="finished engine requests", tag_keys=("kind", "status"))
-        start_at_zero(self.requests, ({"kind": k, "status": s} for k in kinds for s in REQUEST_STATUSES))
+        start_at_zero(self.requests, ({"kind": k, "status": s} for k in kinds for s in OUTCOMES))
+        self.counted: dict[str, int] = {}  # the engine's outcome counts as last exported ("kind:status" -> n)
         self.latency = Histogram(
             "genrec_request_latency_s",
             description="engine request latency, seconds",
@@ -90,10 +75,18 @@ class EngineMetricsExporter:
         )
         self.prefix_cache = PrefixCacheExporter()
 
-    def finished(self, kind: str, status: str, seconds: float) -> None:
-        self.requests.inc(tags={"kind": kind, "status": status})
-        if status == "ok":
-            self.latency.observe(seconds, tags={"kind": kind})
+    def answered(self, kind: str, seconds: float) -> None:
+        """A request the replica answered, and how long it took there."""
+        self.latency.observe(seconds, tags={"kind": kind})
+
+    def export_outcomes(self, counts: dict[str, int]) -> None:
+        """genrec_requests: what the engine's one outcome count (its snapshot's `requests`) moved since the last
+        export."""
+        for key, n in counts.items():
+            if n > self.counted.get(key, 0):
+                kind, status = key.split(":")
+                self.requests.inc(n - self.counted.get(key, 0), tags={"kind": kind, "status": status})
+        self.counted = dict(counts)
 
     def update(self, snapshot: dict, config_refused: bool = False, catalog: str | None = None) -> None:
         """`catalog`: the replica's catalog status (declared, kept_running, refusing; None: a ranker's)."""
@@ -101,6 +94,7 @@ class EngineMetricsExporter:
         self.user_config_refused.set(int(config_refused))
         for state in UNDECLARED:
             self.catalog_undeclared.set(int(catalog == state), tags={"state": state})
+        self.export_outcomes(snapshot["requests"])
         self.queue_depth.set(snapshot["queue_depth"])
         self.running.set(snapshot["running"])
         self.kv_bytes.set(snapshot["kv_bytes_reserved"])

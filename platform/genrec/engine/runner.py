@@ -38,6 +38,10 @@ class ModelRunner:
     def __init__(self, family: Family, graph_max_rows: int = 2048):
         """`graph_max_rows`: with CUDA graphs, the largest decode pass captured at start (`capture`); the scheduler
         caps a pass's rows there (`max_pass_rows`)."""
+        # torch's compiler, which the attention's custom ops import on their first call: here, as the engine loads,
+        # not in its first request (a process that only checks a model directory never imports it).
+        import torch._dynamo  # noqa: F401
+
         self.family, self.model = family, family.model
         self.device = self.model.device
         self.fast = family.fast

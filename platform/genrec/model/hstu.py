@@ -29,7 +29,7 @@ from genrec.files import write_atomically
 from genrec.model import fused
 from genrec.model.fused import Pieces
 from genrec.model.hstu_config import HSTUConfig
-from genrec.model.weights import Layout, assign_weights
+from genrec.model.weights import Layout, assign_weights, loaded_embedding
 
 # Prefill queries per attention call: bounds the [heads, chunk, keys] score matrix (1024 × 16k keys × 4 heads
 # in float32 is 256 MiB) without changing any result.
@@ -117,11 +117,11 @@ class HSTU(nn.Module):
     def __init__(self, config: HSTUConfig):
         super().__init__()
         c = self.config = config
-        self.item_embedding = nn.Embedding(c.num_items, c.hidden_size)
-        self.action_embedding = nn.Embedding(c.num_actions + 1, c.hidden_size)
-        self.position_embedding = nn.Embedding(c.max_positions, c.hidden_size)
+        self.item_embedding = loaded_embedding(c.num_items, c.hidden_size)
+        self.action_embedding = loaded_embedding(c.num_actions + 1, c.hidden_size)
+        self.position_embedding = loaded_embedding(c.max_positions, c.hidden_size)
         if c.num_time_buckets:
-            self.bucket_embedding = nn.Embedding(c.num_time_buckets + 1, c.hidden_size)
+            self.bucket_embedding = loaded_embedding(c.num_time_buckets + 1, c.hidden_size)
         self.layers = nn.ModuleList(HSTULayer(c) for _ in range(c.num_hidden_layers))
         self.final_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.head = TaskHead(c)

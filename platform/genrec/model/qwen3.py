@@ -21,7 +21,7 @@ from genrec.model import fused
 from genrec.model.config import Qwen3Config
 from genrec.model.fused import PLAIN, Pieces
 from genrec.model.kv_pool import ContextKV
-from genrec.model.weights import Layout, assign_weights
+from genrec.model.weights import Layout, assign_weights, loaded_embedding
 from genrec.staging import to_device
 
 
@@ -38,7 +38,10 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # On the CPU even when the model is built on the meta device (where the sum would import torch's compiler);
+        # the buffer moves with the model.
+        steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+        inv_freq = 1.0 / (theta ** (steps / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +129,7 @@ class DecoderLayer(nn.Module):
 class Qwen3Backbone(nn.Module):
     def __init__(self, c: Qwen3Config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = loaded_embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -13,6 +13,12 @@ from safetensors.torch import load_file
 from genrec.errors import ModelDirectoryError
 
 
+def loaded_embedding(rows: int, width: int) -> torch.nn.Embedding:
+    """An embedding whose weights a checkpoint fills, so none are drawn: on the meta device, where models are
+    built, drawing them would import torch's compiler (seconds in every process that loads a model)."""
+    return torch.nn.Embedding(rows, width, _weight=torch.empty(rows, width))
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The checkpoint's weight files: `model.safetensors`, or the shards a `model.safetensors.index.json` names."""
     single = model_dir / "model.safetensors"

@@ -85,7 +85,7 @@ def test_a_deadline_counts_from_the_requests_arrival_its_body_included():
 
 # -- redeploys that replace the ingress and its ranker, under load ----------------------------------------------
 
-DEADLINE_S = 40.0  # well over Serve's default graceful shutdown (20 s), which killed requests in flight
+DEADLINE_S = 26.0  # over Serve's default graceful shutdown (20 s), which killed requests in flight
 LATE_S = 3.0  # past its deadline, what an answer may take on a loaded 2-core machine (proxy, threads)
 
 

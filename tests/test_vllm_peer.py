@@ -9,8 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from genrec.bench.peer_vllm import VllmPeer, peers_venv
 from genrec.cli import app, main
+from genrec_bench.peer_vllm import VllmPeer, peers_venv
 from tests.conftest import random_prompt
 
 needs_vllm = pytest.mark.skipif(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
-from genrec.bench.cli import bench_app
 from genrec.errors import GenrecError
+from genrec_bench.cli import bench_app
 
 app = typer.Typer(
     help="genrec: generative recommendation with semantic IDs.", no_args_is_help=True, pretty_exceptions_enable=False

@@ -22,9 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from genrec.api import Candidate, Event, RankRequest, RetrieveRequest, ScoreRequest
-from genrec.bench import peer_vllm
-from genrec.bench.cli import RankOptions, RetrieveOptions, ScoreOptions
-from genrec.bench.common import (
+from genrec.engine import Engine, SchedulerConfig
+from genrec.engine.scheduler import Scheduler
+from genrec.model import ContextKV
+from genrec.testing.reference import allowed_tokens_fn
+from genrec_bench import peer_vllm
+from genrec_bench.cli import RankOptions, RetrieveOptions, ScoreOptions
+from genrec_bench.common import (
     decoder,
     described,
     interleaved_medians,
@@ -36,10 +40,6 @@ from genrec.bench.common import (
     random_prompt,
     timed,
 )
-from genrec.engine import Engine, SchedulerConfig
-from genrec.engine.scheduler import Scheduler
-from genrec.model import ContextKV
-from genrec.testing.reference import allowed_tokens_fn
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)
 

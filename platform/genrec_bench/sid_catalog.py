@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.cli import SidCatalogOptions
-from genrec.bench.common import interleaved_medians, machine, presets_root, random_prompt
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.decoder import Decoder
 from genrec.model.directory import ModelDir
 from genrec.testing.tiny import preset, write_model_dir
+from genrec_bench.cli import SidCatalogOptions
+from genrec_bench.common import interleaved_medians, machine, presets_root, random_prompt
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)  # every round repeats the prompts: no prefix reuse
 GOALS = {"trie_build_s": 30.0, "retrieve_large_over_small": 1.05}

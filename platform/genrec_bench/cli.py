@@ -1,6 +1,6 @@
 """`genrec bench ...`: each benchmark's options, declared once; its typer command is built from them.
 
-A benchmark is an options dataclass and a `run(options) -> dict` (`genrec.bench.<module>.<function>`); the command
+A benchmark is an options dataclass and a `run(options) -> dict` (`genrec_bench.<module>.<function>`); the command
 prints that JSON (and writes it with --json). The declarations stay here, free of torch, so `genrec` starts fast.
 """
 
@@ -35,13 +35,13 @@ def device_opt(default: str = "cpu"):
 
 
 def _device(device: str) -> str:
-    from genrec.bench.common import check_device
+    from genrec_bench.common import check_device
 
     return check_device(device)
 
 
 def bench(name: str, target: str, json_out: bool = True):
-    """Declares an options class as the command `genrec bench NAME`, which runs `genrec.bench.TARGET(options)`."""
+    """Declares an options class as the command `genrec bench NAME`, which runs `genrec_bench.TARGET(options)`."""
 
     def declare(cls):
         cls, hints, kw = dataclasses.dataclass(cls), typing.get_type_hints(cls), inspect.Parameter.KEYWORD_ONLY
@@ -52,7 +52,7 @@ def bench(name: str, target: str, json_out: bool = True):
         def command(**values):
             out = values.pop("json_out", None)
             module, function = target.rsplit(".", 1)  # looked up at each call (tests replace it)
-            report = getattr(importlib.import_module(f"genrec.bench.{module}"), function)(cls(**values))
+            report = getattr(importlib.import_module(f"genrec_bench.{module}"), function)(cls(**values))
             text = json.dumps(report, indent=2)
             typer.echo(text)
             if out:

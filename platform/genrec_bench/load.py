@@ -37,8 +37,11 @@ from pathlib import Path
 import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
-from genrec.bench.cli import LoadOptions, ThreadsOptions
-from genrec.bench.common import (
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.errors import Overloaded
+from genrec.threads import apply_threads, available_cores, check_thread_settings
+from genrec_bench.cli import LoadOptions, ThreadsOptions
+from genrec_bench.common import (
     check_rate,
     described,
     machine,
@@ -48,9 +51,6 @@ from genrec.bench.common import (
     random_prompt,
     timed,
 )
-from genrec.engine import AsyncEngine, Engine, SchedulerConfig
-from genrec.errors import Overloaded
-from genrec.threads import apply_threads, available_cores, check_thread_settings
 
 # ---------------------------------------------------------------------------------------------- the generator
 

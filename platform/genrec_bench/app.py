@@ -12,8 +12,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from genrec.bench.common import free_port
 from genrec.errors import GenrecError
+from genrec_bench.common import free_port
 
 
 def app_args(

@@ -17,6 +17,7 @@ from typing import Literal
 import typer
 
 bench_app = typer.Typer(
+    name="bench",
     help="Benchmarks: each prints JSON with ratios against a baseline of the same run.", no_args_is_help=True
 )
 CUDA_FAST = "CUDA: FA2 varlen + decode graphs captured at start (default: on with CUDA)"

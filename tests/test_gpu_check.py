@@ -95,3 +95,15 @@ def test_the_gpu_check_imports_no_ray():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_gpu_check_runs_as_a_module_without_ray():
+    """`python -m genrec_bench.gpu_check` as a GPU session runs it: -X importtime lists every module it loaded."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "genrec_bench.gpu_check", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "--budget-s" in done.stdout, done.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert {"genrec_bench.cli", "genrec.engine", "torch"} <= loaded  # the listing is read right
+    assert not {m for m in loaded if m.split(".")[0] in ("ray", "pandas", "fastapi", "starlette")}

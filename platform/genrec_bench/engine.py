@@ -31,12 +31,12 @@ from genrec_bench.cli import RankOptions, RetrieveOptions, ScoreOptions
 from genrec_bench.common import (
     decoder,
     described,
+    hstu_preset_dir,
     interleaved_medians,
     load_hf,
     machine,
     median_seconds,
     model_dir_for,
-    presets_root,
     random_prompt,
     timed,
 )
@@ -289,15 +289,6 @@ def rank(o: RankOptions) -> dict:
         },
         "machine": machine(),
     }
-
-
-def hstu_preset_dir(name: str) -> Path:
-    from genrec.testing.tiny import hstu_preset, write_hstu_dir
-
-    target = presets_root() / f"hstu-{name}"
-    if not (target / "genrec" / "catalog.parquet").exists():
-        write_hstu_dir(target, hstu_preset(name))
-    return target
 
 
 def rank_request(engine: Engine, events: int, candidates: int, seed: int = 0) -> RankRequest:

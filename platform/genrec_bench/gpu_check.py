@@ -60,7 +60,7 @@ from genrec.attention import Spans, varlen_attention, varlen_reference
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.testing.tiny import ModelSpec, preset, write_model_dir
 from genrec_bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
-from genrec_bench.common import decoder, interleaved_medians, model_dir_for, random_prompt
+from genrec_bench.common import decoder, hstu_preset_dir, interleaved_medians, model_dir_for, random_prompt
 
 # -- 1, 2: versions and kernels ----------------------------------------------------------------------------------
 
@@ -325,7 +325,7 @@ def hstu(device) -> dict:
     from genrec_bench import engine as benches
 
     out = {"bench_rank": benches.rank(RankOptions(device=device, repeats=5, fanout_sample=5))}
-    ranker = Engine.from_pretrained(benches.hstu_preset_dir("tiny"), device=device, scheduler=COLD)
+    ranker = Engine.from_pretrained(hstu_preset_dir("tiny"), device=device, scheduler=COLD)
     for events in (2000, 4000):
         request = benches.rank_request(ranker, events, 500)
         out[f"returning {events}/500"] = benches.warm_and_cold(ranker, request, 10, 5, device, every_piece=True)

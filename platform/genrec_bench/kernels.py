@@ -25,8 +25,7 @@ from genrec.engine.decode_batch import DecodeBatch
 from genrec.model import ModelDir
 from genrec.model.hstu import HistoryRows, HistorySegment
 from genrec_bench.cli import KernelsOptions
-from genrec_bench.common import described, machine, model_dir_for, random_prompt
-from genrec_bench.engine import hstu_preset_dir
+from genrec_bench.common import described, hstu_preset_dir, machine, model_dir_for, random_prompt
 
 GOALS = {"prefill": 15, "decode": 12}  # per layer, CUDA kernels on the fused path (issue #38)
 aten = torch.ops.aten

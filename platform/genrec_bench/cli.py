@@ -74,6 +74,17 @@ class CudaFast:
     cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
 
 
+@dataclasses.dataclass
+class LargeCatalog(Preset, OnDevice):
+    """A random catalog of OpenOneRec's shape (1 M items, 3 levels of 8,192 codes) on a preset's dimensions."""
+
+    items: int = opt(1_000_000, "catalog items", min=1)
+    per_level: int = opt(8192, "codes per level (the model's vocabulary has as many)", min=2)
+    levels: int = opt(3, min=1)
+    beam_width: int = opt(256, min=1)
+    prompt_len: int = opt(1000, min=1)
+
+
 SHARED = ("preset", "model", "levels", "device", "cuda_fast")
 
 
@@ -144,32 +155,22 @@ class KernelsOptions(ModelChoice, OnDevice):
 
 
 @bench("sid-catalog", "sid_catalog.run")
-class SidCatalogOptions(Preset, OnDevice, CudaFast):
+class SidCatalogOptions(LargeCatalog, CudaFast):
     """A large SID catalog (OpenOneRec's 3 x 8,192 levels, 1 M items): its trie's build time, and beam search over it
     against the same model over a catalog of 256 codes per level (same items, same prompts, round-robin)."""
 
-    items: int = opt(1_000_000, "catalog items", min=1)
-    per_level: int = opt(8192, "codes per level of the large catalog (the model's vocabulary has as many)", min=2)
     small_per_level: int = opt(256, "codes per level of the baseline catalog", min=2)
-    levels: int = opt(3, min=1)
-    beam_width: int = opt(256, min=1)
-    prompt_len: int = opt(1000, min=1)
     batch: int = opt(1, "requests per Engine.retrieve call", min=1)
     repeats: int = opt(5, min=1)
     build_repeats: int = opt(3, "trie builds timed", min=1)
 
 
 @bench("filter", "filters.run")
-class FilterOptions(Preset, OnDevice):
+class FilterOptions(LargeCatalog):
     """A per-request filter (10 % of a 1 M-item catalog by default) in a beam search over it: its mask compiled in the
     request (a new filter) and cached, against the same retrieve unfiltered (same prompts, round-robin)."""
 
-    items: int = opt(1_000_000, "catalog items", min=1)
-    per_level: int = opt(8192, "codes per level (the model's vocabulary has as many)", min=2)
-    levels: int = opt(3, min=1)
     genres: int = opt(10, "of the catalog's 100 genres, the filter allows this many (10: 10 % of the items)", min=1)
-    beam_width: int = opt(256, min=1)
-    prompt_len: int = opt(1000, min=1)
     batch: int = opt(1, "requests per Engine.retrieve call", min=1)
     repeats: int = opt(7, "rounds timed (each cold round a filter not seen before)", min=1, max=90)
 
@@ -379,16 +380,11 @@ class SuiteOptions(Preset, OnDevice):
 
 
 @bench("catalog-reload", "catalog_reload.run")
-class CatalogReloadOptions(Preset, OnDevice):
+class CatalogReloadOptions(LargeCatalog):
     """A 1 M-item catalog loaded live under closed-loop retrieve load (1 % of its items changed), then rolled back:
     request latencies overlapping each change against a baseline window of the same run."""
 
-    items: int = opt(1_000_000, "catalog items", min=1)
-    per_level: int = opt(8192, "codes per level (the model's vocabulary has as many)", min=2)
-    levels: int = opt(3, min=1)
     changed: float = opt(0.01, "share of the items retired and replaced by new ones in the second version", min=0)
-    beam_width: int = opt(256, min=1)
-    prompt_len: int = opt(1000, min=1)
     clients: int = opt(4, "closed-loop clients, one request each at a time", min=1)
     warmup_s: float = opt(5.0, min=0)
     window_s: float = opt(15.0, "the baseline window, and the load kept after each change", min=1)

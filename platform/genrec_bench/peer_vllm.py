@@ -37,7 +37,7 @@ class PeerError(GenrecError):
 
 def peers_venv() -> Path:
     """GENREC_PEERS_VENV, else the repository's `.venv-peers` (what `make peers` creates)."""
-    default = Path(__file__).resolve().parents[3] / ".venv-peers"
+    default = Path(__file__).resolve().parents[2] / ".venv-peers"
     return Path(os.environ.get("GENREC_PEERS_VENV", default))
 
 

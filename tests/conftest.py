@@ -148,7 +148,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def redis_url():
     """A real redis-server on 127.0.0.1 and a free port; installed with apt if the machine lacks it."""
-    from genrec.bench.cache import LocalRedis
+    from genrec_bench.cache import LocalRedis
 
     if shutil.which("redis-server") is None:
         subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True)
@@ -168,7 +168,7 @@ def serve_url(ray_cluster):
     """Ray Serve on the session's Ray, HTTP on 127.0.0.1 and a free port; apps are added per test module."""
     from ray import serve
 
-    from genrec.bench.common import free_port
+    from genrec_bench.common import free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

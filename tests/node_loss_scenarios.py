@@ -210,7 +210,7 @@ def batch_scenario(work: Path) -> dict:
 
 
 def cache_scenario(work: Path) -> dict:
-    from genrec.bench.cache import LocalRedis
+    from genrec_bench.cache import LocalRedis
 
     with LocalRedis() as url:
         cluster = Cluster(head_cpus=1, worker_cpus=1, worker_resources=({"cache_host": 1}, {"cache_host": 1}))
@@ -352,9 +352,9 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     import httpx
     from ray import serve
 
-    from genrec.bench.common import free_port
     from genrec.serving.app import build_app
     from genrec.serving.args import AppArgs
+    from genrec_bench.common import free_port
 
     ray = cluster.ray
     port = free_port()

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from genrec.bench.soak import rss_mb, slope_per_1k, slopes_by_third, steady_state, summarize
+from genrec_bench.soak import rss_mb, slope_per_1k, slopes_by_third, steady_state, summarize
 
 
 def _samples(values_by_process: dict[str, list[float]], per_burst: int = 100) -> list[dict]:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from genrec.bench.load import BackgroundLoad, Setting, ratios, settings_for, summarize
+from genrec_bench.load import BackgroundLoad, Setting, ratios, settings_for, summarize
 
 
 def test_the_background_load_runs_during_the_block_and_ends_with_it():

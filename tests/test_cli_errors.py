@@ -50,8 +50,8 @@ def test_bench_load_bad_rates(tiny_dir, monkeypatch, capsys, rates, fragment):
 
 def test_load_benchmark_refuses_a_rate_that_never_advances(tiny_dir):
     """The library entry too (the suite and `bench serve` call it without the CLI's parsing)."""
-    from genrec.bench.cli import LoadOptions
-    from genrec.bench.load import run
+    from genrec_bench.cli import LoadOptions
+    from genrec_bench.load import run
 
     with deadline(), pytest.raises(ValueError, match="rate -5.0: offered loads must be positive"):
         run(LoadOptions(rates="-5", duration=0.5, model=tiny_dir, prompt_len=8, beam_width=2, candidates=4, burst=1))

@@ -5,9 +5,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genrec.api import RetrieveRequest
-from genrec.bench import gpu_check
 from genrec.engine.beam import fetch_finals
 from genrec.engine.decode_batch import DecodeBatch
+from genrec_bench import gpu_check
 from tests.conftest import random_prompt
 
 

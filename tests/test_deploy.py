@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from genrec.bench.common import free_port
+from genrec_bench.common import free_port
 from tests.dashboard_cluster import dashboard_cluster
 
 GENREC = [sys.executable, "-m", "genrec.cli", "deploy"]

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench import kernels
 from genrec.engine import Engine, SchedulerConfig
 from genrec.model import ContextKV, ModelDir, fused
 from genrec.model.kv_pool import KVPool
+from genrec_bench import kernels
 from tests.conftest import random_prompt
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}

@@ -1,4 +1,4 @@
-"""The GPU check's correctness rule (genrec.bench.gpu_check.judge), held on the CPU with the tiny model: a bf16
+"""The GPU check's correctness rule (genrec_bench.gpu_check.judge), held on the CPU with the tiny model: a bf16
 engine's answers pass against float32; a broken engine's, a result whose scores are shuffled, and items below the
 k best (even with their exact scores) fail."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.gpu_check import NOISE_FLOOR, exact_logprobs, judge, judged
 from genrec.engine import Engine, SchedulerConfig
+from genrec_bench.gpu_check import NOISE_FLOOR, exact_logprobs, judge, judged
 from tests.conftest import random_prompt
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)
@@ -90,8 +90,20 @@ def test_the_rule_states_its_noise_and_refuses_what_it_cannot_judge():
 def test_the_gpu_check_imports_no_ray():
     """The GPU machine has no Ray: the check and every bench module it loads import without it."""
     code = (
-        "import sys, genrec.bench.gpu_check, genrec.bench.load, genrec.bench.engine\n"
+        "import sys, genrec_bench.gpu_check, genrec_bench.load, genrec_bench.engine\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'pandas', 'fastapi', 'starlette'}))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_gpu_check_runs_as_a_module_without_ray():
+    """`python -m genrec_bench.gpu_check` as a GPU session runs it: -X importtime lists every module it loaded."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "genrec_bench.gpu_check", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "--budget-s" in done.stdout, done.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert {"genrec_bench.cli", "genrec.engine", "torch"} <= loaded  # the listing is read right
+    assert not {m for m in loaded if m.split(".")[0] in ("ray", "pandas", "fastapi", "starlette")}

@@ -12,12 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from genrec.api import Event, RankRequest, RetrieveRequest
-from genrec.bench.engine import plain_masked_forward, rank_request
 from genrec.catalog.catalog import catalog_version
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.engine.pass_cost import PassCost
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import InvalidRequestError
+from genrec_bench.engine import plain_masked_forward, rank_request
 from tests.conftest import HSTU_TINY as SPEC
 from tests.hstu_reference import reference_rank
 

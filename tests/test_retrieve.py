@@ -193,9 +193,9 @@ def test_prompt_too_long_and_unknown_tokens(engine):
 
 def test_cohorts_at_different_levels_decode_together(engine, rng):
     """One decode pass over cohorts at different levels (padded suffixes, merged selection) == each alone."""
-    from genrec.bench import gpu_check
     from genrec.engine.beam import fetch_finals
     from genrec.engine.results import retrieve_result
+    from genrec_bench import gpu_check
 
     requests = [
         RetrieveRequest(prompt_token_ids=random_prompt(engine, n, rng), beam_width=w, exclude_item_ids=ex)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from genrec.bench.returning import _reuse, in_process, replay, request_sequence
 from genrec.engine import Engine
+from genrec_bench.returning import _reuse, in_process, replay, request_sequence
 
 
 @pytest.fixture(scope="module")

@@ -194,8 +194,8 @@ def test_the_batch_actor_applies_its_thread_options_before_loading(monkeypatch):
 
 
 def test_bench_load_refuses_pin_without_threads_before_loading_a_model(monkeypatch):
-    from genrec.bench import load
-    from genrec.bench.cli import LoadOptions
+    from genrec_bench import load
+    from genrec_bench.cli import LoadOptions
 
     monkeypatch.setattr(load, "model_dir_for", lambda *a: pytest.fail("loaded a model"))
     with pytest.raises(ValueError, match="^--pin needs --threads"):
@@ -214,7 +214,7 @@ def test_the_bench_load_options(monkeypatch):
         seen["threads"], seen["pin"] = options.threads, options.pin
         return {"ok": True}
 
-    monkeypatch.setattr("genrec.bench.load.run", fake_run)
+    monkeypatch.setattr("genrec_bench.load.run", fake_run)
     result = CliRunner().invoke(app, ["bench", "load", "--threads", "2", "--pin", "--rates", "1"])
     assert result.exit_code == 0, result.output
     assert seen == {"threads": 2, "pin": True}

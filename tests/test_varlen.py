@@ -109,8 +109,8 @@ def test_the_gpu_check_runs_its_engine_part_on_cpu_where_the_switch_changes_noth
     """The prepared GPU script's pieces import and run here (on the CPU the fast switch falls back): the fast engine
     judged against float32 (itself, here) is exact."""
     from genrec.api import RetrieveRequest
-    from genrec.bench import gpu_check
     from genrec.engine import Engine, SchedulerConfig
+    from genrec_bench import gpu_check
 
     assert gpu_check.versions()["schema_has_seqused_k"]
     fast = Engine.from_pretrained(arch_dir, cuda_fast=True, scheduler=SchedulerConfig(prefix_cache_bytes=0))

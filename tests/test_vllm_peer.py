@@ -4,13 +4,14 @@ The tests that run vLLM need its venv (`make peers`, not part of `make test`) an
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from genrec.bench.peer_vllm import VllmPeer, peers_venv
 from genrec.cli import app, main
+from genrec_bench.peer_vllm import VllmPeer, peers_venv
 from tests.conftest import random_prompt
 
 needs_vllm = pytest.mark.skipif(
@@ -28,6 +29,12 @@ def head64_dir(tmp_path_factory):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     return out
+
+
+def test_the_peers_venv_is_the_one_make_peers_makes(monkeypatch):
+    """`make peers` puts it at the repository's root (PEERS ?= .venv-peers): the bench looks there by default."""
+    monkeypatch.delenv("GENREC_PEERS_VENV", raising=False)
+    assert peers_venv() == Path(__file__).resolve().parents[1] / ".venv-peers"
 
 
 def exit_2(monkeypatch, capsys, *argv) -> str:

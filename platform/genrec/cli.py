@@ -2,19 +2,64 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 
+import click
 import typer
+from typer.core import TyperGroup
 
-from genrec.bench.cli import bench_app
 from genrec.errors import GenrecError
 
-app = typer.Typer(
-    help="genrec: generative recommendation with semantic IDs.", no_args_is_help=True, pretty_exceptions_enable=False
+BENCH_MISSING = (
+    "genrec bench: the benchmarks are their own package, genrec_bench, and it is not installed here. From a source "
+    "checkout, `pip install -e .` installs it beside genrec (`pip install -e '.[bench]'` adds matplotlib for --plot), "
+    "or put the checkout's platform/ on PYTHONPATH."
 )
-app.add_typer(bench_app, name="bench")
+
+
+class _Commands(TyperGroup):
+    """genrec's commands; `bench` is looked up when asked for, as the benchmarks live in a package of their own
+    (genrec_bench) that an install may lack."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*super().list_commands(ctx), "bench"]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return _bench_command() if name == "bench" else super().get_command(ctx, name)
+
+
+@functools.cache
+def _bench_command() -> click.Command:
+    try:
+        from genrec_bench.cli import bench_app
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != "genrec_bench":  # the package is there, something it needs is not
+            raise
+        return click.Command(
+            "bench",
+            callback=_bench_missing,
+            help="Benchmarks (the genrec_bench package: not installed here).",
+            params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+            context_settings={"ignore_unknown_options": True},
+            add_help_option=False,
+        )
+    return typer.main.get_command(bench_app)
+
+
+def _bench_missing(args) -> None:
+    typer.echo(f"error: {BENCH_MISSING}", err=True)
+    raise typer.Exit(1)
+
+
+app = typer.Typer(
+    cls=_Commands,
+    help="genrec: generative recommendation with semantic IDs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 catalog_app = typer.Typer(help="The item catalog of a model directory.", no_args_is_help=True)
 app.add_typer(catalog_app, name="catalog")
 

@@ -9,7 +9,7 @@ of `genrec.model.fused` compiled, FA2 for attention); the baseline is the same p
 plain pieces either way, so there its two counts agree and the figure is the ops left per layer.
 
 Without Ray (a GPU machine): `PYTHONPATH=platform python -m genrec.cli bench kernels --device cuda [--preset P]`,
-or `genrec.bench.kernels.run(KernelsOptions(device="cuda"))`.
+or `genrec_bench.kernels.run(KernelsOptions(device="cuda"))`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genrec.api import RetrieveRequest
-from genrec.bench.cli import KernelsOptions
-from genrec.bench.common import described, machine, model_dir_for, random_prompt
-from genrec.bench.engine import hstu_preset_dir
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.decode_batch import DecodeBatch
 from genrec.model import ModelDir
 from genrec.model.hstu import HistoryRows, HistorySegment
+from genrec_bench.cli import KernelsOptions
+from genrec_bench.common import described, hstu_preset_dir, machine, model_dir_for, random_prompt
 
 GOALS = {"prefill": 15, "decode": 12}  # per layer, CUDA kernels on the fused path (issue #38)
 aten = torch.ops.aten
@@ -65,7 +64,7 @@ def run(o: KernelsOptions) -> dict:
 def layer_counts(engine: Engine, prompt_len: int, requests: int, beam_width: int) -> tuple[dict, torch.Tensor]:
     """Per-layer counts of a prefill of `prompt_len` tokens and of a decode pass over `requests` x `beam_width`
     rows (contexts of `prompt_len`, a level with a beam suffix); and the prefill's last logits."""
-    from genrec.bench.gpu_check import pooled_cohorts
+    from genrec_bench.gpu_check import pooled_cohorts
 
     g = torch.Generator().manual_seed(0)
     prepared = [

@@ -32,11 +32,11 @@ import httpx
 import numpy as np
 import torch
 
-from genrec.bench.app import app_args, deploy, local_serve
-from genrec.bench.cli import SoakOptions
-from genrec.bench.common import decoder, described, machine, model_dir_for, random_prompt
 from genrec.engine import Engine
 from genrec.errors import GenrecError
+from genrec_bench.app import app_args, deploy, local_serve
+from genrec_bench.cli import SoakOptions
+from genrec_bench.common import decoder, described, machine, model_dir_for, random_prompt
 
 APP = "soak"
 WORDS = "user listened to comedy podcast episode news show jazz album movie thriller drama late night".split()

@@ -22,12 +22,12 @@ import time
 import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
-from genrec.bench.cli import DeadlineOptions
-from genrec.bench.common import decoder, described, machine, model_dir_for, random_prompt, timed
-from genrec.bench.load import serving
 from genrec.engine import Engine
 from genrec.engine.scoring import ScoreJob
 from genrec.errors import GenrecError
+from genrec_bench.cli import DeadlineOptions
+from genrec_bench.common import decoder, described, machine, model_dir_for, random_prompt, timed
+from genrec_bench.load import serving
 
 PROMPT = 64  # tokens of the score request's prompt
 WORDS = ("the", "story", "of", "a", "podcast", "about", "jazz", "history", "and", "its", "players", "on", "tour")

@@ -35,13 +35,13 @@ import numpy as np
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.app import app_args, deploy, local_serve
-from genrec.bench.cli import ReturningOptions
-from genrec.bench.common import check_rate, decoder, described, machine, model_dir_for, ratio, timed
-from genrec.bench.load import burst_throughput, open_loop, serving
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.scheduler import Scheduler
 from genrec.errors import GenrecError
+from genrec_bench.app import app_args, deploy, local_serve
+from genrec_bench.cli import ReturningOptions
+from genrec_bench.common import check_rate, decoder, described, machine, model_dir_for, ratio, timed
+from genrec_bench.load import burst_throughput, open_loop, serving
 
 REPLICAS = 2
 ROUTERS = {"user_router": "user", "serve_default_router": "serve_default"}

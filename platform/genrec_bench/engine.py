@@ -22,24 +22,24 @@ import torch
 import torch.nn.functional as F
 
 from genrec.api import Candidate, Event, RankRequest, RetrieveRequest, ScoreRequest
-from genrec.bench import peer_vllm
-from genrec.bench.cli import RankOptions, RetrieveOptions, ScoreOptions
-from genrec.bench.common import (
+from genrec.engine import Engine, SchedulerConfig
+from genrec.engine.scheduler import Scheduler
+from genrec.model import ContextKV
+from genrec.testing.reference import allowed_tokens_fn
+from genrec_bench import peer_vllm
+from genrec_bench.cli import RankOptions, RetrieveOptions, ScoreOptions
+from genrec_bench.common import (
     decoder,
     described,
+    hstu_preset_dir,
     interleaved_medians,
     load_hf,
     machine,
     median_seconds,
     model_dir_for,
-    presets_root,
     random_prompt,
     timed,
 )
-from genrec.engine import Engine, SchedulerConfig
-from genrec.engine.scheduler import Scheduler
-from genrec.model import ContextKV
-from genrec.testing.reference import allowed_tokens_fn
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)
 
@@ -289,15 +289,6 @@ def rank(o: RankOptions) -> dict:
         },
         "machine": machine(),
     }
-
-
-def hstu_preset_dir(name: str) -> Path:
-    from genrec.testing.tiny import hstu_preset, write_hstu_dir
-
-    target = presets_root() / f"hstu-{name}"
-    if not (target / "genrec" / "catalog.parquet").exists():
-        write_hstu_dir(target, hstu_preset(name))
-    return target
 
 
 def rank_request(engine: Engine, events: int, candidates: int, seed: int = 0) -> RankRequest:

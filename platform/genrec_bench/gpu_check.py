@@ -1,6 +1,6 @@
 """The prepared check for a GPU session (issue 38): one command, under 5 minutes on one H200, without Ray.
 
-    PYTHONPATH=platform python -m genrec.bench.gpu_check --out gpu_check.json --budget-s 280 [--quick]
+    PYTHONPATH=platform python -m genrec_bench.gpu_check --out gpu_check.json --budget-s 280 [--quick]
 
 Parts, in order; each part's JSON is written as it finishes, a failing part records its error and the others go
 on, and a part that would start after `--budget-s` is skipped:
@@ -57,10 +57,10 @@ import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.attention import Spans, varlen_attention, varlen_reference
-from genrec.bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
-from genrec.bench.common import decoder, interleaved_medians, model_dir_for, random_prompt
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.testing.tiny import ModelSpec, preset, write_model_dir
+from genrec_bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
+from genrec_bench.common import decoder, hstu_preset_dir, interleaved_medians, model_dir_for, random_prompt
 
 # -- 1, 2: versions and kernels ----------------------------------------------------------------------------------
 
@@ -322,10 +322,10 @@ def callers_rate(engine: Engine, requests: list[RetrieveRequest], callers: int =
 def hstu(device) -> dict:
     """`genrec bench rank` at 2,000 events / 500 candidates on the device (its plain-forward baseline included), and
     a returning user (10 events more per visit) cold, warm under the cost rule, and warm reading every piece."""
-    from genrec.bench import engine as benches
+    from genrec_bench import engine as benches
 
     out = {"bench_rank": benches.rank(RankOptions(device=device, repeats=5, fanout_sample=5))}
-    ranker = Engine.from_pretrained(benches.hstu_preset_dir("tiny"), device=device, scheduler=COLD)
+    ranker = Engine.from_pretrained(hstu_preset_dir("tiny"), device=device, scheduler=COLD)
     for events in (2000, 4000):
         request = benches.rank_request(ranker, events, 500)
         out[f"returning {events}/500"] = benches.warm_and_cold(ranker, request, 10, 5, device, every_piece=True)
@@ -340,7 +340,7 @@ def load_pattern(engine: Engine, seconds: float = 6.0, timeout_s: float = 90.0) 
     its request maker does) and submits requests of many beam widths, while the engine loop captures (or replays)
     a decode graph for each new row bucket: a fresh runner over the engine's weights (`bench load`'s `serving`), so
     that no bucket was captured before. Records every request's error."""
-    from genrec.bench.load import serving
+    from genrec_bench.load import serving
 
     widths, g = (1, 3, 8, 30, 64, 100, 256, 17), torch.Generator().manual_seed(7)
     futures, errors = [], []
@@ -503,7 +503,7 @@ def gpu_consistency(device: str) -> dict:
 
 
 def suite_runs(device: str, preset_name: str):
-    from genrec.bench import engine, load
+    from genrec_bench import engine, load
 
     yield "consistency", lambda: gpu_consistency(device)
     shape = dict(preset=preset_name, device=device, prompt_len=2000, beam_width=30, levels=5)

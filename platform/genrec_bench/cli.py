@@ -1,6 +1,6 @@
 """`genrec bench ...`: each benchmark's options, declared once; its typer command is built from them.
 
-A benchmark is an options dataclass and a `run(options) -> dict` (`genrec.bench.<module>.<function>`); the command
+A benchmark is an options dataclass and a `run(options) -> dict` (`genrec_bench.<module>.<function>`); the command
 prints that JSON (and writes it with --json). The declarations stay here, free of torch, so `genrec` starts fast.
 """
 
@@ -17,7 +17,9 @@ from typing import Literal
 import typer
 
 bench_app = typer.Typer(
-    help="Benchmarks: each prints JSON with ratios against a baseline of the same run.", no_args_is_help=True
+    name="bench",
+    help="Benchmarks: each prints JSON with ratios against a baseline of the same run.",
+    no_args_is_help=True,
 )
 CUDA_FAST = "CUDA: FA2 varlen + decode graphs captured at start (default: on with CUDA)"
 BLOCK_TOKENS = 16  # a prefix-cache block (genrec.engine.prefix_cache.BLOCK; this module stays free of torch)
@@ -35,24 +37,72 @@ def device_opt(default: str = "cpu"):
 
 
 def _device(device: str) -> str:
-    from genrec.bench.common import check_device
+    from genrec_bench.common import check_device
 
     return check_device(device)
 
 
+PRESETS = "tiny | small | qwen3-1.7b (random weights)"
+
+
+@dataclasses.dataclass
+class Preset:
+    """The options every benchmark of a model shares, in parts (a command's options derive from those it takes)."""
+
+    preset: str = opt("tiny", PRESETS)
+
+
+@dataclasses.dataclass
+class ModelChoice(Preset):
+    """A preset's random-weight directory (cached), or --model."""
+
+    model: Path | None = opt(None, "a model directory instead of a preset")
+
+
+@dataclasses.dataclass
+class PresetLevels(ModelChoice):
+    levels: int | None = opt(None, "code length of the preset's catalog (3-5)", min=1)
+
+
+@dataclasses.dataclass
+class OnDevice:
+    device: str = device_opt()
+
+
+@dataclasses.dataclass
+class CudaFast:
+    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
+
+
+@dataclasses.dataclass
+class LargeCatalog(Preset, OnDevice):
+    """A random catalog of OpenOneRec's shape (1 M items, 3 levels of 8,192 codes) on a preset's dimensions."""
+
+    items: int = opt(1_000_000, "catalog items", min=1)
+    per_level: int = opt(8192, "codes per level (the model's vocabulary has as many)", min=2)
+    levels: int = opt(3, min=1)
+    beam_width: int = opt(256, min=1)
+    prompt_len: int = opt(1000, min=1)
+
+
+SHARED = ("preset", "model", "levels", "device", "cuda_fast")
+
+
 def bench(name: str, target: str, json_out: bool = True):
-    """Declares an options class as the command `genrec bench NAME`, which runs `genrec.bench.TARGET(options)`."""
+    """Declares an options class as the command `genrec bench NAME`, which runs `genrec_bench.TARGET(options)`."""
 
     def declare(cls):
         cls, hints, kw = dataclasses.dataclass(cls), typing.get_type_hints(cls), inspect.Parameter.KEYWORD_ONLY
-        fields = [(f.name, f.metadata["option"], hints[f.name]) for f in dataclasses.fields(cls)]
+        shared = list(SHARED)  # --help: the command's own options, then the shared parts' in one order
+        ordered = sorted(dataclasses.fields(cls), key=lambda f: shared.index(f.name) + 1 if f.name in shared else 0)
+        fields = [(f.name, f.metadata["option"], hints[f.name]) for f in ordered]
         if json_out:
             fields.append(("json_out", typer.Option(None, "--json", help="also write the JSON here"), Path))
 
         def command(**values):
             out = values.pop("json_out", None)
             module, function = target.rsplit(".", 1)  # looked up at each call (tests replace it)
-            report = getattr(importlib.import_module(f"genrec.bench.{module}"), function)(cls(**values))
+            report = getattr(importlib.import_module(f"genrec_bench.{module}"), function)(cls(**values))
             text = json.dumps(report, indent=2)
             typer.echo(text)
             if out:
@@ -71,16 +121,12 @@ def bench(name: str, target: str, json_out: bool = True):
 
 
 @bench("retrieve", "engine.retrieve")
-class RetrieveOptions:
+class RetrieveOptions(PresetLevels, OnDevice, CudaFast):
     """Engine.retrieve against one plain prefill (the floor) and transformers beam search."""
 
     prompt_len: int = opt(2000, min=1)
     beam_width: int = opt(30, min=1)
-    preset: str = opt("tiny", "tiny | small | qwen3-1.7b (random weights)")
-    model: Path | None = opt(None, "a model directory instead of a preset")
-    levels: int | None = opt(None, "code length of the preset's catalog (3-5)", min=1)
     batch: int = opt(1, "requests per Engine.retrieve call", min=1)
-    device: str = device_opt()
     repeats: int = opt(3, min=1)
     hf_baseline: bool = opt(True, "also time transformers generate(num_beams=...)")
     user_embedding: bool = opt(False, "also time the soft-token path against token-only prompts")
@@ -88,7 +134,6 @@ class RetrieveOptions:
         False, "also time a cache miss: the same prompts on an engine with the prefix cache on, each a new user's"
     )
     peer: str | None = opt(None, PEER)
-    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
     beam_widths: str | None = opt(
         None,
         "also time this per-level schedule, one width per code level ending with --beam-width (e.g. 32,128,256 with "
@@ -97,13 +142,10 @@ class RetrieveOptions:
 
 
 @bench("kernels", "kernels.run")
-class KernelsOptions:
+class KernelsOptions(ModelChoice, OnDevice):
     """Kernels per prefill layer and per decode-pass layer (CUDA: profiled kernels; CPU: aten ops that compute), the
     fused path (--cuda-fast's pieces) against the unfused one."""
 
-    preset: str = opt("tiny", "tiny | small | qwen3-1.7b (random weights)")
-    model: Path | None = opt(None, "a model directory instead of a preset")
-    device: str = device_opt()
     prompt_len: int = opt(1000, "prefill tokens; each decode request's context", min=1)
     requests: int = opt(4, "requests in the decode pass", min=1)
     beam_width: int = opt(30, "rows per request in the decode pass", min=1)
@@ -113,81 +155,57 @@ class KernelsOptions:
 
 
 @bench("sid-catalog", "sid_catalog.run")
-class SidCatalogOptions:
+class SidCatalogOptions(LargeCatalog, CudaFast):
     """A large SID catalog (OpenOneRec's 3 x 8,192 levels, 1 M items): its trie's build time, and beam search over it
     against the same model over a catalog of 256 codes per level (same items, same prompts, round-robin)."""
 
-    items: int = opt(1_000_000, "catalog items", min=1)
-    per_level: int = opt(8192, "codes per level of the large catalog (the model's vocabulary has as many)", min=2)
     small_per_level: int = opt(256, "codes per level of the baseline catalog", min=2)
-    levels: int = opt(3, min=1)
-    beam_width: int = opt(256, min=1)
-    prompt_len: int = opt(1000, min=1)
     batch: int = opt(1, "requests per Engine.retrieve call", min=1)
-    preset: str = opt("tiny", "the model's dimensions: tiny | small | qwen3-1.7b (random weights)")
-    device: str = device_opt()
     repeats: int = opt(5, min=1)
     build_repeats: int = opt(3, "trie builds timed", min=1)
-    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
 
 
 @bench("filter", "filters.run")
-class FilterOptions:
+class FilterOptions(LargeCatalog):
     """A per-request filter (10 % of a 1 M-item catalog by default) in a beam search over it: its mask compiled in the
     request (a new filter) and cached, against the same retrieve unfiltered (same prompts, round-robin)."""
 
-    items: int = opt(1_000_000, "catalog items", min=1)
-    per_level: int = opt(8192, "codes per level (the model's vocabulary has as many)", min=2)
-    levels: int = opt(3, min=1)
     genres: int = opt(10, "of the catalog's 100 genres, the filter allows this many (10: 10 % of the items)", min=1)
-    beam_width: int = opt(256, min=1)
-    prompt_len: int = opt(1000, min=1)
     batch: int = opt(1, "requests per Engine.retrieve call", min=1)
-    preset: str = opt("tiny", "the model's dimensions: tiny | small | qwen3-1.7b (random weights)")
-    device: str = device_opt()
     repeats: int = opt(7, "rounds timed (each cold round a filter not seen before)", min=1, max=90)
 
 
 @bench("score", "engine.score")
-class ScoreOptions:
+class ScoreOptions(ModelChoice, OnDevice, CudaFast):
     """One-pass scoring against one forward per candidate and one plain forward of as many tokens."""
 
     prefix_len: int = opt(1000, min=1)
     candidates: int = opt(500, min=1)
     candidate_len: int = opt(0, "random candidates of this many tokens (0: catalog items' codes)", min=0)
-    preset: str = opt("tiny")
-    model: Path | None = opt(None)
-    device: str = device_opt()
     repeats: int = opt(3, min=1)
     fanout_sample: int = opt(50, "fan-out forwards actually timed (the rest are the same cost)", min=1)
     peer: str | None = opt(None, PEER)
-    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
 
 
 @bench("load", "load.run")
-class LoadOptions:
+class LoadOptions(PresetLevels, OnDevice, CudaFast):
     """Open-loop Poisson load on the in-process AsyncEngine, with sequential and saturation baselines."""
 
     kind: Literal["retrieve", "score", "mixed"] = opt("retrieve")
     rates: str = opt("1,2,4", "offered loads, requests per second")
     duration: float = opt(10.0, "seconds of arrivals per rate", min=0.1)
-    preset: str = opt("tiny")
-    model: Path | None = opt(None)
-    levels: int | None = opt(None, min=1)
     prompt_len: int = opt(2000, min=1)
     beam_width: int = opt(30, min=1)
     candidates: int = opt(100, "candidates per score request", min=1)
-    device: str = device_opt()
     burst: int = opt(64, "requests sent at once to measure saturation throughput", min=1)
     max_running: int | None = opt(None, "requests the engine runs at once (default: 8 on CUDA, 64 on CPU)", min=1)
-    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
     threads: int | None = opt(None, "torch threads (default: torch's, one per core)", min=1)
     pin: bool = opt(False, "bind the threads to --threads cores (Linux; needs --threads)", "--pin")
     plot: Path | None = opt(None, "PNG: latency against offered load")
 
 
 @bench("threads", "load.threads")
-class ThreadsOptions:
+class ThreadsOptions(ModelChoice):
     """Engine thread settings on a contended machine: one thread and one per core, pinned (genrec.threads) and
     unpinned, each `bench load` in its own process while busy processes load every core."""
 
@@ -199,20 +217,16 @@ class ThreadsOptions:
     settle_s: float = opt(60.0, "seconds of background load before the first run", min=0.0)
     prompt_len: int = opt(2000, min=1)
     beam_width: int = opt(30, min=1)
-    preset: str = opt("tiny")
-    model: Path | None = opt(None, "a model directory instead of the preset's")
 
 
 @bench("returning", "returning.run")
-class ReturningOptions:
+class ReturningOptions(ModelChoice, OnDevice, CudaFast):
     """Returning users (previous prompt + new events): prefix cache off vs on, and the two prompt layouts; with
     --serve, the reuse rate through Serve routed by user against Serve's default router."""
 
     preset: str | None = opt(
         None, "a preset with a soft-token projector (default: realistic, hidden 512; tiny with --serve)"
     )
-    model: Path | None = opt(None)
-    device: str = device_opt()
     events: int | None = opt(
         None, "history events in a prompt, x levels tokens (default: 400, 2000 tokens; 200 with --serve)", min=2
     )
@@ -223,7 +237,6 @@ class ReturningOptions:
     rate: float = opt(0.5, "offered load for the p50/p99 figures, requests per second")
     duration: float = opt(20.0, min=0.1)
     repeats: int = opt(5, "returning requests timed for the single-user figure", min=1)
-    cuda_fast: bool | None = opt(None, CUDA_FAST, "--cuda-fast/--no-cuda-fast")
     serve: bool = opt(
         False,
         "instead: through a local Serve app with 2 engine replicas (CPU), reuse rate with genrec's user router and "
@@ -235,12 +248,11 @@ class ReturningOptions:
 
 
 @bench("rank", "engine.rank")
-class RankOptions:
+class RankOptions(ModelChoice, OnDevice):
     """HSTU ranking: one pass vs one request per candidate vs the plain masked forward; warm vs cold history."""
 
     preset: str = opt("tiny", "HSTU preset (tiny: model dim 256, 4 layers, 4 heads, head dim 64)")
     model: Path | None = opt(None, "an HSTU model directory instead of a preset")
-    device: str = device_opt()
     events: int = opt(2000, "history events", min=1)
     candidates: int = opt(500, min=1)
     repeats: int = opt(3, min=1)
@@ -249,13 +261,10 @@ class RankOptions:
 
 
 @bench("deadline", "deadline.run")
-class DeadlineOptions:
+class DeadlineOptions(ModelChoice, OnDevice):
     """A long-candidate score request with a short deadline and a small retrieve behind it (AsyncEngine): when the
     caller is released against its deadline and one pass; seconds per token-equivalent over passes of several shapes."""
 
-    preset: str = opt("tiny", "a Qwen3 preset")
-    model: Path | None = opt(None, "a Qwen3 model directory instead of a preset")
-    device: str = device_opt()
     candidates: int = opt(12, "long candidates in the score request", min=1)
     candidate_len: int | None = opt(None, "tokens per candidate (default: the engine's max_candidate_len)", min=1)
     words: int = opt(3000, "the issue's text candidates: words each (refused when over the cap)", min=1)
@@ -267,13 +276,12 @@ class DeadlineOptions:
 
 
 @bench("isolation", "isolation.run")
-class IsolationOptions:
+class IsolationOptions(Preset, OnDevice):
     """The prefix cache as a timing side channel across users: one-try accuracy of guessing, by wall time, whether
     a prompt (retriever) or history (ranker) was recently served for another user; in the attacker's own scope and
     with none (chance is 0.5), and in the victim's scope (the control)."""
 
     preset: str = opt("tiny", "the Qwen3 and HSTU presets (tiny: hidden 256, 4 layers)")
-    device: str = device_opt()
     prompt_len: int = opt(1000, "retriever: prompt tokens", min=BLOCK_TOKENS)
     beam_width: int = opt(32, "retriever", min=1)
     events: int = opt(2000, "ranker: history events", min=BLOCK_TOKENS)
@@ -298,15 +306,13 @@ class FunnelOptions:
 
 
 @bench("serve", "serve.serve")
-class ServeOptions:
+class ServeOptions(PresetLevels):
     """Open-loop load through the Serve app over HTTP and on the in-process AsyncEngine, same run."""
 
     kind: Literal["retrieve", "score", "mixed"] = opt("retrieve")
     rates: str = opt("2,4,8", "offered loads, requests per second")
     duration: float = opt(10.0, "seconds of arrivals per rate", min=0.1)
-    preset: str = opt("small")
-    model: Path | None = opt(None)
-    levels: int | None = opt(None)
+    preset: str = opt("small", PRESETS)
     prompt_len: int = opt(200, min=1)
     beam_width: int = opt(32, min=1)
     candidates: int = opt(100, "candidates per score request", min=1)
@@ -315,13 +321,12 @@ class ServeOptions:
 
 
 @bench("soak", "soak.run")
-class SoakOptions:
+class SoakOptions(ModelChoice):
     """Memory under bursts: RSS of the ingress, engine, proxy and cache processes of a local Serve app after each
     burst of mixed requests (valid, invalid, unknown users, hang-ups); the second half's growth per 1,000
     requests and whether it plateaued. Bounded by --bursts and --max-seconds."""
 
     preset: str = opt("tiny", "a preset with a soft-token projector (recommend by user_id)")
-    model: Path | None = opt(None)
     bursts: int = opt(40, "bursts sent, one after another", min=2, max=1000)
     burst: int = opt(100, "requests per burst", min=1, max=2000)
     concurrency: int = opt(32, "requests in flight within a burst", min=1, max=512)
@@ -349,15 +354,12 @@ class CacheOptions:
 
 
 @bench("batch", "batch.run")
-class BatchOptions:
+class BatchOptions(PresetLevels):
     """Users/s of the Ray Data batch job against a plain loop over the in-process Engine; scaling with actors;
     with --ranker, the two-stage funnel's users/s against retrieve alone."""
 
     users: int = opt(2000, min=1)
     batch_size: int = opt(32, "users per engine call, in the loop and per shard in the job", min=1)
-    preset: str = opt("tiny")
-    model: Path | None = opt(None)
-    levels: int | None = opt(None)
     prompt_len: int = opt(256, min=1)
     beam_width: int = opt(16, min=1)
     actors: str = opt("1,2", "actor counts to run the job with (the first is compared to the loop)")
@@ -368,7 +370,7 @@ class BatchOptions:
 
 
 @bench("suite", "gpu_check.run_suite", json_out=False)
-class SuiteOptions:
+class SuiteOptions(Preset, OnDevice):
     """The device benchmark runs in priority order (consistency, load, retrieve, score), isolated."""
 
     out: Path = opt(Path("out/bench"), "one JSON file per run")
@@ -378,18 +380,11 @@ class SuiteOptions:
 
 
 @bench("catalog-reload", "catalog_reload.run")
-class CatalogReloadOptions:
+class CatalogReloadOptions(LargeCatalog):
     """A 1 M-item catalog loaded live under closed-loop retrieve load (1 % of its items changed), then rolled back:
     request latencies overlapping each change against a baseline window of the same run."""
 
-    items: int = opt(1_000_000, "catalog items", min=1)
-    per_level: int = opt(8192, "codes per level (the model's vocabulary has as many)", min=2)
-    levels: int = opt(3, min=1)
     changed: float = opt(0.01, "share of the items retired and replaced by new ones in the second version", min=0)
-    beam_width: int = opt(256, min=1)
-    prompt_len: int = opt(1000, min=1)
     clients: int = opt(4, "closed-loop clients, one request each at a time", min=1)
     warmup_s: float = opt(5.0, min=0)
     window_s: float = opt(15.0, "the baseline window, and the load kept after each change", min=1)
-    preset: str = opt("tiny", "the model's dimensions: tiny | small | qwen3-1.7b (random weights)")
-    device: str = device_opt()

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from genrec.bench.common import decoder, timed
 from genrec.engine.decoder_inputs import candidate_token_lists, label_token_ids
 from genrec.errors import GenrecError
+from genrec_bench.common import decoder, timed
 
 PEERS = ("vllm",)
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -37,7 +37,7 @@ class PeerError(GenrecError):
 
 def peers_venv() -> Path:
     """GENREC_PEERS_VENV, else the repository's `.venv-peers` (what `make peers` creates)."""
-    default = Path(__file__).resolve().parents[3] / ".venv-peers"
+    default = Path(__file__).resolve().parents[2] / ".venv-peers"
     return Path(os.environ.get("GENREC_PEERS_VENV", default))
 
 
@@ -84,7 +84,7 @@ class VllmPeer:
         self.options = {**engine, **{k: v for k, v in env.items() if k.startswith("VLLM_")}}
         self.log = tempfile.TemporaryFile(mode="w+")
         python = peers_venv() / "bin" / "python"
-        self.proc = subprocess.Popen(  # -I: the worker's folder (genrec/bench) must not shadow vLLM's imports
+        self.proc = subprocess.Popen(  # -I: the worker's folder (genrec_bench) must not shadow vLLM's imports
             [str(python), "-I", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
             text=True, env=env,
         )  # fmt: skip

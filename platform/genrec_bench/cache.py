@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 
-from genrec.bench.cli import CacheOptions
-from genrec.bench.common import machine
 from genrec.cache import EmbeddingTable, RedisStore
 from genrec.cache.policies import POLICIES
 from genrec.errors import GenrecError
+from genrec_bench.cli import CacheOptions
+from genrec_bench.common import machine
 
 INLINE_RETURN_BYTES = 4 << 20
 

@@ -12,8 +12,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from genrec.bench.common import free_port
 from genrec.errors import GenrecError
+from genrec_bench.common import free_port
 
 
 def app_args(
@@ -41,14 +41,14 @@ def app_args(
     deployment = cpus | {"num_replicas": replicas}
     if in_flight:
         deployment |= {"max_ongoing_requests": in_flight, "max_queued_requests": in_flight}
-    retriever = {"model_dir": str(model_dir), "torch_threads": threads, "router": router, "deployment": deployment}
+    retriever = {"model_dir": str(model_dir), "threads": threads, "router": router, "deployment": deployment}
     retriever |= {"kv_budget_bytes": kv_budget_bytes, "prefix_cache_bytes": prefix_cache_bytes}
     if queue:
         retriever["limits"] = {"max_queue": queue}
     ingress = {"limits": {"request_timeout_s": timeout_s}, "deployment": {"ray_actor_options": {"num_cpus": 0.1}}}
     return AppArgs(
         retriever=retriever,
-        ranker={"model_dir": str(ranker), "torch_threads": threads, "deployment": cpus} if ranker else None,
+        ranker={"model_dir": str(ranker), "threads": threads, "deployment": cpus} if ranker else None,
         ingress=ingress | ({"cache": cache} if cache is not None else {}),
     )
 

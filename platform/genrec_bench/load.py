@@ -3,7 +3,7 @@
 `bench load`: Poisson arrivals against the in-process AsyncEngine. Per offered rate: achieved QPS, latency
 percentiles, errors. In the same run, the sequential baseline (1 / the time of one request alone) and the saturation
 throughput (a burst, served as fast as the loop can). `--threads N` sets torch's threads and `--pin` binds them to N
-cores (genrec.threads), as an engine replica's `torch_threads` / `pin_threads` do; the report gives the 1-minute load
+cores (genrec.threads), as an engine replica's `threads` / `pin_threads` do; the report gives the 1-minute load
 average around the run.
 
 `bench threads`: an engine's thread settings on a busy machine, pinned against unpinned. Each setting (torch
@@ -37,8 +37,11 @@ from pathlib import Path
 import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
-from genrec.bench.cli import LoadOptions, ThreadsOptions
-from genrec.bench.common import (
+from genrec.engine import AsyncEngine, Engine, SchedulerConfig
+from genrec.errors import Overloaded
+from genrec.threads import apply_threads, available_cores, check_thread_settings
+from genrec_bench.cli import LoadOptions, ThreadsOptions
+from genrec_bench.common import (
     check_rate,
     described,
     machine,
@@ -48,9 +51,6 @@ from genrec.bench.common import (
     random_prompt,
     timed,
 )
-from genrec.engine import AsyncEngine, Engine, SchedulerConfig
-from genrec.errors import Overloaded
-from genrec.threads import apply_threads, available_cores, check_thread_settings
 
 # ---------------------------------------------------------------------------------------------- the generator
 

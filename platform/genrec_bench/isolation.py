@@ -21,10 +21,10 @@ import statistics
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.cli import IsolationOptions
-from genrec.bench.common import machine, model_dir_for, random_prompt, timed
-from genrec.bench.engine import hstu_preset_dir, rank_request
 from genrec.engine import Engine
+from genrec_bench.cli import IsolationOptions
+from genrec_bench.common import hstu_preset_dir, machine, model_dir_for, random_prompt, timed
+from genrec_bench.engine import rank_request
 
 GOAL = 0.6  # across users, one-try accuracy at most this (chance is 0.5)
 ATTACKER = "user:attacker"

@@ -5,7 +5,6 @@ codes drawn per level, each level's codes the model's own tokens (its SID layout
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 import time
 
@@ -13,13 +12,13 @@ import numpy as np
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.cli import SidCatalogOptions
-from genrec.bench.common import interleaved_medians, machine, presets_root, random_prompt
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.decoder import Decoder
 from genrec.model.directory import ModelDir
-from genrec.testing.tiny import preset, write_model_dir
+from genrec.testing.tiny import preset
+from genrec_bench.cli import SidCatalogOptions
+from genrec_bench.common import cached_dir, interleaved_medians, machine, random_prompt, write_decoder
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)  # every round repeats the prompts: no prefix reuse
 GOALS = {"trie_build_s": 30.0, "retrieve_large_over_small": 1.05}
@@ -85,13 +84,7 @@ def sid_model(o) -> tuple[ModelDir, object, object]:
 def sid_model_dir(o: SidCatalogOptions):
     """A cached random-weight model of the preset's dimensions whose vocabulary holds `per_level` codes per level."""
     spec = preset(o.preset, levels=o.levels, codebook=o.per_level, items=1000, user_dim=0)
-    target = presets_root() / f"sid-{o.preset}-{hashlib.sha1(repr(spec).encode()).hexdigest()[:10]}"
-    if not (target / "genrec" / "catalog.parquet").exists():
-        dtype = torch.bfloat16 if spec.hidden >= 2048 else torch.float32
-        partial = target.with_suffix(".partial")
-        write_model_dir(partial, spec, dtype=dtype, init_device="cuda" if torch.cuda.is_available() else "cpu")
-        partial.rename(target)
-    return target
+    return cached_dir(f"sid-{o.preset}", spec, write_decoder)
 
 
 def random_catalog(layout, items: int, per_level: int, rng) -> tuple[Catalog, float]:

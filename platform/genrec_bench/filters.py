@@ -21,14 +21,14 @@ import pyarrow as pa
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.cli import FilterOptions
-from genrec.bench.common import machine, random_prompt, timed
-from genrec.bench.sid_catalog import COLD, random_catalog, sid_model
 from genrec.catalog import Catalog
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.engine import Engine
 from genrec.engine.decoder import Decoder
 from genrec.engine.filter_masks import FilterMasks
+from genrec_bench.cli import FilterOptions
+from genrec_bench.common import machine, random_prompt, timed
+from genrec_bench.sid_catalog import COLD, random_catalog, sid_model
 
 GENRES = 100
 GOALS = {"cold_over_unfiltered": 1.10, "cached_over_unfiltered": 1.03}

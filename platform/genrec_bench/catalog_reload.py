@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.cli import CatalogReloadOptions
-from genrec.bench.common import machine, random_prompt
-from genrec.bench.sid_catalog import random_catalog, sid_model
 from genrec.catalog import Catalog
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.engine.decoder import Decoder
+from genrec_bench.cli import CatalogReloadOptions
+from genrec_bench.common import machine, random_prompt
+from genrec_bench.sid_catalog import random_catalog, sid_model
 
 GOALS = {"failed": 0, "p99_during_over_before": "<= 1 + one step / p99 before"}
 

@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 import torch
 
-from genrec.bench.app import app_args, local_app
-from genrec.bench.cli import FunnelOptions, ServeOptions
-from genrec.bench.common import described, machine, model_dir_for, parse_rates, plot_latency, random_prompt
-from genrec.bench.load import RequestMaker, burst_throughput, open_loop, serving
 from genrec.engine import Engine
 from genrec.errors import GenrecError, Overloaded
+from genrec_bench.app import app_args, local_app
+from genrec_bench.cli import FunnelOptions, ServeOptions
+from genrec_bench.common import described, machine, model_dir_for, parse_rates, plot_latency, random_prompt
+from genrec_bench.load import RequestMaker, burst_throughput, open_loop, serving
 
 FUNNEL_GOAL = 1.5
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from genrec.errors import GenrecError
-from genrec.testing.tiny import preset, write_model_dir
+from genrec.testing.tiny import hstu_preset, preset, write_hstu_dir, write_model_dir
 
 
 def presets_root() -> Path:
@@ -30,15 +30,30 @@ def model_dir_for(preset_name: str, model: Path | None, levels: int | None) -> P
             raise ValueError("--levels sets the code length of a preset's catalog; --model brings its own: drop one")
         return model
     spec = preset(preset_name, **({"levels": levels} if levels else {}))
-    target = presets_root() / f"{preset_name}-L{spec.levels}-{hashlib.sha1(repr(spec).encode()).hexdigest()[:10]}"
+    return cached_dir(f"{preset_name}-L{spec.levels}", spec, write_decoder)
+
+
+def hstu_preset_dir(name: str) -> Path:
+    return cached_dir(f"hstu-{name}", hstu_preset(name), write_hstu_dir)
+
+
+def cached_dir(name: str, spec, write) -> Path:
+    """The directory `write(path, spec)` makes (genrec.testing's writers), written once under presets_root() and
+    named by the spec's hash, so that a changed spec is a new directory."""
+    target = presets_root() / f"{name}-{hashlib.sha1(repr(spec).encode()).hexdigest()[:10]}"
     if not (target / "genrec" / "catalog.parquet").exists():
-        dtype = torch.bfloat16 if spec.hidden >= 2048 else torch.float32
-        partial = target.with_suffix(".partial")
+        partial = target.with_name(target.name + ".partial")
         for stale in (partial, target):  # left by an interrupted earlier write
             shutil.rmtree(stale, ignore_errors=True)
-        write_model_dir(partial, spec, dtype=dtype, init_device="cuda" if torch.cuda.is_available() else "cpu")
+        write(partial, spec)
         partial.rename(target)  # a crash mid-write leaves no half directory under the real name
     return target
+
+
+def write_decoder(path: Path, spec) -> None:
+    """A Qwen3 preset's directory: bf16 from Qwen3-1.7B's width up, initialised on the GPU where there is one."""
+    dtype = torch.bfloat16 if spec.hidden >= 2048 else torch.float32
+    write_model_dir(path, spec, dtype=dtype, init_device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def check_device(device: str) -> str:

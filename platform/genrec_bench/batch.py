@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import torch
 
 from genrec.api import RetrieveRequest
-from genrec.bench.cli import BatchOptions
-from genrec.bench.common import described, machine, model_dir_for, random_prompt
 from genrec.engine import Engine
+from genrec_bench.cli import BatchOptions
+from genrec_bench.common import described, machine, model_dir_for, random_prompt
 
 GOAL = 0.85
 FUNNEL_GOAL = 0.6

@@ -25,9 +25,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from genrec.cache.config import CacheConfig
-from genrec.cache.keys import mix64, normalize_keys
+from genrec.cache.keys import checked_batch, mix64, normalize_keys
 from genrec.cache.table import EmbeddingTable
-from genrec.cache.vectors import checked_batch
 from genrec.errors import CacheError, GenrecError, StoreError
 
 

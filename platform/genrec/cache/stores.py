@@ -21,8 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from genrec.cache.keys import normalize_keys
-from genrec.cache.vectors import check_dim, checked_batch
+from genrec.cache.keys import check_dim, checked_batch, normalize_keys
 from genrec.errors import CacheError, StoreError
 
 

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from genrec.cache.hash_index import HashIndex
-from genrec.cache.keys import EMPTY, normalize_keys
+from genrec.cache.keys import EMPTY, check_dim, checked_batch, normalize_keys
 from genrec.cache.policies import POLICIES, Admission, make_policy
-from genrec.cache.vectors import check_dim, checked_batch
 from genrec.errors import CacheError
 
 

@@ -1,5 +1,5 @@
 """Our own Qwen3 forward pass, numerically equal to transformers' `Qwen3ForCausalLM`, and, configured as Qwen2
-(`config.architecture`: q/k/v biases, no q/k norm; see model/architecture.py), to `Qwen2ForCausalLM`.
+(`config.architecture`: q/k/v biases, no q/k norm; see model/config.py), to `Qwen2ForCausalLM`.
 
 Two entry points, both built on the same decoder layers:
 

@@ -25,8 +25,7 @@ from safetensors.torch import save
 from genrec.catalog.catalog import Catalog, parquet_bytes
 from genrec.errors import ModelDirectoryError
 from genrec.files import write_atomically
-from genrec.model.architecture import ARCHITECTURES
-from genrec.model.config import Qwen3Config
+from genrec.model.config import ARCHITECTURES, Qwen3Config
 from genrec.model.directory import GENREC_SUBDIR
 from genrec.model.hstu import HSTU
 from genrec.model.hstu_config import HSTUConfig

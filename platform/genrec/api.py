@@ -503,6 +503,13 @@ class Event(_Strict):
         )
 
 
+UNKNOWN_CANDIDATES_HELP = (
+    "a candidate the ranker's catalog does not hold: 'refuse' it (a 422 naming it), or 'skip' it (left out of the "
+    "result; the history is checked all the same). Skipping all of them is no error: the result has no item. The "
+    "funnel's ranking stage skips (the two models' catalogs may differ)"
+)
+
+
 class RankRequest(_Strict):
     history: list[Event] = Field(min_length=1, description="the user's events, oldest first")
     candidates: list[Text] = Field(min_length=1, description="item IDs to rank after the history")
@@ -510,6 +517,7 @@ class RankRequest(_Strict):
     request_id: Annotated[Text, Field(max_length=256)] | None = None
     cache_scope: CacheScope | None = Field(None, description=CACHE_SCOPE)
     shared_prefix: Int = Field(0, ge=0, description=SHARED_PREFIX)
+    unknown_candidates: Literal["refuse", "skip"] = Field("refuse", description=UNKNOWN_CANDIDATES_HELP)
 
 
 class RankedItem(BaseModel):

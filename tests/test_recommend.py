@@ -96,9 +96,7 @@ def test_given_candidates_follow_the_same_rules_in_the_async_engine(engine, rng)
     assert plain.items[1].item_id not in {i.item_id for i in got.items} and len(got.items) == 5
 
 
-def test_beam_order_is_the_beams_then_the_given_items_a_scored_recommend_keeps_nothing_scored(
-    engine, rng, monkeypatch
-):
+def test_beam_order_is_the_beams_then_the_given_items_a_scored_recommend_keeps_nothing_scored(engine, rng, monkeypatch):
     """rank_by 'beam' (a two-stage recommend's stage 1): the retrieved items in beam order, then the given ones
     kept by the one rule (no excluded or disallowed item, each once, in order), the same items the label's
     recommend of the same request returns; and no scoring pass runs."""
@@ -112,6 +110,7 @@ def test_beam_order_is_the_beams_then_the_given_items_a_scored_recommend_keeps_n
     request = RecommendRequest(**fields, candidates=[Candidate(item_id=g) for g in given])
     (ref,) = engine.retrieve([RetrieveRequest(**fields)])
     (scored,) = engine.recommend([request])
+
     def no_scoring(*_):
         raise AssertionError("rank_by 'beam' ran a scoring pass")
 

@@ -7,8 +7,10 @@ Retrieves by default; --score recommends (retrieve, then label-score the items a
 same prefill); --order-by joint [--score-weight W] orders by the generator's and the label's log-probabilities
 together (RecommendRequest.rank_by).
 
---ranker HSTU_DIR adds a second Ray Data stage (its own --rank-actors, --rank-cpus-per-actor): each user's items
-are ranked after the user's `history` column (as jobs/batch_rank.py reads it) and ordered by --rank-task's
+--ranker HSTU_DIR runs the online two-stage recommend's stages: stage 1 the recommend in beam order (the retrieved
+items, then the row's given candidates kept as recommend keeps them; nothing scored unless --score), then a second
+Ray Data stage (its own --rank-actors, --rank-cpus-per-actor): each user's items are ranked after the user's
+`history` column (as jobs/batch_rank.py reads it) and ordered by --rank-task's
 probability; the rows gain retrieval_rank (stage 1's order) and one prob_<task> column per ranker task. Items
 the ranker does not know keep stage 1's order after the ranked ones; a user whose history the ranker refuses
 is an error row.

@@ -19,7 +19,7 @@ import torch
 
 from genrec.api import Event, RankedItem, RankRequest, RankResult, RetrievedItem, RetrieveRequest, RetrieveResult
 from genrec.batch import Execution, FunnelSpec, RankingExecution, RecommendSpec, run
-from genrec.batch.jobs import RankRetrieved, Retrieve
+from genrec.batch.jobs import BeamOrder, RankRetrieved, stages
 from genrec.batch.output import RECOMMENDATIONS, OutputDir
 from genrec.batch.shards import UsersInput
 from genrec.batch.tables import ROW, Versions, funnel_table, recommendations_table
@@ -189,8 +189,8 @@ def test_a_partial_run_resumes_to_the_same_bytes(ray_cluster, reference, tmp_pat
 def test_stages_in_process_hand_a_committed_shard_on_as_skipped(reference, tmp_path):
     """A retried or late task of a committed shard: stage 1 computes nothing, stage 2 reports it skipped."""
     spec, _ = reference
-    shard = UsersInput(spec.users, Retrieve.layout).shards(BATCH)[0]
-    handed = ShardWorker(Retrieve(spec), run_id="r", hand_on=True)(pa.Table.from_pylist([shard.as_row()]))
+    shard = UsersInput(spec.users, BeamOrder.layout).shards(BATCH)[0]
+    handed = ShardWorker(BeamOrder(spec), run_id="r", hand_on=True)(pa.Table.from_pylist([shard.as_row()]))
     assert handed.num_rows == 1 and handed.column("results")[0].as_py() is None
     stage2 = ShardWorker(RankRetrieved(spec), run_id="r")
     (report,) = stage2(handed).to_pylist()
@@ -209,14 +209,66 @@ def test_funnel_table_orders_by_the_task_ties_in_stage_1_order_unknown_items_las
     stage1 = stage1.append_column(ROW, pa.array([0, 0, 0, 0, 1], pa.int64()))
     scores = {"x": 0.2, "z": 0.7, "w": 0.7}  # y is unknown to the ranker; z and w tie
     ranked = RankResult(items=[RankedItem(item_id=i, scores={"like": p}) for i, p in scores.items()], history_events=1)
-    table = funnel_table(stage1, {0: ranked, 1: None}, ("like",), "like", "rv").to_pylist()
+    knows_none = RankResult(items=[], history_events=1)  # the ranker skipped every item of b
+    table = funnel_table(stage1, {0: ranked, 1: knows_none}, ("like",), "like", "rv").to_pylist()
     assert [(r["user_id"], r["rank"], r["retrieval_rank"], r["item_id"], r["prob_like"]) for r in table] == [
         ("a", 1, 3, "z", 0.7), ("a", 2, 4, "w", 0.7), ("a", 3, 1, "x", 0.2), ("a", 4, 2, "y", None),
         ("b", 1, 1, "v", None),
     ]  # fmt: skip
     assert {(r["model_version"], r["catalog_version"], r["ranker_version"]) for r in table} == {("m", "c", "rv")}
+    assert not any(r["degraded"] for r in table)
     assert funnel_table(stage1, {}, ("like",), "like", "rv").num_rows == 0  # every user refused
     assert funnel_table(stage1.slice(0, 0), {}, ("like",), "like", "rv").num_rows == 0  # no user retrieved
+
+
+def batch_in_process(spec: FunnelSpec) -> tuple[list[dict], list[dict]]:
+    """(result rows, error rows) of the funnel's two stages run in this process, shard by shard (no Ray)."""
+    (first, _), (second, _) = stages(spec, Execution(), RankingExecution())
+    OutputDir(spec.out, RECOMMENDATIONS).open_run(spec.identity("v", "in"))
+    one, two = ShardWorker(first, run_id="r", hand_on=True), ShardWorker(second, run_id="r")
+    for shard in UsersInput(spec.users, first.layout).shards(BATCH):
+        two(one(pa.Table.from_pylist([shard.as_row()])))
+    out = Path(spec.out)
+    return pq.read_table(out / RECOMMENDATIONS).to_pylist(), pq.read_table(out / "errors").to_pylist()
+
+
+def test_online_and_batch_agree_when_the_ranker_knows_none_of_the_items(
+    engine, ranker, tiny_dir, hstu_dir, tmp_path, monkeypatch
+):
+    """One rule for both: the retriever's recommend in beam order (its beams, then the given items it keeps), the
+    ranker skipping what it does not know after checking the history. Where it knows none of a user's items: no
+    error and not degraded, the items in stage 1's order unranked, online as nightly; a bad history is still the
+    user's error (online a 422, nightly an error row) naming the same field."""
+    from tests.funnel_ingress import two_stage
+
+    only_retrievers = [f"item-{i:06d}" for i in range(HSTU_TINY.items, 300)]  # the ranker's catalog stops at 120
+    prompt = random_prompt(engine, 24, torch.Generator().manual_seed(11))
+    user = {"prompt_token_ids": prompt, "allowed_item_ids": only_retrievers,
+            "candidates": [only_retrievers[40], only_retrievers[2], only_retrievers[40]]}  # fmt: skip
+    good = history(random.Random(11), 5)
+    rows = [{"user_id": "good", **user, "history": good}, {"user_id": "bad", **user, "history": [{"item_id": "no"}]}]
+    users = tmp_path / "users.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), users)
+    spec = funnel_spec(tiny_dir, hstu_dir, users, tmp_path / "out", num_results=BEAM)  # every beam, as online
+    results, errors = batch_in_process(spec)
+    assert [(e["user_id"], e["field"]) for e in errors] == [("bad", "history[0].item_id")]
+    nightly = [(r["item_id"], r["prob_like"], r["degraded"]) for r in results]
+    assert {r["user_id"] for r in results} == {"good"}
+    assert [r["rank"] for r in results] == [r["retrieval_rank"] for r in results] == list(range(1, len(nightly) + 1))
+
+    body = {"prompt_token_ids": prompt, "beam_width": BEAM, "allowed_item_ids": only_retrievers,
+            "candidates": [{"item_id": i} for i in user["candidates"]], "rank_task": TASK}  # fmt: skip
+    status, answer, calls = two_stage(engine, ranker, body | {"history": good}, monkeypatch)
+    assert status == 200, answer
+    assert [(c.deployment, c.method) for c in calls] == [("retriever", "recommend"), ("ranker", "rank")]
+    assert calls[1].result.items == []  # the ranker knew none: nothing ranked, no error
+    online = [(i["item_id"], None, answer["degraded"]) for i in answer["items"]]
+    assert online == nightly[: len(online)] and len(online) == min(BEAM, len(nightly))
+    assert [i.item_id for i in calls[0].result.items][: len(online)] == [i for i, _, _ in online]  # stage 1's order
+    assert only_retrievers[40] in {i for i, _, _ in nightly}  # a given item joined, once
+    assert all(i["ranker_scores"] is None for i in answer["items"]) and not answer["degraded"]
+    status, answer, _ = two_stage(engine, ranker, body | {"history": [{"item_id": "no"}]}, monkeypatch)
+    assert status == 422 and answer["details"][0]["field"] == "history[0].item_id"
 
 
 def retrieved(item_ids: list[str]) -> RetrieveResult:

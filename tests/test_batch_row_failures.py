@@ -18,7 +18,7 @@ import torch
 
 from genrec.api import RankedItem, RankRequest, RankResult
 from genrec.batch import Execution, FunnelSpec, RankingExecution, RankSpec, RecommendSpec, run
-from genrec.batch.jobs import Rank, RankRetrieved, Recommend, Retrieve
+from genrec.batch.jobs import BeamOrder, Rank, RankRetrieved, Recommend, Retrieve
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS, OutputDir
 from genrec.batch.shards import UsersInput
 from genrec.batch.spec import FORMAT, FUNNEL_FORMAT
@@ -113,9 +113,9 @@ def funnel_users(engine, path: Path) -> list[dict]:
 
 def in_process(spec: FunnelSpec) -> list[dict]:
     """The funnel's output by plain workers called in process, shard by shard: what the job writes without faults."""
-    shards = UsersInput(spec.users, Retrieve.layout).shards(spec.batch_size)
+    shards = UsersInput(spec.users, BeamOrder.layout).shards(spec.batch_size)
     OutputDir(spec.out, RECOMMENDATIONS).open_run({})
-    first, second = ShardWorker(Retrieve(spec), "r", hand_on=True), ShardWorker(RankRetrieved(spec), "r")
+    first, second = ShardWorker(BeamOrder(spec), "r", hand_on=True), ShardWorker(RankRetrieved(spec), "r")
     second(first(pa.Table.from_pylist([s.as_row() for s in shards])))
     return pq.read_table(Path(spec.out) / RECOMMENDATIONS).to_pylist()
 

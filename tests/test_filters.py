@@ -372,23 +372,6 @@ def test_the_batch_job_takes_filters_per_row_and_a_bad_row_fails_only_itself(att
     assert sorted(by_user["u4"]) == ["item-000004", "item-000009"]
 
 
-def test_the_online_funnel_passes_the_filters_to_its_retrieve_stage():
-    from genrec.api import RetrievedItem, RetrieveResult
-    from genrec.serving import funnel
-
-    request = RecommendRequest(
-        prompt="p",
-        beam_width=4,
-        filters={"genre": ["drama"], "year": {"gte": 2000}},
-        allowed_item_ids=["a", "x"],
-        candidates=[Candidate(item_id="x"), Candidate(item_id="y")],
-    )
-    stage1 = funnel.stage1(request)
-    assert stage1.filters == request.filters and stage1.allowed_item_ids == ["a", "x"]
-    retrieved = RetrieveResult(items=[RetrievedItem(item_id="a", semantic_id=[1], logprob=0.0)], prompt_tokens=3)
-    assert [i.item_id for i in funnel.candidates(request, retrieved)] == ["a", "x"]  # y is not allowed
-
-
 def test_null_attributes_meet_no_condition_and_dictionary_columns_read_as_text():
     table = pa.table(
         {
@@ -442,27 +425,52 @@ def test_a_struct_filters_column_leaves_out_its_null_fields():
     assert row_filters(4, {"filters": "[1, 2]"}).field == "filters"
 
 
-def test_a_two_stage_recommends_given_items_are_checked_against_the_attribute_filters(fengine):
-    """The ingress holds no catalog: the retriever says which given items the filters allow (Engine.allowed_items),
-    and only those join the retrieved ones for the ranker."""
-    from genrec.api import RetrievedItem, RetrieveResult
-    from genrec.serving import funnel
+def test_a_filtered_two_stage_recommend_is_two_calls_keeping_the_given_items_as_recommend_does(
+    fengine, ranker, monkeypatch
+):
+    """Stage 1 is one call, the retriever's recommend in beam order: its filters, exclusions and allowed_item_ids
+    keep the given items exactly as the single-stage recommend of the same request does (the decoder's one rule);
+    stage 2, the ranker's rank of stage 1's items. No call asks the retriever which given items the filters allow."""
+    from tests.funnel_ingress import two_stage
 
     catalog = fengine.catalog
-    drama = ids(fengine, mask_of(fengine, filters={"genre": "drama"}))
-    given = [catalog.item_ids[i] for i in range(12)] + ["not-in-the-catalog"]
-    request = RecommendRequest(
-        prompt="p", beam_width=4, filters={"genre": "drama"}, candidates=[Candidate(item_id=i) for i in given]
-    )
-    assert funnel.needs_filtering(request)
-    allowed = fengine.allowed_items(request)
-    assert allowed == [i for i in given if i in drama] and allowed
-    retrieved = RetrieveResult(items=[RetrievedItem(item_id=allowed[0], semantic_id=[1], logprob=0.0)], prompt_tokens=3)
-    assert [i.item_id for i in funnel.candidates(request, retrieved, allowed)] == allowed
-    unfiltered = request.model_copy(update={"filters": None})
-    assert not funnel.needs_filtering(unfiltered) and fengine.allowed_items(unfiltered) == given
-    with pytest.raises(InvalidRequestError, match="filters.colour"):
-        fengine.allowed_items(request.model_copy(update={"filters": {"colour": "red"}}))
+    given = [catalog.item_ids[i] for i in (3, 1, 6, 1, 11, 16, 2, 21, 26)]  # drama: 1, 6, 11, 16, 21, 26
+    request = {
+        "prompt": "user listened to comedy podcast episode then news daily",
+        "beam_width": 6,
+        "filters": {"genre": "drama", "year": {"lt": 2015}},  # year 1990 + i % 40: 26 is 2016
+        "exclude_item_ids": [catalog.item_ids[6]],
+        "candidates": [{"item_id": g} for g in given],
+    }
+    status, answer, calls = two_stage(fengine, ranker, request | {"history": [{"item_id": "item-000001"}]}, monkeypatch)
+    assert status == 200 and not answer["degraded"], answer
+    assert [(c.deployment, c.method) for c in calls] == [("retriever", "recommend"), ("ranker", "rank")]
+    stage1, stage2 = calls
+    (single,) = fengine.recommend([RecommendRequest(**request)])
+    kept = [(i.item_id, i.source) for i in stage1.result.items if i.source != "retrieved"]
+    assert sorted(kept) == sorted((i.item_id, i.source) for i in single.items if i.source != "retrieved")
+    assert {i for i, _ in kept} == {catalog.item_ids[k] for k in (1, 11, 16, 21)}  # not 6 (excluded) nor 26
+    assert stage2.request.candidates == [i.item_id for i in stage1.result.items]
+    assert stage1.request.filters == RecommendRequest(**request).filters and stage1.request.rank_by == "beam"
+    assert not hasattr(fengine, "allowed_items")
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"candidates": [{"item_id": "item-000001"}, {"item_id": "not-in-the-catalog"}]}, "candidates[1].item_id"),
+        ({"filters": {"colour": "red"}}, "filters.colour"),
+    ],
+)
+def test_a_two_stage_recommends_stage1_refuses_what_recommend_refuses(fengine, ranker, monkeypatch, fields, field):
+    """A given item the retriever's catalog does not hold, a filter on an attribute it lacks: the client's 422 from
+    stage 1, as the single-stage recommend's, and the ranker is never called."""
+    from tests.funnel_ingress import two_stage
+
+    body = {"prompt": "user listened", "beam_width": 4, "history": [{"item_id": "item-000001"}], **fields}
+    status, answer, calls = two_stage(fengine, ranker, body, monkeypatch)
+    assert status == 422 and answer["details"][0]["field"] == field, answer
+    assert [(c.deployment, c.method) for c in calls] == [("retriever", "recommend")]
 
 
 def test_numbers_the_column_cannot_hold_are_refused_or_compared_exactly():

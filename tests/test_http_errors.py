@@ -57,7 +57,7 @@ LOCATED = [
     ("score", {"prompt": "x", "candidates": [{"text": "a", "item_id": "b"}]}, "candidates[0].text", "exactly one"),
     ("score", {"prompt": "x"}, "candidates", "is required"),
     ("recommend", {"prompt": "x", "score_weight": 2.0}, "score_weight", "applies to rank_by 'joint' only"),
-    ("recommend", {"prompt": "x", "rank_by": "best"}, "rank_by", "must be 'score' or 'joint'"),
+    ("recommend", {"prompt": "x", "rank_by": "best"}, "rank_by", "must be 'score', 'joint' or 'beam'"),
 ]
 PYDANTIC_WORDS = ("Value error", "Input should", "after validation", "Extra inputs", "Field required", "should have")
 

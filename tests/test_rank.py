@@ -145,6 +145,27 @@ def test_rank_requests_are_validated_naming_the_field(ranker):
         ranker.retrieve([RetrieveRequest(prompt_token_ids=[1, 2])])
 
 
+def test_skipped_unknown_candidates_leave_the_known_ranked_as_alone_and_the_history_still_checked(ranker):
+    """unknown_candidates 'skip' (the funnel's rule): the unknown ones left out, the known ones scored as a request
+    of them alone would; none known is an empty result, not an error; a bad history is refused all the same."""
+    rng = random.Random(8)
+    events, known = history(rng, 20), candidates(rng, 4)
+    mixed = ["nope-1", known[0], known[1], "nope-2", known[2], known[3]]
+    (alone,) = ranker.rank([RankRequest(history=events, candidates=known)])
+    (skipped,) = ranker.rank([RankRequest(history=events, candidates=mixed, unknown_candidates="skip")])
+    assert [i.item_id for i in skipped.items] == known
+    assert probs(skipped, SPEC.tasks) == pytest.approx(probs(alone, SPEC.tasks), abs=1e-6)
+    with pytest.raises(InvalidRequestError, match=r"candidates\[0\]"):  # the default refuses
+        ranker.rank([RankRequest(history=events, candidates=mixed)])
+    none = RankRequest(history=events, candidates=["nope-1", "nope-2"], unknown_candidates="skip", request_id="r")
+    (empty,) = ranker.rank([none])
+    assert (empty.items, empty.history_events, empty.request_id) == ([], 20, "r")
+    assert empty.catalog_version == ranker.catalog.version
+    bad = none.model_copy(update={"history": [Event(item_id="no-such-item")]})
+    with pytest.raises(InvalidRequestError, match=r"history\[0\].item_id"):
+        ranker.rank([bad])
+
+
 def test_a_qwen3_engine_refuses_rank_requests(engine):
     request = RankRequest(history=[Event(item_id="item-000001")], candidates=["item-000002"])
     with pytest.raises(InvalidRequestError, match="not rank"):

@@ -96,6 +96,55 @@ def test_given_candidates_follow_the_same_rules_in_the_async_engine(engine, rng)
     assert plain.items[1].item_id not in {i.item_id for i in got.items} and len(got.items) == 5
 
 
+def test_beam_order_is_the_beams_then_the_given_items_a_scored_recommend_keeps_nothing_scored(engine, rng, monkeypatch):
+    """rank_by 'beam' (a two-stage recommend's stage 1): the retrieved items in beam order, then the given ones
+    kept by the one rule (no excluded or disallowed item, each once, in order), the same items the label's
+    recommend of the same request returns; and no scoring pass runs."""
+    tokens = random_prompt(engine, 21, rng)
+    (plain,) = engine.retrieve([RetrieveRequest(prompt_token_ids=tokens, beam_width=6)])
+    retrieved = [i.item_id for i in plain.items]
+    others = [i for i in engine.catalog.item_ids if i not in set(retrieved)]
+    given = [others[0], retrieved[1], others[1], others[0], others[2], others[3], retrieved[0]]
+    excluded, allowed = [others[2], retrieved[0]], [*retrieved, *others[:3], *others[4:40]]
+    fields = {"prompt_token_ids": tokens, "beam_width": 6, "exclude_item_ids": excluded, "allowed_item_ids": allowed}
+    request = RecommendRequest(**fields, candidates=[Candidate(item_id=g) for g in given])
+    (ref,) = engine.retrieve([RetrieveRequest(**fields)])
+    (scored,) = engine.recommend([request])
+
+    def no_scoring(*_):
+        raise AssertionError("rank_by 'beam' ran a scoring pass")
+
+    monkeypatch.setattr(engine.family.scorer, "score_pass", no_scoring)
+    (beam,) = engine.recommend([RecommendRequest(**fields, candidates=request.candidates, rank_by="beam")])
+    kept = [g for g in dict.fromkeys(given) if g not in excluded and g in allowed]
+    found = [i.item_id for i in ref.items]
+    want = [(i, "retrieved+given" if i in kept else "retrieved") for i in found]
+    want += [(g, "given") for g in kept if g not in found]
+    assert {source for _, source in want} == {"retrieved", "retrieved+given", "given"}  # each case met
+    assert [(i.item_id, i.source) for i in beam.items] == want
+    assert sorted((i.item_id, i.source) for i in scored.items) == sorted(want)  # the label's recommend keeps them too
+    assert [i.retrieval_logprob for i in beam.items[: len(found)]] == pytest.approx([i.logprob for i in ref.items])
+    assert all(i.score_logprob is None and i.prob is None for i in beam.items)
+    for item in beam.items[len(found) :]:
+        assert item.semantic_id == engine.catalog.code(engine.catalog.index_of(item.item_id))
+        assert item.retrieval_logprob is None and item.code_logprob is None
+    assert (beam.prompt_tokens, beam.catalog_version) == (scored.prompt_tokens, scored.catalog_version)
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"labels": ["yes", "no"]}, "labels"),
+        ({"candidates": [{"item_id": "item-000001"}, {"text": "news"}]}, "candidates[1]"),
+        ({"candidates": [{"token_ids": [5, 6]}]}, "candidates[0]"),
+    ],
+)
+def test_beam_order_takes_no_label_and_item_candidates_only(fields, field):
+    with pytest.raises(ValidationError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        RecommendRequest(prompt="x", rank_by="beam", **fields)
+    RecommendRequest(prompt="x", **fields)  # the label's recommend takes them
+
+
 @torch.no_grad()
 def hf_sequence_logprob(hf_model, prompt: list[int], tokens: list[int]) -> float:
     """log P(tokens | prompt) from one transformers forward: full-vocabulary log-softmax at each step."""

@@ -218,7 +218,7 @@ def test_a_replica_that_cannot_load_its_declared_catalog_at_start_refuses_until_
     it cannot load keeps the running catalog."""
     import numpy as np
 
-    from genrec.api import RetrieveRequest
+    from genrec.api import RecommendRequest, RetrieveRequest
     from genrec.catalog import Catalog
     from genrec.catalog.catalog import catalog_version
     from genrec.engine import Engine
@@ -238,9 +238,10 @@ def test_a_replica_that_cannot_load_its_declared_catalog_at_start_refuses_until_
         assert "retired.parquet" in info.catalog_refused and info.catalog_items == 0
         assert server.record_routing_stats() == {"catalog_served": False}
         request = RetrieveRequest(prompt_token_ids=[3, 4, 5], beam_width=2)
-        for call in (server.retrieve, server.allowed_items):
+        stage1 = RecommendRequest(prompt_token_ids=[3, 4, 5], beam_width=2, rank_by="beam")  # a funnel's stage 1
+        for call, asked in ((server.retrieve, request), (server.recommend, stage1)):
             with pytest.raises(CatalogNotServed, match=f"catalog not served: {declared}"):
-                asyncio.run(call(request, 10.0))
+                asyncio.run(call(asked, 10.0))
 
         async def restored():
             retry = asyncio.create_task(server._retry_declared(period_s=0.05))

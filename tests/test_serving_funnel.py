@@ -21,11 +21,10 @@ from genrec.api import (
     RankedItem,
     RankRequest,
     RankResult,
+    RecommendedItem,
     RecommendRequest,
     RecommendResult,
-    RetrievedItem,
     RetrieveRequest,
-    RetrieveResult,
 )
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.model.directory import model_version
@@ -72,9 +71,16 @@ def vector(seed: int) -> list[float]:
 # -- the merge, without Ray -------------------------------------------------------------------------
 
 
-def retrieved(*ids) -> RetrieveResult:
-    items = [RetrievedItem(item_id=i, semantic_id=[k], logprob=-k) for k, i in enumerate(ids)]
-    return RetrieveResult(items=items, prompt_tokens=7)
+def stage1(*retrieved, given=()) -> RecommendResult:
+    """Stage 1's answer as the retriever's recommend in beam order gives it: the retrieved items, then the given
+    ones kept and not retrieved (the rule itself is the decoder's: tests/test_recommend.py)."""
+    items = [
+        RecommendedItem(item_id=i, semantic_id=[k], retrieval_logprob=-k, code_logprob=-k,
+                        source="retrieved+given" if i in given else "retrieved")
+        for k, i in enumerate(retrieved)
+    ]  # fmt: skip
+    items += [RecommendedItem(item_id=g, semantic_id=[9], source="given") for g in given if g not in retrieved]
+    return RecommendResult(items=items, prompt_tokens=7, catalog_version="c-1")
 
 
 def ranked(**probs) -> RankResult:
@@ -82,60 +88,64 @@ def ranked(**probs) -> RankResult:
                       history_events=3)  # fmt: skip
 
 
-def merged(stage1: RetrieveResult, ranking: RankResult | None, task: str, n: int, given=()) -> RecommendResult:
-    request = RecommendRequest(prompt="p", candidates=[{"item_id": g} for g in given])
-    return funnel.merge(funnel.candidates(request, stage1), stage1, ranking, task, n, "v-1")
+def merged(first: RecommendResult, ranking: RankResult | None, task: str, n: int) -> RecommendResult:
+    return funnel.merge(first, ranking, task, n, "v-1")
 
 
 def test_the_merge_orders_by_the_task_ties_and_unranked_in_stage1_order():
-    stage1 = retrieved("a", "b", "c", "d", "e")
-    answer = merged(stage1, ranked(a=0.2, b=0.9, d=0.2, e=0.5), "click", 5)
+    first = stage1("a", "b", "c", "d", "e")
+    answer = merged(first, ranked(a=0.2, b=0.9, d=0.2, e=0.5), "click", 5)
     assert [i.item_id for i in answer.items] == ["b", "e", "a", "d", "c"]  # a and d tie: stage-1 order; c unranked
     assert answer.items[0].ranker_scores == {"click": 0.9, "like": pytest.approx(0.1)}
     last = answer.items[-1]
     assert last.ranker_scores is None and last.retrieval_logprob == last.code_logprob == -2  # stage-1 fields
     assert last.score_logprob is None and last.prob is None  # no label in a two-stage recommend
     assert (answer.rank_task, answer.ranker_version, answer.prompt_tokens) == ("click", "v-1", 7)
-    by_like = merged(stage1, ranked(a=0.2, b=0.9, d=0.2, e=0.5), "like", 2)
+    assert answer.catalog_version == "c-1" and not answer.degraded
+    by_like = merged(first, ranked(a=0.2, b=0.9, d=0.2, e=0.5), "like", 2)
     assert [i.item_id for i in by_like.items] == ["a", "d"]  # truncated to num_results
-    assert [i.item_id for i in merged(stage1, None, "click", 3).items] == ["a", "b", "c"]
+    assert [i.item_id for i in merged(first, None, "click", 3).items] == ["a", "b", "c"]
 
 
-def test_given_items_join_the_retrieved_once_and_are_ranked_with_them():
-    answer = merged(retrieved("a", "b"), ranked(a=0.1, b=0.2, x=0.9), "click", 5, given=("b", "x", "x"))
+def test_given_items_are_ranked_with_the_retrieved():
+    answer = merged(stage1("a", "b", given=("b", "x")), ranked(a=0.1, b=0.2, x=0.9), "click", 5)
     want = [("x", "given"), ("b", "retrieved+given"), ("a", "retrieved")]
     assert [(i.item_id, i.source) for i in answer.items] == want
     assert answer.items[0].retrieval_logprob is None
 
 
+def test_a_ranker_that_knows_none_of_the_items_leaves_stage1s_order_not_degraded():
+    first = stage1("a", "b", given=("x",))
+    answer = merged(first, RankResult(items=[], history_events=3), "click", 5)
+    assert [i.item_id for i in answer.items] == ["a", "b", "x"]
+    assert all(i.ranker_scores is None for i in answer.items) and not answer.degraded
+    assert (answer.rank_task, answer.ranker_version) == ("click", "v-1")
+
+
 def test_a_degraded_answer_is_stage1_in_beam_order_the_given_after():
-    stage1 = retrieved("a", "b", "c")
-    request = RecommendRequest(prompt="p", candidates=[{"item_id": g} for g in ("x", "b", "y", "x")])
-    items = funnel.candidates(request, stage1)
-    answer = funnel.degraded(items, stage1, 4, "ranker_timeout")
+    answer = funnel.degraded(stage1("a", "b", "c", given=("x", "b")), 4, "ranker_timeout")
     want = [("a", "retrieved"), ("b", "retrieved+given"), ("c", "retrieved"), ("x", "given")]
     assert [(i.item_id, i.source) for i in answer.items] == want
     assert (answer.degraded, answer.degraded_reason) == (True, "ranker_timeout")
     assert answer.rank_task is None and answer.ranker_version is None  # no ranker took part
     assert all(i.ranker_scores is None for i in answer.items) and answer.items[0].retrieval_logprob == 0
     assert answer.prompt_tokens == 7
-    ranked_answer = merged(stage1, ranked(a=0.1, b=0.2), "click", 4)
-    assert not ranked_answer.degraded and ranked_answer.degraded_reason is None
+    assert [i.item_id for i in funnel.degraded(stage1("a", "b", "c"), 2, "ranker_timeout").items] == ["a", "b"]
 
 
-def test_the_degraded_order_equals_a_plain_reference_on_random_inputs():
+def test_the_merge_equals_a_plain_reference_on_random_inputs():
     rng = random.Random(29)
     for _ in range(200):
         pool = [f"i{k}" for k in range(12)]
         beam = rng.sample(pool, rng.randint(0, 8))
-        given = [rng.choice(pool) for _ in range(rng.randint(0, 6))]
-        excluded = rng.sample(pool, rng.randint(0, 3))
+        given = rng.sample([p for p in pool if p not in beam], rng.randint(0, 3))
+        known = [i for i in beam + given if rng.random() < 0.6]
+        probs = {i: rng.choice([0.1, 0.5, 0.9]) for i in known}  # ties: stage-1 order
         n = rng.randint(1, 12)
-        request = RecommendRequest(prompt="p", candidates=[{"item_id": g} for g in given], exclude_item_ids=excluded)
-        stage1 = retrieved(*beam)
-        answer = funnel.degraded(funnel.candidates(request, stage1), stage1, n, "ranker_overloaded")
-        extra = [g for g in dict.fromkeys(given) if g not in beam and g not in excluded]
-        assert [i.item_id for i in answer.items] == (beam + extra)[:n]
+        answer = merged(stage1(*beam, given=given), ranked(**probs), "click", n)
+        items = beam + given
+        want = sorted(known, key=lambda i: (-probs[i], items.index(i))) + [i for i in items if i not in probs]
+        assert [i.item_id for i in answer.items] == want[:n]
 
 
 @pytest.mark.parametrize(
@@ -166,16 +176,20 @@ def test_stage1_keeps_a_reserve_for_stage2_and_at_least_half_the_deadline():
 
 def test_what_the_stages_are_sent():
     body = RecommendBody(prompt="p", beam_width=8, num_results=3, history=[Event(item_id="x")], request_id="r",
-                         candidates=[{"item_id": "c"}], exclude_item_ids=["e"])  # fmt: skip
+                         candidates=[{"item_id": "c"}], exclude_item_ids=["e"], filters={"genre": "drama"},
+                         allowed_item_ids=["a", "c"])  # fmt: skip
     request = body.to_request(None)
     first = funnel.stage1(request)
-    assert isinstance(first, RetrieveRequest) and first.num_results == 8  # every beam goes to the ranker
-    assert (first.exclude_item_ids, first.request_id) == (["e"], "r")
-    rank = funnel.stage2(body, funnel.candidates(request, retrieved("a", "b")))
+    assert isinstance(first, RecommendRequest) and first.num_results == 8  # every beam goes to the ranker
+    assert first.rank_by == "beam" and first.labels is None  # nothing scored: the ranker orders
+    assert (first.exclude_item_ids, first.request_id, first.candidates) == (["e"], "r", request.candidates)
+    assert (first.filters, first.allowed_item_ids) == (request.filters, ["a", "c"])
+    rank = funnel.stage2(body, stage1("a", "b", given=("c",)).items)
     assert (rank.candidates, rank.history, rank.request_id) == (["a", "b", "c"], body.history, "r")
+    assert rank.unknown_candidates == "skip"  # the ranker leaves out what it does not know, after the history
     assert funnel.stage2(body, []) is None
-    kept = funnel.known_candidates(rank, lambda i: i == "b")
-    assert kept.candidates == ["b"] and funnel.known_candidates(rank, lambda i: False) is None
+    widths = RecommendBody(prompt="p", beam_widths=[2, 4, 6], num_results=3, history=[Event(item_id="x")])
+    assert funnel.stage1(widths.to_request(None)).num_results == 6
 
 
 def ranker_info(**fields) -> ModelInfo:
@@ -303,7 +317,7 @@ def replica_counts(app: str, deployment: str, kind: str) -> dict[str, tuple[int,
 
 
 def test_each_user_stays_on_one_replica_of_both_deployments_which_keeps_their_context(urls, client):
-    kinds = {"EngineServer": "retrieve:ok", "RankerServer": "rank:ok"}
+    kinds = {"EngineServer": "recommend:ok", "RankerServer": "rank:ok"}
     for user in ("alice", "bob", "carol"):
         before = {d: replica_counts("funnel", d, k) for d, k in kinds.items()}
         for visit in range(3):  # a returning user: the same start of prompt and history, more of each every time

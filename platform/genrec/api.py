@@ -401,11 +401,14 @@ class RecommendRequest(RetrieveRequest):
 
     candidates: list[Candidate] = Field(default_factory=list)
     labels: tuple[Text, Text] | None = Field(None, description=LABELS_HELP)
-    rank_by: Literal["score", "joint"] = Field(
+    rank_by: Literal["score", "joint", "beam"] = Field(
         "score",
         description="'score': by score_logprob, log P(positive label | prompt, item). 'joint': by "
         "code_logprob + score_weight * score_logprob, the generator's and the label's evidence together (at "
-        "weight 1, log P(item, positive label | prompt)); for a label head trained beside the generator",
+        "weight 1, log P(item, positive label | prompt)); for a label head trained beside the generator. 'beam': "
+        "no label scored (score_logprob and prob None): the retrieved items in beam order, then the given "
+        "candidates kept (catalog items only), in their order; what a later stage ranks (a two-stage recommend's "
+        "first)",
     )
     score_weight: Annotated[
         StrictFloat, BeforeValidator(_plain), Field(ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False)
@@ -415,6 +418,19 @@ class RecommendRequest(RetrieveRequest):
     def _weight_with_joint(self):
         if self.score_weight != 1.0 and self.rank_by != "joint":
             raise field_error(self, "score_weight", "'score_weight' applies to rank_by 'joint' only")
+        return self
+
+    @model_validator(mode="after")
+    def _items_in_beam_order(self):
+        """rank_by 'beam' scores nothing: no label to give, and a given candidate must be an item to return."""
+        if self.rank_by != "beam":
+            return self
+        if self.labels is not None:
+            raise field_error(self, "labels", "rank_by 'beam' scores no label: leave labels out")
+        for i, candidate in enumerate(self.candidates):
+            if candidate.item_id is None:
+                problem = "rank_by 'beam' returns catalog items: give candidates as item_id, not text or tokens"
+                raise field_error(self, f"candidates[{i}]", problem)
         return self
 
 
@@ -428,7 +444,9 @@ class RecommendedItem(BaseModel):
         "candidate computed in the scoring pass under rank_by='joint', else None",
     )
     score_logprob: float | None = Field(
-        None, description="log P(positive label | prompt, item); None in a two-stage recommend (the ranker orders it)"
+        None,
+        description="log P(positive label | prompt, item); None under rank_by 'beam', as in a two-stage recommend "
+        "(the ranker orders it)",
     )
     prob: float | None = Field(None, description="P(positive | either label); None where score_logprob is")
     source: str = Field(description="'retrieved', 'given', or 'retrieved+given' (retrieved and also given)")
@@ -503,6 +521,13 @@ class Event(_Strict):
         )
 
 
+UNKNOWN_CANDIDATES_HELP = (
+    "a candidate the ranker's catalog does not hold: 'refuse' it (a 422 naming it), or 'skip' it (left out of the "
+    "result; the history is checked all the same). Skipping all of them is no error: the result has no item. The "
+    "funnel's ranking stage skips (the two models' catalogs may differ)"
+)
+
+
 class RankRequest(_Strict):
     history: list[Event] = Field(min_length=1, description="the user's events, oldest first")
     candidates: list[Text] = Field(min_length=1, description="item IDs to rank after the history")
@@ -510,6 +535,7 @@ class RankRequest(_Strict):
     request_id: Annotated[Text, Field(max_length=256)] | None = None
     cache_scope: CacheScope | None = Field(None, description=CACHE_SCOPE)
     shared_prefix: Int = Field(0, ge=0, description=SHARED_PREFIX)
+    unknown_candidates: Literal["refuse", "skip"] = Field("refuse", description=UNKNOWN_CANDIDATES_HELP)
 
 
 class RankedItem(BaseModel):

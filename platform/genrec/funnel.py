@@ -1,19 +1,16 @@
 """The retrieve -> rank funnel's policy, once for the online app and the nightly job (no Ray, no I/O here).
 
-Stage 1 (the Qwen3 retriever) finds a user's items in beam order; stage 2 (the HSTU ranker) ranks them after the
-user's history. The two models' catalogs may differ: the ranker is asked about the items it knows only
-(`known`), and the final order is `final_order`: the ranked items by the rank task's probability, highest first,
-ties in stage 1's order; then the items the ranker could not rank, in stage 1's order.
+Stage 1 (the Qwen3 retriever's recommend in beam order, rank_by 'beam') finds a user's items: its beams, then the
+given items the decoder's one rule keeps (genrec.engine.decoder `_kept`). Stage 2 (the HSTU ranker) ranks them
+after the user's history. The two models' catalogs may differ: the ranker skips the items it does not know
+(RankRequest.unknown_candidates 'skip', applied in the ranker after it checked the history; none known: nothing
+ranked, no error). The final order is `final_order`: the ranked items by the rank task's probability, highest
+first, ties in stage 1's order; then the items the ranker did not rank, in stage 1's order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-
-def known(item_ids: Sequence[str], knows: Callable[[str], bool]) -> list[str]:
-    """The items the ranker's catalog holds, in stage 1's order: what it is asked to rank."""
-    return [item for item in item_ids if knows(item)]
+from collections.abc import Sequence
 
 
 def final_order(item_ids: Sequence[str], scores: dict[str, dict[str, float]], task: str) -> list[int]:

@@ -8,7 +8,8 @@ results go (`results`), and does three things with a shard (the ShardWorker runs
 No row's data can fail more than its own row: any exception while parsing or running one is that row's error.
 
 Retrieve and Recommend (retrieve, then label-score on the same prefill) are the recommend job; Rank the rank job;
-the funnel chains Retrieve or Recommend with RankRetrieved, the HSTU ranker over stage 1's items (`stages`)."""
+the funnel chains BeamOrder (the online funnel's stage 1) or, with `score`, Recommend with RankRetrieved, the HSTU
+ranker over stage 1's items (`stages`)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ from genrec.batch.tables import (
 )
 from genrec.batch.user_embeddings import lookup
 from genrec.errors import GenrecError, InvalidRequestError
-from genrec.funnel import known
 from genrec.model.directory import ModelDir
 
 
@@ -141,6 +141,15 @@ class Recommend(Retrieve):
         return {**super().settings(), "rank_by": self.spec.order_by, "score_weight": self.spec.score_weight}
 
 
+class BeamOrder(Recommend):
+    """The funnel's stage 1, as online (genrec.serving.funnel): the retriever's recommend in beam order (rank_by
+    'beam'), nothing scored: the beams, then the given candidates (an optional column) the decoder's one rule
+    keeps."""
+
+    def settings(self) -> dict:
+        return {**Retrieve.settings(self), "rank_by": "beam"}
+
+
 class Rank(Job):
     """Each user's given candidates after the user's history, every task's probability (an HSTU model)."""
 
@@ -173,8 +182,9 @@ class Rank(Job):
 
 class RankRetrieved(Job):
     """The funnel's stage 2: each user's stage 1 items ranked after the user's history, those the ranker does not
-    know (genrec.funnel.known) after the ranked ones. A user whose history the ranker refuses is an error row; a
-    user the ranker fails for otherwise is degraded: stage 1's items in beam order, marked (tables.Degraded)."""
+    know skipped by the ranker (RankRequest.unknown_candidates, as online) and placed after the ranked ones. A
+    user whose history the ranker refuses is an error row (even when it knows none of the items); a user the
+    ranker fails for otherwise is degraded: stage 1's items in beam order, marked (tables.Degraded)."""
 
     layout = InputLayout(required=(("history",),))
     results = RECOMMENDATIONS
@@ -198,19 +208,16 @@ class RankRetrieved(Job):
                 "candidates": pa.array(candidates, pa.list_(pa.string())),
             }
         )
-        parsed = validate_rows(asked, RankRequest, ["history", "candidates"], {})
+        parsed = validate_rows(asked, RankRequest, ["history", "candidates"], {"unknown_candidates": "skip"})
         parsed.positions = [positions[k] for k in parsed.positions]
         for error in parsed.errors:
             error.position = positions[error.position]
         return parsed
 
     def infer(self, engine, requests: list) -> list:
-        """The known items of every user ranked in one run; a user with none has nothing to rank (None), but the
-        history is still checked. A failure other than a refusal of the request is Degraded."""
-        knows = lambda item: engine.catalog.row_of(item) is not None  # noqa: E731
-        asked = [r.model_copy(update={"candidates": known(r.candidates, knows)}) for r in requests]
-        ranked = iter(engine.run([r for r in asked if r.candidates], "rank"))
-        return [_degraded(next(ranked) if r.candidates else _checked(engine, r)) for r in asked]
+        """Every user's items ranked in one run (a user whose items the ranker knows none of: a RankResult of
+        none). A failure other than a refusal of the request is Degraded."""
+        return [_degraded(outcome) for outcome in engine.run(requests, "rank")]
 
     def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
         by_row = dict(zip(positions, results, strict=True))
@@ -221,18 +228,10 @@ def stages(spec: JobSpec, execution: Execution, ranking: RankingExecution) -> li
     """The spec's job as (job, how its stage runs), in order: one stage, or the funnel's two."""
     if isinstance(spec, RankSpec):
         return [(Rank(spec), execution)]
-    first = (Recommend if spec.score else Retrieve)(spec)
     if isinstance(spec, FunnelSpec):
+        first = (Recommend if spec.score else BeamOrder)(spec)
         return [(first, execution), (RankRetrieved(spec), ranking.over(execution))]
-    return [(first, execution)]
-
-
-def _checked(engine, request) -> Exception | None:
-    try:
-        engine.prepare(request, "rank")
-    except Exception as err:  # noqa: BLE001 - the request's outcome, as in Engine.run
-        return err
-    return None
+    return [((Recommend if spec.score else Retrieve)(spec), execution)]
 
 
 def _degraded(outcome):

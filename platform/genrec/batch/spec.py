@@ -133,7 +133,8 @@ class RecommendSpec(JobSpec):
 
 
 class FunnelSpec(RecommendSpec):
-    """Retrieve (or recommend), then rank each user's items after the user's history; the ranker is checked here."""
+    """The online funnel's two stages: the recommend in beam order (with `score`, the label's recommend), then rank
+    each user's items after the user's history; the ranker is checked here."""
 
     applies_to: ClassVar[str] = "the ranking stage"  # what its own flags are for (without --ranker: refused)
 

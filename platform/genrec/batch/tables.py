@@ -114,15 +114,16 @@ def rankings_table(
 
 def funnel_table(
     retrieved: pa.Table,
-    results: dict[int, RankResult | Degraded | None],
+    results: dict[int, RankResult | Degraded],
     tasks: tuple[str, ...],
     rank_task: str,
     version: str,
 ) -> pa.Table:
     """`retrieved`: stage 1's rows (with ROW), each user's together in stage 1's order. `results`: shard row ->
-    the RankResult of that user's items the ranker knows (None: it knows none; Degraded: the ranker failed, so
-    none is ranked and `degraded` is true with its reason); the users left out (refused by the ranker) are left
-    out. The final order and the unranked items' place (their probabilities null): genrec.funnel.final_order."""
+    the RankResult of that user's items the ranker knows (none when it knows none: stage 1's order, not degraded;
+    Degraded: the ranker failed, so none is ranked and `degraded` is true with its reason); the users left out
+    (refused by the ranker) are left out. The final order and the unranked items' place (their probabilities
+    null): genrec.funnel.final_order."""
     item_ids = retrieved.column("item_id").to_pylist()
     order, scores, counts, reasons = [], [], [], []
     for position, lo, hi in user_spans(retrieved.column(ROW).to_numpy()):

@@ -21,6 +21,7 @@ from genrec.api import (
     Filtered,
     PromptForms,
     PromptResult,
+    RecommendResult,
     RetrieveRequest,
     RetrieveResult,
 )
@@ -64,6 +65,11 @@ class PreparedPrompt(Prepared):
     @property
     def uses_beams(self) -> bool:
         return self.kind in ("retrieve", "recommend")
+
+    @property
+    def in_beam_order(self) -> bool:
+        """A recommend that scores nothing (rank_by 'beam'): its result is its beams and the given items kept."""
+        return self.kind == "recommend" and self.request.rank_by == "beam"
 
 
 class Decoder:
@@ -148,8 +154,9 @@ class Decoder:
             tokens = candidate_token_lists(self, catalog, req.candidates, len(token_ids), begun)  # each one checked
             keep = self._given(catalog, req.candidates, prepared)
             prepared.given = req.candidates if keep is None else [req.candidates[k] for k in keep]
-            prepared.candidate_tokens = tokens if keep is None else [tokens[k] for k in keep]
-            prepared.labels = label_token_ids(self.tokenizer, req.labels or self.layout.labels)
+            if not prepared.in_beam_order:  # else no row is scored: the candidates checked and kept only
+                prepared.candidate_tokens = tokens if keep is None else [tokens[k] for k in keep]
+                prepared.labels = label_token_ids(self.tokenizer, req.labels or self.layout.labels)
         prepared.kv_tokens = self._kv_tokens(prepared)
         return prepared
 
@@ -201,7 +208,8 @@ class Decoder:
     @staticmethod
     def _kept(catalog: Catalog, candidates: list[Candidate], exclusions: list[int], allowed: FilterMask | None):
         """Recommend: the given candidates to rank, in order: no excluded item, none the filter does not allow,
-        each item once."""
+        each item once. The one rule, whatever ranks them next: the label (rank_by score, joint) or a two-stage
+        recommend's ranker (rank_by beam: its stage 1, online and nightly)."""
         skip, keep = set(exclusions), []
         for k, cand in enumerate(candidates):
             if cand.item_id is not None:
@@ -270,11 +278,14 @@ class Decoder:
         )
         return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
 
-    def generated(self, job, beams: list[tuple[int, float]]) -> RetrieveResult | None:
-        """A retrieve's result; a recommend keeps its beams to score them with its candidates (None)."""
+    def generated(self, job, beams: list[tuple[int, float]]) -> RetrieveResult | RecommendResult | None:
+        """A retrieve's result, or a recommend's in beam order; a recommend that scores keeps its beams to score
+        them with its candidates (None)."""
         result = results.retrieve_result(job.prepared, beams)
         if job.kind == "retrieve":
             return result
+        if job.prepared.in_beam_order:
+            return results.beam_order_result(job.prepared, result)
         job.retrieved = result
         return None
 

@@ -127,19 +127,6 @@ class Engine:
         """The catalog version served now and the one kept for a rollback (None: none)."""
         return self._catalog_versions().describe()
 
-    def allowed_items(self, request) -> list[str]:
-        """The given candidates' item IDs (in order) that the request's filters allow in the catalog served now:
-        what a two-stage recommend ranks besides its retrieved items (the ingress holds no catalog). An item outside
-        the catalog is not allowed by a filter. Raises InvalidRequestError naming a bad filter field."""
-        served = self._catalog_versions().current
-        with host_side():
-            mask = served.filters.get(request)
-        given = [c.item_id for c in request.candidates if c.item_id is not None]
-        if mask is None:
-            return given
-        index = map(served.catalog.index_of, given)
-        return [item for item, k in zip(given, index, strict=True) if k is not None and mask.items[k]]
-
     def _catalog_versions(self) -> CatalogVersions:
         versions = self.family.catalogs
         if versions is None:

@@ -22,6 +22,7 @@ from genrec.api import (
     PromptResult,
     RankRequest,
     RecommendRequest,
+    RecommendResult,
     RetrieveRequest,
     RetrieveResult,
     ScoreRequest,
@@ -104,6 +105,6 @@ class Generating(Family, Protocol):
     def decode_forward(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode pass over a filled `DecodeBatch`: (logprobs [B, vocab], new_k, new_v)."""
 
-    def generated(self, job: Job, beams: list[tuple[int, float]]) -> RetrieveResult | None:
-        """A job whose generation finished (its beams fetched): its result, or None if it goes on to rows (the
-        beams kept on the job)."""
+    def generated(self, job: Job, beams: list[tuple[int, float]]) -> RetrieveResult | RecommendResult | None:
+        """A job whose generation finished (its beams fetched): its result (a retrieve's; a recommend's that scores
+        nothing), or None if it goes on to rows (the beams kept on the job)."""

@@ -27,6 +27,7 @@ from genrec.staging import fetch, to_device
 @dataclass
 class PreparedHistory(Prepared):
     candidate_rows: np.ndarray | None = None  # the candidates' embedding rows
+    candidate_ids: list[str] | None = None  # the candidates those rows are of (unknown ones skipped: fewer)
     tasks: list[int] | None = None  # the model's task indices to return, in order
 
 
@@ -63,7 +64,8 @@ class Ranker:
     # -- requests --------------------------------------------------------------------------------
 
     def prepare(self, req: RankRequest, kind: str) -> PreparedHistory:
-        """The history as event rows (item row, action, time bucket) and the candidates' rows, each checked."""
+        """The history as event rows (item row, action, time bucket) and the candidates' rows, each checked: the
+        history first, so that a bad one is refused even where no candidate is known (`_candidates`)."""
         config, items = self.model.config, self.catalog
         if len(req.history) > config.max_history_events:
             raise InvalidRequestError(
@@ -89,12 +91,7 @@ class Ranker:
             buckets = config.time_buckets([e.timestamp for e in req.history])
         else:
             buckets = [0] * len(req.history)
-        candidate_rows = []
-        for i, item in enumerate(req.candidates):
-            row = items.row_of(item)
-            if row is None:
-                raise InvalidRequestError(f"candidates[{i}]", f"unknown item {item!r}")
-            candidate_rows.append(row)
+        candidate_ids, candidate_rows = self._candidates(req)
         tasks = list(range(len(config.tasks)))
         if req.tasks is not None:
             unknown = [(i, t) for i, t in enumerate(req.tasks) if t not in config.tasks]
@@ -103,10 +100,26 @@ class Ranker:
                 raise InvalidRequestError(f"tasks[{i}]", f"{task!r} is not a task of this model {list(config.tasks)}")
             tasks = [config.tasks.index(t) for t in req.tasks]
         events = torch.tensor(np.stack([rows, actions, buckets], axis=1), dtype=torch.int64)
-        candidate_rows = np.asarray(candidate_rows, dtype=np.int64)
         # Its history, and one row per candidate over it.
         kv_tokens = len(events) + len(candidate_rows)
-        return PreparedHistory(req, kind, events, kv_tokens, candidate_rows=candidate_rows, tasks=tasks)
+        return PreparedHistory(
+            req, kind, events, kv_tokens, candidate_rows=candidate_rows, candidate_ids=candidate_ids, tasks=tasks
+        )
+
+    def _candidates(self, req: RankRequest) -> tuple[list[str], np.ndarray]:
+        """The candidates to rank and their rows, in order. One the catalog does not hold is refused, or with
+        `unknown_candidates` 'skip' left out: the funnel's one rule for items only its retriever knows, online
+        and nightly alike. None known leaves no row: the result has no item (the history still checked)."""
+        kept, rows = [], []
+        for i, item in enumerate(req.candidates):
+            row = self.catalog.row_of(item)
+            if row is None:
+                if req.unknown_candidates == "skip":
+                    continue
+                raise InvalidRequestError(f"candidates[{i}]", f"unknown item {item!r}")
+            kept.append(item)
+            rows.append(row)
+        return kept, np.asarray(rows, dtype=np.int64)
 
     def render_prompt(self, req: PromptForms) -> PromptResult:
         """A ranker's context is a history: it has no prompt to show."""
@@ -173,7 +186,7 @@ class Ranker:
         names = [self.model.config.tasks[t] for t in prepared.tasks]
         items = [
             RankedItem(item_id=item, scores=dict(zip(names, row, strict=True)))
-            for item, row in zip(prepared.request.candidates, host.tolist(), strict=True)
+            for item, row in zip(prepared.candidate_ids, host.tolist(), strict=True)
         ]
         return RankResult(
             request_id=prepared.request.request_id,

@@ -77,24 +77,35 @@ def recommend_result(prepared, retrieved: RetrieveResult, scores: LabelScores) -
     ]
     given = [prepared.given[k] for k in not_retrieved(prepared, retrieved)]
     for cand, lp, pr, code_lp in zip(given, logprobs[offset:], probs[offset:], given_code, strict=True):
-        code = catalog.code(catalog.index_of(cand.item_id)) if cand.item_id else None
-        items.append(
-            RecommendedItem(
-                item_id=cand.item_id,
-                semantic_id=code,
-                code_logprob=code_lp,
-                score_logprob=lp,
-                prob=pr,
-                source="given",
-            )
-        )
+        items.append(_given_item(catalog, cand, code_logprob=code_lp, score_logprob=lp, prob=pr))
     items.sort(key=_rank_key(prepared.request), reverse=True)
+    return _recommend_result(prepared, retrieved, items)
+
+
+def beam_order_result(prepared, retrieved: RetrieveResult) -> RecommendResult:
+    """rank_by 'beam': nothing scored. The retrieved items in beam order, then the given candidates kept
+    (`Decoder._kept`) that beam search did not find, in their order; an item both retrieved and given appears
+    once, as retrieved ("retrieved+given")."""
+    given_ids = {c.item_id for c in prepared.given}
+    items = [RecommendedItem.retrieved(i, given_ids) for i in retrieved.items]
+    catalog = prepared.served.catalog
+    items += [_given_item(catalog, prepared.given[k]) for k in not_retrieved(prepared, retrieved)]
+    return _recommend_result(prepared, retrieved, items)
+
+
+def _given_item(catalog, cand, **scores) -> RecommendedItem:
+    """A given candidate as recommend returns it: its code when it is a catalog item; `scores`: those scored."""
+    code = catalog.code(catalog.index_of(cand.item_id)) if cand.item_id else None
+    return RecommendedItem(item_id=cand.item_id, semantic_id=code, source="given", **scores)
+
+
+def _recommend_result(prepared, retrieved: RetrieveResult, items: list[RecommendedItem]) -> RecommendResult:
     return RecommendResult(
         request_id=prepared.request.request_id,
         items=items,
         prompt_tokens=retrieved.prompt_tokens,
         unknown_exclusions=retrieved.unknown_exclusions,
-        catalog_version=catalog.version,
+        catalog_version=prepared.served.catalog.version,
     )
 
 

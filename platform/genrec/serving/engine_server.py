@@ -13,11 +13,9 @@ from collections.abc import Callable
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from genrec.api import RankResult
 from genrec.engine import AsyncEngine, Engine
 from genrec.errors import GenrecError
 from genrec.serving.args import EngineLimits, ReplicaOptions, RetrieverLive, catalog_file, live_limits
-from genrec.serving.funnel import known_candidates
 from genrec.serving.http_errors import CatalogNotServed
 from genrec.serving.metrics import EngineMetricsExporter
 from genrec.serving.replicas import REPORT_EVERY_S, board
@@ -50,7 +48,6 @@ class EngineServer:
         self.engine: Engine = self.driver.engine
         self.model_dir, self.device = model_dir, device
         self.info = describe(self.engine, model_dir, device)
-        self.catalog = self.engine.catalog
         self.catalog_refused = None  # why the last catalog the user_config named was refused
         # A retriever answers only once it serves the catalog its user_config declares (reconfigure, before its first
         # request): never the model's own catalog, loaded above, in its stead. See `_serve_catalog`.
@@ -141,26 +138,6 @@ class EngineServer:
 
     async def rank(self, request, timeout_s: float, routing_key: str | None = None):
         return await self._run("rank", request, timeout_s)
-
-    async def rank_known(self, request, timeout_s: float, routing_key: str | None = None):
-        """A two-stage recommend's ranking (funnel.py): the retrieved items this model's catalog holds are
-        ranked, the rest left out (the retriever's catalog may hold items the ranker's does not)."""
-        if "rank" in self.info.serves:  # else _run refuses it as not served
-            kept = known_candidates(request, lambda item: self.catalog.row_of(item) is not None)
-            if kept is None:
-                version, events = self.catalog.version, len(request.history)
-                empty = RankResult(
-                    request_id=request.request_id, items=[], history_events=events, catalog_version=version
-                )
-                return empty, self.info.version
-            request = kept
-        return await self._run("rank", request, timeout_s)
-
-    async def allowed_items(self, request, timeout_s: float, routing_key: str | None = None):
-        """A two-stage recommend's given item IDs its `filters` allow (funnel.py): the attributes are in this
-        replica's catalog. Host work, in a worker thread."""
-        self._check_serving()
-        return await asyncio.to_thread(self.engine.allowed_items, request), self.info.version
 
     async def render_prompt(self, request, timeout_s: float, routing_key: str | None = None):
         """POST /v1/prompt: the request's prompt as this replica's engine runs it (text, token IDs); no compute,

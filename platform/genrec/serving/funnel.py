@@ -1,10 +1,14 @@
 """The two-stage recommend (an app with a ranker, a body with `history`): what each stage is sent, and the merge.
 
-Stage 1, the retrieval model's beam search (retrieve) with every beam returned; stage 2, the ranker's rank of
-those items, then of the given item_id candidates that were not retrieved, after the user's history; the answer,
-those items ordered by the ranker's probability for `rank_task` (ties in stage-1 order, given ones after the
-retrieved), each with the ranker's per-task probabilities. Items the ranker could not rank (not in its catalog:
-the two models' catalogs may differ) follow the ranked ones, in that order, with `ranker_scores` None.
+Two calls. Stage 1, the retriever's recommend in beam order (rank_by 'beam': nothing scored) with every beam
+returned: the retrieved items, then the given item_id candidates the decoder's one rule keeps (none excluded,
+none its filters or allowed_item_ids disallow, each once, in order; an item also retrieved appears once, as
+retrieved), as a single-stage recommend keeps them. Stage 2, the ranker's rank of those items after the user's
+history, skipping those its catalog does not hold (RankRequest.unknown_candidates 'skip', in the ranker, after
+it checked the history: the two models' catalogs may differ). The answer, those items in genrec.funnel's
+final order: ordered by the ranker's probability for `rank_task` (ties in stage-1 order), the items it did not
+rank after them in stage-1 order, with `ranker_scores` None. A ranker that knows none of them ranks none: the
+answer is stage 1's order, not an error (the nightly funnel answers the same).
 
 The ranker, not a label, orders the items: stage 1 scores no label (score_logprob and prob are None), and the
 label's fields (labels, rank_by, score_weight) are refused. Candidates given as text or token IDs have no item
@@ -26,11 +30,9 @@ from genrec.api import (
     RecommendedItem,
     RecommendRequest,
     RecommendResult,
-    RetrieveRequest,
-    RetrieveResult,
 )
 from genrec.errors import EngineStopped, InvalidRequestError, Overloaded, RequestTimeout
-from genrec.funnel import final_order, known
+from genrec.funnel import final_order
 from genrec.serving.http_errors import EngineUnavailable, is_client_error
 from genrec.serving.schemas import RankerFacts, RecommendBody
 
@@ -91,86 +93,42 @@ def degraded_reason(error: BaseException) -> str | None:
     return next((reason for types, reason in DEGRADED_REASONS if isinstance(error, types)), "ranker_error")
 
 
-def stage1(request: RecommendRequest) -> RetrieveRequest:
-    """The retrieval request with every beam kept: the ranker, not the beam order, decides which are returned."""
-    fields = request.model_dump(include=set(RetrieveRequest.model_fields))
-    return RetrieveRequest.model_validate(fields | {"num_results": request.beam_width})
-
-
-def candidates(
-    request: RecommendRequest, retrieved: RetrieveResult, filtered: list[str] | None = None
-) -> list[RecommendedItem]:
-    """What the ranker ranks, in stage-1 order: the retrieved items (stage 1 honoured the request's filters), then
-    the given item_ids neither retrieved nor excluded nor outside `allowed_item_ids` nor, with attribute `filters`,
-    outside `filtered` (the given items the retriever's catalog allows: `needs_filtering`), each once, with their
-    stage-1 fields."""
-    given = {c.item_id for c in request.candidates} - set(request.exclude_item_ids)
-    if request.allowed_item_ids is not None:
-        given &= set(request.allowed_item_ids)
-    if filtered is not None:
-        given &= set(filtered)
-    items = [RecommendedItem.retrieved(r, given) for r in retrieved.items]
-    seen = {r.item_id for r in retrieved.items}
-    for c in request.candidates:
-        if c.item_id in given and c.item_id not in seen:
-            seen.add(c.item_id)
-            items.append(RecommendedItem(item_id=c.item_id, source="given"))
-    return items
-
-
-def needs_filtering(request: RecommendRequest) -> bool:
-    """Whether the given candidates must be checked against attribute filters by the retriever's catalog."""
-    return request.filters is not None and any(c.item_id is not None for c in request.candidates)
+def stage1(request: RecommendRequest) -> RecommendRequest:
+    """The retriever's recommend in beam order with every beam kept: the ranker, not the beam order, decides which
+    are returned."""
+    fields = request.model_dump(exclude={"rank_by", "num_results"})
+    return RecommendRequest.model_validate(fields | {"rank_by": "beam", "num_results": request.beam_width})
 
 
 def stage2(body: RecommendBody, items: list[RecommendedItem]) -> RankRequest | None:
-    """The rank request of the items (None: there are none)."""
+    """The rank request of the items, those the ranker does not know skipped (None: there are none)."""
     if not items:
         return None
-    return RankRequest(history=body.history, candidates=[i.item_id for i in items], request_id=body.request_id)
+    candidates = [i.item_id for i in items]
+    return RankRequest(
+        history=body.history, candidates=candidates, request_id=body.request_id, unknown_candidates="skip"
+    )
 
 
 def merge(
-    items: list[RecommendedItem],
-    retrieved: RetrieveResult,
-    ranked: RankResult | None,
-    task: str,
-    num_results: int,
-    version: str,
+    stage1: RecommendResult, ranked: RankResult | None, task: str, num_results: int, version: str
 ) -> RecommendResult:
-    """The items in the funnel's final order (genrec.funnel.final_order), the first `num_results`."""
+    """Stage 1's items in the funnel's final order (genrec.funnel.final_order), the first `num_results`."""
     scores = {item.item_id: item.scores for item in (ranked.items if ranked is not None else [])}
-    order = final_order([item.item_id for item in items], scores, task)
-    kept = [items[k] for k in order[:num_results]]
-    return RecommendResult(
-        request_id=retrieved.request_id,
-        items=[item.model_copy(update={"ranker_scores": scores.get(item.item_id)}) for item in kept],
-        prompt_tokens=retrieved.prompt_tokens,
-        unknown_exclusions=retrieved.unknown_exclusions,
-        catalog_version=retrieved.catalog_version,
-        rank_task=task,
-        ranker_version=version,
+    order = final_order([item.item_id for item in stage1.items], scores, task)
+    kept = [stage1.items[k] for k in order[:num_results]]
+    return stage1.model_copy(
+        update={
+            "items": [item.model_copy(update={"ranker_scores": scores.get(item.item_id)}) for item in kept],
+            "rank_task": task,
+            "ranker_version": version,
+        }
     )
 
 
-def degraded(
-    items: list[RecommendedItem], retrieved: RetrieveResult, num_results: int | None, reason: str
-) -> RecommendResult:
+def degraded(stage1: RecommendResult, num_results: int | None, reason: str) -> RecommendResult:
     """Stage 1's answer alone, after stage 2 failed: the items in the final order with nothing ranked (beam
     order, the given ones after), the first `num_results`, marked with why. No ranker: no task, no version."""
-    order = final_order([item.item_id for item in items], {}, "")
-    return RecommendResult(
-        request_id=retrieved.request_id,
-        items=[items[k] for k in order[:num_results]],
-        prompt_tokens=retrieved.prompt_tokens,
-        unknown_exclusions=retrieved.unknown_exclusions,
-        catalog_version=retrieved.catalog_version,
-        degraded=True,
-        degraded_reason=reason,
-    )
-
-
-def known_candidates(request: RankRequest, knows) -> RankRequest | None:
-    """The ranker's side: the request with only the candidates its catalog holds (None: it holds none)."""
-    candidates = known(request.candidates, knows)
-    return request.model_copy(update={"candidates": candidates}) if candidates else None
+    order = final_order([item.item_id for item in stage1.items], {}, "")
+    items = [stage1.items[k] for k in order[:num_results]]
+    return stage1.model_copy(update={"items": items, "degraded": True, "degraded_reason": reason})

@@ -11,8 +11,8 @@ request router, and turns every failure into the status the client can act on (s
 
 POST /v1/prompt goes to the retriever too: a prompt rendered as its engine runs it (text and token IDs; no compute).
 
-With both, a /v1/recommend whose body has `history` runs two stages under the request's one deadline: the
-retriever's beam search, then the ranker's rank of the retrieved items (funnel.py), both calls with the user's
+With both, a /v1/recommend whose body has `history` runs two stages, two calls, under the request's one deadline:
+the retriever's recommend in beam order, then the ranker's rank of its items (funnel.py), both calls with the user's
 routing key, so that each user stays on one replica of each deployment. Stage 1 leaves a reserve of the deadline
 to stage 2; when stage 2 fails, the answer is stage 1's, marked degraded (or, set to fail, the error).
 
@@ -270,9 +270,10 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def _two_stage(self, body: RecommendBody, response: Response):
-        """The retriever's beam search, then the ranker's rank of what it found, under one deadline (funnel.py):
-        stage 1 is given the deadline less the funnel's reserve, stage 2 what is left. A stage 2 that fails answers
-        stage 1's items, degraded, unless the ingress is set to fail (then its 503 or 504)."""
+        """Two calls under one deadline (funnel.py): the retriever's recommend in beam order (its beams and the
+        given items it keeps), then the ranker's rank of those items; stage 1 is given the deadline less the
+        funnel's reserve, stage 2 what is left. A stage 2 that fails answers stage 1's items, degraded, unless the
+        ingress is set to fail (then its 503 or 504)."""
         try:
             started = edge.arrived()  # the body's reading and validation included
             deadline = started + self.request_timeout_s
@@ -286,25 +287,20 @@ class Ingress:
                 funnel.check_body(body, self.ranker_facts)
             else:
                 funnel.check_form(body)
-            request = body.to_request(await self._user_embedding(body, first_deadline))
-            first = funnel.stage1(request)
+            first = funnel.stage1(body.to_request(await self._user_embedding(body, first_deadline)))
             key = routing_key(body, first, self.routing_blocks)
             # The retriever is given stage 1's time; a late answer is still taken until the deadline.
-            retrieved, version = await self._call("retriever", "retrieve", first, deadline, key, first_deadline)
-            filtered = None
-            if funnel.needs_filtering(request):  # the given items' attributes are in the retriever's catalog
-                filtered, _ = await self._call("retriever", "allowed_items", request, deadline, key, first_deadline)
-            items = funnel.candidates(request, retrieved, filtered)
+            stage1, version = await self._call("retriever", "recommend", first, deadline, key, first_deadline)
             response.headers[MODEL_VERSION_HEADER] = version
             try:
-                task, ranked, ranker_version = await self._stage2(body, items, deadline)
+                task, ranked, ranker_version = await self._stage2(body, stage1.items, deadline)
             except Exception as err:  # noqa: BLE001 - funnel.degraded_reason tells the client's mistakes apart
                 reason = funnel.degraded_reason(err)
                 if reason is None or self.settings.funnel_on_ranker_failure == "fail":
                     raise
-                return self._degraded(items, retrieved, body.num_results, reason, err)
+                return self._degraded(stage1, body.num_results, reason, err)
             response.headers[RANKER_VERSION_HEADER] = ranker_version
-            return funnel.merge(items, retrieved, ranked, task, body.num_results, ranker_version)
+            return funnel.merge(stage1, ranked, task, body.num_results, ranker_version)
         except Exception as err:  # noqa: BLE001
             return error_response(err, self.retry_after_s)
 
@@ -319,15 +315,15 @@ class Ingress:
             info = await self._engine_call(self.handles["ranker"].model_info.remote(), deadline, "ranker", True)
             return task, None, info.version
         key = routing_key(body, ranking, self.routing_blocks)
-        ranked, version = await self._call("ranker", "rank_known", ranking, deadline, key, fallback=True)
+        ranked, version = await self._call("ranker", "rank", ranking, deadline, key, fallback=True)
         return task, ranked, version
 
-    def _degraded(self, items, retrieved, num_results: int | None, reason: str, err: Exception):
+    def _degraded(self, stage1: RecommendResult, num_results: int | None, reason: str, err: Exception):
         """Stage 1's answer after stage 2 failed: counted, and logged with its traceback when it was a bug."""
         if reason == "ranker_error":
             log.error("the ranking failed unexpectedly; answered with the retrieval", exc_info=err)
         self.metrics.degraded(reason)
-        return funnel.degraded(items, retrieved, num_results, reason)
+        return funnel.degraded(stage1, num_results, reason)
 
     def _deployment_of(self, kind: str) -> str:
         """The deployment that answers the kind; a 404 (not_served) when the app has none of its family."""

@@ -22,7 +22,7 @@ from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
 from genrec.threads import ThreadSettings
 
 FORMAT = 4  # bump when the output layout or columns change (3: repeated user_ids refused; 4: catalog_version)
-FUNNEL_FORMAT = 5  # the funnel's own (4: the degraded columns; 5: catalog_version); the other jobs keep FORMAT
+FUNNEL_FORMAT = 6  # the funnel's own (4: degraded; 5: catalog_version; 6: stage 1 reads candidates sans --score)
 WRONG_FAMILY = {  # a job's refusal of the other family's model directory
     "qwen3": "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
     "Qwen3 semantic-ID model",

@@ -17,12 +17,14 @@ $(STAMP): pyproject.toml Makefile
 .PHONY: install test test-fast demo lint peers
 install: $(STAMP)
 
+# Two workers (pytest-xdist): the tests on the session's Ray cluster run on one, in order; every other test, the
+# unit tier and the tests that start a cluster of their own, is spread over both (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 # The unit tier only (no Ray, Serve, jobs, redis-server or demo): the inner loop.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not integration" tests
+	$(PY) -m pytest -q -n 2 -m "not integration" tests
 
 demo: $(STAMP)
 	$(PY) -m genrec_demo

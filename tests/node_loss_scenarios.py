@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from genrec.batch.jobs import Retrieve  # noqa: E402
+from genrec.batch.stages import Retrieve  # noqa: E402
 from genrec.batch.worker import ShardWorker  # noqa: E402
 from genrec.testing.tiny import ModelSpec, write_model_dir  # noqa: E402
 

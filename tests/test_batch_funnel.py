@@ -19,9 +19,9 @@ import torch
 
 from genrec.api import Event, RankedItem, RankRequest, RankResult, RetrievedItem, RetrieveRequest, RetrieveResult
 from genrec.batch import Execution, FunnelSpec, RankingExecution, RecommendSpec, run
-from genrec.batch.jobs import BeamOrder, RankRetrieved, stages
 from genrec.batch.output import RECOMMENDATIONS, OutputDir
 from genrec.batch.shards import UsersInput
+from genrec.batch.stages import BeamOrder, RankRetrieved, stages_of
 from genrec.batch.tables import ROW, Versions, funnel_table, recommendations_table
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
@@ -223,7 +223,7 @@ def test_funnel_table_orders_by_the_task_ties_in_stage_1_order_unknown_items_las
 
 def batch_in_process(spec: FunnelSpec) -> tuple[list[dict], list[dict]]:
     """(result rows, error rows) of the funnel's two stages run in this process, shard by shard (no Ray)."""
-    (first, _), (second, _) = stages(spec, Execution(), RankingExecution())
+    (first, _), (second, _) = stages_of(spec, Execution(), RankingExecution())
     OutputDir(spec.out, RECOMMENDATIONS).open_run(spec.identity("v", "in"))
     one, two = ShardWorker(first, run_id="r", hand_on=True), ShardWorker(second, run_id="r")
     for shard in UsersInput(spec.users, first.layout).shards(BATCH):

@@ -19,9 +19,9 @@ import pytest
 
 from genrec.batch import Execution, RankSpec, RecommendSpec, pipeline, run
 from genrec.batch.connect import check_gpus
-from genrec.batch.jobs import Rank, Retrieve
 from genrec.batch.output import ERRORS, OutputDir
 from genrec.batch.shards import Repeat, UsersInput
+from genrec.batch.stages import Rank, Retrieve
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
 from genrec.model.directory import model_version

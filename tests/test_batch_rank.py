@@ -18,8 +18,8 @@ import pytest
 
 from genrec.api import RankedItem, RankRequest, RankResult
 from genrec.batch import Execution, RankSpec, RecommendSpec, run
-from genrec.batch.jobs import Rank
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS, OutputDir
+from genrec.batch.stages import Rank
 from genrec.batch.tables import Versions, rankings_table
 from genrec.engine import Engine, SchedulerConfig
 from genrec.errors import GenrecError

@@ -18,10 +18,10 @@ import torch
 
 from genrec.api import RankedItem, RankRequest, RankResult
 from genrec.batch import Execution, FunnelSpec, RankingExecution, RankSpec, RecommendSpec, run
-from genrec.batch.jobs import BeamOrder, Rank, RankRetrieved, Recommend, Retrieve
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS, OutputDir
 from genrec.batch.shards import UsersInput
 from genrec.batch.spec import FORMAT, FUNNEL_FORMAT
+from genrec.batch.stages import BeamOrder, Rank, RankRetrieved, Recommend, Retrieve
 from genrec.batch.tables import ROW, Degraded, Versions, funnel_table, recommendations_table
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError

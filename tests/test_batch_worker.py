@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from genrec.batch import RecommendSpec, run
-from genrec.batch.jobs import Recommend, Retrieve
 from genrec.batch.output import RECOMMENDATIONS, OutputDir
 from genrec.batch.shards import UsersInput
+from genrec.batch.stages import Recommend, Retrieve
 from genrec.errors import GenrecError
 from genrec.model.directory import model_version
 from genrec.model.tokenizer import USER_TOKEN
@@ -139,7 +139,7 @@ def test_the_job_refuses_bad_arguments_in_one_line_before_starting_ray(tiny_dir,
 def test_an_actor_refuses_a_catalog_changed_since_the_run_started(tiny_dir, tmp_path):
     """One run never mixes catalog versions: an actor (started or restarted later) that loads another version
     than the driver found at the start refuses to run, naming both."""
-    from genrec.batch.jobs import Retrieve
+    from genrec.batch.stages import Retrieve
     from genrec.batch.worker import ShardWorker
     from genrec.catalog.catalog import catalog_version
 

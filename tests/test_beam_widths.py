@@ -187,7 +187,7 @@ def test_the_batch_job_retrieves_every_row_with_the_schedule(engine, tiny_dir, t
     import pyarrow.parquet as pq
 
     from genrec.batch import RecommendSpec
-    from genrec.batch.jobs import Retrieve
+    from genrec.batch.stages import Retrieve
     from tests.shard_runs import error_rows, run_in_process
 
     prompts = [random_prompt(engine, 10 + k, rng) for k in range(3)]

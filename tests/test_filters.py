@@ -341,7 +341,7 @@ def test_the_catalog_keeps_its_attribute_columns_through_load_and_save(attr_dir,
 
 def test_the_batch_job_takes_filters_per_row_and_a_bad_row_fails_only_itself(attr_dir, tmp_path, rng, fengine):
     from genrec.batch import RecommendSpec
-    from genrec.batch.jobs import Retrieve
+    from genrec.batch.stages import Retrieve
     from tests.shard_runs import error_rows, run_in_process
 
     prompts = [random_prompt(fengine, 10, rng) for _ in range(5)]
@@ -417,7 +417,7 @@ def test_a_subtree_whose_allowed_items_are_all_excluded_takes_no_beam(fengine, h
 
 
 def test_a_struct_filters_column_leaves_out_its_null_fields():
-    from genrec.batch.jobs import row_filters
+    from genrec.batch.stages import row_filters
 
     fields = {"filters": {"genre": "drama", "year": None, "rank": {"gte": 3, "lt": None}}}
     assert row_filters(0, fields) is None

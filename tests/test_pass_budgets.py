@@ -11,7 +11,7 @@ from genrec.engine.job import JobState
 from genrec.engine.pass_cost import PassCost
 from genrec.engine.ranker import _row_chunks
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
-from genrec.engine.scoring import ScoreJob, chunks
+from genrec.engine.scoring import CandidateRows, chunks
 from genrec.errors import InvalidRequestError, RequestTimeout
 from tests.conftest import ManualClock, random_prompt
 from tests.test_text_limits import LongestText
@@ -30,7 +30,9 @@ def run(scheduler):
 def random_jobs(rnd):
     """Score jobs of random candidate lengths over contexts of random lengths (chunks reads only their lengths)."""
     return [
-        ScoreJob(SimpleNamespace(length=rnd.randint(1, 3000)), [[0] * rnd.randint(1, 400)] * rnd.randint(0, 12), (1, 2))
+        CandidateRows(
+            SimpleNamespace(length=rnd.randint(1, 3000)), [[0] * rnd.randint(1, 400)] * rnd.randint(0, 12), (1, 2)
+        )
         for _ in range(rnd.randint(1, 6))
     ]
 

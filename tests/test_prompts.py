@@ -310,7 +310,7 @@ def test_the_recommend_job_reads_a_messages_column(chat_dir, chat_engine, tmp_pa
     import pyarrow.parquet as pq
 
     from genrec.batch import RecommendSpec
-    from genrec.batch.jobs import Retrieve
+    from genrec.batch.stages import Retrieve
     from tests.shard_runs import error_rows, run_in_process
 
     message = pa.struct([("role", pa.string()), ("content", pa.string())])

@@ -5,7 +5,7 @@ import torch
 from pydantic import ValidationError
 
 from genrec.api import Candidate, ScoreRequest
-from genrec.engine.scoring import ScoreJob
+from genrec.engine.scoring import CandidateRows
 from genrec.errors import InvalidRequestError
 from tests.conftest import random_prompt
 
@@ -62,7 +62,7 @@ def test_many_candidates_and_chunked_passes_agree(engine, rng):
     ctx = engine.runner.prefill_alone(engine.prepare(ScoreRequest(prompt_token_ids=prompt, candidates=candidates))).ctx
     codes = [c.tolist() for c in engine.catalog.codes[:200]]
     yes, no = label_ids(engine)
-    (chunked,) = engine.family.scorer.score([ScoreJob(ctx, codes, (yes, no))], max_tokens=7)  # 2 candidates a pass
+    (chunked,) = engine.family.scorer.score([CandidateRows(ctx, codes, (yes, no))], max_tokens=7)  # 2 candidates a pass
     assert torch.allclose(chunked.logprob, torch.tensor([s.logprob for s in one_pass.scores]), atol=1e-5)
 
 

@@ -107,7 +107,7 @@ def test_no_result_ever_carries_a_non_finite_score(engine, rng):
 
     from genrec.api import RecommendRequest
     from genrec.engine import AsyncEngine, Engine
-    from genrec.engine.decoder import Decoder
+    from genrec.engine.retriever import Retriever
     from genrec.model.soft_token import SoftTokenProjector
 
     broken = SoftTokenProjector(engine.family.projector.user_dim, engine.model.config.hidden_size)
@@ -115,7 +115,7 @@ def test_no_result_ever_carries_a_non_finite_score(engine, rng):
         broken.weight.copy_(engine.family.projector.weight)
         broken.bias.copy_(engine.family.projector.bias)
         broken.bias[0] = float("nan")
-    nan_engine = Engine(Decoder(engine.model, engine.family.tokenizer, engine.catalog, broken))
+    nan_engine = Engine(Retriever(engine.model, engine.family.tokenizer, engine.catalog, broken))
     tokens, vector = prompt_with_placeholders(engine, rng), [0.5] * engine.family.projector.user_dim
     requests = [
         RetrieveRequest(prompt_token_ids=tokens, user_embedding=vector, beam_width=4),

@@ -230,7 +230,7 @@ def prompt(
     template, with its system prompt and options), token IDs and soft-token placeholders; what POST /v1/prompt
     answers. Reads the tokenizer, config and catalog, not the weights."""
     from genrec.api import PromptRequest
-    from genrec.engine.decoder_inputs import render_prompt
+    from genrec.engine.request_tokens import render_prompt
     from genrec.model.directory import ModelDir
     from genrec.model.tokenizer import USER_TOKEN
 
@@ -242,7 +242,7 @@ def prompt(
     directory = ModelDir.open(model, family="qwen3")
     tokenizer = directory.load_tokenizer()
     layout = directory.load_sid_layout(tokenizer)
-    # As the engine's Decoder.max_prompt_tokens: room after the prompt for the longest code, its ending and the
+    # As the engine's Retriever.max_prompt_tokens: room after the prompt for the longest code, its ending and the
     # begin token the engine may append.
     steps = directory.load_catalog(tokenizer, layout).levels + len(layout.ending) + (layout.begin is not None)
     room, vocab, placeholder = directory.config.prompt_room(steps), directory.config.vocab_size, tokenizer.get_vocab()

@@ -1,7 +1,7 @@
 """The retrieve -> rank funnel's policy, once for the online app and the nightly job (no Ray, no I/O here).
 
 Stage 1 (the Qwen3 retriever's recommend in beam order, rank_by 'beam') finds a user's items: its beams, then the
-given items the decoder's one rule keeps (genrec.engine.decoder `_kept`). Stage 2 (the HSTU ranker) ranks them
+given items the decoder's one rule keeps (genrec.engine.retriever `_kept`). Stage 2 (the HSTU ranker) ranks them
 after the user's history. The two models' catalogs may differ: the ranker skips the items it does not know
 (RankRequest.unknown_candidates 'skip', applied in the ranker after it checked the history; none known: nothing
 ranked, no error). The final order is `final_order`: the ranked items by the rank task's probability, highest

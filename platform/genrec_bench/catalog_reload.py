@@ -21,7 +21,7 @@ import torch
 from genrec.api import RetrieveRequest
 from genrec.catalog import Catalog
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
-from genrec.engine.decoder import Decoder
+from genrec.engine.retriever import Retriever
 from genrec_bench.cli import CatalogReloadOptions
 from genrec_bench.common import machine, random_prompt
 from genrec_bench.sid_catalog import random_catalog, sid_model
@@ -35,7 +35,7 @@ def run(o: CatalogReloadOptions) -> dict:
         first, second = _two_versions(layout, o, Path(scratch))
         dtype = torch.bfloat16 if o.device.startswith("cuda") else torch.float32
         model = directory.load_model(o.device, dtype)
-        decoder = Decoder(model, tokenizer, Catalog.load(first, layout), None, layout)
+        decoder = Retriever(model, tokenizer, Catalog.load(first, layout), None, layout)
         engine = AsyncEngine(Engine(decoder, SchedulerConfig(prefix_cache_bytes=0)))
         try:
             phases = _under_load(engine, o, first, second)

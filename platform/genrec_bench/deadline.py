@@ -23,7 +23,7 @@ import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.engine import Engine
-from genrec.engine.scoring import ScoreJob
+from genrec.engine.scoring import CandidateRows
 from genrec.errors import GenrecError
 from genrec_bench.cli import DeadlineOptions
 from genrec_bench.common import decoder, described, machine, model_dir_for, random_prompt, timed
@@ -70,7 +70,7 @@ def pass_fit(engine: Engine, repeats: int) -> dict:
         count = 1
         while cost.rows(count + 1, length, (count + 1) * context) <= budget and count < family.max_candidates:
             count += 1
-        job = ScoreJob(ctx, [random_prompt(engine, length, generator) for _ in range(count)], (1, 2))
+        job = CandidateRows(ctx, [random_prompt(engine, length, generator) for _ in range(count)], (1, 2))
         warm = family.scorer.score_pass([job], budget)
         if sum(len(scores) for _, scores in warm) != count:
             raise RuntimeError(f"{name}: {count} rows are not one pass")  # the shapes are built to be one

@@ -24,8 +24,8 @@ from genrec.api import RetrieveRequest
 from genrec.catalog import Catalog
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.engine import Engine
-from genrec.engine.decoder import Decoder
 from genrec.engine.filter_masks import FilterMasks
+from genrec.engine.retriever import Retriever
 from genrec_bench.cli import FilterOptions
 from genrec_bench.common import machine, random_prompt, timed
 from genrec_bench.sid_catalog import COLD, random_catalog, sid_model
@@ -39,7 +39,7 @@ def run(o: FilterOptions) -> dict:
     rng = np.random.default_rng(0)
     catalog = with_genres(random_catalog(layout, o.items, o.per_level, rng)[0], rng)
     dtype = torch.bfloat16 if o.device.startswith("cuda") else torch.float32
-    engine = Engine(Decoder(directory.load_model(o.device, dtype), tokenizer, catalog, None, layout), COLD)
+    engine = Engine(Retriever(directory.load_model(o.device, dtype), tokenizer, catalog, None, layout), COLD)
     served = engine.family.catalogs.current
     generator = torch.Generator().manual_seed(0)
     prompts = [random_prompt(engine, o.prompt_len, generator) for _ in range(o.batch)]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from genrec.engine.decoder_inputs import candidate_token_lists, label_token_ids
+from genrec.engine.request_tokens import candidate_token_lists, label_token_ids
 from genrec.errors import GenrecError
 from genrec_bench.common import decoder, timed
 

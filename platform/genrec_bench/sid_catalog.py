@@ -14,7 +14,7 @@ import torch
 from genrec.api import RetrieveRequest
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import Engine, SchedulerConfig
-from genrec.engine.decoder import Decoder
+from genrec.engine.retriever import Retriever
 from genrec.model.directory import ModelDir
 from genrec.testing.tiny import preset
 from genrec_bench.cli import SidCatalogOptions
@@ -34,7 +34,7 @@ def run(o: SidCatalogOptions) -> dict:
     model = directory.load_model(o.device, dtype)
     fast = o.cuda_fast if o.cuda_fast is not None else o.device.startswith("cuda")
     engines = {
-        name: Engine(Decoder(model, tokenizer, catalog, None, layout, fast=fast), COLD)
+        name: Engine(Retriever(model, tokenizer, catalog, None, layout, fast=fast), COLD)
         for name, catalog in (("large", large), ("small", small))
     }
     generator = torch.Generator().manual_seed(0)

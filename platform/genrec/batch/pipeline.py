@@ -1,9 +1,9 @@
 """run: any batch job (its spec: genrec.batch.spec) as a Ray Data pipeline over input shards, resumable and
-idempotent. The job's stages (genrec.batch.jobs.stages: one, or the funnel's two) each run on an actor pool of
+idempotent. The job's stages (genrec.batch.stages.stages_of: one, or the funnel's two) each run on an actor pool of
 their own, chained in one dataset.
 
     check the models, plan shards, find repeated user_ids (driver)  ->  skip committed ones
-      -> from_arrow(pending shards) -> map_batches(ShardWorker(job), ActorPoolStrategy) per stage: read shard,
+      -> from_arrow(pending shards) -> map_batches(ShardWorker(stage), ActorPoolStrategy) per stage: read shard,
          parse rows, one engine run, commit files (every stage but the last hands each shard's results on)
       -> per-shard reports  ->  summary
 
@@ -21,10 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from genrec.batch.connect import check_gpus, ensure_ray
-from genrec.batch.jobs import Job, stages
 from genrec.batch.output import OutputDir, ShardCounts
 from genrec.batch.shards import InputLayout, Shard, UsersInput, shards_table
 from genrec.batch.spec import Execution, JobSpec, RankingExecution, catalog_version_of
+from genrec.batch.stages import Stage, stages_of
 from genrec.batch.worker import ShardWorker
 from genrec.errors import GenrecError
 from genrec.model.directory import ModelDir
@@ -68,10 +68,10 @@ def run(
     `results` folder is the output's) and reports."""
     start = time.perf_counter()
     spec.check_models()
-    plan = stages(spec, execution, ranking)
+    plan = stages_of(spec, execution, ranking)
     for _, run_on in plan:
         _check_device(spec, run_on)
-    users = UsersInput(spec.users, _layout([job for job, _ in plan]))
+    users = UsersInput(spec.users, _layout([stage for stage, _ in plan]))
     if users.unread:
         print(f"warning: {spec.users}: no stage of this job reads column(s) {', '.join(users.unread)}", file=sys.stderr)
     version = ModelDir.open(spec.model).version
@@ -117,7 +117,7 @@ def run(
     )
 
 
-def _claim_cluster(plan: list[tuple[Job, Execution]], out: OutputDir) -> None:
+def _claim_cluster(plan: list[tuple[Stage, Execution]], out: OutputDir) -> None:
     """Ray, only once there is work (bad input fails fast, and a finished run needs no cluster), with the GPUs
     every stage asks for."""
     ray = ensure_ray()
@@ -129,22 +129,22 @@ def _claim_cluster(plan: list[tuple[Job, Execution]], out: OutputDir) -> None:
         raise
 
 
-def _run_stages(pending: list[Shard], plan: list[tuple[Job, Execution]], run_id: str, worker: type[ShardWorker]):
+def _run_stages(pending: list[Shard], plan: list[tuple[Stage, Execution]], run_id: str, worker: type[ShardWorker]):
     ray = ensure_ray()
     from ray.data import ActorPoolStrategy
 
     dataset = ray.data.from_arrow([shards_table([s]) for s in pending])  # one block per shard
     dataset.context.enable_progress_bars = plan[0][1].progress  # this dataset's copy of the context
-    for k, (job, run_on) in enumerate(plan):
-        job.connect()
+    for k, (stage, run_on) in enumerate(plan):
+        stage.connect()
         dataset = dataset.map_batches(
             worker,
             fn_constructor_kwargs={
-                "job": job,
+                "stage": stage,
                 "run_id": run_id,
                 "hand_on": k < len(plan) - 1,
                 "execution": run_on,
-                "catalog_version": catalog_version_of(job.model),  # every actor checks it serves this one
+                "catalog_version": catalog_version_of(stage.model),  # every actor checks it serves this one
             },
             batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
             batch_format="pyarrow",
@@ -155,11 +155,11 @@ def _run_stages(pending: list[Shard], plan: list[tuple[Job, Execution]], run_id:
     yield from dataset.iter_rows()
 
 
-def _layout(jobs: list[Job]) -> InputLayout:
+def _layout(stages: list[Stage]) -> InputLayout:
     """The input columns of all the stages together."""
     return InputLayout(
-        required=tuple(group for job in jobs for group in job.layout.required),
-        optional=tuple(dict.fromkeys(c for job in jobs for c in job.layout.optional)),
+        required=tuple(group for stage in stages for group in stage.layout.required),
+        optional=tuple(dict.fromkeys(c for stage in stages for c in stage.layout.optional)),
     )
 
 

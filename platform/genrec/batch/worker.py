@@ -1,7 +1,8 @@
-"""The Ray Data callable class that runs any job (genrec.batch.jobs) on whole shards, one Engine per actor.
+"""The Ray Data callable class that runs any stage of a batch job (genrec.batch.stages) on whole shards, one Engine
+per actor.
 
 Nothing here imports Ray: Ray Data constructs the class once per actor and calls it with batches of shard
-descriptors. A shard is read, parsed into requests by its job, run through the engine in ONE call (so its results
+descriptors. A shard is read, parsed into requests by its stage, run through the engine in ONE call (so its results
 depend on the shard alone, never on scheduling) and committed; a shard already committed is skipped. The rows the
 driver found to repeat an earlier row's user_id (the shard's `repeats`) are refused, whatever else they hold.
 
@@ -15,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from genrec.batch.jobs import Job, Rows
 from genrec.batch.output import OutputDir
 from genrec.batch.shards import SHARD_SCHEMA, Shard, UsersInput
 from genrec.batch.spec import Execution
+from genrec.batch.stages import Rows, Stage
 from genrec.batch.tables import ROW, RowError, Versions, errors_table
 from genrec.errors import GenrecError
 
@@ -31,7 +32,7 @@ HANDOFF = pa.schema([*SHARD_SCHEMA, ("results", pa.large_binary()), ("errors", p
 class ShardWorker:
     def __init__(
         self,
-        job: Job,
+        stage: Stage,
         run_id: str,
         hand_on: bool = False,
         execution: Execution = Execution(),
@@ -43,17 +44,19 @@ class ShardWorker:
 
         # Before the model loads, so that torch's threads start on their cores.
         self.threads = execution.apply(threads_name="--threads", pin_name="--pin-threads")
-        self.job, self.run_id, self.hand_on, spec = job, run_id, hand_on, job.spec
+        self.stage, self.run_id, self.hand_on, spec = stage, run_id, hand_on, stage.spec
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
         scheduler = SchedulerConfig(kv_budget_bytes=execution.kv_budget_bytes, prefix_cache_bytes=0)
-        self.engine = Engine.from_pretrained(job.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs())
+        self.engine = Engine.from_pretrained(
+            stage.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs()
+        )
         if catalog_version is not None and self.engine.catalog.version != catalog_version:
             raise GenrecError(
-                f"{job.model}: its catalog changed during the run (version {catalog_version} at the start, "
+                f"{stage.model}: its catalog changed during the run (version {catalog_version} at the start, "
                 f"{self.engine.catalog.version} now); one run never mixes catalog versions: rerun into another --out"
             )
-        self.users = UsersInput(spec.users, job.layout)
-        self.out = OutputDir(spec.out, job.results)
+        self.users = UsersInput(spec.users, stage.layout)
+        self.out = OutputDir(spec.out, stage.results)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = [self.run(*_from_row(row)) for row in batch.to_pylist()]
@@ -77,19 +80,19 @@ class ShardWorker:
         exception: the engine returns each request's) a row error, never the shard's or the job's."""
         versions = Versions(self.engine.model_version, self.engine.catalog.version)
         rows = Rows(self.users.read(shard), versions, self.run_id, handed and handed[0])
-        parsed = self.job.parse(rows)
+        parsed = self.stage.parse(rows)
         if handed and handed[1] is not None:  # the stage before's errors
             parsed.errors += [RowError(e["row"] - shard.start, e["field"], e["reason"]) for e in handed[1].to_pylist()]
         _refuse_repeats(parsed, shard)
         positions, results = [], []
-        outcomes = self.job.infer(self.engine, parsed.requests) if parsed.requests else []
+        outcomes = self.stage.infer(self.engine, parsed.requests) if parsed.requests else []
         for position, outcome in zip(parsed.positions, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 parsed.errors.append(RowError.of(position, outcome))
             else:
                 positions.append(position)
                 results.append(outcome)
-        table = self.job.table(rows, positions, results)
+        table = self.stage.table(rows, positions, results)
         if self.hand_on:  # the next stage finds each item's user by its shard row
             of_item = np.repeat(np.asarray(positions, np.int64), [len(r.items) for r in results])
             table = table.append_column(ROW, pa.array(of_item, pa.int64()))

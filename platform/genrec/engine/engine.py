@@ -29,10 +29,10 @@ from genrec.api import (
     ScoreRequest,
     ScoreResult,
 )
-from genrec.engine.decoder import Decoder
 from genrec.engine.family import Family, request_kind
 from genrec.engine.job import Prepared
 from genrec.engine.ranker import Ranker
+from genrec.engine.retriever import Retriever
 from genrec.engine.runner import ModelRunner
 from genrec.engine.scheduler import Scheduler, SchedulerConfig, check_int
 from genrec.engine.served_catalog import CatalogVersions
@@ -43,7 +43,7 @@ from genrec.staging import host_side
 
 log = logging.getLogger(__name__)
 
-FAMILIES = {"qwen3": Decoder, "hstu": Ranker}  # a model directory's family -> the engine's
+FAMILIES = {"qwen3": Retriever, "hstu": Ranker}  # a model directory's family -> the engine's
 LIMITS = ("max_candidates", "score_max_tokens", "max_candidate_tokens", "max_candidate_len")  # the families' limits
 DERIVED = ("max_candidate_len",)  # limits whose None means "worked out from the others"
 GRAPH_MAX_ROWS = 2048  # the largest decode pass captured at start: 8 requests of beam 256

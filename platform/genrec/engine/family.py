@@ -7,7 +7,7 @@ either generates (`Generating`: the Qwen3 decoder's beam search, one decode pass
 bounded passes (scoring candidates; ranking them), then finishes with a result. The family says which; the
 scheduler sequences, the runner makes the passes.
 
-Implementations: `genrec.engine.decoder.Decoder` (Qwen3: retrieve, score, recommend) and
+Implementations: `genrec.engine.retriever.Retriever` (Qwen3: retrieve, score, recommend) and
 `genrec.engine.ranker.Ranker` (HSTU: rank).
 """
 

@@ -12,7 +12,7 @@ import torch
 from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, RetrieveResult, ScoreRequest
 from genrec.engine.beam import BeamCohort
 from genrec.engine.kv_budget import Holding
-from genrec.engine.scoring import ScoreJob
+from genrec.engine.scoring import CandidateRows
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Job:
     cohort: BeamCohort | None = None  # DECODING
     retrieved: RetrieveResult | None = None  # SCORING a recommend: its beams, ranked with the given candidates
     row_of_retrieved: list[int] | None = None  # SCORING a recommend: each retrieved item's row (one per code)
-    work: ScoreJob | None = None  # SCORING (score, recommend): its rows, built when it starts scoring
+    work: CandidateRows | None = None  # SCORING (score, recommend): its rows, built when it starts scoring
     scored: list = field(default_factory=list)  # SCORING: the outputs of its rows done so far, pass by pass
     rows_done: int = 0
     result: object | None = None  # what its future gets, once its family has built it

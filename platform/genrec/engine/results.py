@@ -67,7 +67,7 @@ def recommend_result(prepared, retrieved: RetrieveResult, scores: LabelScores) -
     catalog = prepared.served.catalog
     offset = len(retrieved.items)
     logprobs, probs, sequence = _fetch_scores(scores)
-    # The given rows carry a sequence logprob exactly when the job asked for one (see scoring.score_job).
+    # The given rows carry a sequence logprob exactly when the job asked for one (see scoring.candidate_rows).
     joint = prepared.request.rank_by == "joint"
     given_code = check_finite(sequence[offset:]) if joint else [None] * (len(sequence) - offset)
     given_ids = {c.item_id for c in prepared.given if c.item_id is not None}
@@ -84,7 +84,7 @@ def recommend_result(prepared, retrieved: RetrieveResult, scores: LabelScores) -
 
 def beam_order_result(prepared, retrieved: RetrieveResult) -> RecommendResult:
     """rank_by 'beam': nothing scored. The retrieved items in beam order, then the given candidates kept
-    (`Decoder._kept`) that beam search did not find, in their order; an item both retrieved and given appears
+    (`Retriever._kept`) that beam search did not find, in their order; an item both retrieved and given appears
     once, as retrieved ("retrieved+given")."""
     given_ids = {c.item_id for c in prepared.given}
     items = [RecommendedItem.retrieved(i, given_ids) for i in retrieved.items]

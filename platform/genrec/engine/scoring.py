@@ -24,7 +24,7 @@ from genrec.staging import to_device
 
 
 @dataclass
-class ScoreJob:
+class CandidateRows:
     """One request's candidates (token lists) against its context, with (positive, negative) label IDs.
 
     `sequence_from`: candidates from this index on also get their sequence log-probability, whose first token
@@ -41,10 +41,10 @@ class ScoreJob:
         if self.sequence_from is not None and self.prompt_logprobs is None:
             raise ValueError("sequence_from needs prompt_logprobs")
 
-    def after(self, done: int) -> ScoreJob:
+    def after(self, done: int) -> CandidateRows:
         """The same job without its first `done` candidates (those scored in earlier passes)."""
         first = None if self.sequence_from is None else max(self.sequence_from - done, 0)
-        return ScoreJob(self.ctx, self.candidates[done:], self.labels, first, self.prompt_logprobs)
+        return CandidateRows(self.ctx, self.candidates[done:], self.labels, first, self.prompt_logprobs)
 
 
 @dataclass
@@ -73,7 +73,7 @@ class LabelScores:
 class Segment:
     """Candidates `start` to `start + len(candidates)` of `job`."""
 
-    job: ScoreJob
+    job: CandidateRows
     start: int
     candidates: list[list[int]]
 
@@ -89,7 +89,7 @@ class Chunk:
     segments: list[Segment]
 
 
-def chunks(jobs: list[ScoreJob], budget: float, cost: PassCost):
+def chunks(jobs: list[CandidateRows], budget: float, cost: PassCost):
     """Split the candidates of all jobs into passes, in order, each estimated to cost at most `budget`
     token-equivalents (`cost`: rows padded to the pass's widest, their own attention and their context's); a
     row that alone costs more goes alone."""
@@ -128,18 +128,20 @@ def ragged(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return row, np.arange(len(row)) - np.repeat(lengths.cumsum() - lengths, lengths)
 
 
-def score_job(prepared, ctx: ContextKV, last_logits: torch.Tensor, retrieved=None, retrieved_rows=None) -> ScoreJob:
+def candidate_rows(
+    prepared, ctx: ContextKV, last_logits: torch.Tensor, retrieved=None, retrieved_rows=None
+) -> CandidateRows:
     """A request's rows to score: its given candidates (score); for a recommend, the retrieved items (their rows:
     `retrieved_rows`), then the given candidates beam search did not find. Joint ranking also asks for the given
     ones' code logprob (the retrieved ones have theirs from the beam)."""
     if retrieved is None:
-        return ScoreJob(ctx, prepared.candidate_tokens, prepared.labels)
+        return CandidateRows(ctx, prepared.candidate_tokens, prepared.labels)
     given = [prepared.candidate_tokens[k] for k in not_retrieved(prepared, retrieved)]
     tokens = list(retrieved_rows) + given
     if prepared.request.rank_by != "joint" or not given:
-        return ScoreJob(ctx, tokens, prepared.labels)
+        return CandidateRows(ctx, tokens, prepared.labels)
     prompt_logprobs = torch.log_softmax(last_logits.float(), dim=-1)
-    return ScoreJob(ctx, tokens, prepared.labels, len(retrieved_rows), prompt_logprobs)
+    return CandidateRows(ctx, tokens, prepared.labels, len(retrieved_rows), prompt_logprobs)
 
 
 def not_retrieved(prepared, retrieved) -> list[int]:
@@ -156,7 +158,7 @@ class Scorer:
         self.cost = PassCost.qwen3(model.config)
 
     @torch.inference_mode()
-    def score_pass(self, jobs: list[ScoreJob], max_tokens: float) -> list[tuple[int, LabelScores]]:
+    def score_pass(self, jobs: list[CandidateRows], max_tokens: float) -> list[tuple[int, LabelScores]]:
         """One pass of at most `max_tokens` token-equivalents (genrec.engine.pass_cost), candidates taken in order
         from the jobs: (job index, scores of its next rows) per job reached. Every candidate is a row over its
         job's context."""
@@ -165,7 +167,7 @@ class Scorer:
             return []
         return list(zip(chunk.job_index, self._score_chunk(chunk.segments), strict=True))
 
-    def score(self, jobs: list[ScoreJob], max_tokens: float) -> list[LabelScores]:
+    def score(self, jobs: list[CandidateRows], max_tokens: float) -> list[LabelScores]:
         """Every job's candidates, pass after pass (what the scheduler spreads over its steps)."""
         parts: list[list[LabelScores]] = [[LabelScores.empty(self.device)] for _ in jobs]
         done = [0] * len(jobs)

@@ -90,7 +90,7 @@ def candidate_token_lists(
     decoder, catalog, candidates: list[Candidate], prompt_tokens: int, begun: bool
 ) -> list[list[int]]:
     """Each candidate's row; an item's is its code in `catalog` (the request's version) as the decode generates it
-    (`Decoder.item_row`; `begun`: the prompt ends with the layout's begin token, or it has none)."""
+    (`Retriever.item_row`; `begun`: the prompt ends with the layout's begin token, or it has none)."""
     if len(candidates) > decoder.max_candidates:
         raise InvalidRequestError(
             "candidates", f"{len(candidates)} candidates exceed this engine's limit of {decoder.max_candidates}"

@@ -28,7 +28,11 @@ from genrec.api import (
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import results
 from genrec.engine.beam import start_cohort
-from genrec.engine.decoder_inputs import (
+from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMask
+from genrec.engine.job import JobState, Prepared
+from genrec.engine.prefill_graphs import PrefillGraphs
+from genrec.engine.prefix_cache import Scope, block_keys
+from genrec.engine.request_tokens import (
     candidate_token_lists,
     check_user_embedding,
     inject_user_embedding,
@@ -36,11 +40,7 @@ from genrec.engine.decoder_inputs import (
     prompt_token_ids,
     render_prompt,
 )
-from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMask
-from genrec.engine.job import JobState, Prepared
-from genrec.engine.prefill_graphs import PrefillGraphs
-from genrec.engine.prefix_cache import Scope, block_keys
-from genrec.engine.scoring import LabelScores, Scorer, score_job
+from genrec.engine.scoring import LabelScores, Scorer, candidate_rows
 from genrec.engine.served_catalog import CatalogVersions, ServedCatalog
 from genrec.errors import InvalidRequestError
 from genrec.model import fused
@@ -72,7 +72,7 @@ class PreparedPrompt(Prepared):
         return self.kind == "recommend" and self.request.rank_by == "beam"
 
 
-class Decoder:
+class Retriever:
     name = "qwen3"
     kinds = FAMILY_KINDS["qwen3"]
 
@@ -114,7 +114,7 @@ class Decoder:
         self.max_candidate_len = longest if max_candidate_len is None else max_candidate_len
 
     @classmethod
-    def from_dir(cls, directory, device, dtype, **limits) -> Decoder:
+    def from_dir(cls, directory, device, dtype, **limits) -> Retriever:
         """A Qwen3 model directory (`genrec.model.directory.Qwen3Dir`) loaded onto the device."""
         tokenizer = directory.load_tokenizer()
         layout = directory.load_sid_layout(tokenizer)
@@ -295,7 +295,7 @@ class Decoder:
         for job in jobs:
             if job.work is None:
                 rows, job.row_of_retrieved = self._retrieved_rows(job)
-                job.work = score_job(job.prepared, job.ctx, job.last_logits, job.retrieved, rows)
+                job.work = candidate_rows(job.prepared, job.ctx, job.last_logits, job.retrieved, rows)
                 job.scored = [LabelScores.empty(self.device)]
         views = [job.work.after(job.rows_done) for job in jobs]
         for k, scores in self.scorer.score_pass(views, budget):

@@ -1,5 +1,6 @@
-"""The jobs. Each says which input columns it reads (`layout`), which model its engine runs (`model`) and where its
-results go (`results`), and does three things with a shard (the ShardWorker runs any of them):
+"""A batch job's stages (one; the funnel's two). Each says which input columns it reads (`layout`), which model its
+engine runs (`model`) and where its results go (`results`), and does three things with a shard (the ShardWorker runs
+any of them):
 
     parse(rows)                      the rows as API requests; a bad row is a RowError naming its field
     infer(engine, requests)          one Engine.run: each request's result, or the exception it failed with
@@ -9,7 +10,7 @@ No row's data can fail more than its own row: any exception while parsing or run
 
 Retrieve and Recommend (retrieve, then label-score on the same prefill) are the recommend job; Rank the rank job;
 the funnel chains BeamOrder (the online funnel's stage 1) or, with `score`, Recommend with RankRetrieved, the HSTU
-ranker over stage 1's items (`stages`)."""
+ranker over stage 1's items (`stages_of`)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class Rows:
         return self.table.column("user_id").combine_chunks()
 
 
-class Job:
+class Stage:
     spec: JobSpec
     layout: InputLayout  # the input columns it reads
     results: str  # the output folder of its results
@@ -73,7 +74,7 @@ class Job:
         """Once Ray is up, on the driver: what the job needs of it (e.g. an actor's client)."""
 
 
-class Retrieve(Job):
+class Retrieve(Stage):
     """Constrained beam search for each user's prompt (and user embedding: the row's, or the cache's)."""
 
     layout = InputLayout(
@@ -150,7 +151,7 @@ class BeamOrder(Recommend):
         return {**Retrieve.settings(self), "rank_by": "beam"}
 
 
-class Rank(Job):
+class Rank(Stage):
     """Each user's given candidates after the user's history, every task's probability (an HSTU model)."""
 
     layout = InputLayout(required=(("history",), ("candidates",)), optional=("tasks",))
@@ -180,7 +181,7 @@ class Rank(Job):
         )
 
 
-class RankRetrieved(Job):
+class RankRetrieved(Stage):
     """The funnel's stage 2: each user's stage 1 items ranked after the user's history, those the ranker does not
     know skipped by the ranker (RankRequest.unknown_candidates, as online) and placed after the ranked ones. A
     user whose history the ranker refuses is an error row (even when it knows none of the items); a user the
@@ -224,7 +225,7 @@ class RankRetrieved(Job):
         return funnel_table(rows.handed, by_row, self.tasks, self.spec.rank_task, rows.versions.model)
 
 
-def stages(spec: JobSpec, execution: Execution, ranking: RankingExecution) -> list[tuple[Job, Execution]]:
+def stages_of(spec: JobSpec, execution: Execution, ranking: RankingExecution) -> list[tuple[Stage, Execution]]:
     """The spec's job as (job, how its stage runs), in order: one stage, or the funnel's two."""
     if isinstance(spec, RankSpec):
         return [(Rank(spec), execution)]

@@ -112,16 +112,12 @@ def _checked_matrix(embeddings, item_ids, source: str) -> torch.Tensor:
     return x
 
 
-def catalog_from_embeddings(item_ids, embeddings, layout, iters=20, seed=0, source="embeddings") -> Catalog:
-    """Item IDs + embeddings [n, dim] -> a validated catalog of the model's SID layout (`SidLayout`): level l's
-    codebook is that level's tokens, in code-index order."""
-    return catalog_and_codebooks(item_ids, embeddings, layout, iters, seed, source)[0]
-
-
 def catalog_and_codebooks(
     item_ids, embeddings, layout, iters=20, seed=0, source="embeddings"
 ) -> tuple[Catalog, Codebooks]:
-    """`catalog_from_embeddings`, and the codebooks to save beside the catalog (`Codebooks.path_beside`)."""
+    """Item IDs + embeddings [n, dim] -> a validated catalog of the model's SID layout (`SidLayout`: level l's
+    codebook is that level's tokens, in code-index order), and the codebooks to save beside it
+    (`Codebooks.path_beside`)."""
     sizes = layout.level_sizes
     codes, codebooks = codes_and_codebooks(embeddings, sizes[:-1], sizes[-1], iters, seed, item_ids, source)
     token_ids = np.stack([layout.level_ids[level][codes[:, level]] for level in range(len(sizes))], axis=1)

@@ -10,7 +10,6 @@ architecture is a few switches, read once when the model is built.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -81,16 +80,6 @@ class Qwen3Config:
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
         )
         return body
-
-    @classmethod
-    def from_file(cls, path: Path) -> Qwen3Config:
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ModelDirectoryError(path, "config.json is missing") from None
-        except json.JSONDecodeError as err:
-            raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
-        return cls.from_dict(raw, path)
 
     def prompt_room(self, levels: int) -> int:
         """Positions left for a prompt once a `levels`-token code follows it: at least one, or the model is refused."""

@@ -18,7 +18,6 @@ Input vocabularies and their reserved indices (the engine maps requests onto the
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from collections.abc import Sequence
@@ -116,16 +115,6 @@ class HSTUConfig:
             return cls(**fields)
         except ValueError as err:
             raise ModelDirectoryError(path, str(err).removeprefix("HSTU config: ")) from None
-
-    @classmethod
-    def from_file(cls, path: Path) -> HSTUConfig:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ModelDirectoryError(path, "config.json is missing") from None
-        except json.JSONDecodeError as err:
-            raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
-        return cls.from_dict(raw, path)
 
 
 # The largest gap of two valid event times (genrec.api.MAX_TIMESTAMP_S): a gap is clamped to it, so its bucket is

@@ -42,9 +42,6 @@ class ReplicaBoard:
     def report(self, deployment: str, replica: str, state: dict) -> None:
         self._seen[(deployment, replica)] = (state, time.monotonic())
 
-    def forget(self, deployment: str, replica: str) -> None:
-        self._seen.pop((deployment, replica), None)
-
     def replicas(self, deployment: str) -> list[dict]:
         """The deployment's replicas heard from lately, by replica ID: {"replica": ID, **state}."""
         now = time.monotonic()

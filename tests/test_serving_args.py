@@ -76,10 +76,10 @@ def test_a_cache_without_dim_is_refused():
 
 class RecordingEngine:
     """A driver factory standing in for the replica's AsyncEngine: records what EngineServer builds it with (the
-    Engine's keyword arguments and its SchedulerConfig) and what it sets live."""
+    Engine's keyword arguments and its SchedulerConfig), what it sets live and the refusals it is told to count."""
 
     def __init__(self, tiny):
-        self.engine, self.built, self.config, self.live = tiny, None, None, []
+        self.engine, self.built, self.config, self.live, self.refusals = tiny, None, None, [], []
 
     def __call__(self, model_dir, device, options, limits):
         self.built = {"device": device, **options.engine_kwargs()}
@@ -91,6 +91,9 @@ class RecordingEngine:
 
     def load_catalog(self, path):
         return self.engine.load_catalog(path)
+
+    def refused(self, kind, err):
+        self.refusals.append((kind, type(err).__name__))
 
     def metrics(self):
         return {}
@@ -242,6 +245,8 @@ def test_a_replica_that_cannot_load_its_declared_catalog_at_start_refuses_until_
         for call, asked in ((server.retrieve, request), (server.recommend, stage1)):
             with pytest.raises(CatalogNotServed, match=f"catalog not served: {declared}"):
                 asyncio.run(call(asked, 10.0))
+        # each refusal counted once, by the engine's one outcome count
+        assert server.driver.refusals == [("retrieve", "CatalogNotServed"), ("recommend", "CatalogNotServed")]
 
         async def restored():
             retry = asyncio.create_task(server._retry_declared(period_s=0.05))

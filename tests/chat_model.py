@@ -7,8 +7,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from genrec.model.tokenizer import build_tokenizer, load_tokenizer
-from genrec.testing.tiny import ModelSpec, write_model_dir
+from genrec.model.tokenizer import load_tokenizer
+from genrec.testing.tiny import ModelSpec, build_tokenizer, write_model_dir
 
 CONTROL_TOKENS = ["<|im_start|>", "<|im_end|>"]  # special: never split, skipped by decode(skip_special_tokens)
 THINK_TOKENS = ["<think>", "</think>"]  # added, not special (as in Qwen3)

@@ -3,7 +3,8 @@ shared/notes/open-checkpoints.md), written by our own code on genrec's tiny BPE 
 
 from __future__ import annotations
 
-from genrec.model.tokenizer import EOS_TOKEN, build_tokenizer
+from genrec.model.tokenizer import EOS_TOKEN
+from genrec.testing.tiny import build_tokenizer
 
 LETTERS = "abcd"
 

@@ -10,7 +10,8 @@ from genrec.catalog import Catalog
 from genrec.engine import Engine
 from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer
+from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN
+from genrec.testing.tiny import build_tokenizer
 from genrec_demo.batches import IGNORE, NegativeSampler, Vocab, epoch_windows, make_batch
 from genrec_demo.config import DemoConfig
 from genrec_demo.prompts import prompt_text, prompt_token_ids

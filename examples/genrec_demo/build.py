@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from genrec.model.sid_layout import SidLayout
-from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN, build_tokenizer
+from genrec.model.tokenizer import LABEL_TOKENS, USER_TOKEN
+from genrec.testing.tiny import build_tokenizer
 from genrec_demo.batches import Vocab, near_items
 from genrec_demo.catalog import build_catalog
 from genrec_demo.config import DemoConfig

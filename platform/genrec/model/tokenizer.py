@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-
-import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from genrec.errors import ModelDirectoryError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 USER_TOKEN = "<|user|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -29,6 +29,8 @@ def semantic_token(level: int, index: int) -> str:
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
         raise ModelDirectoryError(model_dir, "no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    from transformers import AutoTokenizer  # here: a process that only checks a model never imports transformers
+
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as err:  # transformers raises many types here; report them as one clear error
@@ -44,35 +46,3 @@ def check_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, model_d
         raise ModelDirectoryError(
             model_dir, f"the tokenizer has token IDs up to {top} ({name!r}); config.json's vocab_size is {vocab_size}"
         )
-
-
-def build_tokenizer(levels: int, codebook: int, seed: int = 0, base_vocab: int = 600) -> PreTrainedTokenizerFast:
-    """A small byte-level BPE tokenizer (deterministic) plus genrec's special and semantic-ID tokens."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=base_vocab,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[EOS_TOKEN],
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_corpus(seed), trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
-    tok.add_special_tokens({"additional_special_tokens": [USER_TOKEN]})
-    tok.add_tokens(list(LABEL_TOKENS))
-    tok.add_tokens([semantic_token(level, i) for level in range(levels) for i in range(codebook)])
-    return tok
-
-
-_WORDS = (
-    "user listened to podcast episode show music artist album track liked skipped saved played followed "
-    "recommend next item history recent genre news comedy sports science story daily weekly morning "
-    "evening the a and of in on for with is was yes no"
-).split()
-
-
-def _corpus(seed: int, sentences: int = 400):
-    rng = np.random.default_rng(seed)
-    for _ in range(sentences):
-        yield " ".join(rng.choice(_WORDS, size=int(rng.integers(4, 16))))

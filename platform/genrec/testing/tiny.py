@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 from safetensors.torch import save
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from genrec.catalog.catalog import Catalog, parquet_bytes
 from genrec.errors import ModelDirectoryError
@@ -31,7 +33,7 @@ from genrec.model.hstu import HSTU
 from genrec.model.hstu_config import HSTUConfig
 from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import LEVEL_LETTERS, build_tokenizer
+from genrec.model.tokenizer import EOS_TOKEN, LABEL_TOKENS, LEVEL_LETTERS, USER_TOKEN, semantic_token
 
 
 @dataclass(frozen=True)
@@ -335,3 +337,35 @@ def write_hstu_dir(out: str | Path, spec: HSTUSpec = HSTUSpec(), dtype: torch.dt
     item_ids = [f"item-{i:06d}" for i in range(spec.items)]
     write_catalog(out / GENREC_SUBDIR / "catalog.parquet", item_ids, list(range(spec.items)))
     return out
+
+
+def build_tokenizer(levels: int, codebook: int, seed: int = 0, base_vocab: int = 600) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE tokenizer (deterministic) plus genrec's special and semantic-ID tokens."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=base_vocab,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_corpus(seed), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    tok.add_special_tokens({"additional_special_tokens": [USER_TOKEN]})
+    tok.add_tokens(list(LABEL_TOKENS))
+    tok.add_tokens([semantic_token(level, i) for level in range(levels) for i in range(codebook)])
+    return tok
+
+
+_WORDS = (
+    "user listened to podcast episode show music artist album track liked skipped saved played followed "
+    "recommend next item history recent genre news comedy sports science story daily weekly morning "
+    "evening the a and of in on for with is was yes no"
+).split()
+
+
+def _corpus(seed: int, sentences: int = 400):
+    rng = np.random.default_rng(seed)
+    for _ in range(sentences):
+        yield " ".join(rng.choice(_WORDS, size=int(rng.integers(4, 16))))

@@ -21,8 +21,8 @@ from tests.test_cli_errors import run_main
 REPO = Path(__file__).resolve().parents[1]
 
 
-def deploy(config: Path, address: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "genrec.cli", "deploy", str(config), "-a", address]
+def deploy(config: Path, address: str, *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "genrec.cli", "deploy", str(config), "-a", address, *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
@@ -50,13 +50,15 @@ def test_deploy_to_a_dashboard_that_does_not_answer_is_one_line(config, dashboar
         listener = socket.create_server(("127.0.0.1", 0))
         address = f"127.0.0.1:{listener.getsockname()[1]}"  # no scheme: serve deploy's default, http
     try:
-        done = deploy(config, address)
+        done = deploy(config, address, "--dashboard-timeout-s", "2")
     finally:
         if listener is not None:
             listener.close()
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.startswith(f"error: {config}: not deployed: the Ray dashboard at {address} does not answer")
+    if dashboard == "never answers":
+        assert "waited up to 2 s" in done.stderr, done.stderr  # --dashboard-timeout-s
 
 
 def test_bench_cache_without_redis_server_is_one_line(tmp_path, monkeypatch, capsys):

@@ -268,13 +268,16 @@ def deploy(
         None, "--address", "-a", help="the Ray dashboard, http://<head>:8265 (default: serve deploy's)"
     ),
     check_model: bool = typer.Option(False, "--model", help="also check each app's model directory on this machine"),
+    dashboard_timeout_s: float = typer.Option(
+        10.0, "--dashboard-timeout-s", min=0.1, help="how long the dashboard has to answer before nothing is sent"
+    ),
 ):
     """`serve deploy`, sent only if the config passes `genrec.serving.check` (Serve would accept a `user_config`
     that does not validate and leave the replicas to refuse it) and the dashboard answers: otherwise one `error:`
     line each, exit 2."""
     from genrec.serving.check import deploy as deploy_config
 
-    raise typer.Exit(deploy_config(config, address, check_model))
+    raise typer.Exit(deploy_config(config, address, check_model, dashboard_timeout_s))
 
 
 def main() -> None:

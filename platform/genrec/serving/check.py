@@ -160,7 +160,7 @@ def file_problems(path: Path, check_model: bool = False) -> list[str]:
         return [f"cannot read it ({type(err).__name__}: {err})"]
 
 
-def deploy(path: Path, address: str | None, check_model: bool) -> int:
+def deploy(path: Path, address: str | None, check_model: bool, dashboard_timeout_s: float = DASHBOARD_TIMEOUT_S) -> int:
     """The exit status: 2 when the config was refused here (nothing sent), else `serve deploy`'s."""
     found = file_problems(path, check_model)
     if not found and is_rayservice(yaml.safe_load(path.read_text())):
@@ -170,7 +170,7 @@ def deploy(path: Path, address: str | None, check_model: bool) -> int:
     if found:
         print(f"error: {path}: not deployed (the running version, if any, is unchanged)", file=sys.stderr)
         return 2
-    silent = dashboard_silence(address)
+    silent = dashboard_silence(address, dashboard_timeout_s)
     if silent:
         print(f"error: {path}: not deployed: {silent}", file=sys.stderr)
         return 2
@@ -202,8 +202,8 @@ def dashboard_silence(address: str | None, timeout_s: float = DASHBOARD_TIMEOUT_
     except (OSError, ValueError) as err:  # URLError, a timeout, a malformed address
         reason = getattr(err, "reason", None) or err
         return (
-            f"the Ray dashboard at {address} does not answer ({reason}): start the cluster (with its dashboard), or "
-            "pass its address: --address http://<head>:8265"
+            f"the Ray dashboard at {address} does not answer ({reason}; waited up to {timeout_s:g} s): start the "
+            "cluster (with its dashboard), or pass its address: --address http://<head>:8265"
         )
     return None
 

@@ -1,4 +1,4 @@
-"""The Qwen3 semantic-ID decoder as an engine family: retrieve, score, recommend.
+"""The retriever: the Qwen3 semantic-ID decoder as an engine family (retrieve, score, recommend).
 
 A request's context is its prompt (the soft token injected in place of `<|user|>`). After the prefill, a
 retrieve or recommend generates: constrained beam search over the catalog trie, one decode pass per code level

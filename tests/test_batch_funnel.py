@@ -79,14 +79,14 @@ def reference(ray_cluster, tiny_dir, hstu_dir, users, tmp_path_factory):
 
 
 def expected_rows(engine, ranker, rows) -> list[tuple]:
-    """Per shard: Engine.retrieve over its valid prompts, then Engine.rank over the users with a usable history,
-    each user's known items ordered by the task (ties in retrieval order), then the unknown ones."""
+    """Per shard: Engine.retrieve over its valid prompts (every beam), then Engine.rank over the users with a usable
+    history, each user's known items ordered by the task (ties in retrieval order), then the unknown ones; the first
+    RESULTS of them kept, as online."""
     out = []
     for start in range(0, USERS, BATCH):
         shard = [(i, r) for i, r in enumerate(rows[start : start + BATCH], start) if BAD.get(i) != "prompt_token_ids"]
         asked = [
-            RetrieveRequest(prompt_token_ids=r["prompt_token_ids"], beam_width=BEAM, num_results=RESULTS)
-            for _, r in shard
+            RetrieveRequest(prompt_token_ids=r["prompt_token_ids"], beam_width=BEAM, num_results=BEAM) for _, r in shard
         ]
         retrieved = engine.retrieve(asked) if asked else []
         users = [(r, res) for (i, r), res in zip(shard, retrieved, strict=True) if i not in BAD]
@@ -101,7 +101,7 @@ def expected_rows(engine, ranker, rows) -> list[tuple]:
             order = sorted(k, key=lambda it: -scores[it.item_id][TASK]) + [
                 it for it in res.items if it.item_id not in scores
             ]
-            for final, item in enumerate(order, 1):
+            for final, item in enumerate(order[:RESULTS], 1):
                 probs = scores.get(item.item_id, {})
                 out.append((row["user_id"], final, res.items.index(item) + 1, item.item_id, item.logprob, probs))
     return out
@@ -217,6 +217,8 @@ def test_funnel_table_orders_by_the_task_ties_in_stage_1_order_unknown_items_las
     ]  # fmt: skip
     assert {(r["model_version"], r["catalog_version"], r["ranker_version"]) for r in table} == {("m", "c", "rv")}
     assert not any(r["degraded"] for r in table)
+    first_two = funnel_table(stage1, {0: ranked, 1: knows_none}, ("like",), "like", "rv", num_results=2).to_pylist()
+    assert [(r["user_id"], r["rank"], r["item_id"]) for r in first_two] == [("a", 1, "z"), ("a", 2, "w"), ("b", 1, "v")]
     assert funnel_table(stage1, {}, ("like",), "like", "rv").num_rows == 0  # every user refused
     assert funnel_table(stage1.slice(0, 0), {}, ("like",), "like", "rv").num_rows == 0  # no user retrieved
 
@@ -249,23 +251,24 @@ def test_online_and_batch_agree_when_the_ranker_knows_none_of_the_items(
     rows = [{"user_id": "good", **user, "history": good}, {"user_id": "bad", **user, "history": [{"item_id": "no"}]}]
     users = tmp_path / "users.parquet"
     pq.write_table(pa.Table.from_pylist(rows), users)
-    spec = funnel_spec(tiny_dir, hstu_dir, users, tmp_path / "out", num_results=BEAM)  # every beam, as online
+    spec = funnel_spec(tiny_dir, hstu_dir, users, tmp_path / "out")  # num_results=RESULTS, as the body below
     results, errors = batch_in_process(spec)
     assert [(e["user_id"], e["field"]) for e in errors] == [("bad", "history[0].item_id")]
     nightly = [(r["item_id"], r["prob_like"], r["degraded"]) for r in results]
     assert {r["user_id"] for r in results} == {"good"}
     assert [r["rank"] for r in results] == [r["retrieval_rank"] for r in results] == list(range(1, len(nightly) + 1))
 
-    body = {"prompt_token_ids": prompt, "beam_width": BEAM, "allowed_item_ids": only_retrievers,
+    body = {"prompt_token_ids": prompt, "beam_width": BEAM, "num_results": RESULTS, "allowed_item_ids": only_retrievers,
             "candidates": [{"item_id": i} for i in user["candidates"]], "rank_task": TASK}  # fmt: skip
     status, answer, calls = two_stage(engine, ranker, body | {"history": good}, monkeypatch)
     assert status == 200, answer
     assert [(c.deployment, c.method) for c in calls] == [("retriever", "recommend"), ("ranker", "rank")]
     assert calls[1].result.items == []  # the ranker knew none: nothing ranked, no error
     online = [(i["item_id"], None, answer["degraded"]) for i in answer["items"]]
-    assert online == nightly[: len(online)] and len(online) == min(BEAM, len(nightly))
+    assert online == nightly and len(online) == RESULTS  # every beam ranked, the first RESULTS kept, both
     assert [i.item_id for i in calls[0].result.items][: len(online)] == [i for i, _, _ in online]  # stage 1's order
-    assert only_retrievers[40] in {i for i, _, _ in nightly}  # a given item joined, once
+    joined = [i for i in calls[0].result.items if i.item_id == only_retrievers[40]]
+    assert len(joined) == 1 and "given" in joined[0].source  # the given item joined stage 1, once
     assert all(i["ranker_scores"] is None for i in answer["items"]) and not answer["degraded"]
     status, answer, _ = two_stage(engine, ranker, body | {"history": [{"item_id": "no"}]}, monkeypatch)
     assert status == 422 and answer["details"][0]["field"] == "history[0].item_id"

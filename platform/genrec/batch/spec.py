@@ -22,7 +22,9 @@ from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
 from genrec.threads import ThreadSettings
 
 FORMAT = 4  # bump when the output layout or columns change (3: repeated user_ids refused; 4: catalog_version)
-FUNNEL_FORMAT = 6  # the funnel's own (4: degraded; 5: catalog_version; 6: stage 1 reads candidates sans --score)
+# The funnel's own (4: degraded; 5: catalog_version; 6: stage 1 as online: candidates without --score, every beam
+# ranked, num_results items kept).
+FUNNEL_FORMAT = 6
 WRONG_FAMILY = {  # a job's refusal of the other family's model directory
     "qwen3": "an HSTU ranking model (it ranks given candidates: jobs/batch_rank.py); batch recommendation needs a "
     "Qwen3 semantic-ID model",
@@ -78,7 +80,12 @@ class RecommendSpec(JobSpec):
     beam_widths: list[Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
         None, min_length=1, description="a beam width per code level, e.g. 32,128,256 (beam_width is the last)"
     )
-    num_results: int | None = Field(None, ge=1, description="codes per user, all their items (default: beam_width)")
+    num_results: int | None = Field(
+        None,
+        ge=1,
+        description="codes per user, all their items (default: beam_width); with --ranker, the items per user kept "
+        "after ranking every beam, as online (default: all)",
+    )
     score: bool = Field(False, description="recommend: label-score the retrieved and the given items, one prefill")
     order_by: Literal["score", "joint"] = Field(
         "score", description="with score: by the label's logprob, or by the item's + score_weight * the label's"
@@ -114,6 +121,11 @@ class RecommendSpec(JobSpec):
             raise ValueError("score_weight applies to order_by joint")
         return self
 
+    @property
+    def retrieved_codes(self) -> int | None:
+        """Codes each user's beam search returns: `num_results` (None: every beam)."""
+        return self.num_results
+
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         # "rank", "rank_by": score's and order_by's names before (their old flags are gone: docs/CHANGELOG.md); kept
         # as the identity's keys, so that the run_ids of earlier runs stay the same.
@@ -143,6 +155,11 @@ class FunnelSpec(RecommendSpec):
         None, validate_default=True, description="a task of the ranker: the final order (default: its first)"
     )
 
+    @property
+    def retrieved_codes(self) -> None:
+        """Every beam: the ranker, not the beam order, decides which `num_results` items are kept (as online)."""
+        return None
+
     @field_validator("ranker")
     @classmethod
     def _an_hstu_ranker(cls, ranker: str) -> str:
@@ -169,7 +186,8 @@ class FunnelSpec(RecommendSpec):
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         ranker = {"job": "funnel", "ranker_version": ModelDir.open(self.ranker).version, "rank_task": self.rank_task}
-        return {**super().identity(model_version, input_fingerprint), **ranker, "format": FUNNEL_FORMAT}
+        kept = {"num_results": self.num_results}  # items after ranking (None: all), not codes
+        return {**super().identity(model_version, input_fingerprint), **ranker, **kept, "format": FUNNEL_FORMAT}
 
 
 class RankSpec(JobSpec):

@@ -104,7 +104,7 @@ class Retrieve(Stage):
 
     def settings(self) -> dict:
         spec = self.spec
-        return {"beam_width": spec.beam_width, "beam_widths": spec.beam_widths, "num_results": spec.num_results}
+        return {"beam_width": spec.beam_width, "beam_widths": spec.beam_widths, "num_results": spec.retrieved_codes}
 
     def parse(self, rows: Rows) -> Parsed:
         embeddings = None
@@ -222,7 +222,8 @@ class RankRetrieved(Stage):
 
     def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
         by_row = dict(zip(positions, results, strict=True))
-        return funnel_table(rows.handed, by_row, self.tasks, self.spec.rank_task, rows.versions.model)
+        spec = self.spec
+        return funnel_table(rows.handed, by_row, self.tasks, spec.rank_task, rows.versions.model, spec.num_results)
 
 
 def stages_of(spec: JobSpec, execution: Execution, ranking: RankingExecution) -> list[tuple[Stage, Execution]]:

@@ -118,12 +118,13 @@ def funnel_table(
     tasks: tuple[str, ...],
     rank_task: str,
     version: str,
+    num_results: int | None = None,
 ) -> pa.Table:
     """`retrieved`: stage 1's rows (with ROW), each user's together in stage 1's order. `results`: shard row ->
     the RankResult of that user's items the ranker knows (none when it knows none: stage 1's order, not degraded;
     Degraded: the ranker failed, so none is ranked and `degraded` is true with its reason); the users left out
     (refused by the ranker) are left out. The final order and the unranked items' place (their probabilities
-    null): genrec.funnel.final_order."""
+    null): genrec.funnel.final_order; each user's first `num_results` are kept (None: all), as online."""
     item_ids = retrieved.column("item_id").to_pylist()
     order, scores, counts, reasons = [], [], [], []
     for position, lo, hi in user_spans(retrieved.column(ROW).to_numpy()):
@@ -131,11 +132,12 @@ def funnel_table(
             continue
         result = results[position]
         ranked = {item.item_id: item.scores for item in result.items} if isinstance(result, RankResult) else {}
-        for k in final_order(item_ids[lo:hi], ranked, rank_task):
+        kept = final_order(item_ids[lo:hi], ranked, rank_task)[:num_results]
+        for k in kept:
             order.append(lo + k)
             scores.append(ranked.get(item_ids[lo + k]))
-        counts.append(hi - lo)
-        reasons += [result.reason if isinstance(result, Degraded) else None] * (hi - lo)
+        counts.append(len(kept))
+        reasons += [result.reason if isinstance(result, Degraded) else None] * len(kept)
     kept = retrieved.take(pa.array(order, pa.int64()))
     columns = {"user_id": kept["user_id"], "rank": _ranks(counts), "retrieval_rank": kept["rank"]}
     columns |= {name: kept[name] for name in ("item_id", "semantic_id", "retrieval_logprob", "code_logprob", "score")}

@@ -513,7 +513,7 @@ def under_load(url: str, during, threads: int = 2) -> list[tuple[str, int, str |
 
 # -- the ranker gone: the funnel degrades (or, set to, fails) -----------------------------------------------------
 
-FRAIL_DEADLINE_S = 4.0
+FRAIL_DEADLINE_S = 8.0  # "at once" is under 7 s: a loaded 2-core machine (two test workers) may take 3-4 s for stage 1
 
 
 def frail_args(tiny_dir, hstu_dir, ranker_gone: bool, on_failure: str = "degrade") -> dict:

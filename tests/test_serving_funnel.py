@@ -615,7 +615,7 @@ def degraded_counts(client: httpx.Client) -> dict[str, float | None]:
 
 
 def test_a_killed_ranker_degrades_the_funnel_at_once_not_after_its_replacement_starts(frail, tiny_dir, hstu_dir):
-    """With its one ranker replica killed under load, every two-stage recommend answers within a second and a half
+    """With its one ranker replica killed under load, every two-stage recommend answers within three seconds
     of a ranked one (the retrieval, degraded ranker_unavailable: the ingress's router knows the ranker has no
     running replica), not at its deadline while the replacement starts; then the replacement ranks again."""
     deploy("frail", **frail_args(tiny_dir, hstu_dir, ranker_gone=False))  # as the fixture made it
@@ -625,7 +625,7 @@ def test_a_killed_ranker_degrades_the_funnel_at_once_not_after_its_replacement_s
     reasons = {r.json()["degraded_reason"] for r, _ in answers if r.json()["degraded"]}
     assert reasons == {"ranker_unavailable"}
     slowest = max(seconds for _, seconds in answers)
-    assert slowest <= max(normal) + 1.5 < FRAIL_DEADLINE_S, (normal, sorted(s for _, s in answers)[-5:])
+    assert slowest <= max(normal) + 3.0 < FRAIL_DEADLINE_S, (normal, sorted(s for _, s in answers)[-5:])
 
 
 def test_without_its_ranker_the_funnel_answers_the_retrieval_in_beam_order_at_once(

@@ -20,9 +20,8 @@ from genrec.api import (
 )
 from genrec.engine import Engine, SchedulerConfig
 from genrec.errors import InvalidRequestError, ModelDirectoryError
-from genrec.model.chat import ChatOptions
 from genrec.model.directory import ModelDir
-from genrec.model.tokenizer import USER_TOKEN
+from genrec.model.tokenizer import USER_TOKEN, ChatOptions
 from tests.chat_model import EMPTY_THINK, write_chat_model_dir
 from tests.conftest import TINY
 

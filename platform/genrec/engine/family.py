@@ -28,7 +28,7 @@ from genrec.api import (
     ScoreRequest,
 )
 from genrec.catalog import Catalog
-from genrec.catalog.item_index import ItemIndex
+from genrec.catalog.catalog import ItemIndex
 from genrec.engine.decode_batch import DecodeBatch
 from genrec.engine.job import Job, JobState, Prepared
 from genrec.engine.pass_cost import PassCost

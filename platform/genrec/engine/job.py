@@ -11,8 +11,8 @@ import torch
 
 from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, RetrieveResult, ScoreRequest
 from genrec.engine.beam import BeamCohort
-from genrec.engine.kv_budget import Holding
 from genrec.engine.scoring import CandidateRows
+from genrec.model.kv_pool import Holding
 
 
 @dataclass

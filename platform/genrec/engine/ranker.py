@@ -15,7 +15,7 @@ import torch
 
 from genrec.api import FAMILY_KINDS, PromptForms, PromptResult, RankedItem, RankRequest, RankResult
 from genrec.attention import ContextGroup
-from genrec.catalog.item_index import ItemIndex
+from genrec.catalog.catalog import ItemIndex
 from genrec.engine.job import JobState, Prepared
 from genrec.engine.pass_cost import PassCost
 from genrec.engine.prefix_cache import Scope, block_keys

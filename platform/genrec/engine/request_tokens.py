@@ -9,8 +9,8 @@ import torch
 
 from genrec.api import Candidate, PromptForms, PromptResult
 from genrec.errors import InvalidRequestError
-from genrec.model.chat import ChatTemplate
 from genrec.model.soft_token import SoftTokenProjector
+from genrec.model.tokenizer import ChatTemplate
 from genrec.staging import to_device
 
 # No token of a real tokenizer spans more characters than this: text longer than limit x this cannot fit,

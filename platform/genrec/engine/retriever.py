@@ -44,10 +44,9 @@ from genrec.engine.scoring import LabelScores, Scorer, candidate_rows
 from genrec.engine.served_catalog import CatalogVersions, ServedCatalog
 from genrec.errors import InvalidRequestError
 from genrec.model import fused
-from genrec.model.chat import ChatTemplate
 from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
-from genrec.model.tokenizer import USER_TOKEN
+from genrec.model.tokenizer import USER_TOKEN, ChatTemplate
 from genrec.staging import to_device
 
 

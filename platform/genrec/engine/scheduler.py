@@ -27,11 +27,11 @@ import torch
 from genrec.engine.beam import fetch_finals
 from genrec.engine.family import Family
 from genrec.engine.job import Job, JobState, Prepared
-from genrec.engine.kv_budget import Holding, KVBudget, kv_bytes_per_token
 from genrec.engine.metrics import EngineMetrics
 from genrec.engine.prefix_cache import BLOCK, HostTier, PrefixCache
 from genrec.engine.runner import ModelRunner
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
+from genrec.model.kv_pool import Holding, KVBudget, kv_bytes_per_token
 
 WAITING, PREFILLING, DECODING, SCORING, FINISHED = JobState
 

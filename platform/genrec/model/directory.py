@@ -6,8 +6,8 @@ the family's directory object (Qwen3Dir, HSTUDir), which knows its family, confi
 user-vector width, loads each part for the engine, and checks everything an engine replica would read without
 reading the weights (`check`: the deploy's preflight, the batch driver's), each tensor's shape and dtype in the
 weight files' headers against what the config implies included. Nothing else in genrec opens a model's files.
-Each loader imports its part when called (the tokenizer's transformers, the forward code, safetensors): `check`,
-run by light processes such as the deploy's preflight, never pays for them.
+Each loader imports its part when called (transformers, which genrec.model.tokenizer imports when it loads one;
+the forward code; safetensors): `check`, run by light processes such as the deploy's preflight, never pays for them.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import ClassVar
 
 import torch
 
-from genrec.catalog.catalog import Catalog
-from genrec.catalog.item_index import ItemIndex
+from genrec.catalog.catalog import Catalog, ItemIndex
 from genrec.errors import ModelDirectoryError
 from genrec.files import is_temporary
-from genrec.model.chat import PROMPT_FILE
 from genrec.model.config import Qwen3Config
 from genrec.model.digests import RECORD, DigestRecord
 from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
+from genrec.model.tokenizer import PROMPT_FILE, ChatOptions, ChatTemplate, check_token_ids, load_tokenizer
 from genrec.model.weights import Layout, load_state_dict, read_headers, weight_files
 
 GENREC_SUBDIR = "genrec"
@@ -147,8 +146,6 @@ class Qwen3Dir(ModelDir):
 
     def load_tokenizer(self):
         """The tokenizer, checked to produce only token IDs the model's embedding has."""
-        from genrec.model.tokenizer import check_token_ids, load_tokenizer
-
         tokenizer = load_tokenizer(self.path)
         check_token_ids(tokenizer, self.config.vocab_size, self.path)
         return tokenizer
@@ -172,9 +169,7 @@ class Qwen3Dir(ModelDir):
 
     def load_chat(self, tokenizer=None):
         """How `messages` prompts are rendered: the tokenizer's chat template with the options in
-        `genrec/prompt.json` (genrec.model.chat)."""
-        from genrec.model.chat import ChatOptions, ChatTemplate
-
+        `genrec/prompt.json` (genrec.model.tokenizer)."""
         tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
         # A history is written in codes: their tokens and wrappers may be in a message (not EOS, an ending's too).
         code_ids = set(self.load_sid_layout(tokenizer).token_id_list()) - {tokenizer.eos_token_id}

@@ -3,8 +3,13 @@
 k, v are [layers, tokens, kv_heads, head_dim]: a prompt's K/V for layer i is the slice
 `k[i, offset : offset + length]`, so one varlen attention call can read every request's context from
 the same tensor (contexts may sit anywhere in it, gaps allowed). One first-fit allocator with
-coalescing hands out extents; admission asks it for real space, so the device never holds more KV
-than the pool and a request that does not fit waits.
+coalescing hands out extents; admission (`KVBudget`) asks it for real space, so the device never holds
+more KV than the pool and a request that does not fit waits.
+
+An admitted job holds its ContextKV (the pieces of a reused prefix, then its own extent for the rest of its
+prompt) and a second extent for the rest of its peak: its BeamKV slots plus headroom for its rows (its family
+reckons them: `Prepared.kv_tokens`). Both come back when it ends. While a job does not fit, the prefix cache
+gives up its least recently used entries first.
 """
 
 from __future__ import annotations
@@ -202,3 +207,43 @@ class ContextKV:
         self.extent.release()
         for piece in self.prefix:
             piece.extent.release()
+
+
+@dataclass
+class Holding:
+    """What one admitted job holds in the pool."""
+
+    ctx: ContextKV  # its prompt: reused prefix pieces (held), then its own extent
+    rest: Extent  # BeamKV slots and row headroom
+    tokens: int  # pool tokens it took (its own extent and the rest; reused pieces are not counted)
+
+
+class KVBudget:
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.capacity = pool.tokens * pool.bytes_per_token
+        self.reserved = 0  # bytes held by admitted jobs
+
+    def admit(self, own_tokens: int, rest_tokens: int, prefix: list[Piece]) -> Holding | None:
+        """Extents for a job's own prompt tokens (after its reused `prefix`, whose holds it takes over) and the
+        rest of its peak; None if they do not fit (the caller still holds the prefix then)."""
+        own = self.pool.reserve(own_tokens)
+        if own is None:
+            return None
+        rest = self.pool.reserve(rest_tokens)
+        if rest is None:
+            own.release()
+            return None
+        self.reserved += (own_tokens + rest_tokens) * self.pool.bytes_per_token
+        return Holding(ContextKV(own, prefix), rest, own_tokens + rest_tokens)
+
+    def release(self, holding: Holding) -> None:
+        holding.ctx.release()
+        holding.rest.release()
+        self.reserved -= holding.tokens * self.pool.bytes_per_token
+        assert self.reserved >= 0, "KV budget released more than it reserved"
+
+
+def kv_bytes_per_token(config, element_size: int) -> int:
+    """K and V of one token in every layer (`config`: a model config with the KV shape)."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size

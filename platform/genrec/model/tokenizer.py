@@ -1,17 +1,33 @@
-"""Tokenizer conventions: semantic-ID tokens, the soft-token placeholder, label tokens.
+"""The tokenizer: its conventions (semantic-ID tokens, the soft-token placeholder, label tokens), its loading and
+checks, and chat messages rendered by its template.
 
 genrec's own models name their semantic-ID tokens `<{letter}_{index}>`, one letter per code level (`<a_0>..<a_255>`,
 `<b_0>..`); which tokens form each level of a model is its SID layout (genrec.model.sid_layout). `<|user|>` is the
 soft-token placeholder.
+
+Chat messages are rendered by the model's own chat template (its tokenizer files), with the model's system
+prompt and template options from `genrec/prompt.json`, the assistant's turn opened.
+
+`genrec/prompt.json` (optional; every key optional):
+
+    {"version": 1,
+     "system_prompt": "You are a recommender ...",         # a system turn put first when the messages have none
+     "chat_template_kwargs": {"enable_thinking": false}}  # the template's own variables
+
+Without the file: no system prompt, and `enable_thinking` false (Qwen3 templates then open the assistant's turn
+with an empty think block: a semantic-ID model answers with a code, not with reasoning). Templates that do not
+read a variable ignore it.
 """
 
 from __future__ import annotations
 
+import json
 import string
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from genrec.errors import ModelDirectoryError
+from genrec.errors import InvalidRequestError, ModelDirectoryError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,3 +62,108 @@ def check_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, model_d
         raise ModelDirectoryError(
             model_dir, f"the tokenizer has token IDs up to {top} ({name!r}); config.json's vocab_size is {vocab_size}"
         )
+
+
+PROMPT_FILE = "prompt.json"
+PROMPT_VERSION = 1
+_KEYS = ("version", "system_prompt", "chat_template_kwargs")
+DEFAULT_TEMPLATE_KWARGS = {"enable_thinking": False}
+# apply_chat_template's own arguments: a template variable of one of these names would change what it does.
+RESERVED_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "return_dict", "tokenizer_kwargs", "sanitize_control_tokens"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The model's chat options (`genrec/prompt.json`)."""
+
+    system_prompt: str | None = None
+    template_kwargs: dict = field(default_factory=lambda: dict(DEFAULT_TEMPLATE_KWARGS))
+
+    @classmethod
+    def load(cls, path: Path) -> ChatOptions:
+        """The options in `path`; the defaults when it does not exist. A bad file is a ModelDirectoryError naming
+        it and the key."""
+        if not path.exists():
+            return cls()
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ModelDirectoryError(path, f"cannot be read as JSON ({err})") from None
+        if not isinstance(raw, dict):
+            raise ModelDirectoryError(path, "must be a JSON object")
+        unknown = sorted(set(raw) - set(_KEYS))
+        if unknown:
+            raise ModelDirectoryError(path, f"unknown keys {unknown} (known: {', '.join(_KEYS)})")
+        if raw.get("version", PROMPT_VERSION) != PROMPT_VERSION:
+            raise ModelDirectoryError(
+                path, f"version {raw['version']!r} is not one this genrec reads ({PROMPT_VERSION})"
+            )
+        system = raw.get("system_prompt")
+        if system is not None and (not isinstance(system, str) or not system.strip()):
+            raise ModelDirectoryError(path, "system_prompt must be a non-empty string (or null)")
+        kwargs = raw.get("chat_template_kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise ModelDirectoryError(path, "chat_template_kwargs must be a JSON object")
+        reserved = sorted(RESERVED_KWARGS & set(kwargs))
+        if reserved:
+            raise ModelDirectoryError(path, f"chat_template_kwargs may not set {reserved} (genrec sets them)")
+        return cls(system, DEFAULT_TEMPLATE_KWARGS | kwargs)
+
+
+class ChatTemplate:
+    """Renders chat messages with the tokenizer's template: `render(messages)` is the text the model reads."""
+
+    def __init__(
+        self,
+        tokenizer,
+        options: ChatOptions | None = None,
+        source: Path | str = "tokenizer",
+        allowed: frozenset[str] = frozenset(),
+    ):
+        """`allowed`: special tokens a message may hold all the same (the model's semantic-ID tokens and wrappers,
+        which histories are written in)."""
+        self.tokenizer = tokenizer
+        self.options = options or ChatOptions()
+        self.available = bool(getattr(tokenizer, "chat_template", None))
+        # The template's own control tokens (`<|im_start|>`, `<|im_end|>` ...): in a message's text they would open
+        # or close turns of the conversation (a client's text forging a system turn), so a message may not hold one.
+        special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        self.control_tokens = tuple(sorted(special - allowed - {USER_TOKEN}))
+        if self.options.system_prompt is not None and not self.available:
+            raise ModelDirectoryError(source, "has a system_prompt but the tokenizer has no chat template")
+
+    def conversation(self, messages: list[dict]) -> list[dict]:
+        """The messages with the model's system prompt first, unless they open with a system turn of their own."""
+        system = self.options.system_prompt
+        if system is None or (messages and messages[0]["role"] == "system"):
+            return list(messages)
+        return [{"role": "system", "content": system}, *messages]
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text of `messages` ([{role, content}]); InvalidRequestError naming `messages` when the model
+        has no chat template or its template refuses them."""
+        if not self.available:
+            raise InvalidRequestError(
+                "messages", "this model has no chat template (tokenizer_config.json chat_template): send 'prompt'"
+            )
+        self._refuse_control_tokens(messages)
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                self.conversation(messages), tokenize=False, add_generation_prompt=True, **self.options.template_kwargs
+            )
+        except TemplateError as err:  # raise_exception() in a template, or a template that fails on this input
+            raise InvalidRequestError("messages", f"the model's chat template refused them ({err})") from None
+
+    def _refuse_control_tokens(self, messages: list[dict]) -> None:
+        for i, message in enumerate(messages):
+            for key in ("role", "content"):
+                found = next((t for t in self.control_tokens if t in message[key]), None)
+                if found is not None:
+                    raise InvalidRequestError(
+                        f"messages[{i}].{key}", f"holds {found!r}, a control token of the model's chat template"
+                    )

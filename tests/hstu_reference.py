@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec.model.hstu_config import HSTUConfig
+from genrec.model.config import HSTUConfig
 
 
 @dataclass

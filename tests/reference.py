@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from genrec.attention import context_attention
-from genrec.testing.reference import allowed_tokens_fn
+from genrec_bench.reference import allowed_tokens_fn
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ import pytest
 
 from genrec.batch.semantic_ids import build_semantic_ids, fixed_size_block
 from genrec.catalog import Catalog
-from genrec.catalog_tools.build_ids import build_catalog
+from genrec.catalog_tools.build_ids import build_catalog_and_codebooks
 from genrec.model.sid_layout import SidLayout
 from genrec.model.tokenizer import load_tokenizer
 from tests import rank_inputs
@@ -35,7 +35,8 @@ def test_semantic_ids_through_ray_data_equal_build_ids(ray_cluster, tiny_dir, tm
     assert report["items"] == 300 and report["dim"] == 12
     layout = SidLayout.infer(load_tokenizer(tiny_dir))
     built = Catalog.load(tmp_path / "catalog.parquet", layout)
-    reference = build_catalog(tmp_path / "whole.parquet", layout, iters=5)  # what `genrec build-ids` computes
+    # what `genrec build-ids` computes:
+    reference, _ = build_catalog_and_codebooks(tmp_path / "whole.parquet", layout, iters=5)
     assert built.item_ids.tolist() == reference.item_ids.tolist()
     assert np.array_equal(built.codes, reference.codes)
 

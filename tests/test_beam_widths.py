@@ -14,7 +14,7 @@ from genrec.engine.beam import _pass_bases, slots_needed, step_widths
 from genrec.errors import InvalidRequestError
 from genrec.serving.http_errors import validation_error_handler
 from genrec.serving.schemas import RetrieveBody
-from genrec.testing.reference import item_sequences
+from genrec_bench.reference import item_sequences
 from tests.conftest import random_prompt
 from tests.reference import scheduled_beam_search
 from tests.sid_tokenizers import minionerec_tokenizer

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from genrec.catalog import Catalog
-from genrec.catalog_tools.build_ids import balanced_assign, build_catalog, residual_codes
+from genrec.catalog_tools.build_ids import balanced_assign, build_catalog_and_codebooks, codes_and_codebooks
 from genrec.cli import app
 from genrec.errors import GenrecError
 from genrec.model.sid_layout import SidLayout
@@ -44,7 +44,7 @@ def test_skewed_catalog_gets_unique_codes_and_keeps_its_clusters():
     centers = rng.normal(size=(6, 6)) * 20
     small = np.repeat(np.arange(6), 50)
     spread = centers[small] + rng.normal(size=(300, 6)) * 0.1
-    codes = residual_codes(np.concatenate([blob, spread]), codebooks=[16, 16], last_size=16, seed=0)
+    codes = codes_and_codebooks(np.concatenate([blob, spread]), codebooks=[16, 16], last_size=16, seed=0)[0]
     assert len(np.unique(codes, axis=0)) == 1000 and codes.max() < 16
     first = codes[700:, 0]
     for code in np.unique(first):  # moved blob items never mix two separated clusters on one first-level code
@@ -54,15 +54,15 @@ def test_skewed_catalog_gets_unique_codes_and_keeps_its_clusters():
 @pytest.mark.parametrize("shape", [(512, 8), (64, 3)])
 def test_a_full_code_space_and_identical_embeddings(shape):
     n, dim = shape
-    codes = residual_codes(np.ones((n, dim)), codebooks=[8, 8], last_size=8)
+    codes = codes_and_codebooks(np.ones((n, dim)), codebooks=[8, 8], last_size=8)[0]
     assert len(np.unique(codes, axis=0)) == n
-    codes = residual_codes(np.random.default_rng(2).normal(size=(n, dim)), codebooks=[8, 8], last_size=8)
+    codes = codes_and_codebooks(np.random.default_rng(2).normal(size=(n, dim)), codebooks=[8, 8], last_size=8)[0]
     assert len(np.unique(codes, axis=0)) == n
 
 
 def test_more_items_than_codes_is_refused_up_front():
     with pytest.raises(GenrecError, match=r"513 items do not fit in 3 levels of \[8, 8, 8\] tokens \(512 codes\)"):
-        residual_codes(np.random.default_rng(3).normal(size=(513, 4)), codebooks=[8, 8], last_size=8)
+        codes_and_codebooks(np.random.default_rng(3).normal(size=(513, 4)), codebooks=[8, 8], last_size=8)[0]
 
 
 def test_balanced_assign_moves_only_rows_whose_nearest_center_is_full_of_nearer_rows():
@@ -88,14 +88,14 @@ def test_nan_embedding_names_the_item_and_row(tmp_path):
     vectors[17, 2] = np.nan
     path = _write(tmp_path / "nan.parquet", vectors)
     with pytest.raises(GenrecError, match=r"nan.parquet: item 'x17' \(row 17\) has a non-finite embedding"):
-        build_catalog(path, ranges_layout((10, 17), (18, 25), (26, 33)))
+        build_catalog_and_codebooks(path, ranges_layout((10, 17), (18, 25), (26, 33)))
 
 
 def test_null_or_ragged_embedding_names_the_row(tmp_path):
     vectors = [[0.0, 1.0]] * 5 + [None] + [[1.0, 0.0]] * 4
     path = _write(tmp_path / "null.parquet", vectors)
     with pytest.raises(GenrecError, match=r"null, empty or of another length on row 5 \(item 'x5'"):
-        build_catalog(path, ranges_layout((10, 17), (18, 25)))
+        build_catalog_and_codebooks(path, ranges_layout((10, 17), (18, 25)))
     path = _write(tmp_path / "ragged.parquet", [[0.0, 1.0]] * 3 + [[1.0]])
     with pytest.raises(GenrecError, match=r"on row 3 \(item 'x3': 1 values"):
-        build_catalog(path, ranges_layout((10, 17), (18, 25)))
+        build_catalog_and_codebooks(path, ranges_layout((10, 17), (18, 25)))

@@ -8,12 +8,12 @@ import torch
 from typer.testing import CliRunner
 
 from genrec.catalog import Catalog, CodeTrie
-from genrec.catalog_tools.build_ids import residual_codes
+from genrec.catalog_tools.build_ids import codes_and_codebooks
 from genrec.cli import app
 from genrec.errors import CatalogError
 from genrec.model.sid_layout import SidLayout
 from genrec.model.tokenizer import load_tokenizer
-from genrec.testing.reference import allowed_tokens_fn
+from genrec_bench.reference import allowed_tokens_fn
 
 
 def test_trie_children_equal_plain_prefix_sets():
@@ -51,7 +51,7 @@ def test_residual_codes_are_unique_and_follow_clusters():
     centers = rng.normal(size=(4, 8)) * 10
     cluster = np.repeat(np.arange(4), 50)
     embeddings = centers[cluster] + rng.normal(size=(200, 8)) * 0.1
-    codes = residual_codes(embeddings, codebooks=[4, 4], last_size=64, seed=0)
+    codes = codes_and_codebooks(embeddings, codebooks=[4, 4], last_size=64, seed=0)[0]
     assert codes.shape == (200, 3)
     assert len(np.unique(codes, axis=0)) == 200
     for c in range(4):  # well-separated clusters land on one first-level code each

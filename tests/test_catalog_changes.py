@@ -51,6 +51,18 @@ def _catalog(model):
     return directory.load_catalog()
 
 
+def _nearest_codes(codebooks, embeddings) -> np.ndarray:
+    """[n, levels-1] code indices: at each level the nearest center to the residual the levels above left (what
+    build-ids gives an item unless its nearest prefix was full)."""
+    residual = torch.as_tensor(np.asarray(embeddings, dtype=np.float32)) / codebooks.scale
+    columns = []
+    for centers in codebooks.centers:
+        assign = torch.cdist(residual, centers).argmin(dim=1)
+        residual = residual - centers[assign]
+        columns.append(assign.numpy())
+    return np.stack(columns, axis=1).astype(np.int64)
+
+
 def _numpy_nearest(embeddings, scale, centers):
     """The plain reference: squared distances to every center, argmin, subtract, level by level."""
     residual, out = np.asarray(embeddings, dtype=np.float64) / scale, []
@@ -68,7 +80,7 @@ def test_nearest_codes_equal_a_numpy_reference(seed):
     centers = tuple(torch.tensor(rng.normal(size=(k, 5)), dtype=torch.float32) for k in (16, 7, 9))
     codebooks = Codebooks(3.5, centers, 4)
     embeddings = rng.normal(size=(400, 5)).astype(np.float32) * 3
-    got = codebooks.nearest_codes(embeddings)
+    got = _nearest_codes(codebooks, embeddings)
     want = _numpy_nearest(embeddings, 3.5, [c.numpy() for c in centers])
     assert (got == want).all()
 
@@ -79,7 +91,7 @@ def test_codebooks_reproduce_build_ids_where_no_prefix_was_full():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(300, 8))
     codes, codebooks = codes_and_codebooks(x, [8, 8], 8, seed=0)
-    again = codebooks.nearest_codes(x)
+    again = _nearest_codes(codebooks, x)
     same = (again == codes[:, :2]).all(axis=1)
     assert same.mean() > 0.9  # most items were not moved: the comparison below is not vacuous
     scaled = torch.tensor(x, dtype=torch.float32) / codebooks.scale
@@ -120,7 +132,7 @@ def test_retired_items_added_back_get_build_ids_codes(built, tmp_path):
     codebooks = Codebooks.load(model / "genrec/codebooks.safetensors")
     layout = ModelDir.open(model).load_sid_layout()
     nearest = np.stack(
-        [layout.level_ids[level][codebooks.nearest_codes(vectors)[:, level]] for level in range(2)], axis=1
+        [layout.level_ids[level][_nearest_codes(codebooks, vectors)[:, level]] for level in range(2)], axis=1
     )
     unmoved = (nearest == original.codes[:, :2]).all(axis=1)
     assert unmoved.all()  # this catalog had room everywhere: so the codes must be build-ids' exactly
@@ -251,7 +263,7 @@ def test_the_engine_retrieves_added_items(built, tmp_path):
     returned = [item.item_id for item in found.items]
     assert sorted(returned) == sorted(ids[:BUILT] + fresh)
     assert len(np.unique(engine.catalog.codes, axis=0)) == len(engine.catalog)
-    nearest = Codebooks.load(model / "genrec/codebooks.safetensors").nearest_codes(moved)
+    nearest = _nearest_codes(Codebooks.load(model / "genrec/codebooks.safetensors"), moved)
     layout = ModelDir.open(model).load_sid_layout()
     prefixes = np.stack([layout.level_ids[level][nearest[:, level]] for level in range(2)], axis=1)
     assert (engine.catalog.codes[BUILT:, :2] == prefixes).all()  # each on its nearest prefix (room everywhere)

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from genrec.api import MAX_TIMESTAMP_S, Event, RankRequest
-from genrec.model.hstu_config import MAX_GAP_S
+from genrec.model.config import MAX_GAP_S
 from genrec.serving.http_errors import _invalid
 from genrec.serving.schemas import RankBody, RecommendBody
 from tests.conftest import HSTU_TINY as SPEC

@@ -15,8 +15,8 @@ from genrec.api import Candidate, FilterRange, RecommendRequest, RetrieveRequest
 from genrec.catalog import Catalog
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.engine import Engine, SchedulerConfig
-from genrec.engine.filter_masks import FilterMasks
 from genrec.engine.scheduler import Scheduler
+from genrec.engine.served_catalog import FilterMasks
 from genrec.errors import InvalidRequestError
 from tests.conftest import random_prompt
 from tests.reference import hf_constrained_beams

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from genrec.errors import ModelDirectoryError
 from genrec.model import hstu
+from genrec.model.config import HSTUConfig
 from genrec.model.directory import ModelDir
 from genrec.model.hstu import HSTU, HistoryRows, HistorySegment
-from genrec.model.hstu_config import HSTUConfig
 from genrec.model.kv_pool import KVPool
 from genrec.testing.tiny import HSTUSpec, random_hstu, write_hstu_dir
 from tests.hstu_reference import ranking_mask, reference_rank

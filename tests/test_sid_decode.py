@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
 from genrec.catalog import Catalog
 from genrec.engine import Engine, SchedulerConfig
-from genrec.testing.reference import item_sequences
 from genrec.testing.tiny import ModelSpec, write_model_dir
+from genrec_bench.reference import item_sequences
 from tests.conftest import random_prompt
 from tests.reference import exhaustive_retrieval, hf_constrained_beams, sequence_logprobs
 from tests.sid_tokenizers import genrec_tokenizer, minionerec_tokenizer, openonerec_tokenizer

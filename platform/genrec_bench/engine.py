@@ -25,7 +25,6 @@ from genrec.api import Candidate, Event, RankRequest, RetrieveRequest, ScoreRequ
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.scheduler import Scheduler
 from genrec.model import ContextKV
-from genrec.testing.reference import allowed_tokens_fn
 from genrec_bench import peer_vllm
 from genrec_bench.cli import RankOptions, RetrieveOptions, ScoreOptions
 from genrec_bench.common import (
@@ -40,6 +39,7 @@ from genrec_bench.common import (
     random_prompt,
     timed,
 )
+from genrec_bench.reference import allowed_tokens_fn
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)
 

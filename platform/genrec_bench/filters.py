@@ -24,8 +24,8 @@ from genrec.api import RetrieveRequest
 from genrec.catalog import Catalog
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.engine import Engine
-from genrec.engine.filter_masks import FilterMasks
 from genrec.engine.retriever import Retriever
+from genrec.engine.served_catalog import FilterMasks
 from genrec_bench.cli import FilterOptions
 from genrec_bench.common import machine, random_prompt, timed
 from genrec_bench.sid_catalog import COLD, random_catalog, sid_model

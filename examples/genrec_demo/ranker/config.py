@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from genrec.model.hstu_config import HSTUConfig
+from genrec.model.config import HSTUConfig
 
 ACTIONS = 5  # MovieLens ratings 1..5 -> actions 0..4
 

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from genrec.model.hstu_config import HSTUConfig
+from genrec.model.config import HSTUConfig
 from genrec_demo.data import MovieLens
 
 # A batch job's `history` column: each row the request's events, oldest first (`MovieLens.events`).

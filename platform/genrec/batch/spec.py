@@ -17,8 +17,8 @@ from genrec.cache.config import CacheConfig
 from genrec.catalog.catalog import catalog_version
 from genrec.engine_options import EngineOptions
 from genrec.errors import GenrecError, ModelDirectoryError
+from genrec.model.config import HSTU_MODEL_TYPE, HSTUConfig
 from genrec.model.directory import GENREC_SUBDIR, ModelDir
-from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
 from genrec.threads import ThreadSettings
 
 FORMAT = 4  # bump when the output layout or columns change (3: repeated user_ids refused; 4: catalog_version)

@@ -34,39 +34,48 @@ def kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> t
 
 
 def balanced_assign(dist: torch.Tensor, group: np.ndarray, room: int) -> np.ndarray:
-    """Nearest center per row, with at most `room` rows of one group on one center.
+    """Nearest center per row, with at most `room` rows of one group on one center (a group of at most k * room
+    rows always fits)."""
+    none = np.zeros(0, dtype=np.int64)
+    return assign_with_room(dist, group * dist.shape[1], room, none, none)
 
-    Every row first takes its nearest center; where a (group, center) holds more than `room` rows, the
-    farthest ones give that center up and take their nearest remaining one, until none overflows. A full
-    center stays full (it only trades rows for nearer ones), so a group with at most k * room rows always
-    fits, in at most k rounds.
-    """
-    n, k = dist.shape
-    dist = dist.clone()
+
+def assign_with_room(dist: torch.Tensor, base: np.ndarray, capacity: int, keys, counts) -> np.ndarray:
+    """Rows' centers: the nearest whose child prefix (base + center) holds fewer than `capacity` items (the held
+    ones, `keys`/`counts` sorted by key, and the rows nearer to it); -1 where none has room.
+
+    Every row first takes its nearest center; where a prefix overflows, its farthest rows give that center up and
+    take their nearest remaining one, until none overflows. A full center stays full (it only trades rows for
+    nearer ones), so rows that fit all find a place, in at most k rounds."""
+    n = len(dist)
+    dist, rows = dist.clone(), np.arange(n)
     assign = dist.argmin(dim=1).numpy()
-    pending = np.arange(n)
-    while len(pending):
-        chosen = dist[np.arange(n), assign].numpy()
-        key = group * k + assign
-        rank = _rank_within(key, np.lexsort((np.arange(n), chosen, key)))  # nearest first, then by row
-        pending = np.flatnonzero(rank >= room)
-        rows = torch.from_numpy(pending)
-        dist[rows, torch.from_numpy(assign[pending])] = torch.inf
-        assign[pending] = dist[rows].argmin(dim=1).numpy()
-    return assign
+    while True:
+        key = base + assign
+        held = _count_of(key, keys, counts)
+        chosen = dist[rows, assign].numpy()
+        rank = _rank_within(key, np.lexsort((rows, chosen, key)))  # nearest first, then by row
+        pending = np.flatnonzero((rank >= capacity - held) & np.isfinite(chosen))
+        if not len(pending):
+            return np.where(np.isfinite(chosen), assign, -1)
+        taken = torch.from_numpy(pending)
+        dist[taken, torch.from_numpy(assign[pending])] = torch.inf
+        assign[pending] = dist[taken].argmin(dim=1).numpy()
 
 
-def residual_codes(
-    embeddings: np.ndarray, codebooks: list[int], last_size: int, iters=20, seed=0, item_ids=None, source="embeddings"
-) -> np.ndarray:
-    """Codes [n, len(codebooks)+1]: residual k-means levels, then a rank among items with the same prefix."""
-    return codes_and_codebooks(embeddings, codebooks, last_size, iters, seed, item_ids, source)[0]
+def _count_of(key: np.ndarray, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """counts[keys == key] for each key (0 for a key not in the sorted `keys`)."""
+    if not len(keys):
+        return np.zeros(len(key), dtype=np.int64)
+    at = np.searchsorted(keys, key).clip(max=len(keys) - 1)
+    return np.where(keys[at] == key, counts[at], 0)
 
 
 def codes_and_codebooks(
     embeddings: np.ndarray, codebooks: list[int], last_size: int, iters=20, seed=0, item_ids=None, source="embeddings"
 ) -> tuple[np.ndarray, Codebooks]:
-    """`residual_codes`, and the codebooks that code a new item the same way (`genrec catalog add`)."""
+    """Codes [n, len(codebooks)+1] (residual k-means levels, then a rank among items with the same prefix), and the
+    codebooks that code a new item the same way (`genrec catalog add`)."""
     x = _checked_matrix(embeddings, item_ids, source)
     sizes = [*codebooks, last_size]
     if len(x) > prod(sizes):
@@ -123,9 +132,6 @@ def catalog_and_codebooks(
     token_ids = np.stack([layout.level_ids[level][codes[:, level]] for level in range(len(sizes))], axis=1)
     return Catalog.validated(np.asarray(item_ids, dtype=object), token_ids, layout, source), codebooks
 
-
-def build_catalog(embeddings_path: Path, layout, iters=20, seed=0) -> Catalog:
-    return build_catalog_and_codebooks(embeddings_path, layout, iters, seed)[0]
 
 
 def build_catalog_and_codebooks(embeddings_path: Path, layout, iters=20, seed=0) -> tuple[Catalog, Codebooks]:

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import torch
 
 from genrec.catalog.catalog import Catalog, _codes, bytes_version, named_hash, parquet_bytes, versioned_name
-from genrec.catalog_tools.build_ids import _checked_matrix, _rank_within, read_item_embeddings
+from genrec.catalog_tools.build_ids import _checked_matrix, _rank_within, assign_with_room, read_item_embeddings
 from genrec.catalog_tools.codebooks import Codebooks
 from genrec.errors import CatalogError, GenrecError
 from genrec.files import write_atomically
@@ -185,7 +185,7 @@ def _nearest_with_room(codebooks: Codebooks, embeddings, held: np.ndarray, item_
         k, capacity = len(centers), int(np.prod(sizes[level + 1 :]))
         held_prefix = held_prefix * k + held[:, level]
         keys, counts = np.unique(held_prefix, return_counts=True)
-        assign = _assign_with_room(torch.cdist(residual, centers), new_prefix * k, capacity, keys, counts)
+        assign = assign_with_room(torch.cdist(residual, centers), new_prefix * k, capacity, keys, counts)
         stuck = np.flatnonzero(assign < 0)
         if len(stuck):
             row = int(stuck[0])
@@ -198,33 +198,6 @@ def _nearest_with_room(codebooks: Codebooks, embeddings, held: np.ndarray, item_
         new_prefix = new_prefix * k + assign
         columns.append(assign)
     return np.stack(columns, axis=1)
-
-
-def _assign_with_room(dist: torch.Tensor, base: np.ndarray, capacity: int, keys, counts) -> np.ndarray:
-    """Rows' centers: the nearest whose child prefix (base + center) holds fewer than `capacity` items (the held
-    ones, `keys`/`counts`, and the new rows nearer to it); -1 where none has room."""
-    n = len(dist)
-    dist, rows = dist.clone(), np.arange(n)
-    assign = dist.argmin(dim=1).numpy()
-    while True:
-        key = base + assign
-        held = _count_of(key, keys, counts)
-        chosen = dist[rows, assign].numpy()
-        rank = _rank_within(key, np.lexsort((rows, chosen, key)))  # nearest first, then by row
-        pending = np.flatnonzero((rank >= capacity - held) & np.isfinite(chosen))
-        if not len(pending):
-            return np.where(np.isfinite(chosen), assign, -1)
-        taken = torch.from_numpy(pending)
-        dist[taken, torch.from_numpy(assign[pending])] = torch.inf
-        assign[pending] = dist[taken].argmin(dim=1).numpy()
-
-
-def _count_of(key: np.ndarray, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """counts[keys == key] for each key (0 for a key not in the sorted `keys`)."""
-    if not len(keys):
-        return np.zeros(len(key), dtype=np.int64)
-    at = np.searchsorted(keys, key).clip(max=len(keys) - 1)
-    return np.where(keys[at] == key, counts[at], 0)
 
 
 def _first_free_last(codes: np.ndarray, prefixes: np.ndarray, layout, item_ids, source) -> np.ndarray:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
@@ -75,14 +74,3 @@ class Codebooks:
         if not fits or any(len(c) > k for c, k in zip(self.centers, sizes, strict=False)):
             built = [len(c) for c in self.centers] + [self.last_size]
             raise CatalogError(path, f"built for levels of {built} codes; the model's SID layout has {sizes}")
-
-    def nearest_codes(self, embeddings: np.ndarray) -> np.ndarray:
-        """[n, levels-1] code indices: at each level the nearest center to the residual the levels above left.
-        build-ids gives an item the same unless its nearest prefix was full (then it took the nearest with room)."""
-        residual = torch.as_tensor(np.asarray(embeddings, dtype=np.float32)) / self.scale
-        columns = []
-        for centers in self.centers:
-            assign = torch.cdist(residual, centers).argmin(dim=1)
-            residual = residual - centers[assign]
-            columns.append(assign.numpy())
-        return np.stack(columns, axis=1).astype(np.int64)

@@ -28,7 +28,6 @@ from genrec.api import (
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import results
 from genrec.engine.beam import start_cohort
-from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMask
 from genrec.engine.job import JobState, Prepared
 from genrec.engine.prefill_graphs import PrefillGraphs
 from genrec.engine.prefix_cache import Scope, block_keys
@@ -41,7 +40,7 @@ from genrec.engine.request_tokens import (
     render_prompt,
 )
 from genrec.engine.scoring import LabelScores, Scorer, candidate_rows
-from genrec.engine.served_catalog import CatalogVersions, ServedCatalog
+from genrec.engine.served_catalog import FILTER_CACHE_BYTES, CatalogVersions, FilterMask, ServedCatalog
 from genrec.errors import InvalidRequestError
 from genrec.model import fused
 from genrec.model.sid_layout import SidLayout

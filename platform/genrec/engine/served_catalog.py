@@ -1,5 +1,5 @@
 """One catalog version as a decoder serves it: the catalog, its trie, its version, the filters compiled against it
-(masks over its trie: genrec.engine.filter_masks).
+(`FilterMasks`: per request filter, a mask over its trie's nodes, cached).
 
 Built on the host, in whichever thread loads it; its device copy is made by the engine's own thread on first use
 (`device_trie`), so a catalog load or a filter compiled beside a running engine issues no device work that could
@@ -9,20 +9,143 @@ A request takes the decoder's current `ServedCatalog` when it is prepared and ke
 its beams, its results), so a catalog swapped in meanwhile (`CatalogVersions`) never changes a request in flight.
 Nothing here touches the model: a catalog changes which codes may be generated, not any K/V, so the prefix cache
 holds across catalog versions.
+
+In a filter's mask a node is allowed when an allowed item lies beneath it; the beam search ANDs a filtered
+request's masks into its rows' allowed children in the same gather as the catalog constraint (genrec.engine.beam),
+so only allowed items ever take a beam. The cache is keyed by the filter as given (a canonical JSON of `filters`
+and `allowed_item_ids`), least recently used first, bounded in bytes, shared by the threads that prepare requests.
+A mask is compiled on the host; its device copy is made by the engine's thread when a cohort starts
+(`FilterMask.on`), so preparing a request issues no device work.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from genrec.catalog import Catalog, CodeTrie
 from genrec.catalog.catalog import catalog_version
-from genrec.engine.filter_masks import FILTER_CACHE_BYTES, FilterMasks
+from genrec.catalog.filters import Attributes, allowed_items
 from genrec.errors import CatalogError
+
+FILTER_CACHE_BYTES = 256 << 20  # a 1 M-item, 3-level catalog's mask takes 3.0 MB: some 85 distinct filters
+
+
+@dataclass(frozen=True)
+class FilterMask:
+    items: np.ndarray  # [N] bool, host: the items allowed
+    nodes: list[torch.Tensor]  # per decode step l: [nodes at depth l + 1] bool on the host, allowed below
+    allowed: int  # items allowed
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)  # device -> its copy of `nodes`
+
+    @property
+    def nbytes(self) -> int:
+        return self.items.nbytes + 2 * sum(t.numel() for t in self.nodes)  # host masks and one device copy
+
+    @classmethod
+    def build(cls, items: np.ndarray, trie: CodeTrie) -> FilterMask:
+        """One scatter per depth: the nodes of the allowed items (no sort, no count over all items)."""
+        index = np.flatnonzero(items)
+        nodes = []
+        for depth in range(1, trie.levels + 1):
+            mask = np.zeros(trie.nodes_at(depth), dtype=bool)
+            mask[trie.node_of_item[depth - 1][index]] = True
+            nodes.append(torch.from_numpy(mask))
+        return cls(items, nodes, len(index))
+
+    def on(self, device) -> list[torch.Tensor]:
+        """`nodes` on the device, copied once (asynchronously, from pinned memory). The engine's thread only."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.nodes
+        if device not in self._on_device:
+            pinned = [n.pin_memory() for n in self.nodes] if device.type == "cuda" else self.nodes
+            self._on_device[device] = [n.to(device, non_blocking=True) for n in pinned]
+        return self._on_device[device]
+
+    def allowed_under(self, trie: CodeTrie, depth: int, nodes: np.ndarray) -> np.ndarray:
+        """[len(nodes)] the allowed items below each depth-`depth` node: a node's items are one run of the trie's
+        code order (`CodeTrie.first_item`), so this reads only the runs of the nodes asked for."""
+        starts, sizes = trie.first_item[depth - 1][nodes], trie.leaves[depth - 1][nodes]
+        if not len(nodes):
+            return np.zeros(0, dtype=np.int64)
+        offsets = np.cumsum(sizes) - sizes
+        runs = np.repeat(starts - offsets, sizes) + np.arange(int(sizes.sum()))
+        return np.add.reduceat(self.items[trie.code_items[runs]].astype(np.int64), offsets)
+
+
+class FilterMasks:
+    """The compiled filters of one catalog version (its trie), least recently used first, at most `max_bytes`."""
+
+    def __init__(self, catalog: Catalog, trie: CodeTrie, max_bytes: int = FILTER_CACHE_BYTES):
+        self.attributes, self.trie, self.max_bytes = Attributes(catalog), trie, max_bytes
+        self._masks: OrderedDict[str, FilterMask] = OrderedDict()
+        self._bytes = self.hits = self.misses = 0
+        self.retired = False  # its version is no longer served (retire)
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def get(self, request) -> FilterMask | None:
+        """The request's mask (None: it has no filter). Raises InvalidRequestError naming a bad field; compiled
+        outside the lock, so a slow compile holds up no other request."""
+        if not request.filtered:
+            return None
+        key = _key(request)
+        with self._lock:
+            found = self._masks.get(key)
+            if found is not None:
+                self._masks.move_to_end(key)
+                self.hits += 1
+                return found
+            self.misses += 1
+        items = allowed_items(self.attributes, request.filters, request.allowed_item_ids)
+        mask = FilterMask.build(items, self.trie)
+        self._remember(key, mask)
+        return mask
+
+    def retire(self) -> None:
+        """Forget every mask and keep no new one (a request holding one keeps it; one prepared just before the swap
+        still compiles its own): a version no longer served holds no device memory."""
+        with self._lock:
+            self._masks.clear()
+            self._bytes, self.retired = 0, True
+
+    def reinstate(self) -> None:
+        """Served again (a rollback): cache masks again."""
+        self.retired = False
+
+    def _remember(self, key: str, mask: FilterMask) -> None:
+        with self._lock:
+            old = self._masks.pop(key, None)  # another thread compiled it meanwhile
+            if old is not None:
+                self._bytes -= old.nbytes
+            if mask.nbytes > self.max_bytes or self.retired:
+                return  # larger than the whole cache, or the version is no longer served: used, not kept
+            self._masks[key] = mask
+            self._bytes += mask.nbytes
+            while self._bytes > self.max_bytes:
+                _, evicted = self._masks.popitem(last=False)
+                self._bytes -= evicted.nbytes
+
+
+def _key(request) -> str:
+    """The filter as given, canonically: the same conditions in another key order are one entry."""
+    filters = request.model_dump(mode="json", include={"filters", "allowed_item_ids"}, exclude_none=True)
+    text = json.dumps(filters, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,25 @@
-"""The one reader of a model directory: `ModelDir.open(path)`.
+"""The one reader of a model directory: `ModelDir.open(path)`; nothing else in genrec opens a model's files.
 
-A model directory is a plain Hugging Face directory (config.json, weights, tokenizer files) plus genrec's own
-files under `genrec/` (the catalog; a Qwen3 model's soft-token projector). `open` reads config.json and returns
-the family's directory object (Qwen3Dir, HSTUDir), which knows its family, config, version, catalog, files and
-user-vector width, loads each part for the engine, and checks everything an engine replica would read without
-reading the weights (`check`: the deploy's preflight, the batch driver's), each tensor's shape and dtype in the
-weight files' headers against what the config implies included. Nothing else in genrec opens a model's files.
-Each loader imports its part when called (transformers, which genrec.model.tokenizer imports when it loads one;
-the forward code; safetensors): `check`, run by light processes such as the deploy's preflight, never pays for them.
+A model directory is a plain Hugging Face directory (config.json, weights, tokenizer files) plus genrec's own files
+under `genrec/` (the catalog; a Qwen3 model's soft-token projector). `open` returns the family's directory object
+(Qwen3Dir, HSTUDir): its config, version, catalog, files and user-vector width, a loader for each part, and `check`,
+which checks everything a replica would read without reading the weights (each tensor's shape and dtype in the
+headers included). Loaders import their heavy parts when called (transformers, the forward code, safetensors), so
+`check`, run by light processes such as the deploy's preflight, never pays for them.
+
+The version hashes the files; the large files' digests are recorded in `genrec/digests.json` (`DigestRecord`) so
+that a replica start does not read gigabytes twice. An entry is trusted while its file keeps its size and
+modification time (as make and git's index do). Headers and sizes alone would not do: two fine-tunes share every
+shape. Recording is best effort: a read-only directory is hashed at every start unless recorded before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import time
 from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
@@ -23,10 +28,8 @@ import torch
 
 from genrec.catalog.catalog import Catalog, ItemIndex
 from genrec.errors import ModelDirectoryError
-from genrec.files import is_temporary
-from genrec.model.config import Qwen3Config
-from genrec.model.digests import RECORD, DigestRecord
-from genrec.model.hstu_config import HSTU_MODEL_TYPE, HSTUConfig
+from genrec.files import is_temporary, write_atomically
+from genrec.model.config import HSTU_MODEL_TYPE, HSTUConfig, Qwen3Config
 from genrec.model.tokenizer import PROMPT_FILE, ChatOptions, ChatTemplate, check_token_ids, load_tokenizer
 from genrec.model.weights import Layout, load_state_dict, read_headers, weight_files
 
@@ -245,7 +248,7 @@ def model_version(path: str | Path) -> str:
     """A content hash of every file in the model directory (names and bytes) but the catalogs': the version Serve
     and the batch job report beside the catalog's own (`catalog_version`), so a response or an output row says
     exactly which weights and which catalog produced it. It salts the prefix cache, which a catalog change leaves
-    valid. The large files' digests come from `genrec/digests.json` while they are unchanged (see model.digests)."""
+    valid. The large files' digests come from `genrec/digests.json` while they are unchanged (`DigestRecord`)."""
     root = Path(path)
     record = DigestRecord(root / GENREC_SUBDIR / RECORD)
     digest = hashlib.sha256()
@@ -257,3 +260,66 @@ def model_version(path: str | Path) -> str:
         digest.update(record.digest(file, name))
     record.save()
     return digest.hexdigest()[:16]
+
+
+RECORD = "digests.json"
+LARGE_BYTES = 16 << 20  # below this a file is hashed at every call (config, tokenizer, projector, catalog)
+# A file modified this shortly before it is read is not recorded: on a coarse clock, an edit in the same tick
+# would keep its modification time.
+SETTLE_NS = 2_000_000_000
+
+
+def file_sha256(path: Path) -> bytes:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").digest()
+
+
+class DigestRecord:
+    """The recorded digests of one model directory's large files (relative POSIX path -> entry)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.recorded = _read(path)
+        self.seen: dict[str, dict] = {}
+
+    def owns(self, file: Path) -> bool:
+        """The record itself and its temporaries: never part of the version."""
+        return file.parent == self.path.parent and file.name.startswith(RECORD)
+
+    def digest(self, file: Path, name: str) -> bytes:
+        before = file.stat()
+        if before.st_size < LARGE_BYTES:
+            return file_sha256(file)
+        key = {"size": before.st_size, "mtime_ns": before.st_mtime_ns}
+        entry = self.recorded.get(name)
+        if _fresh(entry, key):
+            self.seen[name] = entry
+            return bytes.fromhex(entry["sha256"])
+        settled = time.time_ns() - before.st_mtime_ns > SETTLE_NS
+        value = file_sha256(file)
+        after = file.stat()
+        if settled and (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns):
+            self.seen[name] = {**key, "sha256": value.hex()}
+        return value
+
+    def save(self) -> None:
+        """Write what this pass saw, if it differs from the record (atomically; a read-only directory is fine)."""
+        if self.seen == self.recorded or not self.path.parent.is_dir():
+            return
+        with contextlib.suppress(OSError):
+            write_atomically(self.path, json.dumps(self.seen, indent=1, sort_keys=True).encode())
+
+
+def _fresh(entry, key: dict) -> bool:
+    if not isinstance(entry, dict) or any(entry.get(k) != v for k, v in key.items()):
+        return False
+    value = entry.get("sha256")
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _read(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}

@@ -11,7 +11,7 @@ itself only; history never attends to candidates. So the history's K/V depend on
 history part and its own part (`forward_candidates`): with a constant normaliser there is no softmax to merge.
 
 K/V are cached token-major, [layers, tokens, heads, head_dim] (a slice of genrec's `KVPool`), after the SiLU.
-Conventions for items, actions, buckets and positions: see `genrec.model.hstu_config`.
+Conventions for items, actions, buckets and positions: see `genrec.model.config`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch import nn
 
 from genrec.files import write_atomically
 from genrec.model import fused
+from genrec.model.config import HSTUConfig
 from genrec.model.fused import Pieces
-from genrec.model.hstu_config import HSTUConfig
 from genrec.model.weights import Layout, assign_weights, loaded_embedding
 
 # Prefill queries per attention call: bounds the [heads, chunk, keys] score matrix (1024 × 16k keys × 4 heads

@@ -118,7 +118,7 @@ class RankerFacts(BaseModel):
 
     @classmethod
     def of(cls, config, max_candidates: int) -> RankerFacts:
-        """From the ranker's HSTU config (genrec.model.hstu_config.HSTUConfig) and its engine's limit."""
+        """From the ranker's HSTU config (genrec.model.config.HSTUConfig) and its engine's limit."""
         events = config.max_history_events
         return cls(tasks=list(config.tasks), max_history_events=events, max_candidates=max_candidates)
 

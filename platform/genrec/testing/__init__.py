@@ -1,2 +1,2 @@
-"""Test models and plain references: tiny checkpoints with the real architectures (`genrec tiny-model`, the demo,
-the tests and benchmarks), open-project layouts, and plain-Python views of the catalog for baselines."""
+"""Test models: tiny checkpoints with the real architectures (`genrec tiny-model`, the demo, the tests and
+benchmarks) and the open projects' checkpoint layouts."""

@@ -27,10 +27,9 @@ from transformers import PreTrainedTokenizerFast
 from genrec.catalog.catalog import Catalog, parquet_bytes
 from genrec.errors import ModelDirectoryError
 from genrec.files import write_atomically
-from genrec.model.config import ARCHITECTURES, Qwen3Config
+from genrec.model.config import ARCHITECTURES, HSTUConfig, Qwen3Config
 from genrec.model.directory import GENREC_SUBDIR
 from genrec.model.hstu import HSTU
-from genrec.model.hstu_config import HSTUConfig
 from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import EOS_TOKEN, LABEL_TOKENS, LEVEL_LETTERS, USER_TOKEN, semantic_token

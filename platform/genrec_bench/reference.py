@@ -1,4 +1,4 @@
-"""Plain-Python views of the catalog, for baselines and tests (never on the serving path)."""
+"""Plain-Python views of the catalog, for the baselines' constrained decoding and the tests (never served)."""
 
 from __future__ import annotations
 

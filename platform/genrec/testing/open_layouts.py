@@ -25,11 +25,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from genrec.files import write_atomically
-from genrec.testing.tiny import decoder_config, random_weights
+from genrec.testing.tiny import decoder_config, random_weights, trained_bpe
 
 SID_BEGIN, SID_END = "<|sid_begin|>", "<|sid_end|>"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -232,20 +231,7 @@ def write_sidgr_jsonl(path: str | Path, rows: list[tuple[str, list[int]]], metad
 def base_tokenizer(specials: list[str], seed: int, chinese: bool) -> PreTrainedTokenizerFast:
     """A small deterministic byte-level BPE standing in for a Qwen base vocabulary: `specials` first (the first is
     EOS and padding), ordinary words, `\\n` one token; with `chinese`, the label characters one token each."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=700,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=list(specials),
-        show_progress=False,
-    )
-    words = _WORDS + (list(_CHINESE) * 4 if chinese else [])
-    rng = np.random.default_rng(seed)
-    corpus = (" ".join(rng.choice(words, size=int(rng.integers(4, 16)))) for _ in range(400))
-    bpe.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=specials[0], pad_token=specials[0])
+    return trained_bpe(specials, 700, _WORDS + (list(_CHINESE) * 4 if chinese else []), seed)
 
 
 def _check_one_token(tokenizer, text: str) -> None:

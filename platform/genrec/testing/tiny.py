@@ -340,21 +340,25 @@ def write_hstu_dir(out: str | Path, spec: HSTUSpec = HSTUSpec(), dtype: torch.dt
 
 def build_tokenizer(levels: int, codebook: int, seed: int = 0, base_vocab: int = 600) -> PreTrainedTokenizerFast:
     """A small byte-level BPE tokenizer (deterministic) plus genrec's special and semantic-ID tokens."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=base_vocab,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[EOS_TOKEN],
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_corpus(seed), trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    tok = trained_bpe([EOS_TOKEN], base_vocab, _WORDS, seed)
     tok.add_special_tokens({"additional_special_tokens": [USER_TOKEN]})
     tok.add_tokens(list(LABEL_TOKENS))
     tok.add_tokens([semantic_token(level, i) for level in range(levels) for i in range(codebook)])
     return tok
+
+
+def trained_bpe(specials: list[str], vocab_size: int, words: list[str], seed: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on 400 seeded sentences of `words`; `specials` first (the first is EOS and pad)."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=list(specials), show_progress=False
+    )
+    rng = np.random.default_rng(seed)
+    bpe.train_from_iterator((" ".join(rng.choice(words, size=int(rng.integers(4, 16)))) for _ in range(400)), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=specials[0], pad_token=specials[0])
 
 
 _WORDS = (
@@ -362,9 +366,3 @@ _WORDS = (
     "recommend next item history recent genre news comedy sports science story daily weekly morning "
     "evening the a and of in on for with is was yes no"
 ).split()
-
-
-def _corpus(seed: int, sentences: int = 400):
-    rng = np.random.default_rng(seed)
-    for _ in range(sentences):
-        yield " ".join(rng.choice(_WORDS, size=int(rng.integers(4, 16))))

@@ -213,7 +213,7 @@ def full_hash(model_dir) -> str:
 def recorded_dir(tiny_dir, tmp_path, monkeypatch):
     """A copy of the tiny model whose weights count as large (recorded) and were written a while ago; reads of
     every large file are counted."""
-    from genrec.model import digests
+    from genrec.model import directory as digests
 
     copy = tmp_path / "recorded"
     shutil.copytree(tiny_dir, copy)

@@ -40,8 +40,7 @@ class EngineOptions(BaseModel):
     )
 
     def engine_kwargs(self) -> dict:
-        """Keyword arguments of `Engine.from_pretrained` (besides the model directory and the device). A derived
-        default is left out: the options it derives from name it, so a batch run's identity stays as it was."""
+        """`Engine.from_pretrained`'s kwargs; a derived default is left out, so a batch run's identity stays."""
         kwargs = self.model_dump(include=set(EngineOptions.model_fields))
         for derived in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows"):  # by the others, or by the device
             if kwargs[derived] is None:

@@ -2,8 +2,7 @@
 
 
 class GenrecError(Exception):
-    """Base class of every deliberate genrec error. `outcome`: how a request it ends is counted
-    (genrec.engine.metrics)."""
+    """Base of every deliberate genrec error; `outcome`: how a request it ends is counted (engine.metrics)."""
 
     outcome = "error"
 

@@ -1,9 +1,7 @@
-"""How genrec writes a file: atomically, with the modes the umask gives.
-
-A temporary file beside the target (created 0666 less the umask, as any file a user makes; folders 0777 less it),
-the bytes flushed to disk, then renamed into place: a reader (a replica, a batch actor, another user's) sees the old
-file or the new one, never half of one, and a failed write leaves the old file and no temporary behind. Writers that
-pick their own modes (safetensors' files are 0600) are not used on the target: they make the bytes, this writes them.
+"""How genrec writes a file: atomically, with the modes the umask gives. A temporary file beside the target
+(created 0666 less the umask, as any file a user makes; folders 0777 less it), flushed to disk, then renamed into
+place: a reader sees the old file or the new one, never half, and a failed write leaves no temporary behind.
+Writers that pick their own modes (safetensors' files are 0600) only make the bytes; this writes them.
 """
 
 from __future__ import annotations

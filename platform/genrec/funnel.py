@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 
 def final_order(item_ids: Sequence[str], scores: dict[str, dict[str, float]], task: str) -> list[int]:
-    """Positions of stage 1's items in the final order. `scores`: item -> the ranker's per-task probabilities, for
-    the items it ranked (the others follow the ranked ones, in stage 1's order)."""
+    """Positions of stage 1's items in the final order; `scores`: item -> per-task probabilities, ranked items only."""
 
     def key(position: int) -> tuple[bool, float, int]:
         found = scores.get(item_ids[position])

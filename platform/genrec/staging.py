@@ -1,9 +1,7 @@
 """Where data crosses between host and device, by name: nothing else in a step may block on the device.
-
-`to_device` stages host values (lists, numpy) in pinned memory and copies them asynchronously on CUDA;
-`fetch` is the one deliberate device-to-host read point (once, at the end of a request); `host_side()`
-marks code that handles host data only (request checks before any device work). The no-sync checker in
-the tests (`tests/sync_guard.py`) lets exactly these through.
+`to_device` stages host values in pinned memory and copies them asynchronously on CUDA; `fetch` is the one
+deliberate device-to-host read (once, at a request's end); `host_side()` marks host-only code (request checks
+before any device work). The no-sync checker (`tests/sync_guard.py`) lets exactly these through.
 """
 
 from __future__ import annotations

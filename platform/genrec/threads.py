@@ -1,16 +1,8 @@
-"""An engine's CPU threads: how many intra-op threads torch runs, and, when asked, which cores they run on.
-
-Without a setting an engine under Ray runs as many threads as its CPU reservation (Ray sets OMP_NUM_THREADS).
-Binding is for cores a process has to itself: on a contended machine a thread bound to a busy core cannot move
-to an idle moment of another (`genrec bench threads`, 2 cores: at a load of 3 one bound thread took 1.5x as long
-as unbound, at a load of 4 it was level; the thread count mattered more than binding). The Serve engine
-replica (`threads`, `pin_threads`) and the batch job's actors (`--threads`, `--pin-threads`) declare them as one type,
-`ThreadSettings`; they and `genrec bench load` (`--threads`, `--pin`) apply them here, before the engine is loaded.
-
-The cores are chosen among those the process may run on (`os.sched_getaffinity`: what Ray, a container or
-`taskset` left it; Ray itself reserves CPUs by count, not by core). Processes on one node start at different
-cores (`slot`, by default the process ID), so replicas that each pin fewer threads than the node has cores do
-not all land on the first ones.
+"""An engine's CPU threads: torch's intra-op thread count and, when asked, the cores they are bound to
+(docs/operations.md, "Threads"). Serve replicas, batch actors and `genrec bench load` apply `ThreadSettings` here,
+before the engine loads. Cores are chosen among those the process may run on (`os.sched_getaffinity`: Ray reserves
+CPUs by count, not by core), starting at `slot` (default: the process ID), so replicas that each pin fewer threads
+than the node has cores do not all land on the first ones.
 """
 
 from __future__ import annotations
@@ -26,8 +18,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Applied:
-    """What `apply_threads` did: torch's thread count and the cores the process's threads were bound to (None:
-    not bound)."""
+    """What `apply_threads` did: torch's thread count and the cores bound to (None: not bound)."""
 
     threads: int
     cores: tuple[int, ...] | None
@@ -93,9 +84,8 @@ def apply_threads(
     threads_name: str = "threads",
     pin_name: str = "pin",
 ) -> Applied:
-    """Set torch's intra-op threads to `threads` (None: leave torch's default) and, with `pin`, bind every thread
-    of this process (and those it starts later) to `threads` cores. Bind first, so that the threads torch starts
-    afterwards inherit the cores. Where the OS cannot bind threads (not Linux) a warning says so."""
+    """Set torch's intra-op threads (None: torch's default) and, with `pin`, bind every thread of this process to
+    `threads` cores: first, so the threads torch starts afterwards inherit them (not Linux: a warning)."""
     import torch
 
     check_thread_settings(threads, pin, threads_name=threads_name, pin_name=pin_name)

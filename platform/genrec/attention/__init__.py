@@ -1,16 +1,7 @@
-"""Shared-context attention: the primitive behind beam decode, multi-candidate scoring and chunked prefill.
-
-R rows belong to requests. Each row attends to
-
-    [ its request's context K/V (the prompt, stored once) ] + [ its own short suffix K/V (causal) ]
-
-By concern:
-- `merge`: the suffix part and the exact log-sum-exp merge with the context part;
-- `varlen`: the context part of many requests in one call over a token-major pool (plain-torch reference,
-  and FlashAttention-2 varlen on CUDA when the engine's `fast` option asks for it);
-- `rows`: which rows of a pass read which pooled context (built once per pass, used by every layer);
-- `static`: the same context call over fixed-size index tensors, one call per layer whatever the spans, for a
-  decode pass a CUDA graph replays.
+"""Shared-context attention (docs/design.md, 'Shared-context attention'): each row attends to its request's
+context K/V (stored once) plus its own short causal suffix. `merge`: the suffix part and the exact log-sum-exp
+merge; `varlen`: the context part of many requests in one call over a token-major pool; `rows`: which rows read
+which context (once per pass); `static`: the same call over fixed-size index tensors, for CUDA-graph decode.
 """
 
 from genrec.attention.merge import shared_context_attention

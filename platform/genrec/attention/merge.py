@@ -8,8 +8,7 @@ import torch
 
 
 class ContextLayer(Protocol):
-    """One layer's context part: (out [M, H, D], lse [H, M] float32) of M query rows over their contexts;
-    a row without a context gets out 0 and lse -inf."""
+    """One layer's context part: (out [M, H, D], lse [H, M] f32); a row without a context gets 0 and -inf."""
 
     def attend(self, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -23,22 +22,17 @@ def shared_context_attention(
     scale: float,
     merge=None,
 ) -> torch.Tensor:
-    """Attention of R rows over their context plus their own suffix.
+    """R rows over their context plus their own suffix, merged exactly -> [R, S, H, D] in q's dtype.
 
-    q: [R, S, H, D] (S query positions per row); suffix_k/suffix_v: [R, U, KV, D]; suffix_mask: [R or 1, S, U]
-    bool (True = may attend) or None for "all visible". Every query position must see at least one suffix
-    key. The two partial softmaxes merge exactly through their log-sum-exps (equal to one softmax over the
-    concatenated keys). `merge`: `suffix_merge` or the same compiled (genrec.model.fused). Returns [R, S, H, D] in
-    q's dtype.
-    """
+    q [R, S, H, D]; suffix_k/v [R, U, KV, D]; suffix_mask [R or 1, S, U] bool (True = may attend) or None (all
+    visible); every query must see one suffix key. `merge`: `suffix_merge`, or it compiled (genrec.model.fused)."""
     R, S, H, D = q.shape
     out, lse = context.attend(q.reshape(R * S, H, D), scale)  # [R*S, H, D], [H, R*S]
     return (merge or suffix_merge)(q, suffix_k, suffix_v, suffix_mask, out, lse, scale)
 
 
 def suffix_merge(q, suffix_k, suffix_v, suffix_mask, out_ctx, lse_ctx, scale: float) -> torch.Tensor:
-    """The suffix part of `shared_context_attention`, merged with its context part (out_ctx [R*S, H, D], lse_ctx
-    [H, R*S] float32): everything after the context call, in one piece."""
+    """Everything after the context call: the suffix part, merged with out_ctx [R*S, H, D], lse_ctx [H, R*S] f32."""
     R, S, H, D = q.shape
     KV = suffix_k.shape[2]
     G = H // KV
@@ -64,8 +58,7 @@ def suffix_merge(q, suffix_k, suffix_v, suffix_mask, out_ctx, lse_ctx, scale: fl
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
-    """Two partial attentions of the same queries over disjoint keys, as one: out [M, H, D], lse [H, M].
-    A side with no keys (lse -inf) adds nothing."""
+    """Two partial attentions of the same queries over disjoint keys as one (out [M, H, D], lse [H, M])."""
     lse = torch.logaddexp(lse_a, lse_b)
     weight_a = torch.exp(lse_a - lse).nan_to_num(0.0).T[..., None]  # -inf - -inf: neither side has keys
     weight_b = torch.exp(lse_b - lse).nan_to_num(0.0).T[..., None]
@@ -74,9 +67,8 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def merge_spans(out: torch.Tensor, lse: torch.Tensor, spans: int):
-    """The same M queries over `spans` disjoint key sets, computed as one batch of spans * M rows (span-major:
-    out [spans * M, H, D], lse [H, spans * M]), merged exactly into (out [M, H, D], lse [H, M]) in a fixed number of
-    kernels. A span without keys (lse -inf, out 0) adds nothing; a row with no keys at all gets 0 and -inf."""
+    """M queries over `spans` disjoint key sets, span-major (out [spans * M, H, D], lse [H, spans * M]), merged
+    exactly into (out [M, H, D], lse [H, M]) in fixed kernels; a row with no keys at all gets 0 and -inf."""
     H = lse.shape[0]
     lse = lse.view(H, spans, -1)
     top = lse.amax(dim=1, keepdim=True)

@@ -1,8 +1,7 @@
 """Which rows of a pass read which pooled context: worked out once per pass, read by every layer.
 
-A context (`ContextKV`) is one or more spans of a pool: reused prefix pieces, then its own tokens. Part j of a
-pass is span j of every context (of one pool): one varlen call each, merged exactly. A context without prefix
-pieces has one span, so the common pass is one call per layer.
+A context (`ContextKV`) is spans of a pool (reused prefix pieces, then its own tokens); part j of a pass is span j
+of every context of one pool: one varlen call each, merged exactly. Without prefix pieces: one call per layer.
 """
 
 from __future__ import annotations
@@ -53,11 +52,8 @@ def attend_parts(q, parts, layer: int, scale: float, fast: bool):
 
 
 class ContextRows:
-    """The context part of a pass: every row over its group's pooled context.
-
-    `groups` in any order; rows outside every group, and groups of no rows, take nothing from the context.
-    Rows carry `per_row` query positions each. `fast`: the CUDA kernel (see `varlen_attention`).
-    """
+    """The context part of a pass: every row over its group's pooled context. `groups` in any order; rows of no
+    group take nothing from the context. `per_row` query positions a row; `fast`: see `varlen_attention`."""
 
     def __init__(self, groups: list[ContextGroup], rows: int, per_row: int = 1, fast: bool = False):
         cu, ctxs = [0], []

@@ -28,9 +28,8 @@ def varlen_op(
     scale: float,
     fast: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`varlen_attention` as one operator over index tensors of fixed size (sequence b: queries
-    cu_q[b]:cu_q[b+1], keys cu_k[b] for used_k[b]; row_empty [M]: rows of sequences without keys). This
-    implementation (CPU, or CUDA without `fast`) reads the index tensors on the host and runs the reference."""
+    """`varlen_attention` over fixed-size index tensors (sequence b: queries cu_q[b]:cu_q[b+1], keys cu_k[b] for
+    used_k[b]; row_empty [M]: rows without keys). Here (CPU, or CUDA without `fast`): the reference, synced."""
     spans = Spans(cu_q.tolist(), cu_k[:-1].tolist(), used_k.tolist())
     out, lse = varlen_reference(q, k, v, spans, scale)
     return out.clone(), lse.clone()
@@ -50,15 +49,10 @@ def _varlen_op_cuda(q, k, v, cu_q, cu_k, used_k, row_empty, max_q, max_k, scale,
 
 @dataclass(frozen=True)
 class StaticContext:
-    """The context part of a decode pass over `rows` query rows: ONE varlen call per layer, whatever the spans.
-
-    A context made of several spans (reused prefix pieces, then its own part) reads them as several sequences of the
-    same queries: the rows are repeated once per span (`spans` blocks, span-major), sequence s of block j is
-    request s's rows over its span j (empty where it has fewer), and the blocks' partial softmaxes merge exactly
-    (`merge_spans`). With one span (no prefix reuse: the common pass) there is no repeat and no merge. Index
-    tensors of fixed size: cu_q [spans * (rows + 1) + 1] (query offsets into the repeated rows), cu_k the same size
-    (key offsets in the pool), used_k [spans * (rows + 1)], row_empty [spans * rows] (repeated rows without keys).
-    """
+    """The context part of a decode pass: ONE varlen call per layer, whatever the spans. Several spans: the rows
+    repeat once per span (span-major blocks; block j: each request's rows over its span j, empty if it has fewer),
+    merged by `merge_spans`; one span: no repeat, no merge. Fixed sizes: cu_q, cu_k [spans * (rows + 1) + 1]
+    (offsets into the repeated rows / the pool), used_k [spans * (rows + 1)], row_empty [spans * rows]."""
 
     pool: object  # a KVPool
     rows: int

@@ -39,13 +39,9 @@ class Spans:
 def varlen_attention(
     q, k, v, spans: Spans, scale: float, causal: bool = False, need_lse: bool = True, fast: bool = False
 ):
-    """q [M, H, D] packs the spans' sequences; k, v [T, KV, D] are one layer of a token-major pool.
-
-    Sequence b's queries attend to its key span (causal: aligned bottom-right, the last query sees every key,
-    as chunked prefill needs). Returns (out [M, H, D] in q's dtype, lse [H, M] float32, or None when not
-    `need_lse`); a sequence without keys gets out 0 and lse -inf. On CUDA with `fast`, bf16/fp16: one
-    FlashAttention-2 varlen call; otherwise `varlen_reference`.
-    """
+    """q [M, H, D] packs the spans' sequences over k, v [T, KV, D] (one pool layer); causal is bottom-right (the
+    last query sees every key, as chunked prefill needs). -> (out [M, H, D] in q's dtype, lse [H, M] f32 or None);
+    no keys: 0 and -inf. FlashAttention-2 varlen with `fast` on CUDA bf16/fp16, else `varlen_reference`."""
     if fast and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         return _flash_varlen(q, k, v, spans, scale, causal)
     return varlen_reference(q, k, v, spans, scale, causal, need_lse)
@@ -129,11 +125,8 @@ def _flash_varlen(q, k, v, spans: Spans, scale: float, causal: bool):
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Softmax attention without a mask: q [KV, M, D] over k/v [KV, T, D].
-
-    Returns (out [KV, M, D] in q's dtype, log-sum-exp of the scores [KV, M] float32). Uses PyTorch's
-    fused flash kernels where they apply (they return the log-sum-exp we need for the merge), else matmuls.
-    """
+    """Unmasked q [KV, M, D] over k/v [KV, T, D] -> (out [KV, M, D], lse [KV, M] f32): torch's fused flash
+    kernels where they apply (they return the lse the merge needs), else matmuls."""
     fused = _fused_kernel(q) if q.shape[1] else None  # no queries: never a fused kernel (SIGFPE on CPU)
     if fused is not None:
         try:

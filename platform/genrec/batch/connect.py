@@ -21,10 +21,9 @@ def ensure_ray(**init_options):
 
 
 def check_gpus(ray, per_actor: float, wait_s: float = 0.0, poll_s: float = 2.0) -> None:
-    """Refuse GPUs per actor that no node of the cluster has and its autoscaler does not offer: Ray would wait for
-    them forever. Nodes that can join count: those of the autoscaler's published node types (Ray Train and Ray
-    Data read the same), and with `wait_s` > 0 one that joins within `wait_s` seconds once the autoscaler is asked
-    for it (`request_resources`), for autoscalers that publish no node types (`ray up`'s)."""
+    """Refuse GPUs per actor that no node has and the autoscaler does not offer: Ray would wait forever. Its
+    published node types count (Ray Train and Ray Data read the same); for an autoscaler that publishes none
+    (`ray up`'s), `wait_s` > 0 asks it for a node (`request_resources`) and waits that long for it."""
     if per_actor <= 0 or _largest_gpu_node(ray) >= per_actor or _offered_gpus(ray) >= per_actor:
         return
     if wait_s > 0 and _wait_for_gpu_node(ray, per_actor, wait_s, poll_s):

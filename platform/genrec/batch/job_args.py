@@ -1,8 +1,7 @@
-"""The job scripts' command lines, derived from the settings' fields (genrec.batch.spec): each field is a flag,
-`--kebab-case` of its name, with its description as help, its type, its default; a bool is a switch (`--no-NAME`
-for one that defaults to true), a Literal's values are the choices, and a nested model (the cache) is a flag for
-its name plus one per setting (`--cache NAME --cache-shards N`). Flags left out are left out of the settings, so
-the defaults are the settings' own (one place). Bad input is one `error:` line naming the flag, exit status 2.
+"""The job scripts' command lines, derived from the settings' fields (genrec.batch.spec): each field is a flag
+(`--kebab-case`, its description as help; a bool a switch, `--no-NAME` when it defaults to true; a Literal's values
+the choices; a nested model `--cache NAME --cache-shards N`). Flags left out are left out of the settings, so the
+defaults live in one place. Bad input is one `error:` line naming the flag, exit status 2.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ NOT_FLAGS = ("device", "dim")  # the engine's device follows --num-gpus; a cache
 
 
 def main(doc: str, *variants: tuple[type[BaseModel], ...]) -> None:
-    """A job script. `variants`: a spec type and the settings of how it executes, narrowest first; the flags are
-    the last's, and the flags given choose the first variant that has them all. Exits with the job's status."""
+    """A job script. `variants`: (spec, execution...), narrowest first; the flags given pick the first that has all."""
     run_job(lambda: run_command(doc, variants, sys.argv[1:]))
 
 
@@ -108,8 +106,7 @@ def run_job(main: Callable[[], int]) -> None:
 
 
 def _fields(model: type[BaseModel], path: tuple = (), about: str | None = None):
-    """(path, field, help) of each flag of `model`; a nested model's fields are under its name (`--cache-shards`),
-    its `name` is the flag of the name alone (`--cache`, help `about`)."""
+    """(path, field, help) of each flag; a nested model's `name` is the flag of the name alone (`--cache`)."""
     for name, field in model.model_fields.items():
         nested = typing.get_args(field.annotation)[:1] or (field.annotation,)
         if name in NOT_FLAGS:

@@ -1,15 +1,11 @@
 """The output directory of a run, through a pyarrow filesystem (a local path or a URI such as s3://...):
 
-    OUT/manifest.json                      the run's identity (args, model version, input fingerprint, run_id)
-    OUT/recommendations/part-NNNNNN.parquet one file per input shard: the commit point of that shard (the
-                                           results folder: `recommendations/`, or the rank job's `rankings/`)
-    OUT/errors/part-NNNNNN.parquet          the shard's bad rows (possibly none), written just before it
+    OUT/manifest.json                   the run's identity (args, model version, input fingerprint, run_id)
+    OUT/<results>/part-NNNNNN.parquet   one per input shard, its commit point (`recommendations/` or `rankings/`)
+    OUT/errors/part-NNNNNN.parquet      the shard's bad rows (possibly none), written just before it
 
-Every file is written under a hidden temporary name and moved to its final name when complete: on a local or POSIX
-shared filesystem a rename (atomic), on object stores the final object appears whole. So a final name either does
-not exist or holds a complete file, whenever the writer is killed; a shard is done exactly when its results file
-exists and reads as Parquet, and a rerun skips it. An output the driver cannot write (a file in the way, no
-permission, a parent it cannot create) is one GenrecError naming it, raised before any work.
+Every file is written under a hidden temporary name and moved into place when complete (on object stores the
+object appears whole), so a shard is done exactly when its results file reads as Parquet, whenever a writer dies.
 """
 
 from __future__ import annotations
@@ -103,8 +99,7 @@ class OutputDir:
         return len(stale)
 
     def check_writable(self) -> None:
-        """Refuse, before any work, an output whose shard files could not be written (e.g. a read-only directory
-        that holds a run's manifest already): write and delete a temporary file in each folder."""
+        """Refuse, before any work, an output whose shard files could not be written (e.g. read-only, manifest in)."""
         with self._writing():
             for directory in (self.results, self.errors):
                 probe = f"{directory}/.probe.{uuid.uuid4().hex}{TMP_SUFFIX}"  # if left: a stale temporary
@@ -145,8 +140,7 @@ class OutputDir:
         self.fs.move(tmp, path)
 
     def _footer(self, path: str) -> pq.FileMetaData | None:
-        """The footer of a complete Parquet file; None when it is missing or unreadable (e.g. cut by a machine
-        crash)."""
+        """The footer of a complete Parquet file; None: missing or unreadable (e.g. cut by a machine crash)."""
         try:
             with self.fs.open_input_file(path) as handle:
                 return pq.ParquetFile(handle).metadata

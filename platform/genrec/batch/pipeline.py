@@ -1,11 +1,6 @@
-"""run: any batch job (its spec: genrec.batch.spec) as a Ray Data pipeline over input shards, resumable and
-idempotent. The job's stages (genrec.batch.stages.stages_of: one, or the funnel's two) each run on an actor pool of
-their own, chained in one dataset.
-
-    check the models, plan shards, find repeated user_ids (driver)  ->  skip committed ones
-      -> from_arrow(pending shards) -> map_batches(ShardWorker(stage), ActorPoolStrategy) per stage: read shard,
-         parse rows, one engine run, commit files (every stage but the last hands each shard's results on)
-      -> per-shard reports  ->  summary
+"""run: any batch job (genrec.batch.spec) as a Ray Data pipeline over input shards, resumable and idempotent
+(docs/batch.md, "What every shard job shares"); each stage (stages.stages_of) runs on an actor pool of its own,
+chained in one dataset, and the last commits each shard.
 
 Why shards and not Ray Data's read_parquet/write_parquet: Ray Data's blocks have no stable identity, and its
 checkpointing resumes per write task (at small scale one task held everything). A shard is a fixed row range
@@ -63,9 +58,8 @@ def run(
     ranking: RankingExecution = RankingExecution(),
     worker: type[ShardWorker] = ShardWorker,
 ) -> Summary:
-    """Run the spec's job over the input's shards that are not committed yet (`ranking`: the funnel's ranking
-    stage's pool; `worker`: the class Ray Data runs, a test's may subclass it); the last stage commits them (its
-    `results` folder is the output's) and reports."""
+    """Run the job over the shards not committed yet. `ranking`: the funnel's ranking pool; `worker`: the class
+    Ray Data runs (a test's may subclass it)."""
     start = time.perf_counter()
     spec.check_models()
     plan = stages_of(spec, execution, ranking)
@@ -118,8 +112,7 @@ def run(
 
 
 def _claim_cluster(plan: list[tuple[Stage, Execution]], out: OutputDir) -> None:
-    """Ray, only once there is work (bad input fails fast, and a finished run needs no cluster), with the GPUs
-    every stage asks for."""
+    """Ray, only once there is work (bad input fails fast), with the GPUs every stage asks for."""
     ray = ensure_ray()
     try:
         for _, run_on in plan:

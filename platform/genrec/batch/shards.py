@@ -1,13 +1,7 @@
-"""The users input and its shards: fixed row ranges of the Parquet file(s), numbered in a stable order.
-Which columns a job reads (besides `user_id`) is its `InputLayout`.
-
-A shard is the unit of work, of output and of resumption: one engine call, one output file. Its number
-depends only on the input files and the batch size, so a rerun names every shard as the first run did.
-
-One row per user: a user_id that comes again is a repeat. The first row with it in input order (files in name
-order, rows in file order) is the user's row, valid or not; every later one is refused (an error naming the first).
-The driver finds the repeats over the whole input before any shard runs and gives each shard its own, so shards
-that run apart, in any order, in any run, refuse the same rows.
+"""The users input and its shards: fixed row ranges of the Parquet file(s), numbered in a stable order (one engine
+call and one output file each), so a rerun names every shard as the first run did. The driver finds repeated
+user_ids over the whole input before any shard runs and gives each shard its own, so shards that run apart, in any
+order, in any run, refuse the same rows (docs/batch.md, "One row per user").
 """
 
 from __future__ import annotations
@@ -169,8 +163,7 @@ class UsersInput:
 
     @property
     def unread(self) -> list[str]:
-        """The input's columns the job does not read (a misspelled or misplaced column, e.g. candidates without
-        scoring): the driver warns of them."""
+        """The input's columns the job does not read (the driver warns of them)."""
         return [name for name in self.names if name not in self.columns]
 
     def fingerprint(self) -> str:
@@ -195,8 +188,7 @@ class UsersInput:
         return out
 
     def first_rows(self) -> np.ndarray:
-        """For every input row (files one after another): the first input row with its user_id (the row itself
-        when it is the first), -1 where the user_id is null."""
+        """For every input row (files concatenated): the first input row with its user_id; -1 for a null one."""
         chunks = []
         for file in self.files:
             with self.fs.open_input_file(file.path) as handle:

@@ -1,7 +1,6 @@
 """What a batch run computes (its spec: a rerun must have the same identity) and how it executes (Execution).
-
-One spec per job kind over a shared base: RecommendSpec (retrieve, or with `score` recommend), FunnelSpec (that,
-then the HSTU ranker), RankSpec (the ranking model on given candidates). Their fields are the jobs' flags."""
+One spec per job kind: RecommendSpec, FunnelSpec (that, then the HSTU ranker), RankSpec; their fields are the
+jobs' flags."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def catalog_version_of(model: str) -> str | None:
 
 
 class JobSpec(EngineOptions):
-    """Everything that decides a job's output: two runs with equal specs (and equal inputs) write equal files.
-    The engine's options (EngineOptions: dtype, the scoring chunk, the fast path...) are part of it."""
+    """Everything that decides a job's output (engine options included): equal specs and inputs, equal files."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -69,8 +67,7 @@ class JobSpec(EngineOptions):
         return absolute(path)
 
     def check_models(self) -> None:
-        """Refuse, on the driver before any work, a model directory of the other family or one its engines could
-        not load (`ModelDir.check`: its catalog, and each tensor's shape and dtype against its config)."""
+        """Refuse, before any work, a model directory of the other family or one that fails `ModelDir.check`."""
 
 
 class RecommendSpec(JobSpec):
@@ -145,8 +142,7 @@ class RecommendSpec(JobSpec):
 
 
 class FunnelSpec(RecommendSpec):
-    """The online funnel's two stages: the recommend in beam order (with `score`, the label's recommend), then rank
-    each user's items after the user's history; the ranker is checked here."""
+    """The funnel: the recommend in beam order (with `score`, the label's), then the ranker over each user's items."""
 
     applies_to: ClassVar[str] = "the ranking stage"  # what its own flags are for (without --ranker: refused)
 
@@ -223,9 +219,8 @@ def ranking_config(model: str) -> HSTUConfig:
 
 
 def absolute(path: str) -> str:
-    """A local path made absolute on the driver (relative to its working directory; `~` expanded): the actors
-    run elsewhere (another working directory, on a cluster another node) and must find the same file. A URI
-    (s3://...) is left as it is."""
+    """A local path made absolute on the driver (`~` expanded; a URI left as it is): the actors run in another
+    working directory, maybe on another node, and must find the same file."""
     return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
@@ -234,8 +229,7 @@ def run_id_of(identity: dict) -> str:
 
 
 class Execution(ThreadSettings):
-    """How the run is spread over the cluster, each actor's threads included (`--threads`, `--pin-threads`:
-    genrec.threads.ThreadSettings); changing it between a run and its rerun is fine."""
+    """How the run is spread over the cluster (threads included); a rerun may change it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -267,6 +261,5 @@ class RankingExecution(BaseModel):
 
 
 def with_absolute_store(cache: CacheConfig) -> CacheConfig:
-    """The cache's SQLite file made absolute on the driver: the cache's actor runs in the cluster's working
-    directory, not the driver's, so a relative `store_path` is the driver's, as the job's other local paths are."""
+    """The cache's SQLite file made absolute on the driver, as the job's other paths are (`absolute`)."""
     return cache.model_copy(update={"store_path": absolute(cache.store_path)})

@@ -1,16 +1,11 @@
-"""A batch job's stages (one; the funnel's two). Each says which input columns it reads (`layout`), which model its
-engine runs (`model`) and where its results go (`results`), and does three things with a shard (the ShardWorker runs
-any of them):
+"""A batch job's stages (one; the funnel's two: `stages_of`). Each has its input columns (`layout`), its model and
+its results folder, and does three things with a shard (the ShardWorker runs any of them):
 
     parse(rows)                      the rows as API requests; a bad row is a RowError naming its field
     infer(engine, requests)          one Engine.run: each request's result, or the exception it failed with
     table(rows, positions, results)  the results of shard rows `positions` as output rows
 
-No row's data can fail more than its own row: any exception while parsing or running one is that row's error.
-
-Retrieve and Recommend (retrieve, then label-score on the same prefill) are the recommend job; Rank the rank job;
-the funnel chains BeamOrder (the online funnel's stage 1) or, with `score`, Recommend with RankRetrieved, the HSTU
-ranker over stage 1's items (`stages_of`)."""
+Any exception while parsing or running one row is that row's error, never more."""
 
 from __future__ import annotations
 
@@ -143,9 +138,7 @@ class Recommend(Retrieve):
 
 
 class BeamOrder(Recommend):
-    """The funnel's stage 1, as online (genrec.serving.funnel): the retriever's recommend in beam order (rank_by
-    'beam'), nothing scored: the beams, then the given candidates (an optional column) the decoder's one rule
-    keeps."""
+    """The funnel's stage 1, as online (genrec.funnel): the recommend in beam order, nothing scored."""
 
     def settings(self) -> dict:
         return {**Retrieve.settings(self), "rank_by": "beam"}
@@ -182,10 +175,8 @@ class Rank(Stage):
 
 
 class RankRetrieved(Stage):
-    """The funnel's stage 2: each user's stage 1 items ranked after the user's history, those the ranker does not
-    know skipped by the ranker (RankRequest.unknown_candidates, as online) and placed after the ranked ones. A
-    user whose history the ranker refuses is an error row (even when it knows none of the items); a user the
-    ranker fails for otherwise is degraded: stage 1's items in beam order, marked (tables.Degraded)."""
+    """The funnel's stage 2 (docs/batch.md, "The funnel, nightly: `--ranker`"): a refused history is an error row;
+    any other failure of the ranker degrades the user (tables.Degraded)."""
 
     layout = InputLayout(required=(("history",),))
     results = RECOMMENDATIONS
@@ -216,8 +207,7 @@ class RankRetrieved(Stage):
         return parsed
 
     def infer(self, engine, requests: list) -> list:
-        """Every user's items ranked in one run (a user whose items the ranker knows none of: a RankResult of
-        none). A failure other than a refusal of the request is Degraded."""
+        """Every user's items ranked in one run; a failure other than a refusal of the request is Degraded."""
         return [_degraded(outcome) for outcome in engine.run(requests, "rank")]
 
     def table(self, rows: Rows, positions: list[int], results: list) -> pa.Table:
@@ -266,10 +256,9 @@ def validate_rows(
     settings: dict,
     complete: Callable[[int, dict], RowError | None] | None = None,
 ) -> Parsed:
-    """Every row as a `kind` request (the API model validates it) made of its non-null `wanted` columns and the
-    job's `settings`; `complete(row, fields)` may add to a row's fields or refuse the row. A null user_id, a
-    refused row or a failed validation becomes a RowError naming the field; any other exception one row's data
-    causes, a RowError of the request."""
+    """Every row as a `kind` request of its non-null `wanted` columns and the job's `settings`; `complete(row,
+    fields)` may add fields or refuse the row. A refusal is a RowError naming the field; any other exception one
+    row's data causes, a RowError of the request."""
     columns = {name: table.column(name).to_pylist() for name in wanted if name in table.column_names}
     parsed = Parsed()
     for row, user_id in enumerate(table.column("user_id").to_pylist()):

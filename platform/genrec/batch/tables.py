@@ -1,12 +1,5 @@
-"""The output tables: one row per bad input row (errors/), and one per (user, item) of each job:
-
-    recommend  user_id, rank, item_id, semantic_id, retrieval_logprob, code_logprob, score, model_version,
-               catalog_version, run_id
-    rank       user_id, rank, item_id, prob_<task>..., model_version, catalog_version, run_id
-    funnel     recommend's, with retrieval_rank after rank; prob_<task>..., degraded, degraded_reason before
-               model_version, catalog_version (the retriever's), ranker_version after
-
-Each user's rows are together, best first (rank 1)."""
+"""The output tables (their columns: docs/batch.md): one row per bad input row (errors/), and one per (user, item)
+of each job, each user's rows together, best first (rank 1)."""
 
 from __future__ import annotations
 
@@ -77,9 +70,8 @@ def errors_table(user_ids: pa.Array, errors: list[RowError], first_row: int, run
 def recommendations_table(
     user_ids: pa.Array, positions: list[int], results: list, scored: bool, versions: Versions, run_id: str
 ) -> pa.Table:
-    """`results`: RetrieveResults (items ranked by beam logprob) or, `scored`, RecommendResults (in their order).
-    retrieval_logprob is null for a given candidate, code_logprob too unless ordered by joint; score is null unless
-    `scored`."""
+    """`results`: RetrieveResults or, `scored`, RecommendResults (in their order). retrieval_logprob is null for a
+    given candidate, code_logprob too unless ordered by joint; score is null unless `scored`."""
     items = [item for r in results for item in r.items]
     columns = {
         "item_id": pa.array([item.item_id for item in items], pa.string()),
@@ -100,9 +92,8 @@ def rankings_table(
     versions: Versions,
     run_id: str,
 ) -> pa.Table:
-    """`results`: the RankResults of the requests of shard rows `positions`; `tasks`: the model's. Each user's
-    items by the rank_by task's probability, highest first, ties in the candidates' order; without rank_by, in the
-    candidates' order. A task the row's `tasks` left out is null."""
+    """`results`: the RankResults of shard rows `positions`; `tasks`: the model's. Each user's items by rank_by's
+    probability (ties, or no rank_by: the candidates' order); a task the row's `tasks` left out is null."""
     ranked = [r.items if rank_by is None else sorted(r.items, key=lambda i: -i.scores[rank_by]) for r in results]
     items = [item for user in ranked for item in user]
     columns = {
@@ -121,10 +112,8 @@ def funnel_table(
     num_results: int | None = None,
 ) -> pa.Table:
     """`retrieved`: stage 1's rows (with ROW), each user's together in stage 1's order. `results`: shard row ->
-    the RankResult of that user's items the ranker knows (none when it knows none: stage 1's order, not degraded;
-    Degraded: the ranker failed, so none is ranked and `degraded` is true with its reason); the users left out
-    (refused by the ranker) are left out. The final order and the unranked items' place (their probabilities
-    null): genrec.funnel.final_order; each user's first `num_results` are kept (None: all), as online."""
+    the RankResult of the items the ranker knows, or Degraded; users absent from it (refused) are left out.
+    Ordered by genrec.funnel.final_order; each user's first `num_results` kept (None: all)."""
     item_ids = retrieved.column("item_id").to_pylist()
     order, scores, counts, reasons = [], [], [], []
     for position, lo, hi in user_spans(retrieved.column(ROW).to_numpy()):
@@ -168,8 +157,7 @@ def user_spans(rows: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 def _per_user(user_ids, positions, counts, columns, versions: Versions, run_id) -> pa.Table:
-    """Rows that list each user's items best first, `counts[k]` of them for the user of shard row `positions[k]`:
-    user_id, rank (1 = best), `columns`, model_version, catalog_version, run_id."""
+    """Each user's items best first, `counts[k]` of them for the user of shard row `positions[k]`."""
     rows = int(sum(counts))
     users = user_ids.take(pa.array(np.repeat(np.asarray(positions, np.int64), counts), pa.int64()))
     named = {name: pa.array([value] * rows, pa.string()) for name, value in versions.as_columns().items()}

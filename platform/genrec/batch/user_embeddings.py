@@ -21,8 +21,7 @@ def lookup(cache, user_ids: list) -> list[list[float] | None]:
 
 
 def load_user_embeddings(path: str, config: CacheConfig, dim: int | None = None, batch_rows: int = 65536) -> dict:
-    """Bulk-load a `user_id, embedding` Parquet into the cache (created if it does not exist yet). The width is
-    `dim`, else the configuration's, else the file's first embedding's."""
+    """Bulk-load a `user_id, embedding` Parquet into the cache; width: `dim`, the config's, or the file's."""
     from genrec.batch.connect import ensure_ray
     from genrec.cache import load_parquet
 

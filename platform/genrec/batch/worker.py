@@ -1,14 +1,8 @@
-"""The Ray Data callable class that runs any stage of a batch job (genrec.batch.stages) on whole shards, one Engine
-per actor.
-
-Nothing here imports Ray: Ray Data constructs the class once per actor and calls it with batches of shard
-descriptors. A shard is read, parsed into requests by its stage, run through the engine in ONE call (so its results
-depend on the shard alone, never on scheduling) and committed; a shard already committed is skipped. The rows the
-driver found to repeat an earlier row's user_id (the shard's `repeats`) are refused, whatever else they hold.
-
-A stage that hands on (the funnel's first) commits nothing: it hands each shard's results and errors to the next
-stage, one row per shard, the tables as Arrow IPC bytes (one row stays one shard whatever Ray Data does with
-blocks, and the tables keep their exact schema). No tables: the stage found the shard committed.
+"""The Ray Data callable class that runs any stage of a batch job on whole shards, one Engine per actor (no Ray
+import here). A shard is run through the engine in ONE call, so its results depend on the shard alone, never on
+scheduling. A stage that hands on (the funnel's first) commits nothing: each shard's results and errors go on as one
+row of Arrow IPC bytes (one row stays one shard whatever Ray Data does with blocks, and the tables keep their exact
+schema); no tables: the stage found the shard committed.
 """
 
 from __future__ import annotations
@@ -63,8 +57,7 @@ class ShardWorker:
         return pa.Table.from_pylist(rows, schema=HANDOFF if self.hand_on else REPORT)
 
     def run(self, shard: Shard, handed: tuple | None = None) -> dict:
-        """The shard's report once it is committed; `handed`: the stage before's (results, errors) of it. A stage
-        that hands on: the row for the next stage."""
+        """The shard's report once committed (or, handing on, the next stage's row); `handed`: (results, errors)."""
         done = self.out.counts(shard)  # a retried task, or a late duplicate of a shard
         if self.hand_on:  # a committed shard: nothing to hand on, the last stage reports it
             results, errors = (None, None) if done is not None else map(_to_bytes, self.compute(shard))
@@ -76,8 +69,7 @@ class ShardWorker:
         return {"shard": shard.index, "users": shard.rows, **counts, "skipped": skipped}
 
     def compute(self, shard: Shard, handed: tuple | None = None) -> tuple[pa.Table, pa.Table]:
-        """The shard's (results, errors) tables: its rows parsed, one engine run, a request that fails (with any
-        exception: the engine returns each request's) a row error, never the shard's or the job's."""
+        """The shard's (results, errors) tables; a request that fails (any exception) is a row error, never more."""
         versions = Versions(self.engine.model_version, self.engine.catalog.version)
         rows = Rows(self.users.read(shard), versions, self.run_id, handed and handed[0])
         parsed = self.stage.parse(rows)

@@ -1,16 +1,9 @@
-"""The shared embedding cache as Ray actors: every Serve replica and Ray Data worker uses the same one.
-
-`EmbeddingCache.connect(...)` creates or finds the named actor(s) (`get_if_exists=True`) and waits until
-each answers with its configuration: a cache whose store cannot open (Redis unreachable, a SQLite file of
-another width) fails there with a `StoreError`, and one that exists under the name with another
-configuration (dim, shards, store, ...) with a `CacheError`. With `shards=K` it creates K actors and fans
-each batch out by key hash, then gathers; `get_async` does the same without blocking an event loop.
-Actors restart after a crash (`max_restarts=-1`); the table refills by reading through the durable store,
-so nothing acknowledged is lost.
-Vectors travel as numpy arrays. A batch of 1,000 x 128 floats is 512 KiB: above Ray's default inline
-limit (100 KiB) each reply goes through the object store, which costs more than the lookup itself. Start
-the cluster with `max_direct_call_object_size` of a few MiB (cluster.yaml sets
-RAY_max_direct_call_object_size) so replies travel inline; `genrec bench cache` measures both.
+"""The shared embedding cache as Ray actors, one per shard (docs/serving.md, "User vectors: the embedding cache").
+`EmbeddingCache.connect` creates or finds the named actors and waits until each answers with its configuration;
+batches fan out by key hash. Actors restart after a crash and refill by reading through the durable store.
+Vectors travel as numpy arrays: a batch of 1,000 x 128 floats (512 KiB) is above Ray's default inline limit
+(100 KiB), so each reply would go through the object store, which costs more than the lookup itself. Start the
+cluster with `max_direct_call_object_size` of a few MiB (cluster.yaml does); `genrec bench cache` measures both.
 """
 
 from __future__ import annotations
@@ -42,9 +35,8 @@ def open_store(config: CacheConfig, shard: int):
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class EmbeddingCacheActor:
-    """One shard. A store that does not open (now, or after a restart) leaves the actor up without a table:
-    each call retries the open and raises its StoreError, which reaches the caller as itself (a constructor
-    error would reach it only as a bare ActorDiedError)."""
+    """One shard. A store that does not open leaves the actor up without a table: each call retries the open and
+    raises its StoreError, which reaches the caller as itself (from __init__ it would be a bare ActorDiedError)."""
 
     def __init__(self, config: CacheConfig, shard: int):
         self.started = uuid.uuid4().hex  # tells a restarted actor from the one before it

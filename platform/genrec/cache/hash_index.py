@@ -1,8 +1,6 @@
-"""A vectorised open-addressing hash index: int64 key -> row, batched, with no Python loop over keys.
-
-Linear probing at load <= 0.25 (16 bytes a slot, 4 slots per key: a few probe steps even in the worst
-case of a batch); each operation loops over probe depth only, every step a numpy operation over all
-still-unresolved keys of the batch.
+"""A vectorised open-addressing hash index: int64 key -> row, batched. Linear probing at load <= 0.25 (4 slots per
+key: a few probe steps even in a batch's worst case); each operation loops over probe depth only, every step one
+numpy operation over the batch's unresolved keys.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """User IDs (integers or strings) as int64 keys, vectorised; and the one check of IDs and vectors every writer runs
-(table, stores, the sharded client) before anything is written (`checked_batch`).
-
-Integers are their own keys. Strings are hashed over their UTF-8 bytes, 8 at a time: each 8-byte word is
-mixed with its position in the string, a string's words are summed, and the sum is mixed with the string's
-byte length (so "ab" and "ab\\x00" differ). Strings travel as one Arrow string array (offsets + bytes), so
-no string is padded to the longest one and work is linear in the total bytes; a Python list costs only
-Arrow's conversion. Two distinct strings collide with probability about n^2 / 2^65 (1e-7 for a million
-keys); the cache treats them as one key.
-
-A batch holds integers or strings, never both; None is refused (pandas object columns of ints are ints).
-Numpy's fixed-width str arrays cannot hold trailing NUL characters: pass a list to keep them.
+before anything is written (`checked_batch`). Integers are their own keys. A string's UTF-8 bytes are read 8 at a
+time, each word mixed with its position, the words summed and the sum mixed with the byte length (so "ab" and
+"ab\\x00" differ); strings travel as one Arrow array (offsets + bytes), so work is linear in the total bytes. Two
+distinct strings collide with probability about n^2 / 2^65 (1e-7 for a million keys); the cache treats them as one
+key. A batch holds integers or strings, never both; None is refused. Numpy's fixed-width str arrays cannot hold
+trailing NULs: pass a list to keep them.
 """
 
 from __future__ import annotations
@@ -29,8 +24,8 @@ _TAIL_MASK = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64)  
 
 
 def mix64(keys: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser (a bijection of 64-bit words): spreads sequential IDs over the table.
-    (Array integer arithmetic wraps modulo 2^64 without a warning, as the hash wants.)"""
+    """splitmix64 finaliser (a bijection of 64-bit words): spreads sequential IDs over the table. (Array integer
+    arithmetic wraps modulo 2^64 without a warning, as the hash wants.)"""
     z = keys.view(np.uint64)
     z = z ^ (z >> _SHIFTS[0])
     z *= _MULTIPLIERS[0]

@@ -1,9 +1,6 @@
-"""Bulk load of `user_id, embedding` rows from Parquet into a store, checked batch by batch with Arrow.
-
-`user_id`: integers or strings, no nulls. `embedding`: a list (variable or fixed size) of floats or
-integers, exactly `store.dim` finite values per row. The load stops at the first bad batch, naming the
-file, the column and the first bad row; the batches before it are stored (a re-run rewrites them, the
-same values under the same keys).
+"""Bulk load of `user_id, embedding` rows from Parquet into a store, checked batch by batch with Arrow. The load
+stops at the first bad batch, naming the file, column and row; the batches before it are stored (a rerun rewrites
+the same values under the same keys).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""The item catalog: item IDs <-> semantic-ID codes (token IDs, 1..levels per item), validated at load.
+"""The item catalog: item IDs <-> semantic-ID codes (token IDs, 1..levels per item; codes may differ in length and
+be shared), validated at load; and `ItemIndex`, a ranking model's item ID -> row of its item-embedding table.
 
-Codes may have different lengths (MiniOneRec's 4th token only on colliding items) and several items may share
-one code (OpenOneRec has no disambiguating level). Items sharing a code are ordered by the optional `popularity`
-column, highest first, ties (and no column) in catalog row order. Every other column is an item attribute, kept
-row-aligned in `Catalog.attributes` (what request filters test: genrec.catalog.filters).
-
-A catalog version written by genrec is named by its content hash, `catalog-<hash12>.parquet` (`versioned_name`):
-a changed catalog is a changed file name, so a Serve config naming it changes too and every replica loads it. A
-file whose name carries a hash is checked against it whenever it is hashed (`catalog_version`): a file changed
-after it was written is refused, never served under a version it is not.
-
-A ranking model's catalog is an `ItemIndex`: item ID -> its row of the model's item-embedding table
-(`genrec/catalog.parquet` with columns item_id, item_index), validated at load.
+A version genrec writes is named by its content hash, `catalog-<hash12>.parquet`, and checked against it whenever
+hashed: a file changed after it was written is refused, never served under a version it is not. Columns, rules and
+versions: docs/engine.md, 'Model directory' and 'New items without retraining: `genrec catalog add` / `retire`'.
 """
 
 from __future__ import annotations
@@ -145,9 +137,8 @@ def bytes_version(data: bytes) -> str:
 
 
 def catalog_version(path: Path) -> str:
-    """A content hash of a catalog file: its version (what answers and batch rows name as `catalog_version`).
-    Raises CatalogError when the file's name carries another hash (`versioned_name`): it was changed after it was
-    written."""
+    """A catalog file's content hash, its `catalog_version`; CatalogError when its name carries another hash
+    (`versioned_name`): it was changed after it was written."""
     digest = hashlib.sha256()
     with Path(path).open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -164,7 +155,6 @@ def catalog_version(path: Path) -> str:
 
 
 def versioned_name(version: str) -> str:
-    """The file name of a catalog version: `catalog-<the first 12 hex of its catalog_version>.parquet`."""
     return f"catalog-{version[:12]}.parquet"
 
 
@@ -197,8 +187,7 @@ def _popularity(table: pa.Table, item_ids, path) -> np.ndarray:
 
 
 def _codes(table: pa.Table, path) -> tuple[np.ndarray, np.ndarray]:
-    """The semantic_id column as ([N, D] int64 padded with PAD, lengths [N]), read by its Arrow type: lists of
-    integers, no nulls, none empty."""
+    """The semantic_id column (lists of integers, no nulls, none empty) as ([N, D] int64 PAD-filled, lengths [N])."""
     kind = table.schema.field("semantic_id").type
     is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
     if not is_list or not pa.types.is_integer(kind.value_type):

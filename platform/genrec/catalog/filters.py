@@ -1,15 +1,7 @@
-"""A request's filters compiled against the catalog's item attributes: which items it allows, as a bool mask [N].
+"""A request's filters compiled against the catalog's item attributes: a bool mask [N] of the items it allows.
 
-The forms (genrec.api.Filtered): `{attr: value}` equality (a list-valued attribute: it contains the value),
-`{attr: [v, ...]}` any of them, `{attr: {gte|gt|lte|lt: v}}` a range; the key `available_at` (an ISO-8601 time t)
-keeps the items with available_from <= t < available_until (a null bound is open); `allowed_item_ids` keeps only
-those items. Every condition ANDs with the others; an item whose attribute is null meets no condition on it.
-
-Refused by name (InvalidRequestError): an attribute the catalog lacks (`filters.genre`), a value of the wrong type
-for its column, a text value no item has (`filters.markets[1]`: a typo would otherwise just match nothing), an
-item not in the catalog (`allowed_item_ids[3]`). Numbers and times are not checked against the values present: a
-range or number that no item meets allows nothing. Everything is vectorised with pyarrow.compute over whole
-columns: a 1 M-item catalog compiles in milliseconds.
+Forms, semantics and refusals: docs/engine.md, 'Filters' (the models: genrec.api.Filtered). Vectorised with
+pyarrow.compute over whole columns: a 1 M-item catalog compiles in milliseconds.
 """
 
 from __future__ import annotations
@@ -34,9 +26,8 @@ RANGE_OPS = {"gte": pc.greater_equal, "gt": pc.greater, "lte": pc.less_equal, "l
 
 @dataclass
 class Column:
-    """An attribute column ready to test: its values (a list column's flattened) and, for a list column, the item
-    of each value. Text is also kept dictionary-encoded: equality and membership then test the few distinct values
-    and gather (a 1 M-item column in ~2 ms, against ~15 ms comparing every string)."""
+    """An attribute column ready to test (a list column flattened, `parents` each value's item). Text is also kept
+    dictionary-encoded: a test checks the few distinct values, then gathers (1 M items ~2 ms, vs ~15 ms per string)."""
 
     values: pa.Array
     parents: np.ndarray | None  # list column: [values] the item row of each value

@@ -1,16 +1,9 @@
-"""The catalog's prefix trie as flat tensors, for constrained decoding without Python per beam.
+"""The catalog's prefix trie as flat tensors (docs/design.md, 'Constrained decoding over a flat trie').
 
-The trie holds every item's token sequence as the decode generates it: its code, then the layout's ending tokens
-(an end token, `\\n` + EOS, EOS, or none). Sequences of different lengths are padded to the longest with free
-steps: a finished sequence's node has one child, a pad edge whose log-probability counts as 0, so a finished code
-keeps its beam at its final score while longer ones go on. Items sharing a code share one path; its last node is
-the code, and `code_items` lists its items in the catalog's order for shared codes.
-
-Nodes at depth p are the distinct sequence prefixes of length p (depth 0: the root). For each step l (choosing
-the l-th token) a CSR maps a depth-l node to its children: `ptr[l][node]..ptr[l][node+1]` indexes `token[l]` (the
-token ID: what the next pass is fed) and `child[l]` (the depth-(l+1) node; at the last step, the code). One gather
-per step yields every beam's allowed tokens; `free[l]` (None when the step has no pad edge) says which
-depth-(l+1) nodes are pads.
+A sequence is an item's code, then the layout's ending tokens. Shorter ones are padded to the longest with free
+steps: a finished node has one pad child whose log-probability counts as 0, so a finished code keeps its beam at its
+final score (`free[l]` marks the pad nodes). Step l's CSR: `ptr[l][node]..ptr[l][node+1]` indexes `token[l]` (fed to
+the next pass) and `child[l]` (the depth-(l+1) node; at the last step, the code). Items sharing a code share its path.
 """
 
 from __future__ import annotations

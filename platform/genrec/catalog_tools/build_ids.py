@@ -133,7 +133,6 @@ def catalog_and_codebooks(
     return Catalog.validated(np.asarray(item_ids, dtype=object), token_ids, layout, source), codebooks
 
 
-
 def build_catalog_and_codebooks(embeddings_path: Path, layout, iters=20, seed=0) -> tuple[Catalog, Codebooks]:
     item_ids, vectors = read_item_embeddings(embeddings_path)
     return catalog_and_codebooks(item_ids, vectors, layout, iters, seed, str(embeddings_path))

@@ -1,22 +1,10 @@
-"""`genrec catalog import`: item maps in the formats other projects ship, read into genrec's catalog.
+"""`genrec catalog import`: other projects' item maps (`FORMATS`) read into genrec's catalog, every code checked
+against the model's tokenizer and SID layout (docs/open-checkpoints.md, '`genrec catalog import`').
 
-Formats (`FORMATS`), told from the file unless forced:
-
-- `pid2sid`: OpenOneRec's Parquet, columns `pid` and `sid` (a list of per-level code indexes, e.g. `[12, 7, 8190]`,
-  mapped to token IDs through the model's SID layout: `<s_a_12>` ...).
-- `index-json`: MiniOneRec's / LC-Rec's `*.index.json`, `{"0": ["<a_60>", "<b_159>", "<c_203>"], ...}`: token names.
-- `jsonl`: NVIDIA SID-GR's catalog, one `{"item_id", "token_ids": [raw token IDs], "metadata"}` per line.
-- `genrec`: genrec's own `catalog.parquet` (`item_id`, `semantic_id` token IDs, optional `popularity`, any other
-  column an item attribute, carried over).
-
-Every code is checked against the model's tokenizer and SID layout; an error names the file, the row (1-based) and
-the item. A code given with the layout's begin token in front or its ending after has them removed (the catalog
-holds codes without wrappers). A `popularity` column (Parquet) or key (JSONL, top level or in `metadata`) is kept.
-The catalog is written as a new version (genrec.catalog_tools.changes.write_version: `catalog-<hash12>.parquet` beside
-the model's catalog, or `out`; the model's own `genrec/catalog.parquet` when it has none yet), atomically. Replacing
-a file needs `in_place`, and replacing a trained catalog (build-ids' codebooks beside it) `force` too, which deletes
-the codebooks: they describe the catalog build-ids wrote, not an imported one. An imported catalog is marked so in
-its Parquet metadata, and `genrec catalog add` refuses it.
+Written atomically as a new version (`changes.write_version`) beside the model's catalog or at `out` (the model's
+own when it has none); replacing a file needs `in_place`, and a trained catalog `force` too, which deletes build-ids'
+codebooks: they describe the catalog build-ids wrote, not an imported one. An imported catalog is marked so in its
+Parquet metadata, and `genrec catalog add` refuses it.
 """
 
 from __future__ import annotations
@@ -44,9 +32,8 @@ FORMATS = ("pid2sid", "index-json", "jsonl", "genrec")
 
 @dataclass
 class ImportedCatalog:
-    """Rows read from a source file: item IDs (strings), codes as token IDs ([N, longest] int64, PAD past each row's
-    length; no wrappers), optional popularity, and the other columns of a genrec catalog (item attributes), carried
-    over as they are."""
+    """Rows read from a source file: item IDs, codes as token IDs ([N, longest] int64, PAD past each row's length;
+    no wrappers), optional popularity and, from a genrec catalog, its attribute columns as they are."""
 
     item_ids: list[str]
     codes: np.ndarray
@@ -104,9 +91,8 @@ def import_catalog(
     in_place: bool = False,
     force: bool = False,
 ) -> ImportSummary:
-    """Read `source` (format `fmt`, or told from the file), check every code against the model's tokenizer and SID
-    layout, and write it as a catalog version (see the module's text: `out`, `in_place`, `force`).
-    `layout_preset`: the layout to check against and, once the catalog is written, to record in
+    """Read `source` (format `fmt`, or told from the file), check it and write it (the module doc: `out`, `in_place`,
+    `force`). `layout_preset`: the layout to check against and, once the catalog is written, to record in
     `genrec/sid_layout.json` (`write_layout_preset`); a failed import changes neither file."""
 
     model_dir, source = Path(model_dir), Path(source)
@@ -166,9 +152,6 @@ def detect_format(source: Path) -> str:
     if text.startswith("{"):
         return "index-json"
     raise CatalogError(source, f"cannot tell the format from the file; pass --format ({', '.join(FORMATS)})")
-
-
-# -- readers -------------------------------------------------------------------------------------------------------
 
 
 def read_pid2sid(source: Path, tokenizer, layout) -> ImportedCatalog:
@@ -247,7 +230,6 @@ def read_jsonl(source: Path, tokenizer, layout) -> ImportedCatalog:
 
 
 def read_genrec(source: Path, tokenizer, layout) -> ImportedCatalog:
-    """genrec's own catalog.parquet (token IDs), with its popularity and attribute columns carried over."""
     table = _read_parquet(source, ("item_id", "semantic_id"))
     kind = table.schema.field("item_id").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
@@ -261,12 +243,8 @@ def read_genrec(source: Path, tokenizer, layout) -> ImportedCatalog:
 READERS = {"pid2sid": read_pid2sid, "index-json": read_index_json, "jsonl": read_jsonl, "genrec": read_genrec}
 
 
-# -- checks --------------------------------------------------------------------------------------------------------
-
-
 def check_rows(imported: ImportedCatalog, layout, source: Path) -> None:
-    """Item IDs non-empty and unique; every code 1..levels tokens, token p of level p (wrong level or not a
-    semantic-ID token at all is named with the row and the item)."""
+    """Item IDs non-empty and unique; every code 1..levels tokens, token p of level p; errors name the row and item."""
     ids = imported.item_ids
     empty = next((row for row, item in enumerate(ids) if not isinstance(item, str) or not item), None)
     if empty is not None:
@@ -319,9 +297,8 @@ def summarize(imported: ImportedCatalog, fmt: str, target: Path, layout, version
 
 
 def write_layout_preset(model_dir: str | Path, preset: str) -> Path:
-    """`genrec/sid_layout.json` naming a preset, for a directory whose layout its token names do not tell (a
-    MiniOneRec checkpoint's `<a_N>` names read as genrec's, whose codes have no ending). One already there is kept
-    when it names the same preset, refused otherwise (it may say more than a preset)."""
+    """`genrec/sid_layout.json` naming a preset, for a layout the token names do not tell (MiniOneRec's `<a_N>` read
+    as genrec's, which has no ending). One already there is kept if it names the same preset, else refused."""
     path = _preset_file(Path(model_dir), preset)
     if not path.exists():
         write_atomically(path, (json.dumps(_preset_body(preset)) + "\n").encode())
@@ -333,8 +310,6 @@ def _preset_body(preset: str) -> dict:
 
 
 def _preset_file(model_dir: Path, preset: str) -> Path:
-    """Where the preset goes, refused when it is unknown or the directory's file already says something else."""
-
     if preset not in PRESETS:
         raise ModelDirectoryError(model_dir, f"layout preset {preset!r} is not one of {sorted(PRESETS)}")
     path = model_dir / "genrec" / LAYOUT_FILE
@@ -343,12 +318,8 @@ def _preset_file(model_dir: Path, preset: str) -> Path:
     return path
 
 
-# -- small helpers -------------------------------------------------------------------------------------------------
-
-
 def _model_tokens(model_dir: Path, preset: str | None = None):
     """The model's tokenizer and SID layout, or `preset`'s (a ranker's directory has no codes to import)."""
-
     if not model_dir.is_dir():
         raise ModelDirectoryError(model_dir, "model directory does not exist")
     try:

@@ -1,11 +1,6 @@
-"""AsyncEngine: one Engine driven by a background loop; any number of callers await results.
-
-Requests are validated in the caller's thread (errors raise at once, before queueing); the loop thread
-runs the engine's own `Scheduler.step()` (its one KV pool) so that requests of every kind, width and prompt
-length meet in the same iterations; while it does, the engine's synchronous API refuses callers. Cancelling the
-awaiting task cancels the request and frees its KV at the next iteration. `shutdown()` settles every request it
-holds (fails it with EngineStopped, or first lets it finish when draining) before it returns, so no caller waits
-past it.
+"""AsyncEngine: one Engine's scheduler stepped by a background loop; any number of callers await results
+(docs/engine.md, 'Many concurrent callers: AsyncEngine'). Requests are validated in the caller's thread, before
+queueing; while the loop runs, the engine's synchronous API refuses callers.
 """
 
 from __future__ import annotations
@@ -79,8 +74,6 @@ class AsyncEngine:
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", config: SchedulerConfig | None = None, **kw):
         return cls(Engine.from_pretrained(model_dir, device=device, scheduler=config, **kw))
 
-    # -- public API ------------------------------------------------------------------------------
-
     async def retrieve(self, request: RetrieveRequest, timeout_s: float | None = None) -> RetrieveResult:
         return await asyncio.wrap_future(self.submit(request, timeout_s, "retrieve"))
 
@@ -99,9 +92,7 @@ class AsyncEngine:
             return self.engine.render_prompt(request)
 
     def submit(self, request, timeout_s: float | None = None, kind: str | None = None) -> Future:
-        """Thread-safe, non-blocking: validate (as `kind` when given), queue, return a future of the request's kind
-        of result. Raises Overloaded when full and EngineStopped once the engine is shut down (or its loop is gone);
-        a refusal is counted as the request's outcome (genrec.engine.metrics)."""
+        """Thread-safe, non-blocking: validate, queue, return a future; a refusal counts as the request's outcome."""
         try:
             with self._lock:
                 if not self.healthy:
@@ -145,7 +136,6 @@ class AsyncEngine:
         return self.engine.rollback_catalog()
 
     def reconfigure(self, **fields) -> SchedulerConfig:
-        """Change live limits (request_timeout_s, max_queue, max_running, prefill_tokens_per_step); validated."""
         return self.scheduler.reconfigure(**fields)
 
     def metrics(self) -> dict:
@@ -158,8 +148,7 @@ class AsyncEngine:
         return self.scheduler.budget.reserved
 
     def shutdown(self, timeout_s: float = 10.0, drain: bool = False) -> None:
-        """Stop admitting requests and settle every one held. drain=False fails them at once with EngineStopped;
-        drain=True lets them finish for up to `timeout_s`, then fails the rest. Returns within about timeout_s."""
+        """Stop admitting; settle every held request (EngineStopped now, or with `drain` after up to `timeout_s`)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._closed = True
@@ -182,8 +171,6 @@ class AsyncEngine:
         with self._settled:
             self._held.discard(future)
             self._settled.notify_all()
-
-    # -- the loop --------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -1,19 +1,10 @@
-"""Constrained wide beam search over the catalog trie, for a cohort of requests that step together.
+"""Constrained wide beam search over the catalog trie, for a cohort of requests that step together
+(docs/design.md, 'Shared-context attention' for BeamKV/BeamPath; 'Constrained decoding over a flat trie').
 
-KV layout (see shared/DESIGN.md): each request's prompt K/V lives once in its ContextKV; BeamKV is a slot
-pool allocated once per cohort (pass p's rows write slots base[p] + row, never reordered); BeamPath is an
-ancestor table [rows, passes so far] of slot indices, advanced by one gather per level, so a beam's
-suffix K/V is one gather from the slots (no walk, no stack). Every operation
-below is a tensor operation over all rows of all requests: no Python loop over beams, no host sync
-until `results()`.
-
-Widths: each request has a width per decode step (its schedule): after step l it keeps its best
-schedule[l] partial sequences. A request gives a width per code level (`beam_widths`) or one width for all;
-the steps past its schedule (a layout's ending tokens) keep its last width (`step_widths`).
-
-Filters: a filtered request carries a mask per step over the next depth's nodes (genrec.engine.filter_masks); its
-rows' allowed children are ANDed with it in the same selection, so only allowed items ever take a beam. One gather
-per filtered request (over its own rows, offsets known on the host); a request without one pays nothing.
+BeamKV: pass p's rows write slots base[p] + row, never reordered; BeamPath (`ancestors`): [rows, passes] slot
+indices. Everything is a tensor op over all rows of all requests: no loop over beams, no host sync until
+`results()`. A request's schedule keeps schedule[l] rows after step l; steps past it (ending tokens) keep the last
+width. A filtered request ANDs its per-step node mask into its rows' children: one gather per filtered request.
 """
 
 from __future__ import annotations
@@ -45,7 +36,6 @@ def step_widths(trie: CodeTrie, width: Width) -> tuple[int, ...]:
 
 
 def request_width(request) -> Width:
-    """A retrieve request's widths: its schedule (`beam_widths`), else its one `beam_width`."""
     return request.beam_widths if getattr(request, "beam_widths", None) else request.beam_width
 
 
@@ -59,9 +49,8 @@ class BeamCohort:
         slots: Extent,
         filters: list | None = None,
     ):
-        """`widths`: per request (see `step_widths`). `slots`: an extent of the contexts' KV pool that holds the
-        cohort's BeamKV (`slots_needed` tokens), so a decode pass reads every row's suffix and context from that one
-        pool. `filters`: per request its `FilterMask` or None (default: none filtered)."""
+        """`slots`: an extent of the contexts' own KV pool for the BeamKV (`slots_needed` tokens), so a decode pass
+        reads suffix and context from one pool. `filters`: per request a `FilterMask` or None."""
         widths = [step_widths(trie, w) for w in widths]
         self.trie, self.widths, self.contexts = trie, widths, contexts
         self.device = device = slots.pool.k.device
@@ -89,7 +78,6 @@ class BeamCohort:
         return sum(self.rows_per_req)
 
     def select(self, logprobs: torch.Tensor) -> None:
-        """Expand every row by its allowed next tokens and keep each request's best rows."""
         select_together([self], logprobs)
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +104,7 @@ class BeamCohort:
         self.level += 1
 
     def results(self, host: tuple[list[float], list[int]] | None = None) -> list[list[tuple[int, float]]]:
-        """Per request, (code, logprob) best first (`CodeTrie.items_of` gives a code's items). `host`: this
-        cohort's part of `fetch_finals`."""
+        """Per request, (code, logprob) best first; `host`: this cohort's part of `fetch_finals`."""
         scores, items = host if host is not None else fetch_finals([self])[0]
         out = []
         for off, n in zip(self._offsets(), self.rows_per_req, strict=True):
@@ -129,8 +116,7 @@ class BeamCohort:
 
 
 def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last_logits: torch.Tensor, slots: Extent):
-    """A cohort of beam requests (`Prepared`s) over their prefilled contexts, with the first level already chosen
-    from the logits at their prompts' last positions (last_logits [n, vocab]). `slots`: see `BeamCohort`."""
+    """A cohort of `Prepared`s over their prefilled contexts, its first level chosen from last_logits [n, vocab]."""
     exclusions = [np.asarray(p.exclusions, dtype=np.int64) for p in prepared]
     widths = [request_width(p.request) for p in prepared]
     cohort = BeamCohort(trie, widths, contexts, exclusions, slots, [p.filter for p in prepared])
@@ -153,13 +139,9 @@ def advance_all(cohorts: list[BeamCohort], logprobs: torch.Tensor, new_k: torch.
 
 
 def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
-    """One selection step for cohorts standing at the same level, as one vectorised pass.
-
-    logprobs [rows of all cohorts, in order, vocab]. Every row is expanded by its allowed next tokens (one
-    CSR gather), and each request keeps its best `_rows_after` rows (its width at this step, bounded by what can
-    be alive): the bound is known on the host, so nothing syncs. Rows it cannot fill (exclusions; a widening
-    schedule whose rows have fewer children than the bound) score -inf and are dropped from the results.
-    """
+    """One vectorised selection for cohorts at the same level; logprobs [rows of all cohorts, in order, vocab].
+    Each request keeps `_rows_after` rows, known on the host so nothing syncs; rows it cannot fill (exclusions, a
+    widening schedule) score -inf and are dropped from the results."""
     first = cohorts[0]
     trie, level, device = first.trie, first.level, first.device
     assert all(c.level == level and c.trie is trie for c in cohorts), "cohorts must share a level and a trie"
@@ -225,11 +207,8 @@ def slots_needed(trie: CodeTrie, widths: list[Width]) -> int:
 
 
 def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
-    """Index tensors of a row layout (request r owns rows_per_req[r] consecutive rows), built on the host.
-
-    pad_rows/pad_valid [N, max rows]: each request's flat rows, padded; row_req/row_rank [rows]: the
-    request of each flat row and its rank within the request. Cached: layouts repeat from step to step.
-    """
+    """Index tensors of a row layout (request r owns rows_per_req[r] consecutive rows), built on the host and cached:
+    pad_rows/pad_valid [N, max rows] (each request's rows, padded), row_req/row_rank [rows]."""
     key = (rows_per_req, str(device))
     with _LAYOUTS_LOCK:  # engines in one process (tests, benches) each step in their own thread
         found = _LAYOUTS.get(key)
@@ -250,10 +229,8 @@ def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
     return found
 
 
-# Layouts by (rows per request, device), least recently used first. Bounded in bytes, not only in entries: every
-# new mix of running requests makes a new layout (64 requests of beam 64: ~100 KB, resident memory on a CPU), so
-# the former cap of 4,096 entries let it grow for tens of thousands of requests, to ~400 MB at worst. Steps reuse
-# the last few layouts.
+# Layouts by (rows per request, device), LRU first. Bounded in bytes: every new mix of running requests makes one
+# (64 requests of beam 64: ~100 KB), so the former cap of 4,096 entries let it grow to ~400 MB at worst.
 _LAYOUTS: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
 _LAYOUTS_LOCK = threading.Lock()
 LAYOUT_CACHE_BYTES = 8 << 20
@@ -295,8 +272,7 @@ def _excluded(cohorts: list[BeamCohort], level: int, row_req: torch.Tensor, chil
 
 
 def _filter(cohorts: list[BeamCohort], level: int, rows_per_req: list[int], child, allowed: torch.Tensor) -> None:
-    """ANDs each filtered request's node mask into its rows' allowed children, in place: one gather per filtered
-    request over its row slice (host offsets: nothing syncs)."""
+    """ANDs each filtered request's node mask into its rows' allowed children, in place (host offsets: no sync)."""
     start = 0
     masks = (f for c in cohorts for f in c.filters)
     for rows, mask in zip(rows_per_req, masks, strict=True):
@@ -306,8 +282,7 @@ def _filter(cohorts: list[BeamCohort], level: int, rows_per_req: list[int], chil
 
 
 def fetch_finals(cohorts: list[BeamCohort]) -> list[tuple[list[float], list[int]]]:
-    """Final scores and items of finished cohorts in ONE device-to-host transfer (float64 holds both exactly):
-    the named fetch point at the end of their requests."""
+    """Finished cohorts' final scores and items in ONE device-to-host transfer (float64 holds both exactly)."""
     packed = fetch(torch.cat([torch.stack([c.scores.double(), c.nodes.double()]) for c in cohorts], dim=1))
     out, start = [], 0
     for c in cohorts:
@@ -318,12 +293,8 @@ def fetch_finals(cohorts: list[BeamCohort]) -> list[tuple[list[float], list[int]
 
 
 def _excluded_node_keys(trie: CodeTrie, exclusions: list[np.ndarray], device, filters: list) -> list:
-    """Per depth 1..D, keys `request * nodes + node` of nodes all of whose items are excluded (of a filtered
-    request: all of whose allowed items; its filter's mask already bars the nodes with none).
-
-    Such a node must not take up a beam: every item below it is excluded. Computed on the host from the
-    trie's host arrays, before decoding starts, so it never waits on the device.
-    """
+    """Per depth 1..D, keys `request * nodes + node` of nodes all of whose (allowed, if filtered) items are
+    excluded, so they take no beam. Computed on the host before decoding, so it never waits on the device."""
     if any(f is not None for f in filters):  # a filtered request's exclusions: only the items it allows count
         exclusions = [e if f is None else e[f.items[e]] for e, f in zip(exclusions, filters, strict=True)]
     keys = []

@@ -1,10 +1,6 @@
-"""The inputs of one decode pass over many beam cohorts, as data in fixed-size buffers, never as shapes.
-
-Token, position, ancestors (global slots of the KV pool, padded to the longest suffix), suffix mask, and the
-varlen index tensors of the context call (one sequence per request, one for the padding rows, empty ones up
-to the size). Cohorts at different levels mix freely. Sized to the rows exactly (the CPU), or padded to a
-bucket (a power of two) so that one captured CUDA graph per bucket replays any request mix: padding rows see
-only their own token and no context, and every op works row by row, so they never change a real row.
+"""The inputs of one decode pass over many beam cohorts (of any levels), as data in fixed-size buffers, never
+as shapes: padded to a power-of-two bucket so one captured CUDA graph per bucket replays any request mix. Padding
+rows see only their own token and no context, and every op works row by row, so they never change a real row.
 """
 
 from __future__ import annotations

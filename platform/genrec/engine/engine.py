@@ -1,8 +1,6 @@
 """The Engine: one model family on one device, its scheduler (and KV pool), and the synchronous API. No Ray here.
-
-`run` submits requests to the engine's own scheduler and steps it until they are done, giving back a result or
-an error per request; `retrieve`, `score`, `recommend` and `rank` are `run` for one kind that raises the first
-error. An AsyncEngine steps the same scheduler from a background loop instead: one path, one KV pool.
+`retrieve`, `score`, `recommend` and `rank` are `run` for one kind that raises the first error; an AsyncEngine
+steps the same scheduler from a background loop instead (docs/engine.md, 'Building an engine').
 """
 
 from __future__ import annotations
@@ -79,8 +77,7 @@ class Engine:
         scheduler: SchedulerConfig | None = None,
         **options,
     ) -> Engine:
-        """The engine of a model directory, whichever family it holds. `options`: EngineOptions' fields
-        (dtype aside: bfloat16 on CUDA and float32 on the CPU unless given)."""
+        """The engine of a model directory, whichever family it holds; `options`: EngineOptions' fields."""
         directory = ModelDir.open(model_dir)
         for name in LIMITS:  # strictly: a bool or a float is refused, not read as a number
             if name in options and not (options[name] is None and name in DERIVED):
@@ -106,19 +103,15 @@ class Engine:
         return self.family.catalogs is not None
 
     def load_catalog(self, path: str | Path) -> dict:
-        """Serve the catalog file `path` from the next request on, without a restart: it is checked against the
-        model's SID layout and its trie built here, in the caller's thread, while the engine goes on stepping
-        (an AsyncEngine's loop); then swapped in by one assignment. A request keeps the version it was prepared
-        with to its end; the version replaced is kept for `rollback_catalog` (loading it again is that swap,
-        nothing rebuilt). A catalog that does not validate raises CatalogError and the running one stays. The
-        prefix cache is untouched: a catalog changes which codes may be generated, not any K/V.
-        Returns `catalog_state()`."""
+        """Serve the catalog file `path` from the next request on, built in the caller's thread while the engine
+        steps, then swapped in by one assignment; returns `catalog_state()` (docs/engine.md, 'Catalog versions,
+        live: `load_catalog` / `rollback_catalog`')."""
         versions = self._catalog_versions()
         versions.use(versions.load(path))
         return versions.describe()
 
     def rollback_catalog(self) -> dict:
-        """Serve the catalog version served before the last change again (instant: it was kept built)."""
+        """Serve the version before the last change again (instant: it was kept built)."""
         versions = self._catalog_versions()
         versions.rollback()
         return versions.describe()
@@ -135,9 +128,8 @@ class Engine:
 
     @property
     def scheduler(self) -> Scheduler:
-        """The engine's one scheduler (and its KV pool), made on first use, its passes captured before it is seen:
-        a capture that fails leaves no scheduler behind (the next use tries again), and no other thread can submit
-        to it while it captures."""
+        """Made on first use, its passes captured before it is seen: a failed capture leaves no scheduler (the next
+        use tries again), and no other thread can submit to it while it captures."""
         with self._making_scheduler:
             if self._scheduler is None:
                 scheduler = Scheduler(
@@ -149,13 +141,10 @@ class Engine:
                 self._scheduler = scheduler
         return self._scheduler
 
-    # -- the API ---------------------------------------------------------------------------------
-
     def retrieve(self, requests: list[RetrieveRequest]) -> list[RetrieveResult]:
         return self._raising(requests, "retrieve")
 
     def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
-        """Each request's candidates in one pass over its single prefill."""
         return self._raising(requests, "score")
 
     def recommend(self, requests: list[RecommendRequest]) -> list[RecommendResult]:
@@ -167,8 +156,7 @@ class Engine:
         return self._raising(requests, "rank")
 
     def render_prompt(self, request: PromptForms) -> PromptResult:
-        """A request's prompt as this engine runs it: its text (a chat rendered by the model's template) and token
-        IDs, checked as a request's prompt is. No compute, no scheduler: any request with a prompt will do."""
+        """A request's prompt as this engine runs it (text and token IDs), checked as `prepare` does; no compute."""
         with host_side():
             return self.family.render_prompt(request)
 
@@ -184,10 +172,8 @@ class Engine:
             return self.family.prepare(request, kind)
 
     def run(self, requests: list, kind: str | None = None) -> list:
-        """Every request's result, or the exception it failed with, in order (`kind`: each must be that kind).
-        Each request is prepared once; the valid ones run together. A GenrecError is the request's fault; any other
-        exception is a bug one request's data hit (the scheduler fails only the culprit), returned so that the
-        caller (a batch job) can keep the other requests' results."""
+        """Every request's result, or the exception it failed with, in order (`kind`: each must be that kind); any
+        exception is returned, not raised, so a batch job keeps the other requests' results."""
         outcomes: list = [None] * len(_listed(requests))
         prepared = []
         for i, request in enumerate(requests):
@@ -200,8 +186,7 @@ class Engine:
         return outcomes
 
     def _raising(self, requests: list, kind: str) -> list:
-        """Every request checked (its kind, then its content) before any compute, the first problem raised; then
-        all run, and the first failure is raised."""
+        """All checked before any compute, the first problem raised; then all run, the first failure raised."""
         for request in _listed(requests):
             request_kind(request, kind)
         prepared = list(enumerate(self.prepare(r, kind) for r in requests))
@@ -212,8 +197,7 @@ class Engine:
         return outcomes
 
     def _execute(self, prepared: list[tuple[int, Prepared]]) -> list[tuple[int, object]]:
-        """Submit the prepared requests as the queue has room and step the scheduler until all are done: (index,
-        result or the exception it failed with), in the order given."""
+        """Submit as the queue has room, step until all are done: (index, result or exception), in order given."""
         pending, futures, refused = deque(prepared), [], []
         scheduler = self._claim()
         while pending or not all(f.done() for _, f in futures):

@@ -1,14 +1,7 @@
-"""The seam between the engine and a model family: all the engine, its scheduler and runner, and the servers use.
-
-A family turns its kinds of request into a context (a prompt's tokens, or a user's events) and rows over that
-context. Both families hold the context as per-layer K/V in an extent of the engine's KV pool (`ContextKV`), so
-any number of rows read it without a copy, and both run in the same states: a job is prefilled in chunks, then
-either generates (`Generating`: the Qwen3 decoder's beam search, one decode pass per level) or runs its rows in
-bounded passes (scoring candidates; ranking them), then finishes with a result. The family says which; the
-scheduler sequences, the runner makes the passes.
-
-Implementations: `genrec.engine.retriever.Retriever` (Qwen3: retrieve, score, recommend) and
-`genrec.engine.ranker.Ranker` (HSTU: rank).
+"""The seam between the engine and a model family: all the engine, its scheduler and runner, and the servers use
+(docs/design.md, 'One path for two families'). A job is prefilled into a `ContextKV`, then either generates
+(`Generating`: beam search) or runs rows in bounded passes, then finishes. Implementations:
+`genrec.engine.retriever.Retriever` (Qwen3: retrieve, score, recommend), `genrec.engine.ranker.Ranker` (HSTU: rank).
 """
 
 from __future__ import annotations
@@ -69,27 +62,23 @@ class Family(Protocol):
         """Check a request of one of `kinds` against the model; raise InvalidRequestError naming the field."""
 
     def render_prompt(self, request: PromptForms) -> PromptResult:
-        """A request's prompt as `prepare` runs it (text and token IDs), checked the same way; a family that takes
-        no prompt raises InvalidRequestError."""
+        """A request's prompt as `prepare` runs it, checked the same way (a family with no prompt refuses)."""
 
     def block_keys(self, prepared: Prepared, salt: bytes) -> list[bytes]:
-        """The prefix cache's keys of the context's whole blocks that another request may reuse, under the request's
-        scope (genrec.engine.prefix_cache: `block_keys`, `Scope.of`)."""
+        """The prefix cache's reusable block keys, under the request's scope (genrec.engine.prefix_cache)."""
 
     def context_embeds(self, prepared: Prepared, start: int, stop: int) -> torch.Tensor:
         """Input embeddings of context rows [start, stop) on the model's device."""
 
     def prefill(self, segments: list[tuple[torch.Tensor, object]], graphs=None) -> list[torch.Tensor | None]:
-        """Run each (embeds, ctx) as the positions after ctx.length, writing its K/V into ctx (several contexts in
-        one pass); the outputs at each segment's last position (what starts its next state), or None. `graphs`:
-        what `capture_prefill` returned, replayed where it holds the pass."""
+        """Each (embeds, ctx) at the positions after ctx.length, its K/V written into ctx, all in one pass: the output
+        at each segment's last position, or None. `graphs`: `capture_prefill`'s, replayed where they hold the pass."""
 
     def capture_prefill(self, capture_pass, mempool, max_tokens: int) -> PrefillGraphs | None:
         """The prefill captured as graphs up to `max_tokens` per pass (genrec.engine.prefill_graphs), or None."""
 
     def start(self, job: Job) -> JobState:
-        """A prefilled job on to its next state: DECODING if it now generates (its beam cohort started: Generating
-        only), SCORING if it runs rows."""
+        """A prefilled job's next state: DECODING (its beam cohort started; Generating only) or SCORING."""
 
     def rows_pass(self, jobs: list[Job], budget: int) -> None:
         """One pass of the jobs' next rows, in order, estimated (`cost`) at most `budget` token-equivalents unless

@@ -17,13 +17,11 @@ from genrec.model.kv_pool import Holding
 
 @dataclass
 class Prepared:
-    """A request checked against the model and turned into host tensors, before any model compute: everything a
-    client can get wrong is refused while preparing it (InvalidRequestError naming the field)."""
+    """A request checked against the model, as host tensors, before any compute (refusals name the field)."""
 
     request: RetrieveRequest | ScoreRequest | RecommendRequest | RankRequest
     kind: str
-    # The context on the host: a prompt's token IDs [T] int64, or a history's events [T, 3] int64. Its rows are
-    # what the prefix cache keys.
+    # The context on the host, what the prefix cache keys: a prompt's token IDs [T] or events [T, 3], int64.
     token_ids: torch.Tensor
     kv_tokens: int = 0  # pool tokens it holds at its peak: its context, beam suffixes, candidate rows
 

@@ -1,8 +1,6 @@
-"""Plain counters and histograms kept by the engine loop; the Serve layer exports them.
-
-`EngineMetrics.requests` is the one count of how requests end: every request handed to the engine, by kind and
-outcome (`OUTCOMES`): the scheduler counts those it queued when they finish, `AsyncEngine.submit` those it refused,
-and a caller that refuses one before submitting it (a Serve replica not serving its catalog) counts it here too.
+"""Plain counters and histograms kept by the engine loop; the Serve layer exports them. `EngineMetrics.requests`
+is the one count of how requests end, by kind and outcome: the scheduler counts those it queued, `AsyncEngine.submit`
+those it refused, and a caller refusing one before submitting (a Serve replica not serving its catalog) counts it too.
 """
 
 from __future__ import annotations

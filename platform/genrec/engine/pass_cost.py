@@ -1,27 +1,12 @@
-"""What a pass costs, in token-equivalents: the unit the engine's pass budgets (`score_max_tokens`, the prefill
-budget) are counted in.
+"""What a pass costs, in token-equivalents, the unit of the pass budgets (docs/engine.md, 'Pass budgets and
+deadlines'): a token's projections and MLPs in every layer, plus K / span for attending K keys. Two spans: context
+(rows over their pooled context, prefill chunks over their prompt) and own (a scoring row over its padded width,
+dense: rows x width x width).
 
-One token-equivalent is what one token costs in the projections and MLPs of every layer. A query token that attends
-K keys also pays K / span for its attention, where `span` is how many keys cost as much as its projections: the
-FLOPs ratio of the two (from the model's config), times how efficiently that kind of attention runs. So a short row
-over a short context costs about its tokens (a budget set in tokens keeps its meaning), while a long candidate, a
-long prompt or a long history pays for attention that grows with the keys it reads.
-
-Two kinds of attention, two spans:
-- context: rows over their pooled context, and prefill chunks over their prompt (fused or SDPA kernels);
-- own: a scoring row over its own tokens (dense scores over the padded row, masked: every row of a pass is
-  padded to its widest, so a pass's own attention is rows x width x width).
-
-Efficiencies measured on this repository's CPU (process CPU time, one thread, scoring passes of R rows of L tokens
-over contexts of C tokens, L from 4 to 4096, C from 16 to 4096, on the `tiny` and `realistic` presets; HSTU ranking
-passes of 256-4096 rows over 16-4000 events on the `tiny` HSTU preset). Seconds = a x tokens + b x token-keys fitted
-per kind; the span is a / b. `genrec bench deadline` prints seconds per token-equivalent over such shapes, the check
-that one number fits them all.
-
-A reused prefix piece (genrec.engine.prefix_cache) saves its prefill but costs a request's passes a fixed overhead:
-where each piece is an attention call of its own per layer (the HSTU ranker's), one more call in every pass that reads
-the history. `piece_cost` is that overhead in token-equivalents, from the device's fixed cost of a call
-(CALL_FLOPS); `reuse_gain` weighs the two, and the prefix cache reads no more pieces than gain.
+Efficiencies fitted on this repository's CPU (process CPU time, one thread): seconds = a x tokens + b x token-keys
+per kind, span = a / b, over scoring passes of L = 4-4096 row tokens on C = 16-4096 context tokens (`tiny`,
+`realistic`) and HSTU passes of 256-4096 rows over 16-4000 events (`tiny` HSTU); `genrec bench deadline` checks one
+number fits them all. `piece_cost` (from CALL_FLOPS) is what one more reused prefix piece costs; `reuse_gain` weighs it.
 """
 
 from __future__ import annotations
@@ -69,10 +54,8 @@ class PassCost:
 
     @classmethod
     def hstu(cls, config, device_type: str = "cpu") -> PassCost:
-        """Per row and layer: the u, v, q, k projection and the output one; per key: q.k and the SiLU-weighted v.
-        Each reused piece is one more call per layer in each pass that reads the history (HSTU_HISTORY_READS):
-        `piece_cost` = those calls' FLOPs on `device_type` (CALL_FLOPS) over a token-equivalent's (the layers
-        cancel)."""
+        """Per row and layer: the u, v, q, k and output projections; per key: q.k and the SiLU-weighted v.
+        `piece_cost`: HSTU_HISTORY_READS more calls per layer, CALL_FLOPS over a token-equivalent's (layers cancel)."""
         width = config.num_attention_heads * config.head_dim
         per_token = 5 * config.hidden_size * width  # multiply-adds per row and layer
         span = per_token / (2 * width) * HSTU_EFFICIENCY
@@ -89,13 +72,11 @@ class PassCost:
         return _settle(n, lambda m: self.rows(1, m, 0) <= budget)
 
     def prefill(self, start: int, tokens: int) -> float:
-        """A prefill chunk of `tokens` after `start` context tokens (each attends to all of them and, at most, to
-        every token of the chunk)."""
+        """A prefill chunk of `tokens` after `start` context tokens (each attends to those and, at most, the chunk)."""
         return tokens * (1 + (start + tokens) / self.context_span)
 
     def reuse_gain(self, tokens: int, pieces: int) -> float:
-        """What reading `tokens` cached tokens in `pieces` pieces gains a request over prefilling them: their
-        prefill, less the pieces' overhead. Positive: the reuse pays."""
+        """Reading `tokens` cached tokens in `pieces` pieces over prefilling them (positive: the reuse pays)."""
         return self.prefill(0, tokens) - pieces * self.piece_cost
 
     def prefill_fits(self, start: int, budget: float) -> int:

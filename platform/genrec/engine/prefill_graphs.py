@@ -1,13 +1,8 @@
-"""Prefill passes replayed as CUDA graphs, piecewise: each stage between two attention calls is one graph.
-
-A prefill pass's token count varies with its chunks, and its attention reads index tables the host builds per
-pass, so the pass is not captured whole. Its stages are (`Qwen3.prefill_stage`: the norms, projections, RoPE,
-MLP between two attention calls): each is captured per token bucket (16 ... 512 by powers of two, then every 512
-up to the scheduler's prefill budget) over buffers of fixed size; the K/V writes and the attention run eagerly
-between the replays on the pass's real tokens. A pass of n tokens replays the smallest bucket that holds n, its
-rows past n zeroed (they never reach a K/V write or an attention). So a pass of a 28-layer model is 29 graph
-launches and 28 attention calls instead of some 400 kernel launches. Captured at engine start, with the decode's
-graphs (`ModelRunner.capture`), never on a live pass; a pass larger than every bucket runs eagerly.
+"""Prefill passes replayed as CUDA graphs, piecewise: each stage between two attention calls (`Qwen3.prefill_stage`)
+is one graph per token bucket (docs/engine.md, 'KV memory and the CUDA fast path'). Not captured whole: a pass's
+token count varies and its attention reads index tables the host builds per pass. A pass replays the smallest bucket
+holding it, the rows past it zeroed (never reaching a K/V write or an attention): 29 graph launches and 28 attention
+calls for 28 layers, not ~400 kernels. Captured at engine start only; a pass larger than every bucket runs eagerly.
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    """The stages of a model's prefill captured for every token bucket over one set of buffers (the largest
-    bucket's; a smaller bucket uses their first rows)."""
+    """A prefill's stages captured per token bucket over the largest bucket's buffers (smaller: their first rows)."""
 
     def __init__(self, model, ops: Pieces, max_tokens: int, capture_pass, mempool):
         c, dtype, device = model.config, model.dtype, model.device

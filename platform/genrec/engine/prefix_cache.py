@@ -1,35 +1,12 @@
-"""Context that outlives a request: prompts' K/V kept by content, reused in place by later prompts that start alike.
+"""Prompts' K/V kept by content, reused in place by later prompts that start alike (docs/engine.md, 'Returning
+users: the prefix cache').
 
-A prompt is cut into whole blocks of BLOCK tokens, each keyed by a hash chain: key(i) = H(key(i-1), tokens of
-block i [, the request's scope] [, a digest of the user embedding if the block holds the soft-token placeholder]),
-seeded with the model version. A key stands for the whole prefix up to its block, so an edited, deduplicated or
-re-tokenized history is a miss from the first changed block on, never a wrong hit; and a soft token ties every
-later block to its embedding.
-
-Reuse is scoped, so that how fast a prompt is answered tells nobody what another user sent (a timing side channel):
-a block wholly inside the request's `shared_prefix` is keyed by content alone (public: any request may reuse it);
-every later block's key includes the request's `cache_scope` (only requests of the same scope reuse it). A request
-without a scope is private: its blocks past the shared prefix are keyed as if with a fresh nonce, which no later
-request could match, so they are neither computed nor handed to the cache.
-
-After its prefill, a request hands its own extent (the K/V of the prompt past its reused prefix) to the cache,
-which keys its whole blocks. A later prompt reads its longest cached prefix as at most MAX_SPANS - 1 pieces of
-the pool, without copying or recomputing them, and prefills the rest at the positions that follow. Where each piece
-costs the request's passes a fixed overhead (the HSTU ranker's: one attention call per piece and layer), it reads
-only the first pieces that gain more than they cost (`gain`, genrec.engine.pass_cost.PassCost.reuse_gain), maybe
-none: on a GPU a short history is recomputed faster than it is read in pieces.
-
-Memory is the KV pool's own, counted in bytes: the cache holds at most `capacity_bytes`, and admission of a
-request that does not fit takes entries back first. An entry a running request reads is never taken. Eviction
-is segmented LRU: an entry starts on probation and is protected once a later request reuses it; probation is
-emptied first, so a stream of one-off prompts cannot flush the prefixes of returning users.
-
-A second tier (HostTier) keeps entries evicted from the KV pool in host memory, by the same keys. A spill copies an
-entry's whole blocks to host memory (pinned on CUDA, asynchronously, in stream order, so the pool extent may be
-reused at once); a later request whose prefix reaches a spilled block copies the entry back into a fresh pool
-extent before it reads it. Host bytes are bounded, least recently spilled out first. On the CPU the pool already is
-host memory, so this tier buys nothing there: it is off unless sized (`host_cache_bytes`), and like every CUDA-only
-path it stays off by default until a GPU run has verified it.
+Block i's key is H(key(i-1), its tokens [, the scope's digest past the shared prefix] [, the user embedding's digest
+if it holds the placeholder]), seeded with the model version. A private request's blocks past its shared prefix are
+keyed by nobody, so they are neither kept nor handed to the cache. A prefix is read as at most MAX_SPANS - 1 pool
+pieces, only as many as `gain` says pay. Segmented LRU in pool bytes; an entry a running request reads is never
+taken. HostTier spills evicted entries to host memory (pinned, async in stream order, so the pool extent may be
+reused at once); it buys nothing on the CPU and is off unless `host_cache_bytes` sizes it.
 """
 
 from __future__ import annotations
@@ -59,7 +36,7 @@ class Scope:
 
     @classmethod
     def of(cls, request) -> Self:
-        """A request's scope, from its `cache_scope` and `shared_prefix` (every request kind has both)."""
+        """From `cache_scope` and `shared_prefix` (every request kind has both)."""
         return cls(request.cache_scope, request.shared_prefix)
 
     @property
@@ -128,9 +105,8 @@ class PrefixCache:
         host: HostTier | None = None,
         gain: Callable[[int, int], float] | None = None,
     ):
-        """`host`: a second tier that evicted entries spill to (HostTier, below), or None. `gain(tokens, pieces)`:
-        what reading a prefix of `tokens` tokens in `pieces` pieces gains a request (positive: it pays); None: the
-        longest prefix always does."""
+        """`host`: the HostTier evicted entries spill to, or None. `gain(tokens, pieces)`: what reading that prefix
+        gains a request (positive: it pays); None: the longest prefix always pays."""
         self.capacity_bytes, self.host, self.gain = capacity_bytes, host, gain
         self.protected_limit = int(capacity_bytes * protected_share)
         self._blocks: dict[bytes, tuple[_Entry, int]] = {}  # key -> (entry, pool offset of the block)
@@ -152,9 +128,8 @@ class PrefixCache:
         return self.capacity_bytes > 0
 
     def lookup(self, keys: list[bytes], max_blocks: int) -> list[Piece]:
-        """The cached prefix of at most `max_blocks` blocks that gains most (the longest, unless its last pieces
-        cost more than they save: `gain`), as pool pieces (adjacent blocks of one entry merge), at most
-        MAX_SPANS - 1 of them. Each piece's extent is retained for the caller."""
+        """The cached prefix of at most `max_blocks` blocks that gains most, as at most MAX_SPANS - 1 pool pieces
+        (adjacent blocks of one entry merge), each extent retained for the caller."""
         runs = self._runs(keys[:max_blocks])
         runs = runs[: self._paying(runs)]
         for entry, _, _ in runs:
@@ -258,7 +233,6 @@ class PrefixCache:
             self._probation[oldest] = None
 
     def clear(self) -> None:
-        """Give back every entry no running request reads."""
         while self.evict_one():
             pass
 

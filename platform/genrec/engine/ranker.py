@@ -1,9 +1,6 @@
-"""The HSTU ranker as an engine family: rank.
-
-A request's context is the user's event history (item row, action, time bucket per event, at absolute
-positions); after its prefill, its candidates run as rows over it in bounded passes. A candidate takes the
-position after the history, no action and the unknown time bucket; it sees the history and itself only, so it
-scores the same whatever else is ranked with it (genrec.model.hstu).
+"""The HSTU ranker as an engine family: rank (docs/engine.md, 'Ranking after a history: HSTU'). The context is
+the event history (item row, action, time bucket, absolute positions); each candidate is a row at the position
+after it, with no action and the unknown time bucket, seeing the history and itself only.
 """
 
 from __future__ import annotations
@@ -45,10 +42,8 @@ class Ranker:
         fast: bool = False,
         **_,
     ):
-        """`score_max_tokens`: one ranking pass's estimated cost in token-equivalents (a candidate row costs one,
-        plus its attention over the history: genrec.engine.pass_cost). `fast`: on CUDA, the compiled layer pieces
-        (genrec.model.fused). Options only the decoder has (max_candidate_tokens, max_candidate_len) are accepted
-        and unused."""
+        """`score_max_tokens`: one ranking pass's bound in token-equivalents (genrec.engine.pass_cost). `fast`: on
+        CUDA, the compiled layer pieces. The decoder's own options (max_candidate_tokens, ...) are accepted, unused."""
         self.model, self.catalog, self.fast = model, items, fast
         self.device = model.device
         self.max_candidates = max_candidates
@@ -58,10 +53,7 @@ class Ranker:
 
     @classmethod
     def from_dir(cls, directory, device, dtype, **limits) -> Ranker:
-        """An HSTU model directory (`genrec.model.directory.HSTUDir`) loaded onto the device."""
         return cls(directory.load_model(device, dtype), directory.load_catalog(), **limits)
-
-    # -- requests --------------------------------------------------------------------------------
 
     def prepare(self, req: RankRequest, kind: str) -> PreparedHistory:
         """The history as event rows (item row, action, time bucket) and the candidates' rows, each checked: the
@@ -100,16 +92,14 @@ class Ranker:
                 raise InvalidRequestError(f"tasks[{i}]", f"{task!r} is not a task of this model {list(config.tasks)}")
             tasks = [config.tasks.index(t) for t in req.tasks]
         events = torch.tensor(np.stack([rows, actions, buckets], axis=1), dtype=torch.int64)
-        # Its history, and one row per candidate over it.
         kv_tokens = len(events) + len(candidate_rows)
         return PreparedHistory(
             req, kind, events, kv_tokens, candidate_rows=candidate_rows, candidate_ids=candidate_ids, tasks=tasks
         )
 
     def _candidates(self, req: RankRequest) -> tuple[list[str], np.ndarray]:
-        """The candidates to rank and their rows, in order. One the catalog does not hold is refused, or with
-        `unknown_candidates` 'skip' left out: the funnel's one rule for items only its retriever knows, online
-        and nightly alike. None known leaves no row: the result has no item (the history still checked)."""
+        """The candidates to rank and their rows, in order; an unknown one is refused, or left out with
+        `unknown_candidates` 'skip' (the funnel's rule for items only its retriever knows, online and nightly)."""
         kept, rows = [], []
         for i, item in enumerate(req.candidates):
             row = self.catalog.row_of(item)
@@ -128,8 +118,6 @@ class Ranker:
     def block_keys(self, prepared: PreparedHistory, salt: bytes) -> list[bytes]:
         """Scoped by the request (its shared prefix counted in events)."""
         return block_keys(prepared.token_ids.numpy(), salt, None, None, Scope.of(prepared.request))
-
-    # -- passes ----------------------------------------------------------------------------------
 
     def context_embeds(self, prepared: PreparedHistory, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Events [start, stop) (item, action, time bucket) at their absolute positions."""
@@ -152,8 +140,7 @@ class Ranker:
         return JobState.SCORING
 
     def rows_pass(self, jobs: list, budget: int) -> None:
-        """One pass of candidate rows taken in order from the jobs, of at most `budget` token-equivalents (each row
-        attends its whole history); a job whose candidates are all ranked gets its result."""
+        """One pass of candidate rows in order, within `budget` token-equivalents; a job all ranked gets its result."""
         model, device = self.model, self.device
         left = [(len(j.prepared.candidate_rows) - j.rows_done, self.cost.rows(1, 1, j.ctx.length)) for j in jobs]
         part = next(_row_chunks(left, budget), [])
@@ -207,8 +194,7 @@ class Ranker:
 
 
 def _row_chunks(jobs: list[tuple[int, float]], budget: float):
-    """Rows of many jobs in order, (rows left, cost of one row) per job, cut into passes whose rows cost at most
-    `budget` in all (a row that alone costs more goes alone): per pass, (job, first, stop) pieces."""
+    """Per pass within `budget` (or one row alone), (job, first, stop) pieces of jobs' (rows left, cost per row)."""
     part, used = [], 0.0
     for j, (n, each) in enumerate(jobs):
         a = 0

@@ -1,7 +1,5 @@
-"""A finished decoder request's result, from its host values: catalog items, scores checked finite, recommend's
-ranking.
-
-Everything here runs on host data after the one fetch at the end of a request (`genrec.staging.fetch`).
+"""A finished decoder request's result: catalog items, scores checked finite, recommend's ranking. All on host
+data, after the one fetch at the end of a request (`genrec.staging.fetch`).
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ from genrec.staging import fetch
 
 
 def retrieve_result(prepared, beams: list[tuple[int, float]]) -> RetrieveResult:
-    """beams: (code, logprob) best first, from `BeamCohort.results`. The first `num_results` codes, each with
-    every item it names that is not excluded and that the request's filter allows, adjacent, in the catalog's
-    order for a shared code (the catalog version the request was prepared with)."""
+    """beams: (code, logprob) best first. The first `num_results` codes, each with its items not excluded and
+    allowed by the filter, adjacent, in the order of the catalog version the request was prepared with."""
     check_finite([s for _, s in beams])
     catalog, trie = prepared.served.catalog, prepared.served.trie
     excluded = set(prepared.exclusions or ())
@@ -83,9 +80,7 @@ def recommend_result(prepared, retrieved: RetrieveResult, scores: LabelScores) -
 
 
 def beam_order_result(prepared, retrieved: RetrieveResult) -> RecommendResult:
-    """rank_by 'beam': nothing scored. The retrieved items in beam order, then the given candidates kept
-    (`Retriever._kept`) that beam search did not find, in their order; an item both retrieved and given appears
-    once, as retrieved ("retrieved+given")."""
+    """rank_by 'beam': the retrieved items in beam order, then the kept given ones (`Retriever._kept`) not retrieved."""
     given_ids = {c.item_id for c in prepared.given}
     items = [RecommendedItem.retrieved(i, given_ids) for i in retrieved.items]
     catalog = prepared.served.catalog

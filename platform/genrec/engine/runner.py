@@ -1,14 +1,6 @@
-"""The model runner: runs the passes the scheduler decides, through the engine's family (genrec.engine.family).
-
-- prefill: chunks of many contexts packed into one pass, each written into its ContextKV (an extent of the
-  engine's KV pool) at the positions it continues from;
-- decode (a generating family): one pass for the rows of many beam cohorts (any levels), its inputs as data in
-  fixed buffers, so on CUDA with the `fast` option the pass replays a graph per row bucket, every bucket captured
-  once at engine start (`capture`), never on a live request;
-- rows: one bounded pass of the jobs' candidate rows over their contexts (scoring, or ranking).
-
-Every pass runs under inference mode. The family's `fast` selects the CUDA attention kernels and graphs; it is
-passed down, never read from a global.
+"""The model runner: runs the passes the scheduler decides (prefill chunks, decode, rows), through the engine's
+family. On CUDA with `fast`, decode replays a graph per row bucket, all captured once at engine start (`capture`),
+never on a live request. The family's `fast` is passed down, never read from a global.
 """
 
 from __future__ import annotations
@@ -36,8 +28,7 @@ class Prefilled:
 
 class ModelRunner:
     def __init__(self, family: Family, graph_max_rows: int = 2048):
-        """`graph_max_rows`: with CUDA graphs, the largest decode pass captured at start (`capture`); the scheduler
-        caps a pass's rows there (`max_pass_rows`)."""
+        """`graph_max_rows`: the largest decode pass captured at start; the scheduler caps passes there."""
         # torch's compiler, which the attention's custom ops import on their first call: here, as the engine loads,
         # not in its first request (a process that only checks a model directory never imports it).
         import torch._dynamo  # noqa: F401
@@ -61,8 +52,6 @@ class ModelRunner:
     def new_pool(self, tokens: int) -> KVPool:
         return KVPool(self.model.config, tokens, self.device, self.model.dtype)
 
-    # -- prefill ---------------------------------------------------------------------------------
-
     @torch.inference_mode()
     def prefill_alone(self, prepared: Prepared) -> Prefilled:
         """One context in one pass, into a pool of its own: the plain prefill benchmarks take as their floor."""
@@ -80,8 +69,6 @@ class ModelRunner:
             segments.append((self.family.context_embeds(prepared, start, start + n), ctx))
         return self.family.prefill(segments, self.prefill_graphs)
 
-    # -- decode ----------------------------------------------------------------------------------
-
     @property
     def max_pass_rows(self) -> int | None:
         """The most rows one decode pass should hold: the largest captured bucket (None: no bound)."""
@@ -89,11 +76,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture(self, pool: KVPool, prefill_tokens: int) -> float:
-        """Capture every decode bucket of `pool` (a generating family's: 16 rows up to `graph_max_rows`; contexts of
-        one span and of up to MAX_SPANS), largest first so that one memory pool serves all, and the family's prefill
-        stages per token bucket up to `prefill_tokens` (genrec.engine.prefill_graphs). Runs once, at engine start,
-        before any request: a live pass never captures (one not captured here runs eagerly), so no capture ever
-        overlaps other CUDA work. Returns the seconds it took."""
+        """Capture every decode bucket of `pool` (16 rows up to `graph_max_rows`; one span and MAX_SPANS) and the
+        prefill stages up to `prefill_tokens`. Once, before any request, so no capture overlaps other CUDA work (a
+        pass not captured here runs eagerly). Returns the seconds it took."""
         started = time.perf_counter()
         with _on(self.device):
             mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
@@ -103,9 +88,8 @@ class ModelRunner:
         return self.warmup_s
 
     def _capture_decode(self, pool: KVPool, mempool) -> None:
-        """Every decode bucket, largest first. Each graph copies its outputs into one set of buffers sized by the
-        largest bucket (each pass reads its own rows of it), so the [rows, vocab] outputs are held once, not per
-        graph; what a graph makes inside goes back to the shared memory pool for the next capture to reuse."""
+        """Every decode bucket, largest first, each graph's outputs copied into one set of buffers sized by the
+        largest, so the [rows, vocab] outputs are held once, not per graph (internals go back to the shared pool)."""
         bucket, buckets = self.graph_max_rows, []
         while self.family.levels and bucket >= bucket_of(1):
             buckets.append(bucket)
@@ -125,9 +109,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, cohorts: list[BeamCohort], bucketed: bool | None = None) -> None:
-        """One pass for every row of the cohorts (any levels; their contexts and BeamKV slots in one pool), then
-        each cohort's selection. `bucketed` (default: with CUDA graphs) pads the rows to a power of two, the
-        shape a captured graph replays; else the pass is sized to the rows."""
+        """One pass over the cohorts' rows (all in one pool), then their selections. `bucketed` (default: with CUDA
+        graphs) pads the rows to a power of two."""
         # Same-level cohorts of one catalog version adjacent: one selection each (beam.advance_all).
         cohorts = sorted(cohorts, key=lambda c: (c.level, id(c.trie)))
         pool = cohorts[0].slot_pool
@@ -163,11 +146,8 @@ class ModelRunner:
             self._buckets[key] = DecodeBatch(key[1], self.past, pool, key[2], self.fast)
         return self._buckets[key]
 
-    # -- rows ------------------------------------------------------------------------------------
-
     @torch.inference_mode()
     def rows_pass(self, jobs: list, budget: int) -> None:
-        """One bounded pass of the jobs' next rows (scoring or ranking); finished jobs get their result."""
         self.family.rows_pass(jobs, budget)
 
 
@@ -189,8 +169,7 @@ def _on(device: torch.device):
 
 
 class _CudaGraph:
-    """A pass captured as a CUDA graph: `replay()` reruns it on whatever its input buffers hold now. Made with the
-    engine's device current (`_on`)."""
+    """A pass captured as a CUDA graph (with the engine's device current): `replay()` reruns it on its buffers."""
 
     def __init__(self, forward, mempool):
         """`mempool`: shared by the engine's captured passes (captured largest first, replayed one at a time)."""

@@ -1,17 +1,10 @@
-"""The continuous-batching scheduler: the one place that sequences work. One `step()` is one iteration.
+"""The continuous-batching scheduler: the one place that sequences work (docs/engine.md, 'How a request runs').
 
-Each iteration (1) drops cancelled and timed-out requests, freeing their KV at once (and again between its
-passes: a request ends within one pass of its deadline); (2) admits waiting requests in arrival order while the KV
-budget allows, each reusing its longest cached prefix (the prefix cache); (3) prefills the rest of their contexts
-under a token budget and a cost bound (genrec.engine.pass_cost), in chunks, so a long prompt does not starve
-running decodes; (4) moves the prefilled ones on (their family says whether they generate or run rows); (5)
-runs ONE decode pass for every generating row of every request; (6) runs one bounded pass of rows (scoring
-candidates, or ranking them) for the requests that have them, and finishes those whose rows are all done. A
-job's state (`JobState`) says which of these it is in. Nothing here knows a model family: the family
-(genrec.engine.family) prepares requests and builds results, the runner makes every model call; no Ray and no
-threads here: the synchronous `Engine` steps it until its batch is done, the AsyncEngine's loop steps it
-forever. Every model call is guarded, so a failing request fails alone. Time is read from the `clock` the
-scheduler is given (time.monotonic by default), so deadlines can be tested exactly.
+One `step()`, in this order: reap cancelled and timed-out jobs (again between passes: a request ends within one
+pass of its deadline); admit in arrival order under the KV budget, each reusing its longest cached prefix; prefill
+in chunks under the token budget and the cost bound; move prefilled jobs on (the family says generate or rows); ONE
+decode pass for every generating row; one bounded rows pass. Knows no model family, no Ray, no threads; every model
+call is guarded so a failing request fails alone. Time comes from the given `clock`, so deadlines test exactly.
 """
 
 from __future__ import annotations
@@ -211,8 +204,7 @@ class Scheduler:
             stats.hits += job.ctx.prefix_length > 0
 
     def _hold(self, job: Job) -> Holding | None:
-        """The job's extents of the pool, after its longest cached prefix (never the whole prompt); the prefix
-        cache gives entries back while the job does not fit."""
+        """The job's pool extents after its longest cached prefix (never the whole prompt), evicting until it fits."""
         prompt = len(job.prepared.token_ids)
         while True:
             prefix = self.cache.lookup(job.block_keys, (prompt - 1) // BLOCK) if self.cache.enabled else []
@@ -226,10 +218,8 @@ class Scheduler:
                 return None
 
     def _prefill(self) -> tuple[int, list[Job]]:
-        """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass. The pass
-        is also bounded by its estimated cost (genrec.engine.pass_cost): at most what one chunk of the whole budget
-        from a prompt's start costs. Prompts no longer than the budget prefill as by tokens alone; a chunk deep
-        into a long prompt, whose attention reads every token before it, is shorter."""
+        """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass costing at
+        most one whole-budget chunk from a prompt's start (so a chunk deep into a long prompt is shorter)."""
         budget, chunks = self.config.prefill_tokens_per_step, []
         cost = self.family.cost
         spend = cost.prefill(0, budget)
@@ -260,8 +250,7 @@ class Scheduler:
         return done
 
     def _start(self, ready: list[Job]) -> None:
-        """Prefilled jobs on to the state their family says: generating (a one-level code is done at once), or
-        running rows."""
+        """Prefilled jobs on to the state their family says: generating, or running rows."""
         for job in ready:
             self._guarded([job], self._start_one)
 
@@ -272,8 +261,7 @@ class Scheduler:
             self._generated([job])
 
     def _decode(self) -> int:
-        """One decode pass for every generating row; more than one where the rows exceed what a pass may hold (the
-        largest CUDA graph captured at start), each pass of whole requests in admission order."""
+        """Decode passes of whole requests in admission order, each within `max_pass_rows` (the largest graph)."""
         decoding = self.in_state(DECODING)
         rows = sum(j.cohort.rows for j in decoding)
         for jobs in _passes(decoding, self.runner.max_pass_rows):
@@ -296,9 +284,8 @@ class Scheduler:
             job.move(SCORING)
 
     def _score(self) -> int:
-        """One bounded pass of rows for the jobs in SCORING (rows of many jobs share a pass); a job whose rows are
-        all done finishes. A request of many candidates thus spreads over several steps: others' decode passes
-        run between, and its deadline is checked between its passes."""
+        """One bounded pass of rows for the jobs in SCORING (rows of many jobs share it); a job whose rows are all
+        done finishes. Many candidates spread over steps, so others' decode passes run between."""
         scoring = self.in_state(SCORING)
         self._guarded(scoring, self._rows_pass)
         return len(scoring)
@@ -312,7 +299,7 @@ class Scheduler:
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def fail_all(self, error: BaseException, status: str = "error") -> None:
-        """Fail every request in the engine (after an unexpected error in the loop itself, or at shutdown)."""
+        """Fail every request in the engine (an unexpected error in the loop itself, or shutdown)."""
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
         for job in [*self.waiting, *self.running]:

@@ -1,12 +1,7 @@
-"""Multi-candidate scoring, host side: what to score and how rows pack into passes (the runner runs them).
-
-Every candidate is a row over its request's shared ContextKV; rows of many requests share a pass, passes bounded
-by their estimated cost (genrec.engine.pass_cost).
-
-Each candidate's tokens see the prompt (through the shared context) and themselves (causal), nothing else,
-at positions that continue the prompt: its score is exactly what it would be if it alone followed the prompt.
-Rows a job asks for (recommend's given candidates under rank_by="joint") also get log P(their tokens | prompt),
-from the same pass: what beam search would have scored them with.
+"""Multi-candidate scoring: what to score, how rows pack into cost-bounded passes, and the scoring pass (docs/engine.md,
+'score'). Each candidate is a row over its request's ContextKV, seeing the prompt and itself (causal) at positions
+that continue it. Rows a job asks for (recommend's given candidates under rank_by="joint") also get
+log P(their tokens | prompt) from the same pass: what beam search would have scored them with.
 """
 
 from __future__ import annotations
@@ -26,10 +21,8 @@ from genrec.staging import to_device
 @dataclass
 class CandidateRows:
     """One request's candidates (token lists) against its context, with (positive, negative) label IDs.
-
-    `sequence_from`: candidates from this index on also get their sequence log-probability, whose first token
-    is read from `prompt_logprobs` [vocab] (the log-softmax after the prompt: the context holds no logits).
-    """
+    `sequence_from`: candidates from here on also get their sequence log-probability, the first token's read from
+    `prompt_logprobs` [vocab] (the context holds no logits)."""
 
     ctx: ContextKV
     candidates: list[list[int]]
@@ -90,9 +83,7 @@ class Chunk:
 
 
 def chunks(jobs: list[CandidateRows], budget: float, cost: PassCost):
-    """Split the candidates of all jobs into passes, in order, each estimated to cost at most `budget`
-    token-equivalents (`cost`: rows padded to the pass's widest, their own attention and their context's); a
-    row that alone costs more goes alone."""
+    """All jobs' candidates in passes, in order, each within `budget` by `cost` (or one row alone)."""
     chunk, rows, longest, keys = Chunk([], []), 0, 0, 0
     for index, job in enumerate(jobs):
         start, context = 0, job.ctx.length
@@ -131,9 +122,8 @@ def ragged(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def candidate_rows(
     prepared, ctx: ContextKV, last_logits: torch.Tensor, retrieved=None, retrieved_rows=None
 ) -> CandidateRows:
-    """A request's rows to score: its given candidates (score); for a recommend, the retrieved items (their rows:
-    `retrieved_rows`), then the given candidates beam search did not find. Joint ranking also asks for the given
-    ones' code logprob (the retrieved ones have theirs from the beam)."""
+    """A request's rows: its given candidates; for a recommend, `retrieved_rows`, then the given ones not retrieved
+    (under joint ranking these also ask for their code logprob; the retrieved have theirs from the beam)."""
     if retrieved is None:
         return CandidateRows(ctx, prepared.candidate_tokens, prepared.labels)
     given = [prepared.candidate_tokens[k] for k in not_retrieved(prepared, retrieved)]
@@ -159,16 +149,14 @@ class Scorer:
 
     @torch.inference_mode()
     def score_pass(self, jobs: list[CandidateRows], max_tokens: float) -> list[tuple[int, LabelScores]]:
-        """One pass of at most `max_tokens` token-equivalents (genrec.engine.pass_cost), candidates taken in order
-        from the jobs: (job index, scores of its next rows) per job reached. Every candidate is a row over its
-        job's context."""
+        """One pass within `max_tokens` token-equivalents: (job index, scores of its next rows) per job reached."""
         chunk = next(chunks(jobs, max_tokens, self.cost), None)
         if chunk is None:
             return []
         return list(zip(chunk.job_index, self._score_chunk(chunk.segments), strict=True))
 
     def score(self, jobs: list[CandidateRows], max_tokens: float) -> list[LabelScores]:
-        """Every job's candidates, pass after pass (what the scheduler spreads over its steps)."""
+        """Every job's candidates, pass after pass (the scheduler spreads these over its steps)."""
         parts: list[list[LabelScores]] = [[LabelScores.empty(self.device)] for _ in jobs]
         done = [0] * len(jobs)
         while pending := [i for i, job in enumerate(jobs) if done[i] < len(job.candidates)]:

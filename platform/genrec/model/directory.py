@@ -162,7 +162,6 @@ class Qwen3Dir(ModelDir):
 
     def load_catalog(self, tokenizer=None, layout=None):
         """The item catalog, every code checked against the model's SID layout."""
-
         layout = layout if layout is not None else self.load_sid_layout(tokenizer)
         return Catalog.load(self.catalog_path, layout)
 
@@ -213,7 +212,6 @@ class HSTUDir(ModelDir):
         return HSTUConfig.from_dict(raw, self.path / "config.json")
 
     def load_catalog(self):
-
         return ItemIndex.load(self.catalog_path, self.config.num_items)
 
     def layout(self) -> Layout:

@@ -1,16 +1,9 @@
-"""The elementwise pieces of a layer, each written once as a plain torch function, run one of two ways.
+"""The elementwise pieces of a layer (what lies between two matrix products), each one plain torch function.
 
-A piece is what lies between two matrix products (or attention calls): a residual add and the norm after it, the
-q/k norm and the rotation, SiLU·mul, a beam's own suffix attention and its merge with the context part. Eagerly
-(the CPU, or CUDA without the engine's `fast` option) each is a few ops and these functions are the reference; on
-CUDA with `fast` the same functions are compiled by `torch.compile` (Inductor: a piece becomes one or a few Triton
-kernels, float32 kept in registers, never written back) with automatic dynamic shapes: a piece is compiled for the
-first shape it sees and once more, with the axes that changed (rows, tokens) symbolic, when another comes; the
-model's own sizes (hidden, heads, head_dim) stay constants, so the reductions are single-pass (on an H200 this was
-faster than `dynamic=True`, which makes every size symbolic: a 5,000-token prefill 40.2 vs 42.2 ms, its q/k
-norm + RoPE 1.1 vs 4.0 ms). No "reduce-overhead" (no graphs of its own: the runner captures whole passes).
-The caller picks with `pieces(fast, device)`; the CPU never compiles.
-
+Eager they are the reference; `pieces(fast, device)` compiles them on CUDA with `fast` (docs/engine.md, 'KV memory
+and the CUDA fast path'), with automatic dynamic shapes: the axes that change (rows, tokens) go symbolic, the model's
+sizes stay constant and the reductions single-pass (on an H200 faster than `dynamic=True`: a 5,000-token prefill
+40.2 vs 42.2 ms, its q/k norm + RoPE 1.1 vs 4.0 ms). No "reduce-overhead": the runner captures whole passes.
 Numerics are transformers': each norm normalises in float32, rounds to the input's dtype, then scales.
 """
 

@@ -1,17 +1,10 @@
-"""Our HSTU ranker, in the variant whose history K/V can be cached exactly across requests.
+"""Our HSTU ranker, the variant whose history K/V cache exactly (docs/engine.md, 'Ranking after a history: HSTU').
 
-Each layer: LayerNorm -> one Linear (with bias) to u, v, q, k -> SiLU on all four -> attention
-`A = SiLU(q·kᵀ/√d) / N` (N a config constant, no softmax) under the mask -> `Linear(u ⊙ LayerNorm(A·v))`
--> residual. No FFN. Input = item + action + absolute position (+ time bucket) embeddings; a final LayerNorm
-and a multi-task MLP head read the candidate positions.
-
-Masks: history events attend causally among themselves; each candidate attends to the whole history and to
-itself only; history never attends to candidates. So the history's K/V depend on earlier events only
-(`prefill` may run it in any number of appended chunks), and a candidate's attention is a plain sum of its
-history part and its own part (`forward_candidates`): with a constant normaliser there is no softmax to merge.
-
-K/V are cached token-major, [layers, tokens, heads, head_dim] (a slice of genrec's `KVPool`), after the SiLU.
-Conventions for items, actions, buckets and positions: see `genrec.model.config`.
+Each layer: LayerNorm -> one Linear to u, v, q, k (SiLU on each) -> `A = SiLU(q·kᵀ/√d) / N` (no softmax) ->
+`Linear(u ⊙ LayerNorm(A·v))` -> residual; no FFN. A final LayerNorm and a multi-task MLP head read the candidates.
+History attends causally, a candidate to the history and itself only: the history's K/V (cached after the SiLU,
+token-major in the `KVPool`) depend on earlier events only, so it prefills in any number of appended chunks, and a
+candidate's attention is its history part plus its own part. Items, actions, buckets, positions: genrec.model.config.
 """
 
 from __future__ import annotations
@@ -111,8 +104,7 @@ class TaskHead(nn.Module):
 
 class HSTU(nn.Module):
     """Parameter names (the safetensors keys) are stable: item_embedding, action_embedding, position_embedding,
-    bucket_embedding (only with time buckets), layers.{i}.{norm,uvqk,attn_norm,out}, final_norm,
-    head.{hidden,out}."""
+    bucket_embedding (time buckets only), layers.{i}.{norm,uvqk,attn_norm,out}, final_norm, head.{hidden,out}."""
 
     def __init__(self, config: HSTUConfig):
         super().__init__()
@@ -160,16 +152,14 @@ class HSTU(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, embeds: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
-        """Run history events embeds [n, hidden] as positions start .. start+n-1, given the first `start` events'
-        K/V in k_cache/v_cache [layers, capacity, heads, head_dim]; writes the new events' K/V there.
-        Returns their hidden states [n, hidden] (before the final norm)."""
+        """Events embeds [n, hidden] at positions start.., after `start` events in k_cache/v_cache [layers, capacity,
+        heads, head_dim], where their K/V are written; returns hidden [n, hidden] before the final norm."""
         return self.prefill_packed([HistorySegment(embeds, k_cache, v_cache, start)])
 
     @torch.inference_mode()
     def prefill_packed(self, segments: list[HistorySegment], fast: bool = False) -> torch.Tensor:
         """Several users' new events in one pass: projections over all tokens at once, attention per user.
-        Returns the hidden states of all segments' events, concatenated in order. `fast`: on CUDA, the compiled
-        layer pieces (`genrec.model.fused`)."""
+        Returns the hidden states of all segments' events, concatenated in order."""
         for s in segments:
             if s.start < 0 or s.start + len(s.embeds) > s.k_cache.shape[1]:
                 raise ValueError(
@@ -206,10 +196,9 @@ class HSTU(nn.Module):
         return x + out
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        """Queries q [n, H, D] at positions start.. over keys k, v [start+n, H, D]:
-        Σ over keys j ≤ the query's position of SiLU(q·k_j/√d) v_j, [n, H, D] (not yet divided by N).
-        Queries go in chunks, each over the keys it may see: the score matrix stays bounded for long histories
-        and the masked-out upper triangle is mostly never computed."""
+        """q [n, H, D] at positions start.. over k, v [start+n, H, D]: Σ_{j ≤ position} SiLU(q·k_j/√d) v_j, [n, H, D]
+        (not divided by N). Queries go in chunks over the keys they may see: the score matrix stays bounded and the
+        masked-out upper triangle is mostly never computed."""
         if not len(q):
             return torch.zeros_like(q)
         out = []
@@ -223,9 +212,8 @@ class HSTU(nn.Module):
 
     @torch.inference_mode()
     def forward_candidates(self, embeds: torch.Tensor, groups: list[HistoryRows], fast: bool = False) -> torch.Tensor:
-        """R candidate rows embeds [R, hidden]; rows of a group attend to that group's history and to themselves
-        (rows in no group: themselves only). The history part is one matrix product per group over all its rows.
-        Returns hidden states [R, hidden] (before the final norm): feed them to `task_probs`."""
+        """Candidate rows embeds [R, hidden], each over its group's history (one product per group) and itself (rows in
+        no group: itself only); returns hidden [R, hidden] before the final norm, for `task_probs`."""
         ops = fused.pieces(fast, embeds.device)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -279,7 +267,6 @@ class HSTU(nn.Module):
         return torch.sigmoid(self.task_logits(hidden))
 
     def save(self, out: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """Write config.json and model.safetensors into `out` (created if needed)."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         body = self.config.to_dict()
@@ -298,7 +285,6 @@ def _prefix(ctx) -> tuple[KeySpan, ...]:
 
 
 def meta_hstu(config: HSTUConfig) -> HSTU:
-    """The model's modules on the meta device: every parameter's shape, no memory."""
     with torch.device("meta"):
         return HSTU(config)
 
@@ -310,8 +296,7 @@ def checkpoint_layout(model: HSTU) -> Layout:
 
 
 def load_hstu(config: HSTUConfig, tensors: dict, model_dir, device="cpu", dtype: torch.dtype = torch.float32) -> HSTU:
-    """An HSTU from a checkpoint's tensors (`genrec.model.directory.HSTUDir.load_model` reads them), every
-    tensor checked by name, dtype and shape against the config (`checkpoint_layout`)."""
+    """An HSTU from a checkpoint's tensors, each checked by name, dtype and shape (`checkpoint_layout`)."""
     model = meta_hstu(config)
     assign_weights(model, checkpoint_layout(model), tensors, model_dir, device, dtype)
     return model.eval().requires_grad_(False)

@@ -1,15 +1,9 @@
-"""Preallocated, token-major KV memory: one pool per engine, prompts held as (offset, length) extents.
+"""Preallocated, token-major KV memory: one pool per engine, prompts held as (offset, length) extents
+(docs/design.md, 'KV layout').
 
-k, v are [layers, tokens, kv_heads, head_dim]: a prompt's K/V for layer i is the slice
-`k[i, offset : offset + length]`, so one varlen attention call can read every request's context from
-the same tensor (contexts may sit anywhere in it, gaps allowed). One first-fit allocator with
-coalescing hands out extents; admission (`KVBudget`) asks it for real space, so the device never holds
-more KV than the pool and a request that does not fit waits.
-
-An admitted job holds its ContextKV (the pieces of a reused prefix, then its own extent for the rest of its
-prompt) and a second extent for the rest of its peak: its BeamKV slots plus headroom for its rows (its family
-reckons them: `Prepared.kv_tokens`). Both come back when it ends. While a job does not fit, the prefix cache
-gives up its least recently used entries first.
+k, v are [layers, tokens, kv_heads, head_dim]; a prompt's layer i is `k[i, offset : offset + length]`. An admitted job
+holds its ContextKV (reused prefix pieces, then its own extent) and a second extent for the rest of its peak (BeamKV
+slots and row headroom: `Prepared.kv_tokens`); both come back when it ends.
 """
 
 from __future__ import annotations
@@ -99,7 +93,6 @@ class KVPool:
         return Extent(self, start, n)
 
     def context(self, n: int) -> ContextKV | None:
-        """A ContextKV with room for n prompt tokens, or None when the pool has no free extent that long."""
         extent = self.reserve(n)
         return None if extent is None else ContextKV(extent)
 
@@ -157,8 +150,7 @@ class Piece:
 class ContextKV:
     """One request's prompt K/V for every layer, in one pool: the `prefix` pieces (earlier prompts' K/V reused in
     place, read-only, held while this context lives), then its own extent, written from position `prefix_length`
-    on; `length` tokens in all are ready. Shared by every row of the request: attention reads `spans()`.
-    """
+    on; `length` tokens in all are ready. Shared by every row of the request: attention reads `spans()`."""
 
     def __init__(self, extent: Extent, prefix: list[Piece] | tuple = ()):
         self.extent = extent
@@ -168,7 +160,6 @@ class ContextKV:
 
     @classmethod
     def allocate(cls, config: KVShape, capacity: int, device, dtype) -> ContextKV:
-        """A context in a pool of its own, exactly `capacity` tokens."""
         return KVPool(config, capacity, device, dtype).context(capacity)
 
     @property
@@ -203,16 +194,13 @@ class ContextKV:
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def release(self) -> None:
-        """Give back its own extent and its holds on the prefix pieces."""
         self.extent.release()
         for piece in self.prefix:
             piece.extent.release()
 
 
 @dataclass
-class Holding:
-    """What one admitted job holds in the pool."""
-
+class Holding:  # what one admitted job holds in the pool
     ctx: ContextKV  # its prompt: reused prefix pieces (held), then its own extent
     rest: Extent  # BeamKV slots and row headroom
     tokens: int  # pool tokens it took (its own extent and the rest; reused pieces are not counted)

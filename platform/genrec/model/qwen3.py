@@ -1,12 +1,8 @@
-"""Our own Qwen3 forward pass, numerically equal to transformers' `Qwen3ForCausalLM`, and, configured as Qwen2
-(`config.architecture`: q/k/v biases, no q/k norm; see model/config.py), to `Qwen2ForCausalLM`.
+"""Our Qwen3 forward pass, equal to transformers' `Qwen3ForCausalLM` and, configured as Qwen2, to `Qwen2ForCausalLM`
+(docs/engine.md, 'Two decoder architectures: Qwen3 and Qwen2').
 
-Two entry points, both built on the same decoder layers:
-
-* `prefill` runs a prompt (or one chunk of it) and writes its K/V into a `ContextKV` (an extent of a
-  token-major `KVPool`); packed prompts attend in one varlen call per layer.
-* `forward_rows` runs R short rows (beams during decode, candidates during scoring). Each row attends
-  to its request's ContextKV (shared, never copied) plus its own causal suffix; see `genrec.attention`.
+`prefill` runs a prompt (or a chunk) and writes its K/V into a `ContextKV`; `forward_rows` runs R short rows (beams,
+candidates), each over its request's ContextKV (shared, never copied) plus its own causal suffix (`genrec.attention`).
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        # On the CPU even when the model is built on the meta device (where the sum would import torch's compiler);
-        # the buffer moves with the model.
+        # On the CPU even when built on meta (there the sum would import torch's compiler); moved with the model.
         steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
         inv_freq = 1.0 / (theta ** (steps / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -165,18 +160,14 @@ class Qwen3(nn.Module):
         return self.model.embed_tokens(token_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on the given (pre-norm) hidden states, in float32."""
         return self.lm_head(self.model.norm(hidden)).float()
 
     @torch.inference_mode()
     def prefill(
         self, embeds: torch.Tensor, ctx: ContextKV, logits_at: torch.Tensor | None = None, fast: bool = False
     ) -> torch.Tensor:
-        """Run embeds [S, hidden] as positions ctx.length .. ctx.length+S-1 of the prompt.
-
-        Writes the chunk's K/V into `ctx` (which must have capacity) and returns float32 logits at
-        `logits_at` (chunk-relative indices; default: the last position).
-        """
+        """Embeds [S, hidden] as prompt positions ctx.length.., their K/V written into `ctx` (which must have room);
+        float32 logits at `logits_at` (chunk-relative indices; default: the last position)."""
         hidden = self._prefill_hidden([(embeds, ctx)], fast)
         return self.logits(hidden[-1:] if logits_at is None else hidden[logits_at])
 
@@ -184,18 +175,16 @@ class Qwen3(nn.Module):
     def prefill_packed(
         self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool = False, graphs=None
     ) -> torch.Tensor:
-        """Several prompts (or prompt chunks) in one pass: projections and MLPs run over all their tokens
-        at once, attention per segment. Returns the logits at each segment's last position [n, vocab].
-        `fast`: the CUDA kernels (see `genrec.attention.varlen`, `genrec.model.fused`); `graphs`: the stages
-        captured as CUDA graphs (`genrec.engine.prefill_graphs`), replayed where a bucket holds the pass."""
+        """Several prompts (or chunks) in one pass: projections and MLPs over all their tokens, attention per segment;
+        logits [n, vocab] at each segment's last position. `graphs` (`genrec.engine.prefill_graphs`): the captured
+        stages, replayed where a bucket holds the pass."""
         hidden = self._prefill_hidden(segments, fast, graphs)
         ends = to_device(np.cumsum([len(e) for e, _ in segments]) - 1, hidden.device)
         return self.logits(hidden[ends])
 
     def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool, graphs=None) -> torch.Tensor:
-        """The layer stack over the segments' tokens, one stage between two attention calls at a time (`prefill_stage`):
-        run eagerly, or replayed from `graphs` (`genrec.engine.prefill_graphs`: a bucket of at least as many tokens);
-        the K/V writes and the attention (its shapes follow the segments) run between the stages either way."""
+        """The layers over the segments' tokens, stage by stage (`prefill_stage`), eager or replayed from `graphs` (a
+        bucket of at least as many tokens); the K/V writes and the attention run eagerly between the stages."""
         device = segments[0][0].device
         positions = np.concatenate([np.arange(ctx.length, ctx.length + len(e)) for e, ctx in segments])
         writes = _kv_writes(segments, device)
@@ -219,18 +208,16 @@ class Qwen3(nn.Module):
         return x[:n]
 
     def prefill_stage(self, i: int, x, attn, cos, sin, ops: Pieces):
-        """Stage i of a prefill, everything between two attention calls: stage 0 normalises layer 0's input; stage i
-        in 1..L finishes layer i-1 from its attention output `attn`. Below L it then projects layer i's q, k, v.
-        Returns (x: the residual stream, q, k, v; at L: the hidden states before the final norm, None, None, None)."""
+        """Stage i of a prefill (`_stage`, then below L layer i's q, k, v): (x: the residual stream, q, k, v); at L
+        (hidden states before the final norm, None, None, None)."""
         normed, x = self._stage(i, x, attn, ops)
         if normed is None:
             return x, None, None, None
         return (x, *self.model.layers[i].self_attn.qkv_heads(normed, cos, sin, ops))
 
     def _stage(self, i: int, x: torch.Tensor, attn: torch.Tensor | None, ops: Pieces):
-        """Between layer i-1's attention output `attn` and layer i's attention: (normed input of layer i, residual
-        stream); after the last layer (i == L): (None, hidden states before the final norm). Each residual add is
-        fused with the norm after it."""
+        """From layer i-1's attention output `attn` (none at i == 0) to layer i's normed input: (normed, residual
+        stream); at i == L: (None, hidden states before the final norm). Each residual add is fused with its norm."""
         layers, eps = self.model.layers, self.config.rms_norm_eps
         if i == 0:
             return ops.rms_norm(x, layers[0].input_layernorm.weight, eps), x
@@ -262,16 +249,11 @@ class Qwen3(nn.Module):
         mask: torch.Tensor | None = None,
         fast: bool = False,
     ):
-        """Run R rows of S new tokens each.
-
-        embeds [R, S, hidden], positions [R, S]. `context` says which rows attend to which ContextKV
-        (`ContextRows`, or a static decode pass's `StaticContext`: anything with `at_layer(i)`); every row
-        attends to its own suffix: past_k/past_v [layers, R, P, kv_heads, hd] (earlier tokens of the row, e.g.
-        a beam's ancestors) followed by its S new tokens (causally when `causal`). An explicit `mask`
-        [R or 1, S, P+S] (True = may attend) replaces that rule, e.g. to hide padded past positions.
-        `fast`: on CUDA, the compiled layer pieces (`genrec.model.fused`).
-        Returns (hidden [R, S, hidden] before the final norm, new_k, new_v [layers, R, S, kv_heads, hd]).
-        """
+        """R rows of S new tokens: embeds [R, S, hidden], positions [R, S]. `context` (anything with `at_layer(i)`:
+        `ContextRows`, a static pass's `StaticContext`) says which ContextKV each row reads; then its own suffix,
+        past_k/past_v [layers, R, P, kv_heads, hd] (e.g. a beam's ancestors) and its S new tokens, causal when
+        `causal`. An explicit `mask` [R or 1, S, P+S] (True = may attend) replaces that rule (e.g. padded past).
+        Returns (hidden [R, S, hidden] before the final norm, new_k, new_v [layers, R, S, kv_heads, hd])."""
         R, S = positions.shape
         cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
         P = 0 if past_k is None else past_k.shape[2]
@@ -328,7 +310,6 @@ def _kv_writes(segments: list[tuple[torch.Tensor, ContextKV]], device) -> list:
 
 
 def meta_qwen3(config: Qwen3Config) -> Qwen3:
-    """The model's modules on the meta device: every parameter's shape, no memory."""
     with torch.device("meta"):
         return Qwen3(config)
 
@@ -343,8 +324,7 @@ def checkpoint_layout(model: Qwen3) -> Layout:
 def load_qwen3(
     config: Qwen3Config, tensors: dict, model_dir, device="cpu", dtype: torch.dtype = torch.float32
 ) -> Qwen3:
-    """Our Qwen3 from a checkpoint's tensors (`genrec.model.directory.Qwen3Dir.load_model` reads them), each
-    checked by name, dtype and shape against the config (`checkpoint_layout`); projections fused for inference."""
+    """Our Qwen3 from a checkpoint's tensors, each checked by name, dtype and shape (`checkpoint_layout`), fused."""
     model = meta_qwen3(config)
     assign_weights(model, checkpoint_layout(model), tensors, model_dir, device, dtype)
     model.rotary = Rotary(config.head_dim, config.rope_theta).to(device)

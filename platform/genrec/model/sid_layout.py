@@ -1,31 +1,8 @@
 """A model's semantic-ID layout: which token IDs form each code level, the code's wrappers, its label tokens.
 
-Read from `genrec/sid_layout.json` in the model directory when present, else inferred from the tokenizer's
-vocabulary (genrec's `<a_N>` names, OpenOneRec's `<s_a_N>` with `<|sid_begin|>` / `<|sid_end|>`). A level's
-tokens may sit at any IDs in any order, and a level holds only the codes that exist (MiniOneRec adds them in
-string order, `<a_0>, <a_101>, ...`). The decode never sees where the layout came from: the trie is built from
-the catalog's token IDs and `ending`.
-
-`genrec/sid_layout.json` (every key optional except `levels` or `preset`):
-
-    {
-      "version": 1,
-      "preset": "genrec" | "openonerec" | "minionerec",     defaults for every key not given
-      "levels": [                                            one entry per level, in code order:
-        {"pattern": "<s_a_{N}>"},                            tokens named so; N is the code index
-        {"tokens": ["<x_0>", "<x_1>"]},                      these names; code index = position
-        {"token_ids": [151669, 151670]},                     raw token IDs; code index = position
-        {"first_id": 151669, "count": 8192}                  a contiguous ID range
-      ],
-      "begin": "<|sid_begin|>",                              a token before every code, or null
-      "ending": "none" | "end_token" | "newline_eos" | "eos",  what follows a complete code
-      "end_token": "<|sid_end|>",                            the end token (ending "end_token")
-      "labels": ["是", "否"]                                 (positive, negative) label tokens, one token each
-    }
-
-Presets: `genrec` (levels `<a_N>`, `<b_N>`, ... while present; no wrappers; labels yes/no), `openonerec` (levels
-`<s_a_N>`, ...; begin `<|sid_begin|>`, ending the end token `<|sid_end|>`; labels 是/否), `minionerec` (levels
-`<a_N>`, ... ; ending `\\n` then EOS; labels yes/no).
+Read from `genrec/sid_layout.json` when present, else inferred from the tokenizer's vocabulary. The decode never sees
+where it came from: the trie is built from the catalog's token IDs and `ending`. The file's schema and the presets:
+docs/engine.md, 'The SID layout' (beyond it: `begin` may be null; `labels` are (positive, negative) words).
 """
 
 from __future__ import annotations
@@ -62,8 +39,7 @@ _KEYS = {"version", "preset", "levels", "begin", "ending", "end_token", "labels"
 @dataclass(frozen=True, eq=False)
 class SidLayout:
     """Per level, its codes' token IDs (`level_ids[l]`, ordered by code index `level_indices[l]`); the begin token
-    (forced before a code, outside the trie); the ending tokens (forced after a complete code, part of the trie
-    and of `logprob`); the (positive, negative) label words."""
+    (forced before a code, outside the trie); the ending (forced after a code, in the trie and `logprob`); labels."""
 
     level_ids: tuple[np.ndarray, ...]  # per level: [codes] int64 token IDs
     level_indices: tuple[np.ndarray, ...]  # per level: [codes] int64 code index of each ID, ascending
@@ -90,10 +66,7 @@ class SidLayout:
         if clash:
             raise ModelDirectoryError(self.source, f"wrapper/ending token ID {clash[0]} is also a code token")
 
-    # -- what the layout says ------------------------------------------------------------------------
-
     def token_id_list(self) -> list[int]:
-        """Every token a code may be written with: the levels' tokens, the begin token and the ending's."""
         wrappers = [t for t in (self.begin, *self.ending) if t is not None]
         return [*np.concatenate(self.level_ids).tolist(), *wrappers]
 
@@ -158,9 +131,8 @@ class SidLayout:
         )
 
     def to_json(self, tokenizer) -> dict:
-        """This layout as a `sid_layout.json` body that reads back to the same tokens per level, wrappers and labels
-        (levels as raw token IDs, so a code index is its token's position: a sparse level's own N, which only a
-        pid2sid import reads, is not kept)."""
+        """A `sid_layout.json` body that reads back to the same layout; levels as raw token IDs, so a sparse level's
+        own code indices (which only a pid2sid import reads) are not kept."""
 
         def name(token_id):
             return None if token_id is None else tokenizer.convert_ids_to_tokens(int(token_id))
@@ -176,11 +148,8 @@ class SidLayout:
             body["end_token"] = name(self.ending[0])
         return body
 
-    # -- where layouts come from -----------------------------------------------------------------------
-
     @classmethod
     def for_model(cls, model_dir: Path, tokenizer) -> SidLayout:
-        """The layout of a model directory: its `genrec/sid_layout.json`, else inferred from the vocabulary."""
         path = Path(model_dir) / "genrec" / LAYOUT_FILE
         if not path.exists():
             return cls.infer(tokenizer)
@@ -200,7 +169,7 @@ class SidLayout:
 
     @classmethod
     def from_spec(cls, spec, tokenizer, where) -> SidLayout:
-        """A layout from a `sid_layout.json` body (see the module doc); errors name `where` and the key."""
+        """A `sid_layout.json` body's layout (docs/engine.md, 'The SID layout'); errors name `where` and the key."""
         if not isinstance(spec, dict):
             raise ModelDirectoryError(where, "must be a JSON object")
         unknown = sorted(set(spec) - _KEYS)
@@ -229,9 +198,6 @@ class SidLayout:
             labels=_labels(base.get("labels"), tokenizer, where),
             source=str(where),
         )
-
-
-# -- levels ------------------------------------------------------------------------------------------
 
 
 def _name_match(prefix: str, letter: str) -> re.Pattern:
@@ -323,9 +289,6 @@ def _by_position(ids: list[int], where, key) -> tuple[np.ndarray, np.ndarray]:
     if len(set(ids)) != len(ids):
         raise ModelDirectoryError(where, f"{key}: a token appears twice")
     return np.array(ids, dtype=np.int64), np.arange(len(ids), dtype=np.int64)
-
-
-# -- wrappers and labels -------------------------------------------------------------------------------
 
 
 def _named_token(name, vocab: dict[str, int], where, key) -> int | None:

@@ -20,7 +20,6 @@ def loaded_embedding(rows: int, width: int) -> torch.nn.Embedding:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's weight files: `model.safetensors`, or the shards a `model.safetensors.index.json` names."""
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if single.exists():
@@ -90,10 +89,9 @@ SAFETENSORS_DTYPES = {  # the header's dtype names -> torch's (those torch has)
 
 @dataclass(frozen=True)
 class Layout:
-    """The checkpoint tensors a model's config implies: each parameter by name with its shape. `tied`: a
-    parameter the checkpoint may leave out, then taken from another tensor (tied embeddings); `closed`: a tensor
-    that is no parameter is refused too. `match` is the one rule both the deploy's preflight (on the files'
-    headers) and loading (on the tensors read) apply."""
+    """The checkpoint tensors a model's config implies: each parameter's name and shape. `tied`: a parameter the
+    checkpoint may leave out, taken from another tensor; `closed`: a tensor that is no parameter is refused too.
+    `match` is the one rule the deploy's preflight (on the headers) and loading (on the tensors) both apply."""
 
     shapes: dict[str, tuple[int, ...]]
     tied: dict[str, str] = field(default_factory=dict)
@@ -106,9 +104,8 @@ class Layout:
         return cls(shapes, tied or {}, closed)
 
     def match(self, found: dict[str, TensorInfo], model_dir: Path) -> dict[str, str]:
-        """The tensor each parameter takes (its own, or the one it is tied to), every one present, floating point
-        and of the shape the config implies; with `closed`, no other tensor. A ModelDirectoryError names the
-        first problem: the tensor, its shape and dtype in the file, what the config implies, and the file."""
+        """The tensor each parameter takes (its own, or the one it is tied to), each present, floating point and of
+        the implied shape; with `closed`, no other tensor. Else a ModelDirectoryError naming the first problem."""
         source = {name: self.tied[name] if name not in found and name in self.tied else name for name in self.shapes}
         missing = sorted(name for name, src in source.items() if src not in found)
         if missing:
@@ -145,8 +142,7 @@ def model_weight(name: str, tensor: torch.Tensor, device, dtype: torch.dtype, mo
 
 
 def assign_weights(model, layout: Layout, tensors: dict, model_dir: Path, device, dtype) -> None:
-    """Load `tensors` into `model` (built on the meta device), matched against `layout` (as the preflight matches
-    the files' headers) and each checked to be finite."""
+    """Load `tensors` into `model` (built on the meta device), matched against `layout` and checked finite."""
     source = layout.match({name: TensorInfo.of(t, model_dir) for name, t in tensors.items()}, model_dir)
     state = {name: model_weight(src, tensors[src], device, dtype, model_dir) for name, src in source.items()}
     model.load_state_dict(state, strict=True, assign=True)

@@ -13,8 +13,7 @@ from genrec.serving.schemas import RankerFacts
 
 
 def build_app(args: AppArgs) -> Application:
-    """The app of `args`, once what its engine replicas will load has checked out (preflight.py): a deploy that
-    could not start them is refused here, before Serve replaces any running replica."""
+    """The app of `args`, refused (preflight.py) before Serve replaces any replica if its engines could not start."""
     checked = preflight(args)
     ranker = checked.get("ranker")
     facts = RankerFacts.of(ranker.config, args.ranker.max_candidates) if ranker is not None else None
@@ -22,9 +21,8 @@ def build_app(args: AppArgs) -> Application:
 
 
 def application(args: AppArgs, ranker_facts: RankerFacts | None = None) -> Application:
-    """Ingress -> the engine deployment of each section (EngineServer, RankerServer), each deployment's options
-    derived from its section. `ranker_facts`: what the ingress checks a two-stage request against (None: it asks
-    the ranker)."""
+    """Ingress -> each section's engine deployment. `ranker_facts`: what the ingress checks a two-stage request
+    against (None: it asks the ranker)."""
     engines = {name: _engine(args, section, DEPLOYMENTS[name]) for name, section in args.engines().items()}
     ingress = args.ingress
     options = ingress.deployment_options(ingress.defaults()) | {"user_config": ingress.limits.model_dump()}
@@ -40,8 +38,7 @@ def _engine(args: AppArgs, section: EngineSection, name: str):
 
 
 def engine_deployment(args: AppArgs, section: EngineSection) -> dict:
-    """An engine deployment's Serve options: the section's over genrec's defaults, its limits as user_config,
-    and its request router (a config file's `request_router_config` overrides it)."""
+    """An engine deployment's Serve options: the section's over genrec's defaults, limits, request router."""
     options = section.deployment_options(section.defaults(args.ingress.retry_after_s))
     options["user_config"] = section.limits.model_dump()
     if section.router == "user":

@@ -1,16 +1,8 @@
 """The application's arguments: what a Serve config's `args` may say, validated at deploy time.
 
-Three sections of one shape. `retriever`: a Qwen3 semantic-ID model (retrieve, score, recommend); `ranker`: an
-HSTU ranking model (rank; with a retriever, the two-stage recommend); `ingress`: the HTTP front. An app has a
-retriever, a ranker or both. Each section says what its deployment is built with (a change replaces its
-replicas), what may change live (`limits`, sent as the deployment's `user_config`), and its Serve deployment
-options (`deployment`: Serve's own keys, passed straight through, over genrec's defaults).
-
-    args:
-      retriever: {model_dir: /models/qwen3, device: cuda, limits: {max_running: 8},
-                  deployment: {autoscaling_config: {min_replicas: 2, max_replicas: 8}, max_ongoing_requests: 128}}
-      ranker:    {model_dir: /models/hstu, max_candidates: 1024, deployment: {ray_actor_options: {num_gpus: 0.25}}}
-      ingress:   {auth_token_env: GENREC_API_TOKEN, limits: {request_timeout_s: 10}, deployment: {num_replicas: 2}}
+Three sections of one shape (`retriever`, `ranker`, `ingress`; docs/serving.md, "The app's args"). Each says what
+its deployment is built with (a change replaces its replicas), what may change live (`limits`, sent as the
+deployment's `user_config`) and Serve's own options (`deployment`, passed through over genrec's defaults).
 """
 
 from __future__ import annotations
@@ -71,8 +63,7 @@ def unknown_keys(value, model: type[BaseModel], path: str = "") -> list[str]:
 
 
 def deployment_problems(options: dict) -> list[str]:
-    """What Serve would drop or refuse in one deployment's options: unknown keys (nested ones too), bad values,
-    an autoscaling config that does not hold (min above max...). Each names where it is."""
+    """What Serve would drop or refuse in one deployment's options (unknown keys, bad values), each located."""
     # Ray Serve's schemas on first use: importing these arguments stays light.
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import DeploymentSchema
@@ -114,8 +105,7 @@ class _Deployed(_Args):
         return options
 
     def deployment_options(self, defaults: dict) -> dict:
-        """Serve's options for the deployment: genrec's defaults, the section's `deployment` over them (a
-        `num_replicas` of its own replaces the default autoscaling)."""
+        """The section's `deployment` over genrec's defaults; its own `num_replicas` replaces the autoscaling."""
         merged = _merged(defaults, self.deployment)
         if "num_replicas" in self.deployment and "autoscaling_config" not in self.deployment:
             merged.pop("autoscaling_config", None)
@@ -123,8 +113,7 @@ class _Deployed(_Args):
 
 
 class EngineLimits(_Args):
-    """What may change live (`user_config` -> `reconfigure`, no restart): queueing and batching limits.
-    A field left out of a `user_config` is its default here, so removing it from the config reverts it."""
+    """What may change live (`user_config` -> `reconfigure`); a field left out reverts to its default."""
 
     max_queue: int = Field(256, ge=1, description="requests waiting in one replica's engine; beyond: 503")
     max_running: int | None = Field(None, ge=1, description="requests batched at once (default: by device)")
@@ -153,15 +142,14 @@ LIVE = {"retriever": RetrieverLive, "ranker": EngineLimits}
 
 
 def catalog_file(model_dir: str, catalog: str | None) -> Path:
-    """The catalog a retriever's user_config names, as a path (relative to the model directory), or the model's."""
+    """The catalog a retriever's user_config names (relative to model_dir), or the model's own."""
     if catalog is None:
         return Path(model_dir) / "genrec" / "catalog.parquet"
     return Path(model_dir) / Path(catalog).expanduser()  # an absolute `catalog` replaces model_dir
 
 
 class ReplicaOptions(EngineOptions, ThreadSettings):
-    """What an engine replica is built with: the Engine's options, its scheduler's sizes and its threads
-    (`threads`, `pin_threads`: genrec.threads.ThreadSettings); a change replaces the replicas."""
+    """What an engine replica is built with (engine options, pool sizes, threads); a change replaces replicas."""
 
     kv_budget_bytes: int | None = Field(
         None, ge=1, description="the KV pool, allocated once (default: 4 GiB on the CPU, half the free GPU memory)"
@@ -184,8 +172,7 @@ class ReplicaOptions(EngineOptions, ThreadSettings):
 
 
 class EngineSection(ReplicaOptions, _Deployed):
-    """One engine deployment (the retriever, EngineServer; or the ranker, RankerServer): its model, how its
-    replicas build their engine, its live limits, its router and its Serve options."""
+    """One engine deployment (retriever: EngineServer; ranker: RankerServer)."""
 
     model_dir: str = Field(description="a genrec model directory, present on every node that runs an engine")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -206,9 +193,8 @@ class EngineSection(ReplicaOptions, _Deployed):
         return ReplicaOptions.model_validate(self.model_dump(include=set(ReplicaOptions.model_fields)))
 
     def defaults(self, retry_after_s: int) -> dict:
-        """genrec's defaults for an engine deployment. max_ongoing_requests is high so that concurrent requests
-        meet inside the engine's batching loop; the engine's max_queue, then the handle's max_queued_requests,
-        bound what waits; past them 503 with Retry-After."""
+        """genrec's defaults. max_ongoing_requests is high so concurrent requests meet in the engine's batching
+        loop; max_queue, then max_queued_requests, bound what waits (past them 503)."""
         return {
             "ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if self.device == "cuda" else 0},
             "max_ongoing_requests": 256,
@@ -223,8 +209,8 @@ class EngineSection(ReplicaOptions, _Deployed):
         }
 
     def scales_to_zero(self) -> bool:
-        """Whether the deployment may have no replica while idle (autoscaling min_replicas 0): a request must then
-        reach Serve's handle, which starts one, so none is answered for want of a running replica."""
+        """Whether min_replicas is 0: a request must then reach Serve's handle, which starts a replica, so none is
+        answered for want of a running one."""
         options = self.deployment_options(self.defaults(1))
         return "num_replicas" not in options and options.get("autoscaling_config", {}).get("min_replicas", 1) == 0
 
@@ -234,9 +220,8 @@ class EngineSection(ReplicaOptions, _Deployed):
         return actor.get("num_cpus", 1), actor.get("num_gpus", 0)
 
 
-# How much longer than a request's deadline Serve waits for a replaced ingress replica to finish its requests
-# before it kills the replica (which the client would see as the HTTP proxy's plain-text 500): every request ends
-# by its deadline, and Serve's drain loop looks every 2 s.
+# How much longer than a request's deadline Serve lets a replaced ingress replica finish before killing it (the
+# client would get the proxy's plain-text 500): every request ends by its deadline; Serve's drain loop looks every 2 s.
 DRAIN_MARGIN_S = 5.0
 
 
@@ -247,8 +232,7 @@ class IngressLimits(_Args):
 
 
 class IngressSection(_Deployed):
-    """The HTTP front (Ingress): auth, the embedding cache, the edge's limits, routing; a change replaces its
-    replicas, but for its live `limits`."""
+    """The HTTP front (Ingress); a change replaces its replicas, but for its live `limits`."""
 
     auth_token_env: str | None = Field(
         None, description="name of the environment variable holding the bearer token; unset: no auth"
@@ -289,12 +273,11 @@ class IngressSection(_Deployed):
         }
 
     def drain_s(self) -> float:
-        """How long Serve lets a replaced replica finish its requests (the deployment's graceful shutdown)."""
+        """The deployment's graceful_shutdown_timeout_s."""
         return self.deployment.get("graceful_shutdown_timeout_s", self.defaults()["graceful_shutdown_timeout_s"])
 
     def drain_problem(self, limits: IngressLimits) -> str | None:
-        """Why a deadline cannot be served by this deployment (None: it can): a replica replaced while holding a
-        request must not be killed before the request's deadline."""
+        """Why this deadline would let a replaced replica be killed with requests in flight (None: it cannot)."""
         if limits.request_timeout_s + DRAIN_MARGIN_S > self.drain_s():
             return (
                 f"request_timeout_s {limits.request_timeout_s:g} needs the ingress's graceful_shutdown_timeout_s of "
@@ -304,8 +287,7 @@ class IngressSection(_Deployed):
         return None
 
     def live(self, user_config, running: IngressLimits) -> tuple[IngressLimits, str | None]:
-        """The limits a `user_config` asks for, or the running ones and why it was refused (`live_limits`; and a
-        deadline longer than a replaced replica is given to finish its requests)."""
+        """`live_limits`, also refusing a deadline longer than a replaced replica is given to finish."""
         limits, refused = live_limits(IngressLimits, user_config, running)
         if refused is None and (refused := self.drain_problem(limits)) is not None:
             log.error("user_config %r refused, the running limits stay (%s): %s", user_config, running, refused)
@@ -353,10 +335,8 @@ class AppArgs(_Args):
 
 
 def live_limits(model: type[_Args], user_config, running: _Args) -> tuple[_Args, str | None]:
-    """The limits a deployment's `user_config` asks for; or, when it does not validate, the running ones and why
-    it was refused. `reconfigure` must not raise on a bad config: Serve would tear the replica down and start
-    replacements that fail the same way (zero replicas). A config file is checked before it is deployed by
-    `python -m genrec.serving.check`."""
+    """The limits a `user_config` asks for; if it does not validate, the running ones and why. `reconfigure` must
+    not raise: Serve would tear the replica down and start replacements that fail the same way (zero replicas)."""
     try:
         return model.model_validate(user_config), None
     except ValidationError as err:

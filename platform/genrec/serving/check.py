@@ -1,20 +1,13 @@
-"""Check a Serve config before deploying it: `python -m genrec.serving.check deployments/gpu.yaml [--model]`.
+"""Check a Serve config before deploying it: `python -m genrec.serving.check deployments/gpu.yaml [--model]`, and
+`genrec deploy` (`deploy`), which sends only a config that passes (docs/operations.md, 'Deploy checks').
 
-Serve accepts what this refuses, and finds out late or never: an unknown key is dropped silently (a typo
-deploys and does nothing), and a deployment's `user_config` is read only by the running replicas' `reconfigure`
-(Serve runs no builder for a change of `user_config` alone), which keeps the running limits when it does not
-validate (args.live_limits). This checks every key against Serve's schema, each app's `args` (AppArgs), each
-deployment's `user_config` (IngressLimits / EngineLimits) and that the deployments it names exist; with
-`--model`, also each engine section's model directory on this machine, as the builder does on the cluster
-(preflight.py). A KubeRay RayService file is read through its `serveConfigV2`. Exit 0: fine; 2: one `error:` line
-per problem.
-
-`genrec deploy CONFIG.yaml [-a ADDRESS] [--model]` (`deploy`) sends Serve's `serve deploy` only for a config that
-passes this check: Serve runs no builder for a change of a deployment's `user_config` alone, so such a config would
-go straight to the running replicas, which refuse it and keep their limits while the deploy reports success. A
-KubeRay RayService file is applied by kubectl, not here; a dashboard that does not answer is one `error:` line
-(exit 2), not `serve deploy`'s traceback. A config sent, it waits for the deploy and reports each retriever replica
-that does not serve the declared catalog (rollout.py): exit 1, one `error:` line each.
+Serve accepts what this refuses and finds out late or never: an unknown key is dropped silently, and a change of a
+deployment's `user_config` alone runs no builder and reaches the replicas' `reconfigure`, which keeps the running
+limits when it does not validate. So every key is checked against Serve's schema, each app's `args`, each
+`user_config` and the deployments named; with `--model`, each engine section's model directory here, as the
+builder does (preflight.py). A RayService file is read through its `serveConfigV2`. Exit 0: fine; 2: one `error:`
+line per problem. After sending, `deploy` waits for the apps and reports each retriever replica that does not
+serve the declared catalog (rollout.py): exit 1.
 """
 
 from __future__ import annotations

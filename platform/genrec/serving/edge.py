@@ -1,19 +1,7 @@
-"""The ingress's HTTP edge: what is checked before a route reads a request's body, and while it does.
-
-In front of every route (an ASGI middleware around the FastAPI app):
-- auth first: a `/v1/` request without the bearer token is answered 401 before its body is read;
-- a body whose Content-Length is over the limit is answered 413 unread; a chunked body (no length) is counted as
-  it arrives and answered 413 the moment it passes the limit, without reading the rest;
-- the whole body must arrive within `body_timeout_s` of the request reaching the ingress, else 408: a client
-  trickling its body holds an ingress slot for that long at most;
-- every answer is counted by route and status (metrics.IngressMetrics);
-- when a request arrived is kept for the route (`arrived`): its deadline counts from then, the body's reading and
-  validation included.
-
-Serve's HTTP proxy (uvicorn inside, Ray 2.60) offers no connection limit, no header or body timeout and no
-body size limit of its own (`http_options` has `request_timeout_s`, 408 on the whole request, and
-`keep_alive_timeout_s` only), and it queues what a client sends while the ingress reads: a proxy or load
-balancer in front carries those (docs/serving.md, "The HTTP edge").
+"""The ingress's HTTP edge (docs/serving.md, "The HTTP edge"): an ASGI middleware that checks auth before a body
+is read, refuses a body over the limit (413, by Content-Length or counted as it streams) or slower than
+`body_timeout_s` (408), counts every answer by route and status, and records when the request arrived
+(`arrived`: its deadline counts from then, the body's reading included).
 """
 
 from __future__ import annotations
@@ -60,8 +48,7 @@ def arrived() -> float:
 
 
 def install(app: FastAPI, settings: EdgeSettings) -> None:
-    """genrec's error bodies and this edge, with its settings, on a FastAPI app (the ingress's; tests build bare
-    ones), before the app serves its first request."""
+    """genrec's error bodies and this edge on a FastAPI app, before it serves its first request."""
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(Edge, settings=settings)
@@ -112,9 +99,8 @@ def _refusal(scope, path: str, settings: EdgeSettings):
 
 
 class _Body:
-    """The app's `receive`: the body's bytes counted and its arrival timed (messages after the body's last one,
-    such as a disconnect, pass through untimed). A refusal is raised as an HTTPException, which FastAPI's body
-    reading passes on to the app's handler (http_errors.http_error_handler: the JSON error body)."""
+    """The app's `receive`: the body counted and timed (messages after its last one pass untimed). A refusal is an
+    HTTPException, which FastAPI's body reading passes to http_errors.http_error_handler (the JSON body)."""
 
     def __init__(self, receive, settings: EdgeSettings):
         self.receive, self.settings = receive, settings
@@ -140,8 +126,7 @@ class _Body:
 
 
 def _route(scope, path: str, settings: EdgeSettings) -> str:
-    """The metrics' route tag: the route the app matched, else the path if it is one of the app's, else "other"
-    (a bounded set of values, whatever paths clients try)."""
+    """The metrics' route tag: the matched route, else the path if it is the app's, else "other" (a bounded set)."""
     matched = getattr(scope.get("route"), "path", None)
     if isinstance(matched, str):
         return matched

@@ -36,9 +36,7 @@ class EngineServer:
         limits: EngineLimits = EngineLimits(),
         driver_factory: Callable[..., AsyncEngine] | None = None,
     ):
-        """`driver_factory(model_dir, device, options, limits)`: the replica's AsyncEngine (default: `load_driver`;
-        tests pass their own). The replica holds it as `driver` (submits, live limits, health, metrics) and the
-        Engine it drives as `engine` (the model, its catalog)."""
+        """`driver_factory(model_dir, device, options, limits)`: the replica's AsyncEngine (default: `load_driver`)."""
         # Before the model loads, so that torch's threads start on their cores.
         self.threads = options.apply(slot=_replica_slot())
         started = time.perf_counter()
@@ -49,8 +47,7 @@ class EngineServer:
         self.model_dir, self.device = model_dir, device
         self.info = describe(self.engine, model_dir, device)
         self.catalog_refused = None  # why the last catalog the user_config named was refused
-        # A retriever answers only once it serves the catalog its user_config declares (reconfigure, before its first
-        # request): never the model's own catalog, loaded above, in its stead. See `_serve_catalog`.
+        # A retriever refuses requests until it serves its declared catalog, never the model's own (`_serve_catalog`).
         self.declared: str | None = None
         self.refusing = self.engine.live_catalog
         self._catalog_lock = asyncio.Lock()
@@ -63,11 +60,8 @@ class EngineServer:
         threading.Thread(target=self._export_until_stopped, name="genrec-metrics", daemon=True).start()
 
     async def reconfigure(self, user_config: dict) -> None:
-        """Live limits (queue, batching) and a retriever's catalog from the config's `user_config`, without a
-        restart. Every field is set: one the config no longer names goes back to its default. A config that does
-        not validate is refused and the running limits stay (see args.live_limits); `stats()` and a gauge say so.
-        A catalog is loaded off this event loop (health checks and requests go on) and swapped in between
-        requests; one that does not validate is refused, the running one stays, and /v1/model says why."""
+        """Live limits and a retriever's catalog from `user_config` (docs/serving.md, "Live changes"). A config that
+        does not validate is refused and the running limits stay (args.live_limits)."""
         live_model = RetrieverLive if self.engine.live_catalog else EngineLimits
         live, self.config_refused = live_limits(live_model, user_config, self.limits)
         if self.config_refused is None:
@@ -83,11 +77,10 @@ class EngineServer:
             self._report()
 
     async def _serve_catalog(self, catalog: str | None) -> None:
-        """The catalog the user_config names, loaded unless it is the version served (found by its file's hash, so
-        a file rewritten in place is loaded again). Any failure is a refusal, and the replica stays up (raising
-        here would have Serve tear it down, and its replacements fail alike): on a live change the running catalog
-        stays (`kept_running`); at start (nothing declared served yet) the replica refuses requests (`refusing`)
-        rather than serve the model's own catalog, which its config may have replaced (items retired)."""
+        """Load the catalog the user_config names (skipped when its file's hash is the served version's). A failure
+        never raises (Serve would tear the replica down, and its replacements fail alike): on a live change the
+        running catalog stays (`kept_running`); at start the replica refuses requests (`refusing`) rather than
+        serve the model's own catalog, whose items the config may have retired."""
         async with self._catalog_lock:  # a retry (`_retry_declared`) and a reconfigure never load at once
             self.declared = catalog  # as the config names it, until resolved (e.g. an unknown ~user is not)
             try:
@@ -103,8 +96,7 @@ class EngineServer:
         self._report()
 
     async def _retry_declared(self, period_s: float = REPORT_EVERY_S) -> None:
-        """While refusing: the declared catalog loaded again once its file changes (restored, remounted), since
-        Serve calls no reconfigure for an unchanged config."""
+        """While refusing: load the declared catalog again once its file changes (Serve sends no reconfigure)."""
         seen = _file_state(self.declared)
         while self.refusing:
             await asyncio.sleep(period_s)
@@ -114,8 +106,7 @@ class EngineServer:
 
     @property
     def catalog_status(self) -> str | None:
-        """Where the catalog changes live (a retriever): declared, kept_running or refusing (schemas.CatalogStatus);
-        else None."""
+        """A retriever's schemas.CatalogStatus; None for a ranker."""
         if not self.engine.live_catalog:
             return None
         if self.refusing:
@@ -140,8 +131,7 @@ class EngineServer:
         return await self._run("rank", request, timeout_s)
 
     async def render_prompt(self, request, timeout_s: float, routing_key: str | None = None):
-        """POST /v1/prompt: the request's prompt as this replica's engine runs it (text, token IDs); no compute,
-        so not queued: rendered in a worker thread, this event loop also answers health checks."""
+        """POST /v1/prompt. Not queued (no compute); in a worker thread: this loop also answers health checks."""
         return await asyncio.to_thread(self.driver.render_prompt, request), self.info.version
 
     def model_info(self, routing_key: str | None = None) -> ModelInfo:
@@ -150,8 +140,7 @@ class EngineServer:
         return served.model_copy(update={"replica": self.replica, **self._catalog_state()})
 
     def _catalog_state(self) -> dict:
-        """This replica's catalog versions, the last refused catalog and the declared one, and whether it serves it
-        (what it reports to the app's board); a refusing replica serves no catalog version."""
+        """What this replica reports to the app's board; a refusing replica serves no catalog version."""
         state = {"replica": self.replica, "catalog_refused": self.catalog_refused}
         if self.engine.live_catalog:
             state |= self.engine.catalog_state() | {"catalog_items": len(self.engine.catalog)}
@@ -161,13 +150,11 @@ class EngineServer:
         return state
 
     def record_routing_stats(self) -> dict:
-        """Serve's routing stats of this replica, which its callers' request routers read (router.py): a replica
-        refusing requests for want of its declared catalog is tried last."""
+        """Serve's routing stats, read by router.py: a replica refusing for want of its catalog is tried last."""
         return {"catalog_served": not self.refusing}
 
     def _report(self) -> None:
-        """This replica's catalog state to the app's board (GET /v1/model lists every replica's); outside Serve
-        (tests that build the class directly) there is no board."""
+        """This replica's catalog state to the app's board (GET /v1/model); no board outside Serve."""
         try:
             context = serve.get_replica_context()
         except RayServeException:
@@ -181,9 +168,7 @@ class EngineServer:
             self._board = None
 
     def stats(self, routing_key: str | None = None) -> dict:
-        """This replica's ID, its engine's metrics (prefix cache included), its live limits and why the last
-        `user_config` was refused (None: it was not): benches and tests ask each replica through a handle (a
-        random routing key reaches each replica of a user-routed deployment)."""
+        """For benches and tests, through a handle (a random routing key reaches each replica)."""
         return {
             "replica": self.replica,
             "metrics": self.driver.metrics(),
@@ -202,8 +187,7 @@ class EngineServer:
             self.driver.shutdown(timeout_s=5.0, drain=True)
 
     async def _run(self, kind: str, request, timeout_s: float):
-        """The request's result; its outcome is counted by the engine (genrec.engine.metrics), its refusal here
-        too."""
+        """The result; the engine counts its outcome, and this counts a catalog refusal."""
         started = time.perf_counter()
         try:
             self._check_serving()
@@ -227,7 +211,7 @@ class EngineServer:
 
 
 def load_driver(model_dir: str, device: str, options: ReplicaOptions, limits: EngineLimits) -> AsyncEngine:
-    """The replica's engine: the model directory loaded with the replica's options, driven by a background loop."""
+    """The replica's AsyncEngine over the model directory."""
     scheduler = options.scheduler_config(limits)
     return AsyncEngine(Engine.from_pretrained(model_dir, device=device, scheduler=scheduler, **options.engine_kwargs()))
 
@@ -263,8 +247,7 @@ def _replica_id() -> str:
 
 
 def _replica_slot() -> int | None:
-    """Where this replica's pinned cores start: from its Serve ID, so replicas on one node tend to differ (None
-    outside Serve: the process ID)."""
+    """Where pinned cores start: from the Serve ID, so replicas on one node differ (None outside Serve)."""
     try:
         unique = serve.get_replica_context().replica_id.unique_id
     except RayServeException:

@@ -1,25 +1,7 @@
-"""The two-stage recommend (an app with a ranker, a body with `history`): what each stage is sent, and the merge.
-
-Two calls. Stage 1, the retriever's recommend in beam order (rank_by 'beam': nothing scored) with every beam
-returned: the retrieved items, then the given item_id candidates the decoder's one rule keeps (none excluded,
-none its filters or allowed_item_ids disallow, each once, in order; an item also retrieved appears once, as
-retrieved), as a single-stage recommend keeps them. Stage 2, the ranker's rank of those items after the user's
-history, skipping those its catalog does not hold (RankRequest.unknown_candidates 'skip', in the ranker, after
-it checked the history: the two models' catalogs may differ). The answer, those items in genrec.funnel's
-final order: ordered by the ranker's probability for `rank_task` (ties in stage-1 order), the items it did not
-rank after them in stage-1 order, with `ranker_scores` None. A ranker that knows none of them ranks none: the
-answer is stage 1's order, not an error (the nightly funnel answers the same).
-
-The ranker, not a label, orders the items: stage 1 scores no label (score_logprob and prob are None), and the
-label's fields (labels, rank_by, score_weight) are refused. Candidates given as text or token IDs have no item
-the ranker knows: refused too.
-
-One deadline for both: stage 1 is given the deadline less a reserve kept for stage 2 (`stage1_timeout`), stage 2
-what is left. When stage 2 fails (the ranker unavailable, overloaded, out of time, or failing), the answer is
-stage 1's items in beam order, the given ones after, marked `degraded` with the reason (`degraded_reason`), unless
-the ingress is set to fail instead; a client's mistake the ranker finds stays the client's 4xx.
-
-No Ray here: the ingress makes the calls (ingress.py), under one deadline.
+"""The two-stage recommend (an app with a ranker, a body with `history`): each stage's request, and the merge
+(docs/serving.md, "Two stages: the funnel online"; the policy is genrec.funnel's). One deadline: stage 1 gets it
+less a reserve for stage 2 (`stage1_timeout`). When stage 2 fails the answer is stage 1's, marked `degraded`; a
+client's mistake the ranker finds stays its 4xx. No Ray here: the ingress makes the calls.
 """
 
 from __future__ import annotations
@@ -61,8 +43,8 @@ def check_form(body: RecommendBody) -> None:
 
 
 def check_body(body: RecommendBody, ranker: RankerFacts) -> str:
-    """What the ranker would refuse, refused before stage 1 runs (before stage 2 when the ranker's facts must be
-    asked of it); returns the task the items are ordered by."""
+    """What the ranker would refuse, refused before stage 1 (before stage 2 when its facts must be asked of it);
+    returns the task the items are ordered by."""
     check_form(body)
     if len(body.history) > ranker.max_history_events:
         raise InvalidRequestError(
@@ -94,8 +76,7 @@ def degraded_reason(error: BaseException) -> str | None:
 
 
 def stage1(request: RecommendRequest) -> RecommendRequest:
-    """The retriever's recommend in beam order with every beam kept: the ranker, not the beam order, decides which
-    are returned."""
+    """The retriever's recommend in beam order with every beam kept: the ranker decides which are returned."""
     fields = request.model_dump(exclude={"rank_by", "num_results"})
     return RecommendRequest.model_validate(fields | {"rank_by": "beam", "num_results": request.beam_width})
 
@@ -127,8 +108,7 @@ def merge(
 
 
 def degraded(stage1: RecommendResult, num_results: int | None, reason: str) -> RecommendResult:
-    """Stage 1's answer alone, after stage 2 failed: the items in the final order with nothing ranked (beam
-    order, the given ones after), the first `num_results`, marked with why. No ranker: no task, no version."""
+    """Stage 1's answer alone after stage 2 failed: the final order with nothing ranked, marked with why."""
     order = final_order([item.item_id for item in stage1.items], {}, "")
     items = [stage1.items[k] for k in order[:num_results]]
     return stage1.model_copy(update={"items": items, "degraded": True, "degraded_reason": reason})

@@ -1,8 +1,5 @@
-"""Every way a request can fail, as an HTTP status and a JSON body that says what to do about it.
-
-Client mistakes are 4xx naming the field (a route of the other model family: 404 not_served); overload, a
-replaced replica and a replica that cannot serve its declared catalog are 503 with Retry-After; a missed deadline
-is 504. Only a bug is a 500 (logged with its traceback, answered without internals).
+"""Every way a request can fail, as an HTTP status and a JSON body (docs/serving.md, "Errors"). Only a bug is a
+500: logged with its traceback, answered without internals.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ class EngineUnavailable(GenrecError):
 
 
 class CatalogNotServed(GenrecError):
-    """A retriever replica that could not load the catalog its config declares (since its start) answers nothing
-    rather than another catalog: retry shortly (the router sends requests to replicas that serve it first)."""
+    """A retriever replica without its declared catalog answers nothing rather than another catalog: retry."""
 
     outcome = "catalog_not_served"
 
@@ -119,8 +115,7 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
 
 
 def _invalid(errors) -> ErrorBody:
-    """Pydantic's errors as genrec's body: built from each error's field and message only (never str() of the
-    error, which shows the validators' reprs and addresses)."""
+    """Pydantic's errors as genrec's body, from each error's field and message (str() shows validators' reprs)."""
     details = [_detail(e) for e in errors]
     message = "; ".join(f"{d.field}: {d.message}" if d.field else d.message for d in details)
     return ErrorBody(code="invalid_request", message=message or "invalid request", details=details)
@@ -134,8 +129,7 @@ async def http_error_handler(request: Request, error: StarletteHTTPException) ->
 
 
 def _detail(error: dict) -> ErrorDetail:
-    """The field and, in genrec's words (api.error_message), what is wrong with it; a dict key's own error says
-    which key."""
+    """The field and what is wrong with it in genrec's words (api.error_message); a dict key's error names the key."""
     if error.get("type") == "json_invalid":  # its loc is a character position, not a field
         position = error.get("loc", ("", "?"))[-1]
         return ErrorDetail(message=f"malformed JSON at character {position}: {error.get('msg', '')}")

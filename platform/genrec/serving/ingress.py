@@ -1,27 +1,14 @@
-"""The HTTP ingress (FastAPI under `@serve.ingress`): auth, validation, user_id -> embedding, engine calls.
+"""The HTTP ingress (FastAPI under `@serve.ingress`): auth, validation, user_id -> embedding, engine calls; no
+model work (docs/serving.md, 'Routes', 'Two stages: the funnel online', 'When a deployment goes away').
 
-It does no model work. Each replica builds its own FastAPI app (`__serve_build_asgi_app__`), whose edge (edge.py)
-checks the token and bounds the body's size and arrival time before a route reads it, and counts every answer.
-A route goes to the app's deployment of its family, known when the app is built: /v1/retrieve, /v1/score and
-/v1/recommend to the retriever (EngineServer, a Qwen3 model), /v1/rank to the ranker (RankerServer, an HSTU
-model); a route of a family the app lacks is a 404. The ingress resolves the user's embedding through the shared
-cache (the retriever's soft token; awaiting the actor, never blocking the event loop), calls the deployment by
-handle under the request's deadline, with the request's routing key (the user, see router.py) for its
-request router, and turns every failure into the status the client can act on (see http_errors).
-
-POST /v1/prompt goes to the retriever too: a prompt rendered as its engine runs it (text and token IDs; no compute).
-
-With both, a /v1/recommend whose body has `history` runs two stages, two calls, under the request's one deadline:
-the retriever's recommend in beam order, then the ranker's rank of its items (funnel.py), both calls with the user's
-routing key, so that each user stays on one replica of each deployment. Stage 1 leaves a reserve of the deadline
-to stage 2; when stage 2 fails, the answer is stage 1's, marked degraded (or, set to fail, the error).
-
-Every request ends by its deadline: the ingress stops waiting for an engine then (the engine drops the request at
-its next step), whether the engine is slow, its replicas are gone or its deployment is being replaced. In a
-two-stage recommend, a ranker with no running replica (as the ingress's request router of it knows:
-replicas.live_replicas) fails the ranking at once: the answer is degraded without waiting for a replacement. Serve lets
-a replaced ingress replica finish its requests for longer than that (args.DRAIN_MARGIN_S) before it kills it, so
-no request in flight meets the HTTP proxy's plain-text 500.
+Each replica builds its own FastAPI app (`__serve_build_asgi_app__`) behind an edge (edge.py: token, body size,
+arrival time, answer counts). A route goes to the app's deployment of its family (a family the app lacks: 404),
+with the user's embedding from the shared cache (awaited, never blocking the event loop) and the user's routing
+key (router.py), under the request's one deadline; every failure becomes the status a client can act on
+(http_errors.py). A /v1/recommend with `history` runs two stages, two calls (funnel.py). At the deadline the
+ingress stops waiting, whatever the engine's state; a ranker known to have no replica (replicas.live_replicas)
+fails stage 2 at once. A replaced ingress replica is given longer than a deadline to finish (args.DRAIN_MARGIN_S),
+so no request in flight meets the HTTP proxy's plain-text 500.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures' real types.

@@ -1,23 +1,9 @@
-"""Metrics exported through `ray.serve.metrics` (Prometheus at each node's metrics export port).
+"""Metrics exported through `ray.serve.metrics`; the series are listed in docs/serving.md, "Metrics".
 
-Engine, per request: how it ended (kind, status: the engine's one outcome count, genrec.engine.metrics, exported
-each second) and, answered, its latency at the replica (kind). Every second, the engine loop's state:
-queue depth, running requests, KV bytes reserved, and recent rows and prefill tokens per step; and the prefix
-cache's: tokens reused and prompted, hits, evictions, spills (counters: Prometheus adds `_total`), bytes held
-and entries (gauges). Reuse rate = rate(..._tokens_reused_total) / rate(..._tokens_prompted_total). The engine's
-counters start at 0 (every kind it serves with every status): an error ratio reads 0, not "no data", before
-the first error.
-Ingress: every HTTP answer it gives (route, status), its own refusals included (401, 408, 413, 400/422 of the
-body's validation, 404...), which never reach the engine's counter; with a funnel, the two-stage recommends
-answered with the retrieval alone (reason: funnel.REASONS), starting at 0. Both: whether the last `user_config`
-was refused (1) or applied (0). A retriever replica: whether it serves the catalog its config declares
-(`genrec_catalog_not_declared{state}`, 1 when not: `sum by (state)` counts such replicas).
-
-Series of a replaced replica: Ray's metrics agent (2.60) drops a gauge series that has not been set for two
-export intervals, so every gauge here is set again each second while its replica lives and disappears within
-seconds of it (checked); the agent keeps counters and histograms as they were until it restarts (a counter that
-vanished would read as a reset to Prometheus), and no API lets a replica remove them. They stay constant, so
-`rate()` and `sum()` over them remain right.
+Series of a replaced replica: Ray's metrics agent (2.60) drops a gauge series not set for two export intervals,
+so every gauge here is set again each second while its replica lives and disappears within seconds of it
+(checked); the agent keeps counters and histograms as they were until it restarts (a vanished counter would read
+as a reset), and no API removes them. They stay constant, so `rate()` and `sum()` over them remain right.
 """
 
 from __future__ import annotations
@@ -80,8 +66,7 @@ class EngineMetricsExporter:
         self.latency.observe(seconds, tags={"kind": kind})
 
     def export_outcomes(self, counts: dict[str, int]) -> None:
-        """genrec_requests: what the engine's one outcome count (its snapshot's `requests`) moved since the last
-        export."""
+        """genrec_requests: what the engine's outcome count (snapshot `requests`) moved since the last export."""
         for key, n in counts.items():
             if n > self.counted.get(key, 0):
                 kind, status = key.split(":")
@@ -110,8 +95,7 @@ def refused_gauge() -> Gauge:
 
 
 class IngressMetrics:
-    """The ingress's answers, its degraded funnel answers (`funnel`: the app has one), and its
-    `user_config_refused` gauge set every `period_s` (see above)."""
+    """The ingress's answers, its degraded funnel answers, and its `user_config_refused` gauge (set each period)."""
 
     def __init__(self, period_s: float = 1.0, funnel: bool = False):
         self.responses = Counter(

@@ -1,17 +1,8 @@
-"""Before Serve replaces anything: the app builder checks what the engine replicas will load.
-
-A redeploy whose replicas cannot start (a mistyped `model_dir`, a corrupt catalog, a truncated
-`model.safetensors`, a config.json edited apart from its weights) would otherwise stop healthy replicas for ones
-that fail. The builder runs these checks first; a failure refuses the deploy with the file named (Serve marks the
-app DEPLOY_FAILED) and the running version keeps serving. Each engine section's directory is checked without
-reading the weights (`ModelDir.check`: config.json, the tokenizer, the catalog, each safetensors file's header
-against the file's size and each tensor's shape and dtype in it against what config.json implies, the soft-token
-projector), and its family: the retriever's a Qwen3 model, the ranker's an HSTU one; then that a configured
-embedding cache's `dim` is what the retriever's projector takes.
-
-The directory must be checked where the engines read it (a GPU node's volume, not the head's), so the check
-runs on a node that can host an engine replica: in the builder's own process when its node can, else as a Ray
-task on one that can.
+"""The builder's preflight (docs/operations.md, "Deploy checks"): before Serve replaces anything, check what the
+engine replicas will load (`ModelDir.check`, no weights read), each section's family, and the cache's `dim`
+against the retriever's projector. A failure refuses the deploy naming the file; the running version keeps
+serving. The check runs where the engines read the directory: in the builder's process when its node could host
+an engine, else as a Ray task on a node that can.
 """
 
 from __future__ import annotations
@@ -36,16 +27,15 @@ class DeployRefused(RayServeException):
 
 
 def check_model_dir(path: str | Path) -> ModelDir:
-    """Every file an engine replica reads at start, checked (`ModelDir.check`); a ModelDirectoryError names the
-    first bad one. The directory object that checked out says its family and user-vector width."""
+    """`ModelDir.check`: a ModelDirectoryError names the first bad file."""
     directory = ModelDir.open(path)
     directory.check()
     return directory
 
 
 def check_cache(cache, retriever: ModelDir | None) -> None:
-    """A cache hands its vectors to the retriever's soft-token projector: its `dim` must be what the projector
-    takes. A mismatch would deploy and answer every `user_id` request with a 422 blaming the client."""
+    """The cache's `dim` must be what the retriever's projector takes: else every `user_id` request would get a
+    422 blaming the client."""
     if cache is None or retriever is None:
         return
     if retriever.user_dim is None:
@@ -72,9 +62,8 @@ def check_family(section: str, directory: ModelDir) -> None:
 
 
 def preflight(args: AppArgs) -> dict[str, ModelDir]:
-    """The builder's checks: each engine section's model directory where its engine would read it, its family,
-    then the cache against the retriever's model. Raises DeployRefused. The directories that were checked, by
-    section: one is left out when no node that could host its engine is up (nothing to lose; its replicas check)."""
+    """The checked directories by section, or DeployRefused; one is left out when no node that could host its
+    engine is up (nothing to lose; its replicas check)."""
     checked = {}
     for name, section in args.engines().items():
         directory = _checked(f"{name}.model_dir", section, args.ingress.retry_after_s)

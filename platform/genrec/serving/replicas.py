@@ -1,14 +1,7 @@
-"""Where each engine replica says what it serves, so that GET /v1/model can show every replica's catalog version.
-
-A Serve handle reaches one replica per call and cannot list them, so each engine replica reports its state (its
-catalog versions, a refused catalog) to one small actor per app, `ReplicaBoard`, when it changes and every few
-seconds; the ingress reads the board. A replica not heard from for `STALE_S` is left out (gone, or replaced).
-The board holds nothing that matters across its own loss: a new one fills within one report period.
-
-The board lags a replica's death by up to `STALE_S`; Serve's request router in each caller knows at once (from the
-controller, or from a call that found the replica dead). The UserRouter (router.py) publishes what it knows to its
-process (`publish_live`), and the ingress reads it (`live_replicas`): the board's list without the replicas gone,
-and a ranker without any replica found at once.
+"""Where each engine replica says what it serves, so GET /v1/model can show every replica's catalog version: a
+Serve handle cannot list replicas, so each reports to one small actor per app, `ReplicaBoard`, on a change and every
+`REPORT_EVERY_S` (left out after `STALE_S`; nothing on the board matters across its loss). The board lags a death;
+the UserRouter knows at once and publishes it to its process (`publish_live`, read through `live_replicas`).
 """
 
 from __future__ import annotations
@@ -29,8 +22,7 @@ def publish_live(app: str, deployment: str, replica_ids: frozenset[str]) -> None
 
 
 def live_replicas(app: str, deployment: str) -> frozenset[str] | None:
-    """The deployment's running replicas as this process's router of it knows them (Serve's own view); None: no
-    UserRouter of it runs in this process (yet), e.g. the deployment uses Serve's default router."""
+    """The deployment's running replicas as this process's UserRouter knows them; None: no UserRouter of it here."""
     return _LIVE.get((app, deployment))
 
 

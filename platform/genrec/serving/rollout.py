@@ -1,14 +1,7 @@
 """After `genrec deploy` sent a config: wait for its apps to run, then say which retriever replicas do not serve the
-catalog the config declares.
-
-Serve reports a deploy done when its replicas run, not when they serve what the config says: a replica refuses a
-catalog it cannot load (keeping the one before, or, started with it, answering 503: engine_server.py), and a file
-changed in place is loaded by replicas started later only. So, once every app of the config is RUNNING (the
-dashboard's view), each retriever's running replicas are read from its app's GET /v1/model (`replicas`, the replica
-board), and every one whose `catalog_status` is not `declared`, or whose `catalog_version` is not the declared
-file's (when that file is readable here), is one `error:` line. The app is reached through Serve's HTTP proxy on the
-dashboard's host (its `http_options` port, the app's route prefix), with the bearer token of its `auth_token_env`
-when this environment has it; an app that cannot be asked is a `warning:` line.
+declared catalog (docs/operations.md, "Deploy checks"). Serve reports a deploy done when its replicas run, not when
+they serve what the config says (a replica may refuse its catalog; a file changed in place is not reloaded), so
+each retriever's replicas are read from its app's GET /v1/model, through Serve's HTTP proxy on the dashboard's host.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ HTTP_TIMEOUT_S = 10.0
 
 
 def wait_and_report(config: dict, dashboard: str, builder: str, where: str) -> int:
-    """0: every app runs and every retriever replica serves its declared catalog; 1: a line on stderr for each app
-    that did not run and each replica that does not (`where` prefixes them: the config file)."""
+    """0: every app runs and every retriever replica serves its declared catalog; else 1, a stderr line each."""
     apps = [a for a in config.get("applications", []) if isinstance(a, dict)]
     try:
         details, problems = _running(dashboard, [a["name"] for a in apps])
@@ -102,8 +94,7 @@ def _replica_problem(app: str, replica: str, reported: dict, version: str | None
 
 
 def _reported(url: str, token_env: str | None, running: list[str]) -> dict[str, dict]:
-    """The retriever's replicas as the app's board has them, by ID, once every running one has reported (or after
-    a few report periods)."""
+    """The app board's replicas by ID, once every running one has reported (or after a few report periods)."""
     headers = {}
     if token_env is not None:
         token = os.environ.get(token_env)

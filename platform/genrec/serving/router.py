@@ -1,28 +1,8 @@
-"""Route each user's requests to the engine replica that holds their prompts' K/V: the key, and rendezvous hashing.
-
-The key (`routing_key`, made by the ingress): the user ID when the request has one. Without one, a digest of the
-prompt's first block (by default): a returning user's prompt starts like their last one (history first, oldest
-first: docs/engine.md, "Prompt layouts that reuse"), so it still finds the replica that holds it. The ingress has
-no tokenizer, so a text prompt's first block is approximated by its first characters (a chat's: its messages'
-roles and contents, before the model's template renders them). Prompts that all open with
-the same template would all share that key (one replica's traffic): with `blocks` (the app's
-`routing_prefix_blocks`) the digest covers the first `blocks` blocks, template included, so prompts that differ
-after it get their own keys. A two-stage recommend calls two deployments: both get the user's key; without a user,
-each the digest of what it is sent (the retriever the prompt, the ranker the history), so each lands where that
-input's K/V is.
-
-The ingress passes the key as a keyword argument of its handle call. Every replica gets a score hash(key, replica
-ID); the highest is the key's primary, the next its one fallback, then the rest. No state is shared: every caller
-(each ingress replica) agrees, and when replicas come or go only the keys whose primary came or went move (about
-1/N).
-
-Selected per deployment with `request_router_config: {request_router_class: genrec.serving.router:UserRouter}`
-(the builder's default for the engine deployment; see app.py).
-
-A replica that refuses requests for want of its declared catalog (its routing stats say `catalog_served: false`,
-engine_server.py) is ranked after every replica that serves it. The router also tells its process which replicas
-of its deployment are running (replicas.live_replicas): the ingress answers a two-stage recommend without waiting
-on a ranker that has none.
+"""Route each user's requests to the engine replica that holds their prompts' K/V (docs/serving.md, "Routing each
+user to one replica"). The key (`routing_key`, passed by the ingress as a keyword of its handle call): the user ID,
+else a digest of the first `blocks` blocks of what the engine is sent; the ingress has no tokenizer, so a text's or
+chat's first block is approximated by its first characters. Rendezvous hashing: the highest hash(key, replica ID)
+is the primary, the next the fallback; a replica refusing for want of its declared catalog is ranked last.
 """
 
 from __future__ import annotations
@@ -66,34 +46,30 @@ def _first_blocks(body, blocks: int) -> str:
 
 
 def score(key: str, replica_id: str) -> int:
-    """The replica's rendezvous weight for the key: a stable 64-bit hash (Python's hash() differs per process,
-    and every ingress replica must agree)."""
+    """The replica's rendezvous weight: a stable 64-bit hash (Python's hash() differs per process)."""
     digest = hashlib.blake2b(f"{key}\0{replica_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 
 def rendezvous_order(key: str, replica_ids: Iterable[str]) -> list[str]:
-    """The replica IDs, best first for this key: whatever order they are given in, the same order out."""
+    """The replica IDs, best first for this key, whatever order they are given in."""
     return sorted(replica_ids, key=lambda rid: (score(key, rid), rid), reverse=True)
 
 
 def ranks(key: str, replicas: list, replica_id=lambda r: r, widen: int = 2) -> list[list]:
-    """[[primary], [fallback], [the rest]] (empty ranks left out); `widen` 0 stops after the primary, 1 after
-    the fallback."""
+    """[[primary], [fallback], [the rest]], the first `widen` + 1 of them, empty ones left out."""
     by_id = {replica_id(r): r for r in replicas}
     ordered = [by_id[rid] for rid in rendezvous_order(key, by_id)]
     return [rank for rank in (ordered[:1], ordered[1:2], ordered[2:])[: widen + 1] if rank]
 
 
 def widening(waited_s: float, spill_after_s: float) -> int:
-    """How far past the primary a request that has waited this long may go: 0 (the primary only), then the
-    fallback after `spill_after_s`, then any replica after twice that."""
+    """0 (the primary only), 1 (the fallback too) after `spill_after_s`, 2 (any replica) after twice that."""
     return min(2, int(waited_s // spill_after_s)) if spill_after_s > 0 else 2
 
 
 class UserRouter(RequestRouter):
-    """Rank 0 is the key's primary, rank 1 its fallback, then the rest; a request without a key goes to the
-    shorter queue of two random replicas (as Serve's default does)."""
+    """Ranks by `ranks`; a request without a key goes to two random replicas (as Serve's default does)."""
 
     spill_after_s = SPILL_AFTER_S
 
@@ -114,8 +90,7 @@ class UserRouter(RequestRouter):
         publish_live(self.app_name, self._deployment_id.name, ids)
 
     def initialize_state(self, spill_after_s: float = SPILL_AFTER_S) -> None:
-        """`request_router_kwargs`: how long a request waits for its busy primary before the fallback (an
-        unknown keyword fails the router's start instead of vanishing)."""
+        """`request_router_kwargs` (an unknown keyword fails the router's start instead of vanishing)."""
         if isinstance(spill_after_s, bool) or not isinstance(spill_after_s, int | float) or spill_after_s < 0:
             raise ValueError(f"spill_after_s must be a number of seconds >= 0, not {spill_after_s!r}")
         self.spill_after_s = float(spill_after_s)
@@ -126,9 +101,8 @@ class UserRouter(RequestRouter):
         serving, refusing = by_catalog(candidate_replicas)
         if pending_request is None:
             return [random.sample(serving, min(2, len(serving)))]
-        # When no rank offered accepts (each replica at max_ongoing_requests), Serve calls again after a backoff
-        # sleep rather than at once; the ranks offered widen with the wait, so a busy primary is retried for a
-        # while before the request spills to the fallback (which serves it cold).
+        # When no rank offered accepts, Serve calls again after a backoff sleep; the ranks widen with the wait, so a
+        # busy primary is retried for a while before the request spills to the fallback (which serves it cold).
         pending_request.routing_context.should_backoff = True
         key = pending_request.kwargs.get(ROUTING_KEY)
         widen = widening(time.time() - pending_request.created_at, self.spill_after_s)

@@ -1,6 +1,5 @@
-"""HTTP bodies: the genrec.api requests plus an optional `user_id` (the ingress looks up its embedding for a
-Qwen3 model, routes by it and scopes the prefix cache by it) and, for /v1/recommend, the ranker's `history` (a
-two-stage recommend, see funnel.py), what /v1/model describes, and the error body."""
+"""HTTP bodies: the genrec.api requests plus an optional `user_id` (and, for a two-stage /v1/recommend, the
+ranker's `history`), what /v1/model describes, and the error body."""
 
 from __future__ import annotations
 
@@ -18,10 +17,9 @@ def _user_id_kind(value) -> str | None:
     return "integer" if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-# The cache keys integers as int64 (its two lowest values are reserved) and strings by their UTF-8 bytes. A
-# tagged union: a value is checked as the one kind it is, so a 422 says what is wrong with it (a plain union
-# reports both members' errors, under their validators' names). The length is checked before Text's own checks
-# (valid Unicode), so its message speaks of characters.
+# The cache keys integers as int64 (its two lowest values reserved). A tagged union checks a value as the one kind
+# it is, so a 422 says what is wrong (a plain union reports both members' errors, under their validators' names).
+# The length is checked before Text's own checks (valid Unicode), so its message speaks of characters.
 UserId = Annotated[
     Annotated[StrictStr, Field(min_length=1, max_length=256), *Text.__metadata__, Tag("string")]
     | Annotated[Annotated[StrictInt, Field(ge=-(2**63) + 2, lt=2**63)], Tag("integer")],
@@ -35,10 +33,8 @@ UserId = Annotated[
 
 
 def cache_scope(body) -> str | None:
-    """The prefix-cache scope of the engine requests a body makes (genrec.engine.prefix_cache): its `cache_scope`
-    when given (one it declares shared, e.g. a tenant's); else its user's, from `user_id` (a digest: any user_id
-    fits the field's length; 42 and "42" are two users, as in the routing key); else None, private. The user_id is
-    not authenticated: a caller who sends another user's ID is in that user's scope."""
+    """The prefix-cache scope of a body's engine requests (docs/serving.md, "The prefix cache's scope"): its
+    `cache_scope`, else a digest of repr(user_id) (so any user_id fits the field's length), else None (private)."""
     if body.cache_scope is not None:
         return body.cache_scope
     if body.user_id is None:
@@ -103,14 +99,12 @@ class RankBody(RankRequest):
     )
 
     def to_request(self, user_embedding: None = None) -> RankRequest:
-        """The engine's request: the same fields without user_id (a ranking model has no soft token), with the
-        cache scope."""
+        """The engine's request: without user_id (a ranker has no soft token), with the cache scope."""
         return RankRequest.model_validate(self.model_dump(exclude={"user_id"}) | {"cache_scope": cache_scope(self)})
 
 
 class RankerFacts(BaseModel):
-    """What the ingress checks a two-stage recommend against before stage 1 runs: the ranker's tasks (the first
-    orders the items by default), how long a history and how many items it takes."""
+    """What the ingress checks a two-stage recommend against before stage 1 runs (the first task is the default)."""
 
     tasks: list[str]
     max_history_events: int
@@ -123,9 +117,8 @@ class RankerFacts(BaseModel):
         return cls(tasks=list(config.tasks), max_history_events=events, max_candidates=max_candidates)
 
 
-# A retriever replica and the catalog its config declares: `declared`, it serves it; `kept_running`, it refused a
-# live change to it and serves the catalog it ran before; `refusing`, it has served no declared catalog since its
-# start and answers 503 catalog_not_served (rather than any other catalog).
+# `declared`: serves its declared catalog; `kept_running`: refused a live change, serves the one before;
+# `refusing`: no declared catalog since its start, answers 503 catalog_not_served (docs/serving.md, "Live changes").
 CatalogStatus = Literal["declared", "kept_running", "refusing"]
 CATALOG_DECLARED = "the catalog file the replica's user_config declares (the model directory's when it names none)"
 

@@ -21,8 +21,7 @@ BENCH_MISSING = (
 
 
 class _Commands(TyperGroup):
-    """genrec's commands; `bench` is looked up when asked for, as the benchmarks live in a package of their own
-    (genrec_bench) that an install may lack."""
+    """`bench` is looked up when asked for: the benchmarks are a package of their own that an install may lack."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [*super().list_commands(ctx), "bench"]
@@ -226,9 +225,8 @@ def prompt(
     token_ids: Path = typer.Option(None, help="a JSON file of token IDs, [1, 2, ...] ('-': stdin)"),
     show_tokens: bool = typer.Option(False, "--show-tokens", help="also each token ID's token, as `tokens`"),
 ):
-    """Print the prompt as the engine would run it, as JSON: its text (chat messages rendered by the model's chat
-    template, with its system prompt and options), token IDs and soft-token placeholders; what POST /v1/prompt
-    answers. Reads the tokenizer, config and catalog, not the weights."""
+    """Print the prompt as the engine would run it, as JSON (what POST /v1/prompt answers): its text (chat messages
+    rendered by the model's template and genrec/prompt.json), token IDs, soft-token placeholders. Reads no weights."""
     from genrec.api import PromptRequest
     from genrec.engine.request_tokens import render_prompt
     from genrec.model.directory import ModelDir
@@ -242,8 +240,7 @@ def prompt(
     directory = ModelDir.open(model, family="qwen3")
     tokenizer = directory.load_tokenizer()
     layout = directory.load_sid_layout(tokenizer)
-    # As the engine's Retriever.max_prompt_tokens: room after the prompt for the longest code, its ending and the
-    # begin token the engine may append.
+    # As Retriever.max_prompt_tokens: room for the longest code, its ending and the begin token the engine may add.
     steps = directory.load_catalog(tokenizer, layout).levels + len(layout.ending) + (layout.begin is not None)
     room, vocab, placeholder = directory.config.prompt_room(steps), directory.config.vocab_size, tokenizer.get_vocab()
     chat = directory.load_chat(tokenizer)
@@ -273,8 +270,7 @@ def deploy(
     ),
 ):
     """`serve deploy`, sent only if the config passes `genrec.serving.check` (Serve would accept a `user_config`
-    that does not validate and leave the replicas to refuse it) and the dashboard answers: otherwise one `error:`
-    line each, exit 2."""
+    that does not validate) and the dashboard answers: otherwise one `error:` line each, exit 2."""
     from genrec.serving.check import deploy as deploy_config
 
     raise typer.Exit(deploy_config(config, address, check_model, dashboard_timeout_s))

@@ -1,14 +1,9 @@
-"""Backing stores behind one small protocol.
+"""Backing stores behind one small protocol (docs/serving.md, 'User vectors: the embedding cache').
 
-* SQLiteStore: the embedded default. One local file; WAL with synchronous=FULL and one transaction
-  per batch, so a `put_many` that returned survives a crash of the process or the machine. The file
-  records its vector width; opening it with another `dim` is refused.
-* RedisStore: a real Redis server; one MGET / one MSET per batch. The width is recorded under
-  `{prefix}dim` at open; opening the same prefix with another `dim` is refused.
-
-Both accept the IDs the table does (integers or strings, see `genrec.cache.keys`), check every write
-(one row of `dim` finite values per ID) before it reaches the store, and turn a backend failure into a
-`StoreError`. Both are safe to share between threads.
+SQLiteStore, the embedded default: one local file, WAL with synchronous=FULL and one transaction per batch, so a
+`put_many` that returned survives a crash of the process or the machine. RedisStore: one MGET / MSET per batch, the
+width recorded under `{prefix}dim`. Both check every write before it reaches the store and turn a backend failure
+into a `StoreError`.
 """
 
 from __future__ import annotations

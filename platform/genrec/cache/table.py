@@ -1,10 +1,6 @@
-"""EmbeddingTable: a bounded in-process table of user vectors with score-based eviction and admission.
-
-Batched `get`/`put` on numpy arrays, with no Python work per key. Misses read through to an optional
-backing store; puts write through to it first, so an acknowledged put is durable when the store is.
-Admission (`admit_after`) gates only the fills of read-through misses; a put always enters the table, so
-an acknowledged write is readable (until evicted by capacity: without a store the table is a bounded cache).
-Like the hash tables of DynamicEmb / HierarchicalKV, but on the host. Not thread-safe: one caller at a
+"""EmbeddingTable: a bounded in-process table of user vectors with score-based eviction and admission, batched on
+numpy arrays with no Python work per key (like DynamicEmb / HierarchicalKV's hash tables, on the host). Read-through,
+write-through and admission: docs/serving.md, 'User vectors: the embedding cache'. Not thread-safe: one caller at a
 time (the Ray actor serialises its callers).
 """
 
@@ -60,8 +56,6 @@ class EmbeddingTable:
     def __len__(self) -> int:
         return self.capacity - self.free_top
 
-    # -- reads -----------------------------------------------------------------------------------
-
     def get(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """(vectors [n, dim] float32, found [n] bool); unknown IDs give zeros and found=False."""
         keys = normalize_keys(ids)
@@ -92,11 +86,8 @@ class EmbeddingTable:
         found[positions] = in_store[inverse]
         self._offer(missing[in_store], vectors[in_store])
 
-    # -- writes ----------------------------------------------------------------------------------
-
     def put(self, ids, vectors) -> int:
-        """Write vectors (write-through to the store first). Duplicate IDs in one call: the last wins.
-        Returns the number of distinct keys written."""
+        """Write through to the store first; of duplicate IDs the last wins. Returns the distinct keys written."""
         keys, matrix = checked_batch(ids, vectors, self.dim)
         if len(keys) == 0:
             return 0

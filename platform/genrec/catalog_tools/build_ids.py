@@ -1,9 +1,8 @@
 """Semantic IDs from item embeddings: residual k-means per level, plus a last level that makes codes unique.
 
-Assignment to a level's centers is capacity-bounded: an item goes to its nearest center unless the code prefix
-that would make is already full (holds as many items as the levels below it have codes), then to the nearest
-one with room. So a skewed catalog (many items on one prefix) never overflows the last level, and any catalog
-that fits the code space gets codes.
+Assignment is capacity-bounded: an item goes to its nearest center unless the code prefix that makes is full (holds
+as many items as the levels below have codes), then to the nearest with room. So a skewed catalog never overflows
+the last level, and any catalog that fits the code space gets codes.
 """
 
 from __future__ import annotations
@@ -42,11 +41,9 @@ def balanced_assign(dist: torch.Tensor, group: np.ndarray, room: int) -> np.ndar
 
 def assign_with_room(dist: torch.Tensor, base: np.ndarray, capacity: int, keys, counts) -> np.ndarray:
     """Rows' centers: the nearest whose child prefix (base + center) holds fewer than `capacity` items (the held
-    ones, `keys`/`counts` sorted by key, and the rows nearer to it); -1 where none has room.
-
-    Every row first takes its nearest center; where a prefix overflows, its farthest rows give that center up and
-    take their nearest remaining one, until none overflows. A full center stays full (it only trades rows for
-    nearer ones), so rows that fit all find a place, in at most k rounds."""
+    ones, `keys`/`counts` sorted by key, and the rows nearer to it); -1 where none has room. An overflowing prefix's
+    farthest rows move to their next nearest center, until none overflows; a full center stays full (it only trades
+    rows for nearer ones), so rows that fit all find a place, in at most k rounds."""
     n = len(dist)
     dist, rows = dist.clone(), np.arange(n)
     assign = dist.argmin(dim=1).numpy()
@@ -124,9 +121,8 @@ def _checked_matrix(embeddings, item_ids, source: str) -> torch.Tensor:
 def catalog_and_codebooks(
     item_ids, embeddings, layout, iters=20, seed=0, source="embeddings"
 ) -> tuple[Catalog, Codebooks]:
-    """Item IDs + embeddings [n, dim] -> a validated catalog of the model's SID layout (`SidLayout`: level l's
-    codebook is that level's tokens, in code-index order), and the codebooks to save beside it
-    (`Codebooks.path_beside`)."""
+    """Item IDs + embeddings [n, dim] -> a validated catalog of the model's SID layout (level l's codebook is that
+    level's tokens, in code-index order) and the codebooks to save beside it (`Codebooks.path_beside`)."""
     sizes = layout.level_sizes
     codes, codebooks = codes_and_codebooks(embeddings, sizes[:-1], sizes[-1], iters, seed, item_ids, source)
     token_ids = np.stack([layout.level_ids[level][codes[:, level]] for level in range(len(sizes))], axis=1)

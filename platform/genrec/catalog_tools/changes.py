@@ -1,16 +1,7 @@
-"""`genrec catalog add` / `retire`: new items coded from their embeddings without retraining, items removed.
-
-Adding codes each new item with the codebooks build-ids kept (`Codebooks`): the nearest center level by level on
-the residual, the farthest of the items that want a prefix with too few free codes taking their next nearest
-(build-ids' balanced rule), then the last level's first free index under that prefix (build-ids' rule: items of one
-prefix are numbered 0, 1, ...; a retired item's index is free again). An item with no free code under any prefix
-is refused, naming it. The existing items keep their codes and rows; new rows are appended (attribute columns
-null, popularity 0 when the catalog has that column). Retiring removes rows, freeing their codes; it needs no
-codebooks.
-
-Every change (an import's too, `write_version`) is a new file, `catalog-<hash12>.parquet` beside the model's
-catalog (its name carries its content hash, `catalog_version`), or `--out`'s; it is written atomically. A file that
-exists already is rewritten only when asked (`in_place`): a replica serving it would not see the change.
+"""`genrec catalog add` / `retire`: new items coded from their embeddings with build-ids' codebooks, items removed;
+every change (an import's too, `write_version`) a new catalog version (docs/engine.md, 'New items without
+retraining: `genrec catalog add` / `retire`'). An existing file is rewritten only when asked (`in_place`): a replica
+serving it would not see the change.
 """
 
 from __future__ import annotations
@@ -50,10 +41,8 @@ def add_items(
     base: str | Path | None = None,
     in_place: bool = False,
 ) -> CatalogChange:
-    """Code the items of `items_path` (Parquet: item_id, embedding) and write the catalog `base` (default the
-    model's, MODEL_DIR/genrec/catalog.parquet) with them appended as a new version (`write_version`: `out`, or
-    beside the model's catalog; `in_place`: `base` itself). The codebooks are the ones build-ids kept beside the
-    model's catalog; a catalog imported from another project is refused (its codes are not theirs)."""
+    """Code `items_path`'s items (Parquet: item_id, embedding) and write the catalog `base` (default the model's) with
+    them appended (`write_version`). A catalog imported from another project is refused (its codes are not theirs)."""
     directory, layout, catalog, base = _open(model_dir, base)
     codebooks = Codebooks.load(Codebooks.path_beside(directory.catalog_path))
     codebooks.check_layout(layout, Codebooks.path_beside(directory.catalog_path))
@@ -98,9 +87,8 @@ NO_CODEBOOKS_OF_IMPORT = (
 
 
 def write_version(table: pa.Table, folder: Path, out: str | Path | None, rewrite: Path | None) -> tuple[Path, str]:
-    """`table` written as a catalog version: to `out`, else over `rewrite` (in place), else to
-    folder/catalog-<hash12>.parquet. A file already there is replaced only when in place (`rewrite` given) or when
-    its name carries this very content's hash. Returns (path, catalog_version)."""
+    """`table` written to `out`, else over `rewrite` (in place), else to folder/catalog-<hash12>.parquet; a file there
+    is replaced only in place or when its name carries this content's hash. Returns (path, catalog_version)."""
     data = parquet_bytes(table)
     version = bytes_version(data)
     target = Path(out) if out is not None else rewrite or folder / versioned_name(version)
@@ -152,9 +140,8 @@ def _ids_in_file(path: Path) -> list[str]:
 
 
 def new_codes(catalog: Catalog, layout, codebooks: Codebooks, embeddings, item_ids, source) -> np.ndarray:
-    """[n, levels] token IDs for new items: above the last level, level by level the nearest center whose prefix
-    has room (`_nearest_with_room`), then the first free last-level index under each prefix (among the catalog's
-    items and the new items before it), in row order."""
+    """[n, levels] token IDs for new items: `_nearest_with_room` above the last level, then the first free last-level
+    index under each prefix (among the catalog's items and the new items before it), in row order."""
     levels = layout.levels
     if (catalog.lengths != levels).any():
         raise CatalogError(source, f"the catalog has codes shorter than {levels} tokens: not one build-ids wrote")
@@ -173,10 +160,9 @@ def _index_of(level_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 
 def _nearest_with_room(codebooks: Codebooks, embeddings, held: np.ndarray, item_ids, source) -> np.ndarray:
-    """[n, levels-1] center indices for new items, level by level on the residual: each item's nearest center, but
-    where more new items want a prefix than it has free codes (`held`: the catalog's items' center indices), the
-    farthest of them take their next nearest center instead: build-ids' balanced rule, so a retired item added
-    back lands where build-ids had put it. A prefix with room holds room below it, so no level needs to go back."""
+    """[n, levels-1] center indices, level by level on the residual, by build-ids' balanced rule (`held`: the catalog's
+    items' center indices), so a retired item added back lands where build-ids put it. A prefix with room holds room
+    below it, so no level needs to go back."""
     sizes = [len(c) for c in codebooks.centers] + [codebooks.last_size]
     residual = torch.as_tensor(np.asarray(embeddings, dtype=np.float32)) / codebooks.scale
     new_prefix, held_prefix = np.zeros(len(residual), dtype=np.int64), np.zeros(len(held), dtype=np.int64)
@@ -234,7 +220,6 @@ def _first_free_last(codes: np.ndarray, prefixes: np.ndarray, layout, item_ids, 
 
 def _open(model_dir, base=None):
     """The model directory, its SID layout, the catalog to change (`base`, default the model's) and its path."""
-
     directory = ModelDir.open(model_dir, family="qwen3")
     layout = directory.load_sid_layout()
     base = Path(base) if base is not None else directory.catalog_path

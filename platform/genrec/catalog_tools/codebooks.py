@@ -1,9 +1,5 @@
-"""What build-ids keeps to code a new item later: the scale it divided the embeddings by and each level's centers.
-
-Written beside the catalog build-ids writes, as `codebooks.safetensors` (by default MODEL/genrec/, never the model
-directory's root, whose `*.safetensors` peer engines load as weights). A catalog imported from another project
-(`genrec catalog import`) or built before build-ids kept codebooks has none: `genrec catalog add` refuses it.
-"""
+"""What build-ids keeps to code a new item later, `codebooks.safetensors` beside its catalog, never in the model's root
+(docs/engine.md, 'New items without retraining: `genrec catalog add` / `retire`')."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The Qwen3 decoder's request inputs as token IDs, each checked against the model before any compute: the
-prompt (text, chat messages rendered by the model's template, or token IDs), the candidates to score, the label
-tokens, and the user embedding that replaces the `<|user|>` placeholder (the soft token). A problem is an
-InvalidRequestError naming the field."""
+"""The Qwen3 decoder's request inputs (prompt, candidates, labels, soft token) as token IDs, checked against the
+model before any compute; a problem is an InvalidRequestError naming the field (docs/engine.md, 'Prompt forms')."""
 
 from __future__ import annotations
 
@@ -48,9 +46,8 @@ def prompt_token_ids(req: PromptForms, chat: ChatTemplate, vocab_size: int, max_
 def rendered_prompt(
     req: PromptForms, chat: ChatTemplate, vocab_size: int, max_len: int
 ) -> tuple[str | None, torch.Tensor]:
-    """The request's prompt as (its text, None for token IDs; its token IDs), whichever its form: text tokenized,
-    messages rendered by the model's chat template then tokenized (as transformers' apply_chat_template does), token
-    IDs checked against the vocabulary."""
+    """(the prompt's text, None for token IDs; its token IDs): messages rendered by the chat template, then
+    tokenized as transformers' apply_chat_template does."""
     field = req.prompt_form
     text = prompt_text(req, chat, max_len)
     if text is not None:
@@ -70,9 +67,7 @@ def rendered_prompt(
 def render_prompt(
     req: PromptForms, chat: ChatTemplate, vocab_size: int, max_len: int, placeholder_id: int | None, begin: int | None
 ) -> PromptResult:
-    """What the engine runs of the request's prompt: its text (token IDs decoded when given as such), its token IDs,
-    how many soft-token placeholders they hold and whether a code's `begin` token (None: the layout has none) would
-    be appended, checked as `prepare` checks them."""
+    """The prompt as the engine runs it, checked as `prepare` checks it (`begin`: the layout's begin token or None)."""
     text, token_ids = rendered_prompt(req, chat, vocab_size, max_len)
     ids = token_ids.tolist()
     return PromptResult(

@@ -1,11 +1,7 @@
-"""The retriever: the Qwen3 semantic-ID decoder as an engine family (retrieve, score, recommend).
-
-A request's context is its prompt (the soft token injected in place of `<|user|>`). After the prefill, a
-retrieve or recommend generates: constrained beam search over the catalog trie, one decode pass per code level
-(genrec.engine.beam); a score request, and a recommend once its beams are found, runs its candidates as rows
-over the same context in bounded scoring passes (genrec.engine.scoring). Results are built on the host after
-one fetch (genrec.engine.results).
-"""
+"""The retriever: the Qwen3 semantic-ID decoder as an engine family (retrieve, score, recommend). After the prompt's
+prefill, beam search over the catalog trie (genrec.engine.beam), then, for score and a scoring recommend, candidate
+rows in bounded passes (genrec.engine.scoring); results built on the host after one fetch (docs/engine.md, 'How a
+request runs')."""
 
 from __future__ import annotations
 
@@ -160,8 +156,7 @@ class Retriever:
 
     @staticmethod
     def _check_beam_widths(widths: list[int] | None, catalog: Catalog) -> None:
-        """A schedule has one width per code level: the catalog's longest code's tokens (the layout's ending steps
-        keep the last width, genrec.engine.beam)."""
+        """One width per code level (the layout's ending steps keep the last width, genrec.engine.beam)."""
         if widths is not None and len(widths) != catalog.levels:
             raise InvalidRequestError(
                 "beam_widths",
@@ -186,9 +181,8 @@ class Retriever:
         return row if begun else [self.begin, *row]
 
     def _given(self, catalog: Catalog, candidates: list[Candidate], prepared: PreparedPrompt) -> list[int] | None:
-        """The given candidates a score or recommend runs (None: all of them). With a filter, every candidate must
-        be a catalog item (a filter speaks of items only) and those it does not allow are left out: a score counts
-        them (`filtered_out`)."""
+        """Indices of the given candidates a score or recommend runs (None: all); with a filter, only catalog items,
+        those it does not allow left out (docs/engine.md, 'Filters')."""
         allowed = prepared.filter
         if allowed is not None:
             for k, cand in enumerate(candidates):
@@ -205,9 +199,8 @@ class Retriever:
 
     @staticmethod
     def _kept(catalog: Catalog, candidates: list[Candidate], exclusions: list[int], allowed: FilterMask | None):
-        """Recommend: the given candidates to rank, in order: no excluded item, none the filter does not allow,
-        each item once. The one rule, whatever ranks them next: the label (rank_by score, joint) or a two-stage
-        recommend's ranker (rank_by beam: its stage 1, online and nightly)."""
+        """Recommend's given candidates, in order: none excluded or filtered out, each item once. The one rule,
+        whatever ranks them next (the label, or a two-stage recommend's ranker, online and nightly)."""
         skip, keep = set(exclusions), []
         for k, cand in enumerate(candidates):
             if cand.item_id is not None:
@@ -257,8 +250,7 @@ class Retriever:
         return PrefillGraphs(self.model, fused.pieces(self.fast, self.device), max_tokens, capture_pass, mempool)
 
     def start(self, job) -> JobState:
-        """Beam requests start their cohort (its first level chosen from the prompt's last logits); score
-        requests go on to their rows."""
+        """A beam request starts its cohort (first level from the prompt's last logits); a score goes to its rows."""
         if not job.prepared.uses_beams:
             return JobState.SCORING
         trie = job.prepared.served.device_trie()  # the engine's thread: made here on a version's first use
@@ -277,8 +269,7 @@ class Retriever:
         return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
 
     def generated(self, job, beams: list[tuple[int, float]]) -> RetrieveResult | RecommendResult | None:
-        """A retrieve's result, or a recommend's in beam order; a recommend that scores keeps its beams to score
-        them with its candidates (None)."""
+        """A retrieve's result, or a recommend's in beam order; None: a scoring recommend keeps its beams to score."""
         result = results.retrieve_result(job.prepared, beams)
         if job.kind == "retrieve":
             return result
@@ -288,8 +279,7 @@ class Retriever:
         return None
 
     def rows_pass(self, jobs: list, budget: int) -> None:
-        """One scoring pass over the jobs' candidate rows, in order, of at most `budget` token-equivalents: rows
-        padded to the pass's widest, their attention included (genrec.engine.pass_cost)."""
+        """One scoring pass over the jobs' rows, in order, of at most `budget` token-equivalents (engine.pass_cost)."""
         for job in jobs:
             if job.work is None:
                 rows, job.row_of_retrieved = self._retrieved_rows(job)

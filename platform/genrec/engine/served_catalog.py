@@ -1,21 +1,9 @@
-"""One catalog version as a decoder serves it: the catalog, its trie, its version, the filters compiled against it
-(`FilterMasks`: per request filter, a mask over its trie's nodes, cached).
-
-Built on the host, in whichever thread loads it; its device copy is made by the engine's own thread on first use
-(`device_trie`), so a catalog load or a filter compiled beside a running engine issues no device work that could
-meet a CUDA graph capture or stall the engine's stream.
-
-A request takes the decoder's current `ServedCatalog` when it is prepared and keeps it to the end (its exclusions,
-its beams, its results), so a catalog swapped in meanwhile (`CatalogVersions`) never changes a request in flight.
-Nothing here touches the model: a catalog changes which codes may be generated, not any K/V, so the prefix cache
-holds across catalog versions.
-
-In a filter's mask a node is allowed when an allowed item lies beneath it; the beam search ANDs a filtered
-request's masks into its rows' allowed children in the same gather as the catalog constraint (genrec.engine.beam),
-so only allowed items ever take a beam. The cache is keyed by the filter as given (a canonical JSON of `filters`
-and `allowed_item_ids`), least recently used first, bounded in bytes, shared by the threads that prepare requests.
-A mask is compiled on the host; its device copy is made by the engine's thread when a cohort starts
-(`FilterMask.on`), so preparing a request issues no device work.
+"""One catalog version as a decoder serves it: the catalog, its host trie, its compiled filters (`FilterMasks`: per
+filter, a mask over the trie's nodes, cached). A request keeps the version it was prepared with to its end
+(`CatalogVersions` swaps them). All is built on the host, in any thread; device copies (`device_trie`,
+`FilterMask.on`) are made by the engine's thread on first use, so no other thread issues device work that could meet
+a CUDA graph capture or stall the engine's stream (docs/engine.md, 'Filters'; 'Catalog versions, live: `load_catalog`
+/ `rollback_catalog`').
 """
 
 from __future__ import annotations
@@ -123,8 +111,7 @@ class FilterMasks:
             self._masks.clear()
             self._bytes, self.retired = 0, True
 
-    def reinstate(self) -> None:
-        """Served again (a rollback): cache masks again."""
+    def reinstate(self) -> None:  # served again (a rollback)
         self.retired = False
 
     def _remember(self, key: str, mask: FilterMask) -> None:
@@ -162,26 +149,20 @@ class ServedCatalog:
 
     @classmethod
     def build(cls, catalog: Catalog, layout, device, filter_cache_bytes: int = FILTER_CACHE_BYTES) -> ServedCatalog:
-        """The catalog's trie built on the host (with the layout's ending tokens after every code), and an empty
-        cache of its compiled filters of at most `filter_cache_bytes`."""
+        """The host trie (the layout's ending tokens after every code) and an empty filter cache."""
         trie = CodeTrie.build(catalog.codes, "cpu", catalog.lengths, layout.ending, catalog.popularity)
         return cls(catalog, trie, FilterMasks(catalog, trie, filter_cache_bytes), torch.device(device))
 
     def device_trie(self) -> CodeTrie:
-        """The trie on the engine's device: made on first call, then the same object (cohorts of one version group
-        by it). Call it from the engine's thread only (the one stepping the scheduler)."""
+        """The trie on the device, made once (cohorts of one version group by the object). The engine's thread only."""
         if not self._on_device:
             self._on_device.append(self.trie if self.device.type == "cpu" else self.trie.to(self.device))
         return self._on_device[0]
 
 
 class CatalogVersions:
-    """The served catalog and the one before it (a rollback target), swapped atomically.
-
-    `load` builds a version off the serving loop (the caller's thread) and checks it against what the engine was
-    sized for; `use` makes it current: one reference assignment, seen by the next request prepared. Loading the
-    version served before is a swap back, nothing rebuilt.
-    """
+    """The served catalog and the one before it (a rollback target). `load` builds a version in the caller's thread;
+    `use` makes it current by one reference assignment, seen by the next request prepared."""
 
     def __init__(self, first: ServedCatalog, layout, device, max_steps: int):
         self.current, self.previous = first, None
@@ -214,7 +195,6 @@ class CatalogVersions:
             return served
 
     def rollback(self) -> ServedCatalog:
-        """Serve the previous version again (the current one becomes `previous`)."""
         with self._lock:
             if self.previous is None:
                 raise CatalogError("catalog", "no previous catalog version to roll back to")

@@ -1,28 +1,11 @@
-"""The two families' `config.json`, validated: the semantic-ID decoder's (`Qwen3Config`) and the ranker's
-(`HSTUConfig`).
+"""The two families' `config.json`, validated: the semantic-ID decoder's (`Qwen3Config`, the subset of a Qwen3 or
+Qwen2 config our forward pass needs; docs/engine.md, 'Two decoder architectures: Qwen3 and Qwen2') and the ranker's
+(`HSTUConfig`, which names every modelling choice; docs/engine.md, 'Ranking after a history: HSTU').
 
-Qwen3Config is the subset of a Hugging Face Qwen3 or Qwen2 config that our forward pass needs.
-The two decoder architectures the semantic-ID family runs are one implementation (model/qwen3.py), configured.
-
-Qwen3 (OpenOneRec's base) and Qwen2 (Qwen2.5: MiniOneRec's base) differ in attention only: Qwen3 normalises each
-query and key head (RMSNorm) before RoPE; Qwen2 has no such norm and adds biases to the q, k and v projections.
-Everything else (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, a tied or untied head) is the same, so an
-architecture is a few switches, read once when the model is built.
-
-HSTUConfig names every modelling choice. Its input vocabularies and reserved indices (requests map onto these):
-
-* items: rows 0 .. num_items-1 of the item embedding table, all real items (nothing reserved: the model
-  runs packed rows, never padded sequences, so it needs no padding item). The catalog maps item IDs to rows.
-* actions: 0 .. num_actions-1 are real actions; `no_action` (= num_actions) is an event without an action
-  and every candidate (its action is what the model predicts).
-* time buckets (optional, num_time_buckets > 0): the log2 of an event's gap in seconds to the previous event
-  (`time_buckets`), 0 .. num_time_buckets-1; `unknown_bucket` (= num_time_buckets) is the first event, an
-  event without a timestamp, and by default a candidate. Event times are within ±genrec.api.MAX_TIMESTAMP_S
-  (the API refuses others) and a gap is clamped to [0, MAX_GAP_S], so no history can overflow. A gap never
-  changes once the event is in the history, so cached K/V stay exact.
-* positions: history event j (0-based over the user's whole history) is position j; every candidate takes
-  position T (the history length), so a candidate's output never depends on the other candidates. A history
-  can therefore hold at most `max_history_events` = max_positions - 1 events.
+HSTU's reserved indices: item rows 0 .. num_items-1 are all real items (packed rows need no padding item);
+`no_action` (= num_actions) is an event without an action and every candidate (its action is what is predicted);
+`unknown_bucket` (= num_time_buckets) is the first event, one without a timestamp, and by default a candidate.
+History event j (0-based over the whole history) is position j; every candidate takes position T, the history length.
 """
 
 from __future__ import annotations
@@ -248,11 +231,8 @@ class HSTUConfig:
         return self.max_positions - 1
 
     def time_buckets(self, timestamps: Sequence[float | None], previous: float | None = None) -> list[int]:
-        """Each event's gap bucket: floor(log2(1 + gap seconds)) capped at num_time_buckets - 1, where gap is
-        to the event before it (`previous` is the timestamp of the last event already cached, when appending);
-        `unknown_bucket` where either timestamp is missing. Total, never raising: clock skew (a negative gap)
-        counts as 0, the gap is clamped to MAX_GAP_S, and a time that is not a number within ±MAX_TIMESTAMP_S
-        (the API refuses those) counts as missing."""
+        """Each event's gap bucket (formula and clamps: docs/engine.md, 'Ranking after a history: HSTU'); `previous`
+        is the last cached event's timestamp when appending. Never raises: a bad time counts as missing."""
         out = []
         previous = _seconds(previous)
         for t in timestamps:

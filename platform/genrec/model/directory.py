@@ -1,16 +1,12 @@
-"""The one reader of a model directory: `ModelDir.open(path)`; nothing else in genrec opens a model's files.
+"""The one reader of a model directory: `ModelDir.open(path)`; nothing else in genrec opens a model's files
+(docs/engine.md, 'Model directory'). `open` returns the family's object (Qwen3Dir, HSTUDir): config, version,
+catalog, a loader per part, and `check`, which checks all a replica reads without reading the weights (shapes and
+dtypes from the headers). Loaders import their heavy parts (transformers, the forward code, safetensors) when called,
+so `check`, run by light processes such as the deploy's preflight, never pays for them.
 
-A model directory is a plain Hugging Face directory (config.json, weights, tokenizer files) plus genrec's own files
-under `genrec/` (the catalog; a Qwen3 model's soft-token projector). `open` returns the family's directory object
-(Qwen3Dir, HSTUDir): its config, version, catalog, files and user-vector width, a loader for each part, and `check`,
-which checks everything a replica would read without reading the weights (each tensor's shape and dtype in the
-headers included). Loaders import their heavy parts when called (transformers, the forward code, safetensors), so
-`check`, run by light processes such as the deploy's preflight, never pays for them.
-
-The version hashes the files; the large files' digests are recorded in `genrec/digests.json` (`DigestRecord`) so
-that a replica start does not read gigabytes twice. An entry is trusted while its file keeps its size and
-modification time (as make and git's index do). Headers and sizes alone would not do: two fine-tunes share every
-shape. Recording is best effort: a read-only directory is hashed at every start unless recorded before.
+The version's large-file digests are kept in `genrec/digests.json` (`DigestRecord`), trusted while a file keeps its
+size and mtime (as make and git's index do): headers and sizes would not do, two fine-tunes share every shape.
+Recording is best effort: a read-only directory is hashed at every start unless recorded before.
 """
 
 from __future__ import annotations
@@ -86,9 +82,8 @@ class ModelDir:
         return load_state_dict(self.path)
 
     def check(self) -> None:
-        """Every file an engine replica reads at start, checked without reading the weights (the deploy's
-        preflight, and the batch driver's): the catalog, the weights (`check_weights`), and the family's own
-        files. A ModelDirectoryError names the first bad one."""
+        """Every file a replica reads at start, checked without reading the weights (the deploy's and the batch
+        driver's preflight); a ModelDirectoryError names the first bad one."""
         self.load_catalog()
         self.check_weights()
 
@@ -118,9 +113,8 @@ class ModelDir:
 
 
 class Qwen3Dir(ModelDir):
-    """A semantic-ID decoder: tokenizer files, the catalog of item codes, optionally a soft-token projector. The
-    family is `qwen3` whatever the decoder's architecture (`config.architecture`, config.json's model_type: qwen3,
-    or qwen2 for Qwen2 / Qwen2.5 checkpoints); the architecture is the model's business alone."""
+    """A semantic-ID decoder: tokenizer, catalog of item codes, optionally a soft-token projector. The family is
+    `qwen3` whatever `config.architecture` (qwen3 or qwen2) says: the architecture is the model's business alone."""
 
     family = "qwen3"
 
@@ -243,10 +237,8 @@ CATALOG_VERSION_FILE = re.compile(rf"{GENREC_SUBDIR}/catalog-[0-9a-f]{{12}}\.par
 
 
 def model_version(path: str | Path) -> str:
-    """A content hash of every file in the model directory (names and bytes) but the catalogs': the version Serve
-    and the batch job report beside the catalog's own (`catalog_version`), so a response or an output row says
-    exactly which weights and which catalog produced it. It salts the prefix cache, which a catalog change leaves
-    valid. The large files' digests come from `genrec/digests.json` while they are unchanged (`DigestRecord`)."""
+    """A content hash of every file (names and bytes) but the catalogs' (docs/engine.md, 'Catalog versions, live:
+    `load_catalog` / `rollback_catalog`'); it salts the prefix cache, which a catalog change leaves valid."""
     root = Path(path)
     record = DigestRecord(root / GENREC_SUBDIR / RECORD)
     digest = hashlib.sha256()

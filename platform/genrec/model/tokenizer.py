@@ -1,22 +1,7 @@
-"""The tokenizer: its conventions (semantic-ID tokens, the soft-token placeholder, label tokens), its loading and
-checks, and chat messages rendered by its template.
-
-genrec's own models name their semantic-ID tokens `<{letter}_{index}>`, one letter per code level (`<a_0>..<a_255>`,
-`<b_0>..`); which tokens form each level of a model is its SID layout (genrec.model.sid_layout). `<|user|>` is the
-soft-token placeholder.
-
-Chat messages are rendered by the model's own chat template (its tokenizer files), with the model's system
-prompt and template options from `genrec/prompt.json`, the assistant's turn opened.
-
-`genrec/prompt.json` (optional; every key optional):
-
-    {"version": 1,
-     "system_prompt": "You are a recommender ...",         # a system turn put first when the messages have none
-     "chat_template_kwargs": {"enable_thinking": false}}  # the template's own variables
-
-Without the file: no system prompt, and `enable_thinking` false (Qwen3 templates then open the assistant's turn
-with an empty think block: a semantic-ID model answers with a code, not with reasoning). Templates that do not
-read a variable ignore it.
+"""The tokenizer: its conventions (genrec's semantic-ID tokens `<{letter}_{index}>`, a letter per code level; the
+`<|user|>` soft-token placeholder; label tokens), its loading and checks, and chat messages rendered by its template
+with `genrec/prompt.json`'s options (docs/serving.md, 'Prompts: text, chat messages or token IDs'). Which tokens
+form each level of a model is its SID layout (genrec.model.sid_layout).
 """
 
 from __future__ import annotations
@@ -84,8 +69,7 @@ class ChatOptions:
 
     @classmethod
     def load(cls, path: Path) -> ChatOptions:
-        """The options in `path`; the defaults when it does not exist. A bad file is a ModelDirectoryError naming
-        it and the key."""
+        """The options in `path` (defaults when absent); a bad file is a ModelDirectoryError naming it and the key."""
         if not path.exists():
             return cls()
         try:
@@ -128,8 +112,7 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.options = options or ChatOptions()
         self.available = bool(getattr(tokenizer, "chat_template", None))
-        # The template's own control tokens (`<|im_start|>`, `<|im_end|>` ...): in a message's text they would open
-        # or close turns of the conversation (a client's text forging a system turn), so a message may not hold one.
+        # Control tokens (`<|im_start|>` ...) in a message would open or close turns (e.g. forge a system turn).
         special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
         self.control_tokens = tuple(sorted(special - allowed - {USER_TOKEN}))
         if self.options.system_prompt is not None and not self.available:

@@ -1,14 +1,8 @@
-"""Check a Serve config before deploying it: `python -m genrec.serving.check deployments/gpu.yaml [--model]`, and
-`genrec deploy` (`deploy`), which sends only a config that passes (docs/operations.md, 'Deploy checks').
-
-Serve accepts what this refuses and finds out late or never: an unknown key is dropped silently, and a change of a
-deployment's `user_config` alone runs no builder and reaches the replicas' `reconfigure`, which keeps the running
-limits when it does not validate. So every key is checked against Serve's schema, each app's `args`, each
-`user_config` and the deployments named; with `--model`, each engine section's model directory here, as the
-builder does (preflight.py). A RayService file is read through its `serveConfigV2`. Exit 0: fine; 2: one `error:`
-line per problem. After sending, `deploy` waits for the apps and reports each retriever replica that does not
-serve the declared catalog (rollout.py): exit 1.
-"""
+"""Check a Serve config before deploying it: `python -m genrec.serving.check CONFIG.yaml [--model]`, and `genrec
+deploy` (`deploy`), which sends only a config that passes, then reports the rollout (rollout.py). Serve would find
+these problems late or never: it drops an unknown key silently, and a `user_config` change alone runs no builder and
+reaches the replicas' `reconfigure`, which keeps the running limits if it does not validate (docs/operations.md,
+'Deploy checks')."""
 
 from __future__ import annotations
 
@@ -175,15 +169,14 @@ def deploy(path: Path, address: str | None, check_model: bool, dashboard_timeout
 
 
 def dashboard_url(address: str | None) -> str:
-    """The Ray dashboard `serve deploy` sends a config to: `address`, else RAY_DASHBOARD_ADDRESS, else
-    http://localhost:8265, as `serve deploy` picks it."""
+    """The Ray dashboard `serve deploy` sends a config to (`address`, else RAY_DASHBOARD_ADDRESS, else its default)."""
     address = address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD
     return address if "://" in address else f"http://{address}"
 
 
 def dashboard_silence(address: str | None, timeout_s: float = DASHBOARD_TIMEOUT_S) -> str | None:
-    """Why the Ray dashboard `serve deploy` would send the config to (`dashboard_url`) does not answer; None when
-    it answers (any HTTP status: what it says is `serve deploy`'s to report) or the address is not an HTTP one."""
+    """Why the dashboard (`dashboard_url`) does not answer; None when it answers (any HTTP status: that is `serve
+    deploy`'s to report) or the address is not an HTTP one."""
     address = address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD
     url = dashboard_url(address)
     if not url.startswith(("http://", "https://")):

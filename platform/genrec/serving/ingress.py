@@ -1,14 +1,8 @@
-"""The HTTP ingress (FastAPI under `@serve.ingress`): auth, validation, user_id -> embedding, engine calls; no
-model work (docs/serving.md, 'Routes', 'Two stages: the funnel online', 'When a deployment goes away').
-
-Each replica builds its own FastAPI app (`__serve_build_asgi_app__`) behind an edge (edge.py: token, body size,
-arrival time, answer counts). A route goes to the app's deployment of its family (a family the app lacks: 404),
-with the user's embedding from the shared cache (awaited, never blocking the event loop) and the user's routing
-key (router.py), under the request's one deadline; every failure becomes the status a client can act on
-(http_errors.py). A /v1/recommend with `history` runs two stages, two calls (funnel.py). At the deadline the
-ingress stops waiting, whatever the engine's state; a ranker known to have no replica (replicas.live_replicas)
-fails stage 2 at once. A replaced ingress replica is given longer than a deadline to finish (args.DRAIN_MARGIN_S),
-so no request in flight meets the HTTP proxy's plain-text 500.
+"""The HTTP ingress (FastAPI under `@serve.ingress`, one app per replica behind edge.py): auth, validation,
+user_id -> embedding (the shared cache, awaited off the event loop), the routing key (router.py) and engine calls
+under the request's one deadline; no model work. Every failure becomes a status a client can act on
+(http_errors.py); a /v1/recommend with `history` runs two stages (funnel.py). Docs: docs/serving.md, 'Routes',
+'Two stages: the funnel online', 'When a deployment goes away'.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures' real types.
@@ -60,7 +54,6 @@ MODEL_VERSION_HEADER = "X-Model-Version"
 RANKER_VERSION_HEADER = "X-Ranker-Version"  # a two-stage recommend: the ranking model's version
 # What the messages call each engine deployment: (its queues' owner, its replica).
 NAMES = {"retriever": ("the engines'", "the engine replica"), "ranker": ("the ranker's", "the ranker replica")}
-# The deployment each route's kind goes to.
 SECTION_OF = {kind: section for section, family in FAMILY.items() for kind in FAMILY_KINDS[family]}
 SECTION_OF["prompt"] = "retriever"  # POST /v1/prompt: the rendered prompt of the model that reads prompts
 ERROR_CODES = (400, 401, 404, 408, 413, 422, 503, 504)
@@ -128,9 +121,9 @@ class Ingress:
         ranker_facts: RankerFacts | None = None,
         idle_at_zero: frozenset[str] = frozenset(),
     ):
-        """`retriever`, `ranker`: handles of the app's engine deployments (None: the app has no such section);
-        `ranker_facts`: what a two-stage request is checked against (None: asked of the ranker on first use);
-        `idle_at_zero`: the deployments that scale to zero replicas while idle (EngineSection.scales_to_zero)."""
+        """`retriever`, `ranker`: engine deployment handles (None: no such section); `ranker_facts`: what a two-stage
+        request is checked against (None: asked of the ranker on first use); `idle_at_zero`: the deployments that
+        scale to zero while idle (EngineSection.scales_to_zero)."""
         self.handles = {"retriever": retriever, "ranker": ranker}
         self.idle_at_zero = idle_at_zero
         self.settings = settings
@@ -151,9 +144,8 @@ class Ingress:
         return self.limits.request_timeout_s
 
     def reconfigure(self, user_config: dict) -> None:
-        """The request deadline changes live (`user_config`), without replacing the replica; a config that
-        does not validate is refused and the running deadline stays (args.live_limits), and so is a deadline
-        longer than a replaced replica is given to finish its requests (IngressSection.drain_problem)."""
+        """The deadline, live; refused, the running one staying: a config that does not validate (args.live_limits)
+        or a deadline longer than a replaced replica is given to finish (IngressSection.drain_problem)."""
         self.limits, refused = self.settings.live(user_config, self.limits)
         self.metrics.refused = refused is not None
 
@@ -172,8 +164,7 @@ class Ingress:
         return await self._serve("rank", body, response)
 
     async def prompt(self, body: PromptRequest, response: Response, auth=Depends(bearer)):
-        """The prompt rendered as the retriever's engine runs it: its text and token IDs (a chat by the model's
-        template), checked as a request's prompt is."""
+        """The prompt as the retriever's engine runs it, checked as a request's prompt is."""
         try:
             deadline = edge.arrived() + self.request_timeout_s
             target = self._deployment_of("prompt")
@@ -184,8 +175,8 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def model(self, auth=Depends(bearer)):
-        """The retriever's model, with the ranker's under `ranker`; an app of a ranker alone: the ranker's. Each
-        lists the deployment's replicas with their catalog versions (`replicas`, from the app's board)."""
+        """The retriever's model (the ranker's under `ranker`), else the ranker's; each with its `replicas` and
+        their catalog versions (the board)."""
         try:
             infos = await self._models(time.monotonic() + self.request_timeout_s)
             for name, info in infos.items():
@@ -197,9 +188,8 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def healthz(self):
-        """Ready when a replica of each of the app's engine deployments answers (no auth: load balancers probe it)
-        and, with a retriever, one of its replicas serves a catalog its config declares (503 catalog_not_served
-        when every one refuses); `catalog` counts the retriever's replicas by catalog status (schemas.CatalogStatus)."""
+        """Ready when each engine deployment answers and, with a retriever, one replica serves its declared catalog
+        (else 503 catalog_not_served); no auth. `catalog`: the retriever's replicas by schemas.CatalogStatus."""
         try:
             infos = await self._models(time.monotonic() + 5.0)
             versions = {"model_version": infos.get("retriever", infos.get("ranker")).version}
@@ -211,8 +201,7 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def _catalog_health(self) -> dict:
-        """{"catalog": replicas by catalog status} of the retriever's replicas on the board (none there: {}); raises
-        CatalogNotServed when every one is refusing."""
+        """{"catalog": retriever replicas by catalog status}, {} if none on the board; CatalogNotServed: all refuse."""
         replicas = await self._replicas("retriever") or []
         counts = dict.fromkeys(("declared", "kept_running", "refusing"), 0)
         for replica in replicas:
@@ -231,8 +220,7 @@ class Ingress:
         }
 
     async def _replicas(self, name: str) -> list[dict] | None:
-        """The section's replicas as they last reported (replicas.py), those this replica's router knows gone left
-        out; None when the board cannot be read."""
+        """The section's replicas as last reported (replicas.py), less those our router knows gone; None: no board."""
         try:
             app = serve.get_replica_context().app_name
             reader = await asyncio.to_thread(board, app)
@@ -257,10 +245,8 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def _two_stage(self, body: RecommendBody, response: Response):
-        """Two calls under one deadline (funnel.py): the retriever's recommend in beam order (its beams and the
-        given items it keeps), then the ranker's rank of those items; stage 1 is given the deadline less the
-        funnel's reserve, stage 2 what is left. A stage 2 that fails answers stage 1's items, degraded, unless the
-        ingress is set to fail (then its 503 or 504)."""
+        """The retriever's recommend in beam order, then the ranker's rank of its items, under one deadline
+        (funnel.py; docs/serving.md, 'When the ranker fails')."""
         try:
             started = edge.arrived()  # the body's reading and validation included
             deadline = started + self.request_timeout_s
@@ -292,8 +278,7 @@ class Ingress:
             return error_response(err, self.retry_after_s)
 
     async def _stage2(self, body: RecommendBody, items, deadline: float):
-        """(the task the items are ordered by; the ranker's ranking of them, None when there are none; the ranker's
-        version)."""
+        """(the task the items are ordered by; the ranker's ranking, None: no items; the ranker's version)."""
         task = funnel.check_body(body, await self._ranker(deadline))
         ranking = funnel.stage2(body, items)
         if ranking is not None:  # in the cache scope of stage 1's request (the user's, by default)
@@ -332,9 +317,8 @@ class Ingress:
     async def _call(
         self, target: str, method: str, request, deadline: float, key: str, engine_deadline=None, fallback=False
     ):
-        """(result, model version) of one engine deployment's method. The engine is given until `engine_deadline`
-        (default: the deadline less the time to answer); the ingress waits for its answer until the latter, or,
-        with a `fallback` answer (a two-stage recommend's ranking), while the target has a running replica."""
+        """(result, model version) of an engine method, given until `engine_deadline` (default: the deadline less
+        ANSWER_MARGIN_S); with a `fallback` (a two-stage ranking), waited for only while the target has a replica."""
         if engine_deadline is None:
             engine_deadline = deadline - ANSWER_MARGIN_S
         remaining = engine_deadline - time.monotonic()
@@ -346,10 +330,9 @@ class Ingress:
         return await self._engine_call(call, deadline, target, fallback)
 
     def _check_running(self, target: str) -> None:
-        """EngineUnavailable when the target has no running replica, as this replica's router of it knows
-        (replicas.live_replicas): a two-stage recommend answers degraded (ranker_unavailable) at once instead of
-        waiting on Serve's handle until its deadline for a replacement to start. Calls without a fallback wait, and
-        so does a call to a deployment that scales to zero: none running is its idle state, and the call starts one."""
+        """EngineUnavailable when this replica's router knows (replicas.live_replicas) the target has no running
+        replica, so a two-stage recommend answers degraded at once instead of waiting for a replacement; not for a
+        deployment that scales to zero (none running is its idle state, and the call starts one)."""
         if target in self.idle_at_zero:
             return
         handle = self.handles[target]
@@ -357,9 +340,8 @@ class Ingress:
             raise EngineUnavailable(f"{NAMES[target][1]} is unavailable (none is running); retry")
 
     async def _user_embedding(self, body, deadline: float) -> list[float] | None:
-        """The user's vector from the cache, for a body with a user_id and no inline vector. Without a cache there
-        is none to look up: the user_id still scopes and routes the request, and a prompt that needs a vector (a
-        <|user|> placeholder, known once the engine has rendered it) is the engine's 422 naming user_embedding."""
+        """The user's vector from the cache. Without a cache the user_id only scopes and routes, and a prompt that
+        needs a vector (a <|user|> placeholder, known once rendered) is the engine's 422 naming user_embedding."""
         if getattr(body, "user_embedding", None) is not None or body.user_id is None or isinstance(body, RankBody):
             return None  # an inline vector wins; no user_id, nothing to look up; a ranker takes no vector
         if self.cache_args is None:
@@ -400,9 +382,8 @@ class Ingress:
             raise EngineUnavailable(f"{replica} is unavailable ({type(err).__name__}); retry") from None
 
     async def _unless_gone(self, response, timeout_s: float, target: str):
-        """The response's result within `timeout_s` (else TimeoutError); EngineUnavailable as soon as the target has
-        no running replica (`_check_running`, looked at every WATCH_S): a request held by a replica that died, or
-        waiting for one to be assigned, ends then."""
+        """The result within `timeout_s` (else TimeoutError), or EngineUnavailable as soon as the target has no
+        running replica (looked at every WATCH_S): a request held by a dead replica, or awaiting one, ends then."""
         waiter = asyncio.ensure_future(response)
         end = time.monotonic() + timeout_s
         try:

@@ -1,16 +1,13 @@
-"""Tiny random-weight checkpoints laid out exactly as OpenOneRec and MiniOneRec ship theirs, plus catalog files in
-the forms other engines read (NVIDIA SID-GR's JSONL). Our own code, written from the layouts' published facts
-(docs/open-checkpoints.md): token names, token-ID order, wrappers and endings, item-map files and prompt styles.
-
-Tests and the docs' walkthrough use them in place of a downloaded checkpoint (no model hub is reachable here).
+"""Tiny random-weight checkpoints laid out exactly as OpenOneRec and MiniOneRec ship theirs (`write_openonerec_dir`,
+`write_minionerec_dir`), and NVIDIA SID-GR's JSONL catalog (`write_sidgr_jsonl`): our own code, from the layouts'
+published facts (docs/open-checkpoints.md), used by the tests and the docs' walkthrough in place of a download.
 Neither writer writes genrec's catalog: `genrec catalog import` makes it from the item-map file, as a user would.
 
-- OpenOneRec: Qwen3; a base vocabulary, then `<s_a_N>`, `<s_b_N>`, `<s_c_N>` in numeric order, then
-  `<|sid_begin|>`, `<|sid_end|>`; the vocabulary padded to a multiple of 256; a Qwen3-style chat template (system
-  prompt, thinking switch); labels `是` / `否`; `pid2sid.parquet` (`pid`, `sid`: 3 ints) with shared codes.
-- MiniOneRec: Qwen2 (q/k/v biases, no q/k norm); tokens added with `add_tokens(sorted(set(...)))` (string order,
-  only the codes that occur); `<d_k>` only on colliding items; answers end with `\\n` then EOS; `*.index.json`;
-  Alpaca-style text prompts.
+- OpenOneRec: Qwen3; a base vocabulary, then `<s_a_N>`, `<s_b_N>`, `<s_c_N>` in numeric order, then `<|sid_begin|>`,
+  `<|sid_end|>`; the vocabulary padded to a multiple of 256; a Qwen3-style chat template (system prompt, thinking
+  switch); labels `是` / `否`; `pid2sid.parquet` (`pid`, `sid`: 3 ints) with shared codes.
+- MiniOneRec: Qwen2; tokens added with `add_tokens(sorted(set(...)))` (string order, only the codes that occur);
+  `<d_k>` only on colliding items; answers end with `\\n` then EOS; `*.index.json`; Alpaca-style text prompts.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Write complete, deterministic model directories with random weights of the real architectures: Qwen3 (or Qwen2,
-`ModelSpec(architecture="qwen2")`) and HSTU.
-
-Used by tests and the benchmarks (no model hub is reachable). Qwen3 weights are initialised so that next-token
-distributions are peaked like a trained model's: beam-search tests are then not decided by near-ties. An HSTU
-directory is laid out like the Qwen3 one: config.json (model_type genrec_hstu), model.safetensors, and
-genrec/catalog.parquet mapping each item ID (string column `item_id`) to its row of the item embedding table (int64
-column `item_index`); its weights keep hidden states O(1) through the layers and spread the task probabilities
-over (0, 1): tests are not decided by saturated sigmoids.
+"""Complete, deterministic model directories with random weights of the real architectures: Qwen3 (or Qwen2,
+`ModelSpec(architecture="qwen2")`) and HSTU (layout: docs/engine.md, 'Ranking after a history: HSTU'), for tests and
+benchmarks (no model hub is reachable). Qwen3 weights make next-token distributions peaked like a trained model's,
+so beam-search tests are not decided by near-ties; HSTU weights keep hidden states O(1) through the layers and task
+probabilities spread over (0, 1), so tests are not decided by saturated sigmoids.
 """
 
 from __future__ import annotations
@@ -186,8 +182,7 @@ def write_model_dir(
 
 
 def decoder_config(shape, vocab_size: int, architecture: str, tie_word_embeddings: bool) -> Qwen3Config:
-    """The decoder's config from a spec's shape fields (hidden, intermediate, layers, heads, kv_heads, head_dim,
-    max_positions): ModelSpec's, or an open layout's."""
+    """The decoder's config from a spec's shape fields (hidden, layers, heads, ...): ModelSpec's or an open layout's."""
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=shape.hidden,

@@ -1,11 +1,12 @@
 """The decode pass padded to a row bucket (the shape a CUDA graph replays), run eagerly on the CPU."""
 
 import numpy as np
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genrec.api import RetrieveRequest
-from genrec.engine.beam import fetch_finals
+from genrec.engine.beam import choices, fetch_finals
 from genrec.engine.decode_batch import DecodeBatch
 from genrec_bench import gpu_check
 from tests.conftest import random_prompt
@@ -48,12 +49,17 @@ class OpShapes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def decode_batch(engine, pool, bucket):
+    """A pass's inputs as a captured graph holds them: as many columns as any node's children may be."""
+    return DecodeBatch(bucket, max(engine.catalog.levels - 2, 0), pool, columns=engine.family.max_children)
+
+
 def recorded_pass(engine, pool, cohorts, bucket):
-    buf = DecodeBatch(bucket, max(engine.catalog.levels - 2, 0), pool)
-    rows = buf.fill(cohorts)
+    buf = decode_batch(engine, pool, bucket)
+    rows = buf.fill(choices(cohorts))
     with OpShapes() as rec:
-        logprobs, _, _ = engine.runner.decode_forward(buf)
-    return rec.ops, logprobs, rows, buf
+        gains, _, _ = engine.runner.decode_forward(buf)
+    return rec.ops, gains, rows, buf
 
 
 def test_two_request_mixes_in_one_bucket_run_the_same_op_shapes(engine, rng):
@@ -69,8 +75,8 @@ def test_padding_a_bucket_never_changes_real_rows(engine, rng):
     pool, cohorts = pooled_cohorts(engine, rng, [(20, 6), (33, 7)])
     engine.runner.decode(cohorts, bucketed=True)
     _, tight, rows, _ = recorded_pass(engine, pool, cohorts, 16)
-    buf = DecodeBatch(64, max(engine.catalog.levels - 2, 0), pool)
-    assert buf.fill(cohorts) == rows
+    buf = decode_batch(engine, pool, 64)
+    assert buf.fill(choices(cohorts)) == rows
     buf.tokens[rows:] = torch.randint(0, engine.model.config.vocab_size, (64 - rows,))  # junk in the padding
     buf.positions[rows:] = 7
     wide, _, _ = engine.runner.decode_forward(buf)
@@ -118,3 +124,11 @@ def test_contexts_with_reused_prefix_pieces_decode_the_same_bucketed_and_sized_t
         engine.runner.decode(exact, bucketed=False)
     for (b_scores, b_items), (e_scores, e_items) in zip(fetch_finals(bucketed), fetch_finals(exact), strict=True):
         assert b_items == e_items and np.allclose(b_scores, e_scores, atol=1e-5)
+
+
+def test_a_node_with_more_children_than_the_batch_holds_is_refused_by_name(engine, rng):
+    pool, cohorts = pooled_cohorts(engine, rng, [(20, 6)])
+    (selection,) = choices(cohorts)
+    narrow = DecodeBatch(16, max(engine.catalog.levels - 2, 0), pool, columns=selection.columns - 1)
+    with pytest.raises(ValueError, match=f"a node has {selection.columns} children; this batch holds"):
+        narrow.fill([selection])

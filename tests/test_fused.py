@@ -99,6 +99,16 @@ def test_hstu_pieces_equal_their_formulas(dtype, g):
     close(fused.own_attention(q, k, v, 0.25), (score * torch.sigmoid(score))[..., None] * v.float(), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_logprobs_are_the_log_softmax_at_those_columns(dtype, g):
+    logits = randn(6, 1000, dtype=dtype, g=g) * 8  # peaked rows: the log-sum-exp must not overflow
+    columns = torch.randint(0, 1000, (6, 13), generator=g)
+    got = fused.column_logprobs(logits, columns)
+    assert got.dtype == torch.float32 and got.shape == (6, 13)
+    want = torch.log_softmax(logits.double(), dim=-1).gather(1, columns)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
 def test_suffix_merge_equals_one_softmax_over_context_and_suffix(g):
     """The merged piece against one plain softmax over [context keys, suffix keys] per row."""
     R, S, H, KV, D, C, U = 6, 2, 4, 2, 8, 5, 3

@@ -104,13 +104,16 @@ def test_the_scheduler_splits_decode_rows_into_passes_a_capture_holds():
 
 
 def test_every_decode_graph_writes_into_one_set_of_outputs(graphed):
-    """The [rows, vocab] outputs are held once for all buckets (the largest's), not once per captured graph."""
+    """The outputs are held once for all buckets (the largest's), not once per captured graph; a pass returns each
+    row's log-probabilities at the children any node may have, never [rows, vocab]."""
     assert graphed.scheduler.idle
     outputs = [batch.outputs for batch, _ in graphed.runner._captured.values()]
     assert len(outputs) == 4 and {o[0].shape[0] for o in outputs} == {16, 32}
-    for logprobs, new_k, new_v in outputs:
-        assert logprobs.data_ptr() == outputs[0][0].data_ptr() and new_k.data_ptr() == outputs[0][1].data_ptr()
-        assert new_v.data_ptr() == outputs[0][2].data_ptr() and new_k.shape[1] == logprobs.shape[0]
+    columns = graphed.family.max_children
+    assert {o[0].shape[1] for o in outputs} == {columns} and columns < graphed.model.config.vocab_size
+    for gains, new_k, new_v in outputs:
+        assert gains.data_ptr() == outputs[0][0].data_ptr() and new_k.data_ptr() == outputs[0][1].data_ptr()
+        assert new_v.data_ptr() == outputs[0][2].data_ptr() and new_k.shape[1] == gains.shape[0]
 
 
 def test_a_failed_capture_leaves_no_scheduler_and_the_next_use_captures_again(tiny_dir):

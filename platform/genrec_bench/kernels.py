@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from genrec.api import RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
+from genrec.engine.beam import choices
 from genrec.engine.decode_batch import DecodeBatch
 from genrec.model import ModelDir
 from genrec.model.hstu import HistoryRows, HistorySegment
@@ -74,8 +75,10 @@ def layer_counts(engine: Engine, prompt_len: int, requests: int, beam_width: int
     pool = engine.runner.new_pool(requests * (prompt_len + 4096))
     cohorts = pooled_cohorts(engine, prepared, pool)
     engine.runner.decode(cohorts, bucketed=False)  # on to a level whose rows have a suffix to attend to
-    batch = DecodeBatch(sum(c.rows for c in cohorts), engine.runner.past, pool, 1, engine.runner.fast)
-    batch.fill(cohorts)
+    selections = choices(cohorts)
+    rows = sum(c.rows for c in cohorts)
+    batch = DecodeBatch(rows, engine.runner.past, pool, 1, engine.runner.fast, engine.family.max_children)
+    batch.fill(selections)
     passes = {
         "prefill": lambda: engine.runner.prefill_alone(prepared[0]),
         "decode": lambda: engine.runner.decode_forward(batch),

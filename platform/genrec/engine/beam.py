@@ -12,12 +12,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
 import torch
 
 from genrec.catalog.trie import CodeTrie
+from genrec.model.fused import column_logprobs
 from genrec.model.kv_pool import ContextKV, Extent
 from genrec.staging import fetch, to_device
 
@@ -77,9 +79,6 @@ class BeamCohort:
     def rows(self) -> int:
         return sum(self.rows_per_req)
 
-    def select(self, logprobs: torch.Tensor) -> None:
-        select_together([self], logprobs)
-
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next decode pass's (tokens [R], positions [R]): pass `level` feeds the level-(level-1) tokens."""
         row_req = _layout(tuple(self.rows_per_req), self.device)["row_req"]
@@ -120,48 +119,77 @@ def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last
     exclusions = [np.asarray(p.exclusions, dtype=np.int64) for p in prepared]
     widths = [request_width(p.request) for p in prepared]
     cohort = BeamCohort(trie, widths, contexts, exclusions, slots, [p.filter for p in prepared])
-    cohort.select(torch.log_softmax(last_logits, dim=-1))
+    (first,) = choices([cohort])
+    select_together(first, column_logprobs(last_logits, first.token))
     return cohort
 
 
-def advance_all(cohorts: list[BeamCohort], logprobs: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-    """After one decode pass over the cohorts' rows (in this order, same-level cohorts of one trie adjacent): record
-    each cohort's new BeamKV and run one selection per level and trie (a catalog swapped in while others decode)."""
-    start = 0
+@dataclass
+class Choices:
+    """What one selection may choose (cohorts at one level of one trie), looked up before the pass that scores it:
+    each row's children, token [R, C] (the columns the pass gathers), child [R, C], valid [R, C]."""
+
+    cohorts: list[BeamCohort]
+    token: torch.Tensor
+    child: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.token.shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.token.shape[1]
+
+
+def choices(cohorts: list[BeamCohort]) -> list[Choices]:
+    """The selections after the next pass over the cohorts' rows: one per run of same-level cohorts of one catalog
+    version (sorted so that each runs together: one selection each)."""
+    out = []
     for _, same_level in groupby(cohorts, key=lambda c: (c.level, id(c.trie))):
         group = list(same_level)
+        nodes = group[0].nodes if len(group) == 1 else torch.cat([c.nodes for c in group])
+        out.append(Choices(group, *group[0].trie.children(group[0].level, nodes)))
+    return out
+
+
+def advance_all(selections: list[Choices], gains: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+    """After one decode pass over the selections' rows (in this order): record each cohort's new BeamKV and run
+    each selection. gains [rows, >= C]: each row's log-probabilities at its children's tokens (`Choices.token`)."""
+    start = 0
+    for selection in selections:
         stop = start
-        for cohort in group:
+        for cohort in selection.cohorts:
             cohort.record_kv(new_k[:, stop : stop + cohort.rows], new_v[:, stop : stop + cohort.rows])
             stop += cohort.rows
-        select_together(group, logprobs[start:stop])
+        select_together(selection, gains[start:stop])
         start = stop
 
 
-def select_together(cohorts: list[BeamCohort], logprobs: torch.Tensor) -> None:
-    """One vectorised selection for cohorts at the same level; logprobs [rows of all cohorts, in order, vocab].
-    Each request keeps `_rows_after` rows, known on the host so nothing syncs; rows it cannot fill (exclusions, a
-    widening schedule) score -inf and are dropped from the results."""
+def select_together(selection: Choices, gains: torch.Tensor) -> None:
+    """One vectorised selection for cohorts at the same level; gains [rows of all cohorts, in order, >= C]: the
+    log-probabilities of each row's children's tokens (columns past C are ignored). Each request keeps `_rows_after`
+    rows, known on the host so nothing syncs; rows it cannot fill (exclusions, a widening schedule) score -inf and
+    are dropped from the results."""
+    cohorts, token, child = selection.cohorts, selection.token, selection.child
     first = cohorts[0]
     trie, level, device = first.trie, first.level, first.device
     assert all(c.level == level and c.trie is trie for c in cohorts), "cohorts must share a level and a trie"
-    one = len(cohorts) == 1
-    nodes = first.nodes if one else torch.cat([c.nodes for c in cohorts])
-    scores = first.scores if one else torch.cat([c.scores for c in cohorts])
+    scores = first.scores if len(cohorts) == 1 else torch.cat([c.scores for c in cohorts])
     rows_per_req = [n for c in cohorts for n in c.rows_per_req]
     widths = [w[level] for c in cohorts for w in c.widths]
     new_rows = [_rows_after(trie, level, w, n) for w, n in zip(widths, rows_per_req, strict=True)]
     current, chosen = _layout(tuple(rows_per_req), device), _layout(tuple(new_rows), device)
 
-    token, child, valid = trie.children(level, nodes)
-    gain = logprobs.gather(1, token)
+    C = selection.columns
+    gain = gains[:, :C]
     if trie.free[level] is not None:  # a finished code's pad step keeps its score (trie.py)
         gain = gain.masked_fill(trie.free[level][child], 0.0)
     cand = scores[:, None] + gain
-    allowed = valid & ~_excluded(cohorts, level, current["row_req"], child)
+    allowed = selection.valid & ~_excluded(cohorts, level, current["row_req"], child)
     _filter(cohorts, level, rows_per_req, child, allowed)
     cand = cand.masked_fill(~allowed, NEG_INF)
-    C = token.shape[1]
     padded = cand[current["pad_rows"]].masked_fill(~current["pad_valid"][..., None], NEG_INF).flatten(1)
     k = min(max(new_rows), padded.shape[1])
     top_scores, top_index = padded.topk(k, dim=1)

@@ -1,6 +1,8 @@
 """The inputs of one decode pass over many beam cohorts (of any levels), as data in fixed-size buffers, never
 as shapes: padded to a power-of-two bucket so one captured CUDA graph per bucket replays any request mix. Padding
 rows see only their own token and no context, and every op works row by row, so they never change a real row.
+The pass outputs each row's log-probabilities at its trie children's tokens only (`columns`, as wide as any node's
+children may be), so a catalog version or a filter changes data, never a shape, and no [rows, vocab] is written.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import numpy as np
 import torch
 
 from genrec.attention import StaticContext
-from genrec.engine.beam import BeamCohort
+from genrec.engine.beam import Choices
 from genrec.staging import to_device
 
 
@@ -20,12 +22,14 @@ def bucket_of(rows: int, smallest: int = 16) -> int:
 class DecodeBatch:
     """The inputs (and a captured graph's outputs) of a decode pass of up to `bucket` rows over one pool."""
 
-    def __init__(self, bucket: int, past: int, pool, spans: int = 1, fast: bool = False):
-        """`spans`: the most spans a context of the pass may have (prefix pieces plus its own part)."""
+    def __init__(self, bucket: int, past: int, pool, spans: int = 1, fast: bool = False, columns: int = 1):
+        """`spans`: the most spans a context of the pass may have (prefix pieces plus its own part); `columns`: the
+        most children a row's node may have."""
         self.bucket, self.past, self.pool, self.spans = bucket, past, pool, spans
         device = pool.k.device
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.tokens = torch.zeros(bucket, **i64)
+        self.columns = torch.zeros(bucket, columns, **i64)  # the tokens whose log-probabilities the pass returns
         self.positions = torch.zeros(bucket, **i64)
         self.ancestors = torch.zeros(bucket, past, **i64)
         self.mask = torch.ones(bucket, 1, past + 1, dtype=torch.bool, device=device)
@@ -40,12 +44,13 @@ class DecodeBatch:
             row_empty=torch.ones(spans * bucket, dtype=torch.bool, device=device),
             fast=fast,
         )
-        self.outputs = None  # (logprobs, new_k, new_v) of a captured graph
+        self.outputs = None  # (gains, new_k, new_v) of a captured graph
 
-    def fill(self, cohorts: list[BeamCohort]) -> int:
+    def fill(self, selections: list[Choices]) -> int:
         """Copy the pass's inputs in (device to device, and host index tables staged); returns the real rows."""
+        self._fill_columns(selections)
         rows, pasts, spans, counts = 0, [], [], []
-        for c in cohorts:
+        for c in (c for selection in selections for c in selection.cohorts):
             n, p = c.rows, c.level - 1  # this pass feeds level c.level's tokens; p earlier tokens per row
             self.tokens[rows : rows + n], self.positions[rows : rows + n] = c.step_inputs()
             if p:
@@ -68,6 +73,15 @@ class DecodeBatch:
             self.tokens[rows:] = 0
             self.positions[rows:] = 0
         return rows
+
+    def _fill_columns(self, selections: list[Choices]) -> None:
+        """Each row's children's tokens, left-aligned (the columns past a row's own count are never read)."""
+        width, row = self.columns.shape[1], 0
+        for selection in selections:
+            if selection.columns > width:
+                raise ValueError(f"a node has {selection.columns} children; this batch holds {width}")
+            self.columns[row : row + selection.rows, : selection.columns] = selection.token
+            row += selection.rows
 
     def _span_tables(self, spans: list[list[tuple[int, int]]], counts: list[int], pad: int) -> list:
         """The varlen index tables: block j (rows repeated) holds every request's span j, then the padding rows

@@ -91,8 +91,11 @@ class Family(Protocol):
 class Generating(Family, Protocol):
     """A family whose jobs generate before their rows (the Qwen3 decoder's beam search): `levels` > 0."""
 
+    max_children: int  # the most children a node of any catalog it may serve has: a captured pass's columns
+
     def decode_forward(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One decode pass over a filled `DecodeBatch`: (logprobs [B, vocab], new_k, new_v)."""
+        """One decode pass over a filled `DecodeBatch`: (gains [B, C]: the next token's log-probabilities at the
+        batch's `columns` [B, C], new_k, new_v)."""
 
     def generated(self, job: Job, beams: list[tuple[int, float]]) -> RetrieveResult | RecommendResult | None:
         """A job whose generation finished (its beams fetched): its result (a retrieve's; a recommend's that scores

@@ -96,6 +96,8 @@ class Retriever:
         self.layout = layout if layout is not None else SidLayout.infer(tokenizer)
         first = ServedCatalog.build(catalog, self.layout, self.device, filter_cache_bytes)
         self.levels = first.trie.levels  # decode steps: the longest code and its ending (what a later catalog may take)
+        # A node's children: one per code of the next level, and a pad where a shorter code ended (catalog/trie.py).
+        self.max_children = max(max(self.layout.level_sizes, default=0) + 1, *first.trie.max_children)
         self.catalogs = CatalogVersions(first, self.layout, self.device, max_steps=self.levels)
         self.begin = self.layout.begin
         self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
@@ -258,7 +260,8 @@ class Retriever:
         return JobState.DECODING
 
     def decode_forward(self, batch):
-        """One decode pass over a filled DecodeBatch: (logprobs [B, vocab], new_k, new_v [layers, B, 1, KV, D])."""
+        """One decode pass over a filled DecodeBatch: (gains [B, C]: the log-probabilities at its `columns`, new_k,
+        new_v [layers, B, 1, KV, D])."""
         model, pool = self.model, batch.pool
         past_k = pool.k[:, batch.ancestors] if batch.past else None  # [layers, B, P, KV, D]: one gather
         past_v = pool.v[:, batch.ancestors] if batch.past else None
@@ -266,7 +269,7 @@ class Retriever:
         hidden, new_k, new_v = model.forward_rows(
             embeds, batch.positions[:, None], batch.context, past_k, past_v, mask=batch.mask, fast=self.fast
         )
-        return torch.log_softmax(model.logits(hidden[:, -1]), dim=-1), new_k, new_v
+        return model.column_logprobs(hidden[:, -1], batch.columns, self.fast), new_k, new_v
 
     def generated(self, job, beams: list[tuple[int, float]]) -> RetrieveResult | RecommendResult | None:
         """A retrieve's result, or a recommend's in beam order; None: a scoring recommend keeps its beams to score."""

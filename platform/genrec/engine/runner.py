@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec.engine.beam import BeamCohort, advance_all
+from genrec.engine.beam import BeamCohort, advance_all, choices
 from genrec.engine.decode_batch import DecodeBatch, bucket_of
 from genrec.engine.family import Family
 from genrec.engine.job import Prepared
@@ -42,7 +42,7 @@ class ModelRunner:
         self.graphs = self.fast and self.device.type == "cuda" and half
         self.graph_max_rows = bucket_of(graph_max_rows)
         self.past = max(family.levels - 2, 0)  # the longest beam suffix a decode pass reads
-        self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans) -> a bucketed pass's inputs (no graph)
+        self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans, columns) -> a bucketed pass (no graph)
         self._captured: dict[tuple, tuple[DecodeBatch, object]] = {}  # (pool, bucket, spans) -> (inputs, graph)
         self.capture_pass = _CudaGraph  # how a pass is captured (the tests' recorder on the CPU)
         self.warmup_s: float | None = None  # how long `capture` took
@@ -94,10 +94,10 @@ class ModelRunner:
         while self.family.levels and bucket >= bucket_of(1):
             buckets.append(bucket)
             bucket //= 2
-        outputs = None
+        outputs, columns = None, self.family.max_children if buckets else 0
         for bucket in buckets:
             for spans in (MAX_SPANS, 1):
-                batch = DecodeBatch(bucket, self.past, pool, spans, self.fast)
+                batch = DecodeBatch(bucket, self.past, pool, spans, self.fast, columns)
                 batch.fill([])  # all padding: rows without context, each seeing only its own token
                 if outputs is None:
                     outputs = [torch.empty_like(t) for t in self.decode_forward(batch)]
@@ -111,39 +111,39 @@ class ModelRunner:
     def decode(self, cohorts: list[BeamCohort], bucketed: bool | None = None) -> None:
         """One pass over the cohorts' rows (all in one pool), then their selections. `bucketed` (default: with CUDA
         graphs) pads the rows to a power of two."""
-        # Same-level cohorts of one catalog version adjacent: one selection each (beam.advance_all).
-        cohorts = sorted(cohorts, key=lambda c: (c.level, id(c.trie)))
+        # Same-level cohorts of one catalog version adjacent: one selection each (beam.choices).
+        selections = choices(sorted(cohorts, key=lambda c: (c.level, id(c.trie))))
         pool = cohorts[0].slot_pool
-        rows = sum(c.rows for c in cohorts)
+        rows, columns = sum(s.rows for s in selections), max(s.columns for s in selections)
         spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
         key = (id(pool), bucket_of(rows), 1 if spans == 1 else MAX_SPANS)
         bucketed = self.graphs if bucketed is None else bucketed
         captured = self._captured.get(key) if bucketed and self.graphs else None
-        if captured is not None:
+        if captured is not None and captured[0].columns.shape[1] >= columns:
             batch, graph = captured
-            batch.fill(cohorts)
+            batch.fill(selections)
             graph.replay()  # on the device it was captured on (a graph's replay guards it)
-            logprobs, new_k, new_v = batch.outputs
+            gains, new_k, new_v = batch.outputs
         else:
             if bucketed and self.graphs:
                 self.uncaptured_passes += 1  # larger than the largest bucket, or another pool: eager, never captured
             batch = (
-                self._bucket(key, pool)
+                self._bucket((*key, columns), pool)
                 if bucketed and not self.graphs
-                else DecodeBatch(rows, self.past, pool, spans, self.fast)
+                else DecodeBatch(rows, self.past, pool, spans, self.fast, columns)
             )
-            batch.fill(cohorts)
-            logprobs, new_k, new_v = self.decode_forward(batch)
-        advance_all(cohorts, logprobs[:rows], new_k[:, :rows], new_v[:, :rows])
+            batch.fill(selections)
+            gains, new_k, new_v = self.decode_forward(batch)
+        advance_all(selections, gains[:rows], new_k[:, :rows], new_v[:, :rows])
 
     def decode_forward(self, batch: DecodeBatch):
-        """The pass over a filled batch: (logprobs [B, vocab], new_k, new_v [layers, B, 1, kv_heads, hd])."""
+        """The pass over a filled batch: (gains [B, columns], new_k, new_v [layers, B, 1, kv_heads, hd])."""
         return self.family.decode_forward(batch)
 
     def _bucket(self, key: tuple, pool: KVPool) -> DecodeBatch:
         """A bucketed pass's inputs without a graph (the CPU runs the padded pass eagerly): kept per key."""
         if key not in self._buckets:
-            self._buckets[key] = DecodeBatch(key[1], self.past, pool, key[2], self.fast)
+            self._buckets[key] = DecodeBatch(key[1], self.past, pool, key[2], self.fast, key[3])
         return self._buckets[key]
 
     @torch.inference_mode()
@@ -152,9 +152,9 @@ class ModelRunner:
 
 
 def _rows_of(outputs: list[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
-    """The first `rows` rows of a decode pass's outputs (logprobs [B, vocab]; new_k, new_v [layers, B, ...])."""
-    logprobs, new_k, new_v = outputs
-    return logprobs[:rows], new_k[:, :rows], new_v[:, :rows]
+    """The first `rows` rows of a decode pass's outputs (gains [B, columns]; new_k, new_v [layers, B, ...])."""
+    gains, new_k, new_v = outputs
+    return gains[:rows], new_k[:, :rows], new_v[:, :rows]
 
 
 def _copy_into(targets, values) -> None:

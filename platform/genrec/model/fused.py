@@ -66,6 +66,13 @@ def own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return F.silu((q * k).sum(-1, keepdim=True) * scale) * v
 
 
+def column_logprobs(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The float32 log-softmax of logits [R, vocab] at columns [R, C] only: one log-sum-exp over the vocabulary and
+    a gather. Compiled, it reads the logits once; the [R, vocab] log-softmax is never written."""
+    logits = logits.float()
+    return logits.gather(1, columns) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
 @dataclass(frozen=True)
 class Pieces:
     rms_norm: Callable
@@ -77,10 +84,20 @@ class Pieces:
     add_layer_norm: Callable
     gated_norm: Callable
     own_attention: Callable
+    column_logprobs: Callable  # a decode pass's log-probabilities at the trie's columns (genrec.engine.beam)
 
 
 PLAIN = Pieces(
-    rms_norm, add_rms_norm, rope, qk_norm_rope, silu_mul, suffix_merge, add_layer_norm, gated_norm, own_attention
+    rms_norm,
+    add_rms_norm,
+    rope,
+    qk_norm_rope,
+    silu_mul,
+    suffix_merge,
+    add_layer_norm,
+    gated_norm,
+    own_attention,
+    column_logprobs,
 )
 
 

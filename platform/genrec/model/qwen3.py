@@ -162,6 +162,11 @@ class Qwen3(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()
 
+    def column_logprobs(self, hidden: torch.Tensor, columns: torch.Tensor, fast: bool = False) -> torch.Tensor:
+        """The next token's float32 log-probabilities after hidden [R, hidden] at columns [R, C] only (fused.py)."""
+        logits = self.lm_head(self.model.norm(hidden))
+        return fused.pieces(fast, self.device).column_logprobs(logits, columns)
+
     @torch.inference_mode()
     def prefill(
         self, embeds: torch.Tensor, ctx: ContextKV, logits_at: torch.Tensor | None = None, fast: bool = False

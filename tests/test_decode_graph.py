@@ -132,3 +132,45 @@ def test_a_node_with_more_children_than_the_batch_holds_is_refused_by_name(engin
     narrow = DecodeBatch(16, max(engine.catalog.levels - 2, 0), pool, columns=selection.columns - 1)
     with pytest.raises(ValueError, match=f"a node has {selection.columns} children; this batch holds"):
         narrow.fill([selection])
+
+
+def test_split_spans_halves_the_longest_while_its_halves_hold_the_shortest_chunk():
+    from genrec.engine.decode_batch import split_spans
+
+    assert split_spans([(100, 5000)], 4, 512) == [(100, 1250), (1350, 1250), (2600, 1250), (3850, 1250)]
+    assert split_spans([(0, 1000)], 4, 512) == [(0, 1000)]  # halves of 500: too short to pay
+    assert split_spans([(0, 64), (500, 2048)], 4, 512) == [(0, 64), (500, 512), (1012, 512), (1524, 1024)]
+    assert split_spans([(0, 4096)], 1, 512) == [(0, 4096)]  # a one-span batch holds no more
+
+
+def test_splitting_pays_for_a_few_wide_requests_over_a_long_context_only():
+    from genrec.engine.decode_batch import splitting_pays
+
+    heads, sms = 16, 132  # Qwen3-1.7B on an H200
+    assert splitting_pays([256], 5000, heads, sms)  # 2 query blocks x 16 heads: 32 of 132 SMs busy
+    assert not splitting_pays([256] * 8, 5000, heads, sms)  # 256 thread blocks fill the GPU as they are
+    assert not splitting_pays([256], 1000, heads, sms)  # a short context is read at once
+
+
+def test_a_long_context_split_over_the_spare_blocks_decodes_as_read_whole(engine, rng):
+    """Split-KV: one-span contexts of 1,300 and 2,100 tokens cut into chunks (as a GPU with SMs to fill would) give
+    the same beams and scores as each read whole."""
+    from genrec.model.kv_pool import MAX_SPANS
+
+    shape = [(1300, 6), (2100, 4)]
+    state = rng.get_state()
+    _, split = pooled_cohorts(engine, rng, shape)
+    rng.set_state(state)
+    _, whole = pooled_cohorts(engine, rng, shape)
+    runner = engine.runner
+    runner.sms = 10**6  # every pass "underfills" the GPU
+    try:
+        while not all(c.done for c in split):
+            runner.decode(split, bucketed=True)
+    finally:
+        runner.sms = 0
+    assert any(key[2] == MAX_SPANS for key in runner._buckets)  # the passes ran in the multi-span bucket
+    while not all(c.done for c in whole):
+        runner.decode(whole, bucketed=False)
+    for (s_scores, s_items), (w_scores, w_items) in zip(fetch_finals(split), fetch_finals(whole), strict=True):
+        assert s_items == w_items and np.allclose(s_scores, w_scores, atol=1e-5)

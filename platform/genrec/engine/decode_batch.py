@@ -14,9 +14,38 @@ from genrec.attention import StaticContext
 from genrec.engine.beam import Choices
 from genrec.staging import to_device
 
+# Split-KV (a multi-span pass's spare blocks read a long context in parallel): no chunk shorter than this, and a
+# pass of one-span contexts takes the multi-span bucket only when a context holds two such chunks. Not yet tuned on a
+# GPU: FlashAttention-2 walks a sequence's keys in blocks of 64-128, so 512 keys are a few iterations per thread block.
+SPLIT_MIN_CHUNK = 512
+QUERY_BLOCK = 128  # query rows per FlashAttention-2 thread block (head dim 128, sm80 and later)
+
 
 def bucket_of(rows: int, smallest: int = 16) -> int:
     return max(smallest, 1 << (rows - 1).bit_length())
+
+
+def split_spans(spans: list[tuple[int, int]], blocks: int, min_chunk: int = SPLIT_MIN_CHUNK) -> list:
+    """A context's (pool offset, tokens) spans cut into at most `blocks` chunks, the longest halved first while its
+    halves hold `min_chunk` tokens. The context call merges its spans exactly (log-sum-exp), so the cut changes no
+    result, only how many thread blocks read the context at once."""
+    spans = list(spans)
+    while len(spans) < blocks:
+        longest = max(range(len(spans)), key=lambda i: spans[i][1])
+        start, tokens = spans[longest]
+        if tokens < 2 * min_chunk:
+            break
+        half = tokens // 2
+        spans[longest : longest + 1] = [(start, half), (start + half, tokens - half)]
+    return spans
+
+
+def splitting_pays(rows_per_context: list[int], longest_context: int, heads: int, sms: int) -> bool:
+    """Whether a pass of one-span contexts should run split in the multi-span bucket: its context call would run
+    fewer thread blocks (query blocks times heads, one set per context) than the GPU has SMs, and a context is long
+    enough to cut. A wide batch fills the GPU as it is, and a short context is read at once."""
+    blocks = sum(-(-rows // QUERY_BLOCK) for rows in rows_per_context) * heads
+    return blocks < sms and longest_context >= 2 * SPLIT_MIN_CHUNK
 
 
 class DecodeBatch:
@@ -62,6 +91,8 @@ class DecodeBatch:
             rows += n
         if spans and max(map(len, spans)) > self.spans:
             raise ValueError(f"a context has more than the {self.spans} spans this batch holds")
+        if self.spans > 1:
+            spans = [split_spans(s, self.spans) for s in spans]
         pad = self.bucket - rows
         mask = np.arange(self.past + 1)[None, :] < np.asarray(pasts + [0] * pad)[:, None]
         mask[:, self.past] = True  # every row sees its own new token

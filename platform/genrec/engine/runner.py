@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from genrec.engine.beam import BeamCohort, advance_all, choices
-from genrec.engine.decode_batch import DecodeBatch, bucket_of
+from genrec.engine.decode_batch import DecodeBatch, bucket_of, splitting_pays
 from genrec.engine.family import Family
 from genrec.engine.job import Prepared
 from genrec.model.kv_pool import MAX_SPANS, ContextKV, KVPool
@@ -40,6 +40,8 @@ class ModelRunner:
         # on the device; a float32 engine's attention reads them on the host, which no graph can hold.
         half = self.model.dtype in (torch.float16, torch.bfloat16)
         self.graphs = self.fast and self.device.type == "cuda" and half
+        # The SMs a pass's context call should fill (split-KV, decode_batch.splitting_pays); 0: never split.
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.graphs else 0
         self.graph_max_rows = bucket_of(graph_max_rows)
         self.past = max(family.levels - 2, 0)  # the longest beam suffix a decode pass reads
         self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans, columns) -> a bucketed pass (no graph)
@@ -116,7 +118,7 @@ class ModelRunner:
         pool = cohorts[0].slot_pool
         rows, columns = sum(s.rows for s in selections), max(s.columns for s in selections)
         spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
-        key = (id(pool), bucket_of(rows), 1 if spans == 1 else MAX_SPANS)
+        key = (id(pool), bucket_of(rows), 1 if spans == 1 and not self._splits(cohorts) else MAX_SPANS)
         bucketed = self.graphs if bucketed is None else bucketed
         captured = self._captured.get(key) if bucketed and self.graphs else None
         if captured is not None and captured[0].columns.shape[1] >= columns:
@@ -135,6 +137,14 @@ class ModelRunner:
             batch.fill(selections)
             gains, new_k, new_v = self.decode_forward(batch)
         advance_all(selections, gains[:rows], new_k[:, :rows], new_v[:, :rows])
+
+    def _splits(self, cohorts: list[BeamCohort]) -> bool:
+        """Whether one-span contexts run split in the multi-span bucket (split-KV: decode_batch.splitting_pays)."""
+        if not self.sms:
+            return False
+        rows = [n for c in cohorts for n in c.rows_per_req]
+        longest = max(ctx.length for c in cohorts for ctx in c.contexts)
+        return splitting_pays(rows, longest, self.model.config.num_attention_heads, self.sms)
 
     def decode_forward(self, batch: DecodeBatch):
         """The pass over a filled batch: (gains [B, columns], new_k, new_v [layers, B, 1, kv_heads, hd])."""

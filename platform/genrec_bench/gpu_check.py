@@ -13,12 +13,15 @@ on, and a part that would start after `--budget-s` is skipped:
 4. SID-GR's shapes timed in-process from submission to result, prompt tokens given (Qwen3-1.7B dimensions, bf16,
    random weights, prefix cache off; beam 256 / 3 levels at contexts 1,000 and 5,000): one request, a batch of 8,
    4 concurrent callers (threads over an AsyncEngine), fast (`cuda_fast=True`) beside eager (`cuda_fast=False`) and
-   one plain prefill of the same prompts;
+   one plain prefill of the same prompts; one request also fast with split-KV off (`fast_whole`);
 5. HSTU (tiny preset) at 2,000 events / 500 candidates: `genrec bench rank` in-process, and a returning user cold,
    warm under the cost rule and warm reading every cached piece, at 2,000 and 4,000 events;
 6. `bench load --cuda-fast`'s pattern in-process: a thread making prompts (reading the trie on the device) and
    submitting requests of many widths while the engine loop captures and replays decode graphs; its errors;
-7. launches per decode pass (torch.profiler): eager, FA2 varlen, replayed as a CUDA graph.
+7. launches per decode pass (torch.profiler): eager, FA2 varlen, replayed as a CUDA graph;
+8. where one request's time goes at 1000/256/3 and 5000/256/3 (torch.profiler, the fast engine): wall time, GPU busy
+   time and idle gaps, kernel time by kind (matrix products, attention, selection, copies, compiled pieces, other)
+   and the kernels that took longest.
 
 **The correctness rule** (`judge`). In bf16 two correct engines return different items where log-probabilities
 nearly tie, so neither is compared with the other: each engine's returned items are re-scored exactly by a float32
@@ -60,7 +63,14 @@ from genrec.attention import Spans, varlen_attention, varlen_reference
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.testing.tiny import ModelSpec, preset, write_model_dir
 from genrec_bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
-from genrec_bench.common import decoder, hstu_preset_dir, interleaved_medians, model_dir_for, random_prompt
+from genrec_bench.common import (
+    decoder,
+    hstu_preset_dir,
+    interleaved_medians,
+    model_dir_for,
+    random_prompt,
+    synchronize,
+)
 
 # -- 1, 2: versions and kernels ----------------------------------------------------------------------------------
 
@@ -248,6 +258,7 @@ def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
     one = interleaved_medians(
         {
             "fast": lambda: fast.retrieve(requests[:1]),
+            "fast_whole": lambda: unsplit(fast, lambda: fast.retrieve(requests[:1])),
             "eager": lambda: eager.retrieve(requests[:1]),
             "one_prefill": lambda: fast.runner.prefill_alone(prepared[0]),
         },
@@ -270,6 +281,7 @@ def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
         "concurrent_4": concurrent,
         "ratios": {
             "one_fast_over_prefill": one["fast"] / one["one_prefill"],
+            "one_whole_over_split": one["fast_whole"] / one["fast"],
             "one_eager_over_fast": one["eager"] / one["fast"],
             "batch_fast_over_prefills": batch["fast"] / batch["one_prefill_each"],
             "batch_eager_over_fast": batch["eager"] / batch["fast"],
@@ -277,6 +289,15 @@ def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
             / concurrent["eager"]["requests_per_s"],
         },
     }
+
+
+def unsplit(engine: Engine, fn):
+    """fn() with split-KV off: every one-span context read whole (genrec.engine.decode_batch.splitting_pays)."""
+    sms, engine.runner.sms = engine.runner.sms, 0
+    try:
+        return fn()
+    finally:
+        engine.runner.sms = sms
 
 
 @contextlib.contextmanager
@@ -428,6 +449,59 @@ def launches_per_decode_pass(engines: dict[str, Engine], prompt_len: int, beams:
     return out
 
 
+# Kernel kinds by name, first match wins (cuBLAS / CUTLASS products, FlashAttention, the beam selection's sorts and
+# gathers, copies and casts, Inductor's compiled pieces).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
+    ("selection", ("topk", "sort", "radix", "scan", "gather", "index", "softmax", "logsumexp")),
+    ("copy", ("copy", "memcpy", "memset", "fill", "cat")),
+    ("compiled", ("triton",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in lowered for w in words)), "other")
+
+
+def where_time_goes(engine: Engine, context: int, device) -> dict:
+    """One request at `context`/256/3 under torch.profiler, after a warm-up: wall time, the GPU's busy time (the
+    union of its kernels' intervals) and idle gaps, kernel time by kind, and the ten kernels that took longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    (request,) = sid_gr_requests(engine, context, count=1)
+    engine.retrieve([request])
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.retrieve([request])
+        synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us, end = 0.0, float("-inf")
+    for interval in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        busy_us += max(0.0, interval[1] - max(interval[0], end))
+        end = max(end, interval[1])
+    by_kind, by_name = {}, {}
+    for e in kernels:
+        kind, us = kernel_kind(e.name), e.time_range.elapsed_us()
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
+        by_name[e.name[:120]] = by_name.get(e.name[:120], 0.0) + us / 1e3
+    names = [e.name for e in prof.events()]
+    return {
+        "wall_ms": wall_ms,
+        "gpu_busy_ms": busy_us / 1e3,
+        "gpu_idle_ms": wall_ms - busy_us / 1e3,
+        "kernels": len(kernels),
+        "kernel_ms_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "longest_kernels_ms": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]},
+        "launch_calls": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names),
+        "graph_launches": names.count("cudaGraphLaunch"),
+    }
+
+
 # -- the run -----------------------------------------------------------------------------------------------------
 
 
@@ -489,6 +563,8 @@ def main() -> None:
     report.part("hstu 2000/500", lambda: hstu(device))
     report.part("load pattern (fast)", lambda: load_pattern(big["fast"]))
     report.part("launches per decode pass 4 x 2000/30", lambda: launches_per_decode_pass(big, 2000, [30] * 4))
+    for context in contexts:
+        report.part(f"where the time goes {context}/256/3", lambda n=context: where_time_goes(big["fast"], n, device))
 
 
 def gpu_consistency(device: str) -> dict:

@@ -199,3 +199,42 @@ def test_on_cuda_a_float32_engine_starts_and_serves_without_graphs(tiny_dir, eng
     requests = [RetrieveRequest(prompt_token_ids=random_prompt(cuda, 40, g), beam_width=9)]
     (got,), (want,) = cuda.retrieve(requests), engine.retrieve(requests)
     assert [i.item_id for i in got.items] == [i.item_id for i in want.items]
+
+
+def warmed(model_dir):
+    """An engine started as one whose pieces compile (CUDA with `fast`) starts: after its own warm-up requests."""
+    engine = Engine.from_pretrained(model_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    engine.runner.compiles = True
+    ran = []
+    requests = engine.family.warmup_requests
+    engine.family.warmup_requests = lambda: ran.extend(requests()) or list(ran)
+    assert engine.scheduler.idle  # it starts: the warm-up runs here
+    return engine, ran
+
+
+def test_an_engine_whose_pieces_compile_warms_up_on_its_own_requests_of_two_sizes_and_counts_none(tiny_dir, engine):
+    warm, ran = warmed(tiny_dir)
+    kinds = sorted(type(r).__name__ for r in ran)
+    assert kinds == ["RetrieveRequest", "RetrieveRequest", "ScoreRequest", "ScoreRequest"]
+    sizes = {(type(r).__name__, len(r.prompt_token_ids), getattr(r, "beam_width", None)) for r in ran}
+    assert len(sizes) == 4  # each kind at two sizes: a compiled piece's second size makes its shapes dynamic
+    assert warm.runner.warmup_s > 0 and warm.scheduler.metrics.snapshot()["requests"] == {}
+    assert warm.scheduler.metrics.steps == 0 and warm.scheduler.cache.stats.tokens_prompted == 0
+    request = RetrieveRequest(prompt_token_ids=list(range(5, 40)), beam_width=6)
+    (got,), (want,) = warm.retrieve([request]), engine.retrieve([request])  # the warm-up left nothing behind
+    assert [(i.item_id, i.logprob) for i in got.items] == [(i.item_id, i.logprob) for i in want.items]
+
+
+def test_a_ranker_whose_pieces_compile_warms_up_on_ranks_of_two_sizes(hstu_dir, ranker):
+    from genrec.api import Event, RankRequest
+
+    warm, ran = warmed(hstu_dir)
+    assert [(type(r).__name__, len(r.history), len(r.candidates)) for r in ran] == [
+        ("RankRequest", 8, 2),
+        ("RankRequest", 12, 3),
+    ]
+    assert warm.scheduler.metrics.snapshot()["requests"] == {}
+    items = warm.catalog.item_ids.tolist()
+    request = RankRequest(history=[Event(item_id=i) for i in items[3:20]], candidates=items[:5])
+    (got,), (want,) = warm.rank([request]), ranker.rank([request])
+    assert [(i.item_id, i.scores) for i in got.items] == [(i.item_id, i.scores) for i in want.items]

@@ -138,8 +138,24 @@ class Engine:
                 if self.runner.graphs:  # every decode bucket captured now, before any request (never on a live one)
                     seconds = self.runner.capture(scheduler.budget.pool, self.scheduler_config.prefill_tokens_per_step)
                     log.info("captured the decode passes' CUDA graphs in %.1f s", seconds)
+                if self.runner.compiles:  # its compiled pieces compile now, on requests of its own
+                    log.info("warmed up on the engine's own requests in %.1f s", self._warm_up(scheduler))
                 self._scheduler = scheduler
         return self._scheduler
+
+    def _warm_up(self, scheduler: Scheduler) -> float:
+        """The family's warm-up requests run to their end, one at a time, before any caller's; counted in
+        `runner.warmup_s` (a replica's start) and in no metric. A failure here fails the engine's start."""
+        started = time.perf_counter()
+        for request in self.family.warmup_requests():
+            future = scheduler.submit(self.prepare(request), timeout_s=math.inf)
+            while not future.done():
+                scheduler.step()
+            future.result()
+        scheduler.forget_counts()
+        seconds = time.perf_counter() - started
+        self.runner.warmup_s = (self.runner.warmup_s or 0.0) + seconds
+        return seconds
 
     def retrieve(self, requests: list[RetrieveRequest]) -> list[RetrieveResult]:
         return self._raising(requests, "retrieve")

@@ -87,6 +87,11 @@ class Family(Protocol):
     def describe(self) -> dict:
         """What /v1/model says of this family's model (the other family's fields None)."""
 
+    def warmup_requests(self) -> list:
+        """Small requests of each kind it answers, in two sizes each: what an engine whose pieces compile (CUDA with
+        `fast`) runs before it is seen, so that they compile then (a piece recompiles once, for dynamic shapes, at
+        the second size it sees), never on a live request."""
+
 
 class Generating(Family, Protocol):
     """A family whose jobs generate before their rows (the Qwen3 decoder's beam search): `levels` > 0."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genrec.api import FAMILY_KINDS, PromptForms, PromptResult, RankedItem, RankRequest, RankResult
+from genrec.api import FAMILY_KINDS, Event, PromptForms, PromptResult, RankedItem, RankRequest, RankResult
 from genrec.attention import ContextGroup
 from genrec.catalog.catalog import ItemIndex
 from genrec.engine.job import JobState, Prepared
@@ -181,6 +181,11 @@ class Ranker:
             history_events=len(prepared.token_ids),
             catalog_version=self.catalog.version,
         )
+
+    def warmup_requests(self) -> list:
+        """A rank at two sizes (histories shorter than a prefix-cache block: nothing is cached)."""
+        items = self.catalog.item_ids.tolist()
+        return [RankRequest(history=[Event(item_id=items[0])] * (4 * size), candidates=items[:size]) for size in (2, 3)]
 
     def describe(self) -> dict:
         config = self.model.config

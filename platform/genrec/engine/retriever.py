@@ -20,6 +20,7 @@ from genrec.api import (
     RecommendResult,
     RetrieveRequest,
     RetrieveResult,
+    ScoreRequest,
 )
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import results
@@ -318,6 +319,17 @@ class Retriever:
         """Scored rows -> one per item: each retrieved item's code row, then the given candidates' rows."""
         codes = job.row_of_retrieved[-1] + 1 if job.row_of_retrieved else 0
         return to_device(np.concatenate([job.row_of_retrieved, np.arange(codes, scored)]).astype(np.int64), self.device)
+
+    def warmup_requests(self) -> list:
+        """A retrieve and a score at two sizes (prompts shorter than a prefix-cache block: nothing is cached)."""
+        token = int(self.tokenizer.encode("warm", add_special_tokens=False)[0])
+        items = self.catalog.item_ids.tolist()
+        out = []
+        for size in (2, 3):
+            prompt = [token] * (4 * size)
+            out.append(RetrieveRequest(prompt_token_ids=prompt, beam_width=min(size, len(items))))
+            out.append(ScoreRequest(prompt_token_ids=prompt, candidates=[Candidate(item_id=i) for i in items[:size]]))
+        return out
 
     def describe(self) -> dict:
         served = self.catalogs.current

@@ -39,7 +39,8 @@ class ModelRunner:
         # Passes replayed as CUDA graphs: with the FlashAttention-2 kernel only (bf16 / fp16), whose index tables stay
         # on the device; a float32 engine's attention reads them on the host, which no graph can hold.
         half = self.model.dtype in (torch.float16, torch.bfloat16)
-        self.graphs = self.fast and self.device.type == "cuda" and half
+        self.compiles = self.fast and self.device.type == "cuda"  # its pieces compiled (model/fused.py)
+        self.graphs = self.compiles and half
         # The SMs a pass's context call should fill (split-KV, decode_batch.splitting_pays); 0: never split.
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.graphs else 0
         self.graph_max_rows = bucket_of(graph_max_rows)
@@ -47,7 +48,7 @@ class ModelRunner:
         self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans, columns) -> a bucketed pass (no graph)
         self._captured: dict[tuple, tuple[DecodeBatch, object]] = {}  # (pool, bucket, spans) -> (inputs, graph)
         self.capture_pass = _CudaGraph  # how a pass is captured (the tests' recorder on the CPU)
-        self.warmup_s: float | None = None  # how long `capture` took
+        self.warmup_s: float | None = None  # how long `capture` and the engine's warm-up requests took
         self.uncaptured_passes = 0  # bucketed passes that found no captured graph (ran eagerly; none expected)
         self.prefill_graphs = None  # the prefill's stages per token bucket, once captured
 

@@ -21,7 +21,7 @@ from genrec.engine.beam import fetch_finals
 from genrec.engine.family import Family
 from genrec.engine.job import Job, JobState, Prepared
 from genrec.engine.metrics import EngineMetrics
-from genrec.engine.prefix_cache import BLOCK, HostTier, PrefixCache
+from genrec.engine.prefix_cache import BLOCK, CacheStats, HostTier, PrefixCache
 from genrec.engine.runner import ModelRunner
 from genrec.errors import InvalidRequestError, Overloaded, RequestTimeout
 from genrec.model.kv_pool import Holding, KVBudget, kv_bytes_per_token
@@ -133,6 +133,11 @@ class Scheduler:
         job = Job(prepared, Future(), now, now + timeout_s, tokens)
         self.inbox.append(job)
         return job.future
+
+    def forget_counts(self) -> None:
+        """Metrics and cache statistics from zero: the engine's own warm-up requests are not its callers'."""
+        self.metrics = EngineMetrics(self.clock)
+        self.cache.stats = CacheStats()
 
     @property
     def has_room(self) -> bool:

@@ -70,6 +70,7 @@ from genrec_bench.common import (
     model_dir_for,
     random_prompt,
     synchronize,
+    timed,
 )
 
 # -- 1, 2: versions and kernels ----------------------------------------------------------------------------------
@@ -531,9 +532,24 @@ class Report:
 
 
 def loaded(big: dict, device, preset_name: str) -> dict:
+    """The engines, each started (its captures and warm-up requests: `start_s`, `warmup_s`), then the fast one's
+    first request at 1000/256/3 beside its second: nothing should compile or capture on the first."""
     big.update(big_engines(device, preset_name))
     memory = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-    return {"engines": sorted(big), "gpu_memory_gib": round(memory / 2**30, 1)}
+    started = {}
+    for name, engine in big.items():
+        start = time.perf_counter()
+        assert engine.scheduler.idle
+        started[name] = {"start_s": time.perf_counter() - start, "warmup_s": engine.runner.warmup_s}
+    (request,) = sid_gr_requests(big["fast"], 1000, count=1)
+    first, second = (timed(lambda: big["fast"].retrieve([request]), device) for _ in range(2))
+    return {
+        "engines": sorted(big),
+        "gpu_memory_gib": round(memory / 2**30, 1),
+        "started": started,
+        "fast_first_request_s": first,
+        "fast_second_request_s": second,
+    }
 
 
 def main() -> None:

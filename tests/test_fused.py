@@ -109,6 +109,21 @@ def test_column_logprobs_are_the_log_softmax_at_those_columns(dtype, g):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
 
 
+def test_compiled_column_logprobs_allocates_nothing_as_wide_as_the_vocabulary(g):
+    """What the CUDA fast path relies on, read from Inductor's generated code (its CPU backend here): the row max and
+    sum and the gathered columns are its only buffers; the [rows, vocab] log-softmax is never written."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    logits, columns = randn(6, 1000, dtype=torch.bfloat16, g=g), torch.randint(0, 1000, (6, 13), generator=g)
+    compiled = torch.compile(fused.column_logprobs, fullgraph=True)
+    out, codes = run_and_get_code(compiled, logits, columns)
+    torch.testing.assert_close(out, fused.column_logprobs(logits, columns))
+    buffers = [shape for code in codes for shape in re.findall(r"empty_strided_\w+\(\(([^)]*)\)", code)]
+    assert buffers and sorted(buffers) == ["6, 1", "6, 1", "6, 13"]
+
+
 def test_suffix_merge_equals_one_softmax_over_context_and_suffix(g):
     """The merged piece against one plain softmax over [context keys, suffix keys] per row."""
     R, S, H, KV, D, C, U = 6, 2, 4, 2, 8, 5, 3

@@ -67,10 +67,11 @@ def own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def column_logprobs(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """The float32 log-softmax of logits [R, vocab] at columns [R, C] only: one log-sum-exp over the vocabulary and
-    a gather. Compiled, it reads the logits once; the [R, vocab] log-softmax is never written."""
-    logits = logits.float()
-    return logits.gather(1, columns) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    """The float32 log-softmax of logits [R, vocab] at columns [R, C] only. Compiled, Inductor computes the row max
+    and sum, then the log-softmax only where the gather reads it: its buffers are [R, 1] and [R, C], never [R, vocab]
+    (read from its generated code). Eager (the CPU) it is torch's log-softmax kernel, faster there than logsumexp
+    (51 vs 72 ms for 256 rows of Qwen3's 151,936) and the same numbers as before the pass ended at the columns."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, columns)
 
 
 @dataclass(frozen=True)

@@ -184,8 +184,9 @@ class Ranker:
 
     def warmup_requests(self) -> list:
         """A rank at two sizes (histories shorter than a prefix-cache block: nothing is cached)."""
-        items = self.catalog.item_ids.tolist()
-        return [RankRequest(history=[Event(item_id=items[0])] * (4 * size), candidates=items[:size]) for size in (2, 3)]
+        items, most = self.catalog.item_ids.tolist(), self.model.config.max_history_events
+        history = [Event(item_id=items[0])]
+        return [RankRequest(history=history * min(4 * size, most), candidates=items[:size]) for size in (2, 3)]
 
     def describe(self) -> dict:
         config = self.model.config

@@ -326,7 +326,7 @@ class Retriever:
         items = self.catalog.item_ids.tolist()
         out = []
         for size in (2, 3):
-            prompt = [token] * (4 * size)
+            prompt = [token] * min(4 * size, self.max_prompt_tokens)
             out.append(RetrieveRequest(prompt_token_ids=prompt, beam_width=min(size, len(items))))
             out.append(ScoreRequest(prompt_token_ids=prompt, candidates=[Candidate(item_id=i) for i in items[:size]]))
         return out

@@ -410,6 +410,21 @@ def _cohorts(engine, prompt_len, beams):
     return pooled_cohorts(engine, prepared, engine.scheduler.budget.pool)
 
 
+def device_kernels(prof) -> list:
+    """The kernels a torch.profiler profile saw run on the device."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def launch_counts(prof) -> dict:
+    """A profile's device kernels, kernel launch calls and CUDA graph launches."""
+    names = [e.name for e in prof.events()]
+    return {
+        "kernels": len(device_kernels(prof)),
+        "launch_calls": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names),
+        "graph_launches": names.count("cudaGraphLaunch"),
+    }
+
+
 def launches_per_decode_pass(engines: dict[str, Engine], prompt_len: int, beams: list[int]) -> dict:
     """Kernels and launch calls of one decode pass (torch.profiler): the `eager` engine; the `fast` one eagerly
     (FA2 varlen); the static pass replayed as a CUDA graph. Also graph replay against eager (logprobs, items)."""
@@ -431,15 +446,7 @@ def launches_per_decode_pass(engines: dict[str, Engine], prompt_len: int, beams:
         while not all(c.done for c in cohorts):
             engine.runner.decode([c for c in cohorts if not c.done], bucketed)
         finals[mode] = fetch_finals(cohorts)
-        names = [e.name for e in prof.events()]
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        launch = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names)
-        out[mode] = {
-            "kernels": len(kernels),
-            "launch_calls": launch,
-            "graph_launches": names.count("cudaGraphLaunch"),
-            "seconds": seconds,
-        }
+        out[mode] = {**launch_counts(prof), "seconds": seconds}
     for mode in ("varlen", "graphs"):
         same = [a[1] == b[1] for a, b in zip(finals["eager"], finals[mode], strict=True)]
         diff = max(
@@ -480,7 +487,7 @@ def where_time_goes(engine: Engine, context: int, device) -> dict:
         engine.retrieve([request])
         synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = device_kernels(prof)
     busy_us, end = 0.0, float("-inf")
     for interval in sorted((e.time_range.start, e.time_range.end) for e in kernels):
         busy_us += max(0.0, interval[1] - max(interval[0], end))
@@ -490,16 +497,13 @@ def where_time_goes(engine: Engine, context: int, device) -> dict:
         kind, us = kernel_kind(e.name), e.time_range.elapsed_us()
         by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
         by_name[e.name[:120]] = by_name.get(e.name[:120], 0.0) + us / 1e3
-    names = [e.name for e in prof.events()]
     return {
         "wall_ms": wall_ms,
         "gpu_busy_ms": busy_us / 1e3,
         "gpu_idle_ms": wall_ms - busy_us / 1e3,
-        "kernels": len(kernels),
+        **launch_counts(prof),
         "kernel_ms_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "longest_kernels_ms": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]},
-        "launch_calls": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names),
-        "graph_launches": names.count("cudaGraphLaunch"),
     }
 
 

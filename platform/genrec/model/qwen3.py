@@ -160,12 +160,16 @@ class Qwen3(nn.Module):
         return self.model.embed_tokens(token_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        return self._head(hidden).float()
 
     def column_logprobs(self, hidden: torch.Tensor, columns: torch.Tensor, fast: bool = False) -> torch.Tensor:
-        """The next token's float32 log-probabilities after hidden [R, hidden] at columns [R, C] only (fused.py)."""
-        logits = self.lm_head(self.model.norm(hidden))
-        return fused.pieces(fast, self.device).column_logprobs(logits, columns)
+        """The next token's float32 log-probabilities after hidden [R, hidden] at columns [R, C] only (fused.py: the
+        cast to float32 inside the compiled piece, so no float32 [R, vocab] copy is made first)."""
+        return fused.pieces(fast, self.device).column_logprobs(self._head(hidden), columns)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head: logits [..., vocab] in the model's dtype."""
+        return self.lm_head(self.model.norm(hidden))
 
     @torch.inference_mode()
     def prefill(

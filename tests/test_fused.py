@@ -124,6 +124,30 @@ def test_compiled_column_logprobs_allocates_nothing_as_wide_as_the_vocabulary(g)
     assert buffers and sorted(buffers) == ["6, 1", "6, 1", "6, 13"]
 
 
+def test_selection_keys_sort_each_request_best_first(g):
+    """One sort of the keys is every request's top-k: against a plain per-request sort of its candidates, on random
+    scores with disallowed children (-inf), free pad steps, signed zeros, exact ties, positive and negative scores."""
+    rows_per_req, C = [3, 1, 5, 2], 7
+    R = sum(rows_per_req)
+    segment = torch.repeat_interleave(torch.arange(len(rows_per_req)), torch.tensor(rows_per_req))
+    scores = torch.randn(R, generator=g) * 50
+    gains = torch.randn(R, C, generator=g) * 3
+    gains[0, :3] = torch.tensor([0.0, -0.0, 0.0])  # exact ties: any order among them is a right top-k
+    allowed = torch.rand(R, C, generator=g) > 0.3
+    free = torch.rand(R, C, generator=g) > 0.8
+    cand, keys = fused.selection_keys(scores, gains, allowed, free, segment)
+    want_cand = torch.where(allowed, scores[:, None] + torch.where(free, 0.0, gains), -torch.inf)
+    assert torch.equal(cand, want_cand)
+    order = keys.flatten().sort(stable=True).indices
+    start = 0
+    for r, rows in enumerate(rows_per_req):
+        mine = order[start * C : (start + rows) * C]  # request r's segment: its rows' candidates, best first
+        assert ((mine // C >= start) & (mine // C < start + rows)).all(), r
+        want = sorted(cand[start : start + rows].flatten().tolist(), reverse=True)
+        assert cand.flatten()[mine].tolist() == want, r
+        start += rows
+
+
 def test_suffix_merge_equals_one_softmax_over_context_and_suffix(g):
     """The merged piece against one plain softmax over [context keys, suffix keys] per row."""
     R, S, H, KV, D, C, U = 6, 2, 4, 2, 8, 5, 3

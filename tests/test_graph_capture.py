@@ -79,6 +79,80 @@ def test_every_bucket_is_captured_at_start_and_live_passes_only_replay(graphed, 
         assert np.allclose([i.logprob for i in a.items], [i.logprob for i in b.items], atol=1e-4)
 
 
+@pytest.fixture
+def selecting(tiny_dir):
+    """`graphed`, but each captured pass ranks its candidates itself (`selects_in_graph`: one sort in the graph; the
+    host only gathers each request's first rows), and a pass holds up to 64 rows: room for requests of two levels."""
+    RecordedGraph.made = []
+    config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
+    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=64, scheduler=config)
+    engine.runner.graphs, engine.runner.selects_in_graph = True, True
+    engine.runner.capture_pass = RecordedGraph
+    assert engine.scheduler.idle
+    assert all(batch.selects and len(batch.outputs) == 4 for batch, _ in engine.runner._captured.values())
+    return engine
+
+
+def constrained(engine, rng) -> list[RetrieveRequest]:
+    """Requests of several widths, one with an allow-list smaller than its width, one excluding items, one with a
+    widening schedule."""
+    items = engine.catalog.item_ids
+    asked = retrieves(engine, rng, [9, 12, 30, 11])
+    changes = [
+        {"allowed_item_ids": list(items[::3])},
+        {"exclude_item_ids": list(items[:40:2])},
+        {"allowed_item_ids": list(items[5:11])},  # 6 items for 30 beams: the other rows score -inf
+        {"beam_widths": [2, 5, 11]},
+    ]
+    return [r.model_copy(update=change) for r, change in zip(asked, changes, strict=True)]
+
+
+def test_captured_passes_that_select_themselves_return_what_the_eager_selection_does(selecting, engine, rng):
+    captured = list(RecordedGraph.made)
+    state = rng.get_state()
+    asked = constrained(selecting, rng)
+    with no_sync():
+        got = selecting.retrieve(asked)
+    rng.set_state(state)
+    want = engine.retrieve(constrained(engine, rng))
+    assert RecordedGraph.made == captured and selecting.runner.uncaptured_passes == 0
+    assert sum(g.replays for g in captured[:6]) >= 3
+    for a, b in zip(got, want, strict=True):
+        assert [i.item_id for i in a.items] == [i.item_id for i in b.items]
+        assert np.allclose([i.logprob for i in a.items], [i.logprob for i in b.items], atol=1e-4)
+    items = selecting.catalog.item_ids
+    assert {i.item_id for i in got[0].items} <= set(items[::3]) and len(got[2].items) == 6
+    assert not set(items[:40:2]) & {i.item_id for i in got[1].items}
+
+
+def test_a_self_selecting_pass_over_cohorts_of_two_levels_selects_each_as_the_eager_selection(selecting, rng):
+    """Straight through the runner (no scheduler to retry a failed pass one request at a time): one cohort runs a
+    level ahead, so each replayed pass holds two selections, and the later one's requests start past the first's."""
+    from genrec.engine.beam import fetch_finals
+    from genrec_bench.gpu_check import pooled_cohorts
+
+    state = rng.get_state()
+    asked = [selecting.prepare(r) for r in constrained(selecting, rng)[:3]]
+    rng.set_state(state)
+    again = [selecting.prepare(r) for r in constrained(selecting, rng)[:3]]
+    graphed = pooled_cohorts(selecting, asked, selecting.scheduler.budget.pool)  # the pool its graphs were captured for
+    eager = pooled_cohorts(selecting, again, selecting.runner.new_pool(4096))
+    runner, replays = selecting.runner, sum(g.replays for g in RecordedGraph.made)
+    runner.decode(graphed[2:])  # the widest runs ahead
+    runner.decode(eager[2:], bucketed=False)
+    with no_sync():
+        runner.decode(graphed)  # levels 1 and 2 in one pass: two selections
+    runner.decode(eager, bucketed=False)
+    runner.decode([c for c in graphed if not c.done])
+    runner.decode([c for c in eager if not c.done], bucketed=False)
+    assert all(c.done for c in graphed) and sum(g.replays for g in RecordedGraph.made) == replays + 3
+    finals = zip(graphed, fetch_finals(graphed), eager, fetch_finals(eager), strict=True)
+    for g_cohort, g_host, e_cohort, e_host in finals:  # their beams, rows that found no item (-inf) dropped
+        (g_beams,), (e_beams,) = g_cohort.results(g_host), e_cohort.results(e_host)
+        assert [item for item, _ in g_beams] == [item for item, _ in e_beams]
+        assert np.allclose([s for _, s in g_beams], [s for _, s in e_beams], atol=1e-5)
+
+
 def test_a_pass_wider_than_the_largest_capture_runs_eagerly_and_never_captures(graphed, engine, rng):
     assert graphed.scheduler.idle
     captured = list(RecordedGraph.made)

@@ -13,7 +13,9 @@ on, and a part that would start after `--budget-s` is skipped:
 4. SID-GR's shapes timed in-process from submission to result, prompt tokens given (Qwen3-1.7B dimensions, bf16,
    random weights, prefix cache off; beam 256 / 3 levels at contexts 1,000 and 5,000): one request, a batch of 8,
    4 concurrent callers (threads over an AsyncEngine), fast (`cuda_fast=True`) beside eager (`cuda_fast=False`) and
-   one plain prefill of the same prompts; one request also fast with split-KV off (`fast_whole`);
+   one plain prefill of the same prompts; one request also fast with split-KV off (`fast_whole`); one request and
+   the batch also on a fast engine whose decode graphs select the beams themselves (`fast_selecting`, a sort in
+   the graph, `selects_in_graph`), with its beams beside the fast engine's (`selecting_as_fast`: the same numbers);
 5. HSTU (tiny preset) at 2,000 events / 500 candidates: `genrec bench rank` in-process, and a returning user cold,
    warm under the cost rule and warm reading every cached piece, at 2,000 and 4,000 events;
 6. `bench load --cuda-fast`'s pattern in-process: a thread making prompts (reading the trie on the device) and
@@ -210,13 +212,20 @@ def tiny_judged(device, architecture: str = "qwen3") -> dict:
 def agreement(a: Engine, b: Engine, retrieve: list, score: list) -> tuple[list[bool], float, float]:
     """Two engines on the same requests: per retrieve request, the same items or not; the largest difference of
     their beams' log-probabilities and of their scores."""
-    (r0, s0), (r1, s1) = ((e.retrieve(retrieve), e.score(score)) for e in (a, b))
+    same, beams = beams_agree(a, b, retrieve)
+    s0, s1 = a.score(score), b.score(score)
+    scores = max(abs(i.logprob - j.logprob) for i, j in zip(s0[0].scores, s1[0].scores, strict=True))
+    return same, beams, scores
+
+
+def beams_agree(a: Engine, b: Engine, retrieve: list) -> tuple[list[bool], float]:
+    """Per request, whether both return the same items; the largest difference of their beams' log-probabilities."""
+    r0, r1 = a.retrieve(retrieve), b.retrieve(retrieve)
     same = [[i.item_id for i in x.items] == [i.item_id for i in y.items] for x, y in zip(r0, r1, strict=True)]
     beams = max(
         abs(i.logprob - j.logprob) for x, y in zip(r0, r1, strict=True) for i, j in zip(x.items, y.items, strict=False)
     )
-    scores = max(abs(i.logprob - j.logprob) for i, j in zip(s0[0].scores, s1[0].scores, strict=True))
-    return same, beams, scores
+    return same, beams
 
 
 # -- 4: SID-GR's shapes, timed -----------------------------------------------------------------------------------
@@ -224,11 +233,15 @@ def agreement(a: Engine, b: Engine, retrieve: list, score: list) -> tuple[list[b
 
 def big_engines(device, preset_name: str) -> dict[str, Engine]:
     """The preset's dimensions (Qwen3-1.7B's), random weights: bf16 with the fast path on and off (passed
-    explicitly, whatever the default), and the float32 reference the correctness rule re-scores with."""
+    explicitly, whatever the default), the fast path selecting inside its decode graphs (`selects_in_graph`), and
+    the float32 reference the correctness rule re-scores with."""
     model_dir = model_dir_for(preset_name, None, SID_GR_LEVELS)
     bf16 = {"device": device, "dtype": torch.bfloat16, "scheduler": COLD}
+    selecting = Engine.from_pretrained(model_dir, cuda_fast=True, **bf16)
+    selecting.runner.selects_in_graph = True  # before its start captures: its passes select their beams themselves
     return {
         "fast": Engine.from_pretrained(model_dir, cuda_fast=True, **bf16),
+        "fast_selecting": selecting,
         "eager": Engine.from_pretrained(model_dir, cuda_fast=False, **bf16),
         "float32": Engine.from_pretrained(
             model_dir, device=device, dtype=torch.float32, cuda_fast=False, scheduler=COLD
@@ -251,15 +264,19 @@ def big_judged(big: dict[str, Engine], contexts: list[int]) -> dict:
 
 
 def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
-    """One request and a batch of 8, fast beside eager and beside one plain prefill of the same prompts (the floor);
-    then 4 concurrent callers, fast beside eager. Seconds are medians, from submission to result."""
+    """One request and a batch of 8, fast beside eager and beside one plain prefill of the same prompts (the floor),
+    and beside the fast engine that selects inside its graphs where it started; then 4 concurrent callers, fast
+    beside eager. Seconds are medians, from submission to result."""
     fast, eager = big["fast"], big["eager"]
+    selecting = big.get("fast_selecting")
+    also = {"fast_selecting": selecting} if selecting else {}
     requests = sid_gr_requests(fast, context)
     prepared = [fast.prepare(r) for r in requests]
     one = interleaved_medians(
         {
             "fast": lambda: fast.retrieve(requests[:1]),
             "fast_whole": lambda: unsplit(fast, lambda: fast.retrieve(requests[:1])),
+            **{name: lambda e=e: e.retrieve(requests[:1]) for name, e in also.items()},
             "eager": lambda: eager.retrieve(requests[:1]),
             "one_prefill": lambda: fast.runner.prefill_alone(prepared[0]),
         },
@@ -269,6 +286,7 @@ def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
     batch = interleaved_medians(
         {
             "fast": lambda: fast.retrieve(requests),
+            **{name: lambda e=e: e.retrieve(requests) for name, e in also.items()},
             "eager": lambda: eager.retrieve(requests),
             "one_prefill_each": lambda: [fast.runner.prefill_alone(p) for p in prepared],
         },
@@ -276,20 +294,27 @@ def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
         device,
     )
     concurrent = {name: callers_rate(big[name], requests) for name in ("fast", "eager")}
-    return {
-        "one_request_s": one,
-        "batch_8_s": batch,
-        "concurrent_4": concurrent,
-        "ratios": {
-            "one_fast_over_prefill": one["fast"] / one["one_prefill"],
-            "one_whole_over_split": one["fast_whole"] / one["fast"],
-            "one_eager_over_fast": one["eager"] / one["fast"],
-            "batch_fast_over_prefills": batch["fast"] / batch["one_prefill_each"],
-            "batch_eager_over_fast": batch["eager"] / batch["fast"],
-            "concurrent_fast_over_eager_rate": concurrent["fast"]["requests_per_s"]
-            / concurrent["eager"]["requests_per_s"],
-        },
+    ratios = {
+        "one_fast_over_prefill": one["fast"] / one["one_prefill"],
+        "one_whole_over_split": one["fast_whole"] / one["fast"],
+        "one_eager_over_fast": one["eager"] / one["fast"],
+        "batch_fast_over_prefills": batch["fast"] / batch["one_prefill_each"],
+        "batch_eager_over_fast": batch["eager"] / batch["fast"],
+        "concurrent_fast_over_eager_rate": concurrent["fast"]["requests_per_s"] / concurrent["eager"]["requests_per_s"],
     }
+    report = {"one_request_s": one, "batch_8_s": batch, "concurrent_4": concurrent, "ratios": ratios}
+    if selecting:
+        report["selecting_as_fast"] = same_beams(fast, selecting, requests)
+        ratios["one_selecting_over_fast"] = one["fast_selecting"] / one["fast"]
+        ratios["batch_selecting_over_fast"] = batch["fast_selecting"] / batch["fast"]
+    return report
+
+
+def same_beams(a: Engine, b: Engine, requests: list[RetrieveRequest]) -> dict:
+    """Two engines of the same kernels and dtype (the eager selection and the one inside the graph) on the same
+    requests: the same numbers, so the same beams but where two candidates tie exactly (then either is right)."""
+    same, beams = beams_agree(a, b, requests)
+    return {"same_items": sum(same), "of": len(same), "max_logprob_diff": beams}
 
 
 def unsplit(engine: Engine, fn):
@@ -541,9 +566,16 @@ def loaded(big: dict, device, preset_name: str) -> dict:
     big.update(big_engines(device, preset_name))
     memory = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     started = {}
-    for name, engine in big.items():
+    for name, engine in list(big.items()):
         start = time.perf_counter()
-        assert engine.scheduler.idle
+        try:
+            assert engine.scheduler.idle
+        except Exception as err:  # noqa: BLE001 - an engine that cannot start is reported and left out
+            if name in ("fast", "eager", "float32"):
+                raise
+            started[name] = {"error": f"{type(err).__name__}: {err}"}
+            del big[name]
+            continue
         started[name] = {"start_s": time.perf_counter() - start, "warmup_s": engine.runner.warmup_s}
     (request,) = sid_gr_requests(big["fast"], 1000, count=1)
     first, second = (timed(lambda: big["fast"].retrieve([request]), device) for _ in range(2))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from genrec.catalog.trie import CodeTrie
-from genrec.model.fused import column_logprobs
+from genrec.model.fused import candidate_scores, column_logprobs
 from genrec.model.kv_pool import ContextKV, Extent
 from genrec.staging import fetch, to_device
 
@@ -126,13 +126,20 @@ def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last
 
 @dataclass
 class Choices:
-    """What one selection may choose (cohorts at one level of one trie), looked up before the pass that scores it:
-    each row's children, token [R, C] (the columns the pass gathers), child [R, C], valid [R, C]."""
+    """What one selection may choose (cohorts at one level of one trie), looked up before the pass that scores it.
+    Per row of the cohorts (R rows) and child (C columns): token [R, C] (the columns the pass gathers), child [R, C],
+    allowed [R, C] (a real child, not excluded, passing the request's filter), free [R, C] or None (a finished code's
+    pad step: it keeps the row's score); per row its beam's score [R]. On the host: each request's rows, now and
+    after the selection."""
 
     cohorts: list[BeamCohort]
     token: torch.Tensor
     child: torch.Tensor
-    valid: torch.Tensor
+    allowed: torch.Tensor
+    free: torch.Tensor | None
+    scores: torch.Tensor
+    rows_per_req: list[int]
+    new_rows: list[int]
 
     @property
     def rows(self) -> int:
@@ -146,67 +153,87 @@ class Choices:
 def choices(cohorts: list[BeamCohort]) -> list[Choices]:
     """The selections after the next pass over the cohorts' rows: one per run of same-level cohorts of one catalog
     version (sorted so that each runs together: one selection each)."""
-    out = []
-    for _, same_level in groupby(cohorts, key=lambda c: (c.level, id(c.trie))):
-        group = list(same_level)
-        nodes = group[0].nodes if len(group) == 1 else torch.cat([c.nodes for c in group])
-        out.append(Choices(group, *group[0].trie.children(group[0].level, nodes)))
-    return out
+    return [_choices(list(group)) for _, group in groupby(cohorts, key=lambda c: (c.level, id(c.trie)))]
 
 
-def advance_all(selections: list[Choices], gains: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+def _choices(cohorts: list[BeamCohort]) -> Choices:
+    """Each request keeps `_rows_after` rows, known on the host so nothing syncs; rows it cannot fill (exclusions, a
+    widening schedule) score -inf and are dropped from the results."""
+    first = cohorts[0]
+    trie, level = first.trie, first.level
+    nodes = first.nodes if len(cohorts) == 1 else torch.cat([c.nodes for c in cohorts])
+    scores = first.scores if len(cohorts) == 1 else torch.cat([c.scores for c in cohorts])
+    token, child, valid = trie.children(level, nodes)
+    rows_per_req = [n for c in cohorts for n in c.rows_per_req]
+    widths = [w[level] for c in cohorts for w in c.widths]
+    new_rows = [_rows_after(trie, level, w, n) for w, n in zip(widths, rows_per_req, strict=True)]
+    row_req = _layout(tuple(rows_per_req), first.device)["row_req"]
+    allowed = valid & ~_excluded(cohorts, level, row_req, child)
+    _filter(cohorts, level, rows_per_req, child, allowed)
+    free = trie.free[level][child] if trie.free[level] is not None else None  # trie.py: codes of fewer tokens
+    return Choices(cohorts, token, child, allowed, free, scores, rows_per_req, new_rows)
+
+
+def advance_all(
+    selections: list[Choices], gains: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, order=None
+) -> None:
     """After one decode pass over the selections' rows (in this order): record each cohort's new BeamKV and run
-    each selection. gains [rows, >= C]: each row's log-probabilities at its children's tokens (`Choices.token`)."""
+    each selection. gains [rows, >= C]: each row's log-probabilities at its children's tokens (`Choices.token`);
+    or, with `order` (the selection ran inside the pass: `ranked_order`), its children's scores, ranked."""
     start = 0
     for selection in selections:
         stop = start
         for cohort in selection.cohorts:
             cohort.record_kv(new_k[:, stop : stop + cohort.rows], new_v[:, stop : stop + cohort.rows])
             stop += cohort.rows
-        select_together(selection, gains[start:stop])
+        if order is None:
+            select_together(selection, gains[start:stop])
+        else:
+            select_ranked(selection, gains, order, start)
         start = stop
 
 
 def select_together(selection: Choices, gains: torch.Tensor) -> None:
     """One vectorised selection for cohorts at the same level; gains [rows of all cohorts, in order, >= C]: the
-    log-probabilities of each row's children's tokens (columns past C are ignored). Each request keeps `_rows_after`
-    rows, known on the host so nothing syncs; rows it cannot fill (exclusions, a widening schedule) score -inf and
-    are dropped from the results."""
-    cohorts, token, child = selection.cohorts, selection.token, selection.child
-    first = cohorts[0]
-    trie, level, device = first.trie, first.level, first.device
-    assert all(c.level == level and c.trie is trie for c in cohorts), "cohorts must share a level and a trie"
-    scores = first.scores if len(cohorts) == 1 else torch.cat([c.scores for c in cohorts])
-    rows_per_req = [n for c in cohorts for n in c.rows_per_req]
-    widths = [w[level] for c in cohorts for w in c.widths]
-    new_rows = [_rows_after(trie, level, w, n) for w, n in zip(widths, rows_per_req, strict=True)]
-    current, chosen = _layout(tuple(rows_per_req), device), _layout(tuple(new_rows), device)
-
-    C = selection.columns
-    gain = gains[:, :C]
-    if trie.free[level] is not None:  # a finished code's pad step keeps its score (trie.py)
-        gain = gain.masked_fill(trie.free[level][child], 0.0)
-    cand = scores[:, None] + gain
-    allowed = selection.valid & ~_excluded(cohorts, level, current["row_req"], child)
-    _filter(cohorts, level, rows_per_req, child, allowed)
-    cand = cand.masked_fill(~allowed, NEG_INF)
+    log-probabilities of each row's children's tokens (columns past C are ignored). Each request's best children
+    by a top-k over its rows' candidates, padded to the most rows any of its requests has."""
+    C, device = selection.columns, selection.token.device
+    current = _layout(tuple(selection.rows_per_req), device)
+    chosen = _layout(tuple(selection.new_rows), device)
+    cand = candidate_scores(selection.scores, gains[:, :C], selection.allowed, selection.free)
     padded = cand[current["pad_rows"]].masked_fill(~current["pad_valid"][..., None], NEG_INF).flatten(1)
-    k = min(max(new_rows), padded.shape[1])
+    k = min(max(selection.new_rows), padded.shape[1])
     top_scores, top_index = padded.topk(k, dim=1)
 
     req, rank = chosen["row_req"], chosen["row_rank"]
     clamped = rank.clamp(max=k - 1)
     new_scores = top_scores[req, clamped].masked_fill(rank >= k, NEG_INF)
     flat = top_index[req, clamped]
-    parent = current["pad_rows"][req, flat // C]
-    col = flat % C
-    new_tokens, new_nodes = token[parent, col], child[parent, col]
+    _hand_out(selection, current["pad_rows"][req, flat // C], flat % C, new_scores)
 
-    # Hand each cohort its slice; parents become cohort-local again.
+
+def select_ranked(selection: Choices, cand: torch.Tensor, order: torch.Tensor, start: int) -> None:
+    """The selection of rows [start, start + selection.rows) of a pass that ranked its candidates itself: cand
+    [pass rows, W] their scores, order [pass rows, W] the flat indices of cand by request, best first (each
+    request's segment starts at W times its first row). A request's new row of rank q is its segment's q-th."""
+    W, device = cand.shape[1], cand.device
+    current = _layout(tuple(selection.rows_per_req), device)
+    chosen = _layout(tuple(selection.new_rows), device)
+    at = (start + current["first_row"][chosen["row_req"]]) * W + chosen["row_rank"]
+    flat = order.flatten()[at]
+    parent = flat // W - start if start else flat // W
+    # A pick past a row's own children scores -inf (never allowed): any column of it hands out the same.
+    _hand_out(selection, parent, (flat % W).clamp_(max=selection.columns - 1), cand.flatten()[flat])
+
+
+def _hand_out(selection: Choices, parent: torch.Tensor, col: torch.Tensor, new_scores: torch.Tensor) -> None:
+    """The new rows (in request order) to their cohorts: parent [new rows] (a row of the selection), the child's
+    column and the new scores. Parents become cohort-local again."""
+    new_tokens, new_nodes = selection.token[parent, col], selection.child[parent, col]
     old_row, new_row, request = 0, 0, 0
-    for c in cohorts:
+    for c in selection.cohorts:
         n_req, old_rows = len(c.widths), c.rows
-        mine = new_rows[request : request + n_req]
+        mine = selection.new_rows[request : request + n_req]
         rows = slice(new_row, new_row + sum(mine))
         local = parent[rows] - old_row if old_row else parent[rows]
         c.advance(local, new_tokens[rows], new_nodes[rows], new_scores[rows], mine)
@@ -236,7 +263,7 @@ def slots_needed(trie: CodeTrie, widths: list[Width]) -> int:
 
 def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
     """Index tensors of a row layout (request r owns rows_per_req[r] consecutive rows), built on the host and cached:
-    pad_rows/pad_valid [N, max rows] (each request's rows, padded), row_req/row_rank [rows]."""
+    pad_rows/pad_valid [N, max rows] (each request's rows, padded), first_row [N], row_req/row_rank [rows]."""
     key = (rows_per_req, str(device))
     with _LAYOUTS_LOCK:  # engines in one process (tests, benches) each step in their own thread
         found = _LAYOUTS.get(key)
@@ -250,6 +277,7 @@ def _layout(rows_per_req: tuple[int, ...], device) -> dict[str, torch.Tensor]:
         found = {
             "pad_rows": to_device(offsets[:, None] + np.minimum(slots[None, :], counts[:, None] - 1), device),
             "pad_valid": to_device(slots[None, :] < counts[:, None], device, torch.bool),
+            "first_row": to_device(offsets, device),
             "row_req": to_device(row_req, device),
             "row_rank": to_device(np.arange(len(row_req)) - offsets[row_req], device),
         }

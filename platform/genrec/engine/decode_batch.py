@@ -12,6 +12,7 @@ import torch
 
 from genrec.attention import StaticContext
 from genrec.engine.beam import Choices
+from genrec.model import fused
 from genrec.staging import to_device
 
 # Split-KV (a multi-span pass's spare blocks read a long context in parallel): no chunk shorter than this, and a
@@ -51,10 +52,13 @@ def splitting_pays(rows_per_context: list[int], longest_context: int, heads: int
 class DecodeBatch:
     """The inputs (and a captured graph's outputs) of a decode pass of up to `bucket` rows over one pool."""
 
-    def __init__(self, bucket: int, past: int, pool, spans: int = 1, fast: bool = False, columns: int = 1):
+    def __init__(
+        self, bucket: int, past: int, pool, spans: int = 1, fast: bool = False, columns: int = 1, selects=False
+    ):
         """`spans`: the most spans a context of the pass may have (prefix pieces plus its own part); `columns`: the
-        most children a row's node may have."""
+        most children a row's node may have; `selects`: the pass ranks its candidates itself (`ranked`)."""
         self.bucket, self.past, self.pool, self.spans = bucket, past, pool, spans
+        self.fast, self.selects = fast, selects
         device = pool.k.device
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.tokens = torch.zeros(bucket, **i64)
@@ -73,7 +77,12 @@ class DecodeBatch:
             row_empty=torch.ones(spans * bucket, dtype=torch.bool, device=device),
             fast=fast,
         )
-        self.outputs = None  # (gains, new_k, new_v) of a captured graph
+        if selects:  # what a selection reads besides the pass's gains (beam.Choices), padded: never allowed
+            self.scores = torch.zeros(bucket, dtype=torch.float32, device=device)
+            self.allowed = torch.zeros(bucket, columns, dtype=torch.bool, device=device)
+            self.free = torch.zeros(bucket, columns, dtype=torch.bool, device=device)
+            self.segment = torch.zeros(bucket, **i64)  # each row's request in the pass; padding rows after all
+        self.outputs = None  # (gains, new_k, new_v[, order]) of a captured graph
 
     def fill(self, selections: list[Choices]) -> int:
         """Copy the pass's inputs in (device to device, and host index tables staged); returns the real rows."""
@@ -97,6 +106,8 @@ class DecodeBatch:
         mask = np.arange(self.past + 1)[None, :] < np.asarray(pasts + [0] * pad)[:, None]
         mask[:, self.past] = True  # every row sees its own new token
         copies = [(self.mask, mask[:, None], torch.bool), *self._span_tables(spans, counts, pad)]
+        if self.selects:
+            copies.append(self._fill_selection(selections, counts, pad))
         device = self.tokens.device
         for buffer, host, dtype in copies:
             buffer.copy_(to_device(host, device, dtype), non_blocking=True)
@@ -113,6 +124,28 @@ class DecodeBatch:
                 raise ValueError(f"a node has {selection.columns} children; this batch holds {width}")
             self.columns[row : row + selection.rows, : selection.columns] = selection.token
             row += selection.rows
+
+    def _fill_selection(self, selections: list[Choices], counts: list[int], pad: int) -> tuple:
+        """The selections' scores, allowed and free children into their rows (device to device); the padding
+        allows nothing. Returns the segment table's host copy."""
+        row = 0
+        for selection in selections:
+            rows, C = slice(row, row + selection.rows), selection.columns
+            self.scores[rows] = selection.scores
+            self.allowed[rows, :C] = selection.allowed
+            self.free[rows, :C] = selection.free if selection.free is not None else False
+            if C < self.allowed.shape[1]:
+                self.allowed[rows, C:] = False
+            row = rows.stop
+        self.allowed[row:] = False
+        return self.segment, np.repeat(np.arange(len(counts) + 1), [*counts, pad]), torch.int64
+
+    def ranked(self, gains: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass's own selection (`selects`): its candidates [B, W] and, per request, their flat indices best
+        first [B, W] (one stable sort of `fused.selection_keys`: every request's top-k in fixed shapes)."""
+        pieces = fused.pieces(self.fast, gains.device)
+        cand, keys = pieces.selection_keys(self.scores, gains, self.allowed, self.free, self.segment)
+        return cand, keys.flatten().sort(stable=True).indices.view_as(keys)
 
     def _span_tables(self, spans: list[list[tuple[int, int]]], counts: list[int], pad: int) -> list:
         """The varlen index tables: block j (rows repeated) holds every request's span j, then the padding rows

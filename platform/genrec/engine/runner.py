@@ -48,6 +48,9 @@ class ModelRunner:
         self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans, columns) -> a bucketed pass (no graph)
         self._captured: dict[tuple, tuple[DecodeBatch, object]] = {}  # (pool, bucket, spans) -> (inputs, graph)
         self.capture_pass = _CudaGraph  # how a pass is captured (the tests' recorder on the CPU)
+        # Captured passes select their beams themselves (DecodeBatch.ranked: a sort in the graph) rather than by an
+        # eager top-k after the replay. Off until a GPU measures which is faster (genrec_bench.gpu_check).
+        self.selects_in_graph = False
         self.warmup_s: float | None = None  # how long `capture` and the engine's warm-up requests took
         self.uncaptured_passes = 0  # bucketed passes that found no captured graph (ran eagerly; none expected)
         self.prefill_graphs = None  # the prefill's stages per token bucket, once captured
@@ -100,13 +103,13 @@ class ModelRunner:
         outputs, columns = None, self.family.max_children if buckets else 0
         for bucket in buckets:
             for spans in (MAX_SPANS, 1):
-                batch = DecodeBatch(bucket, self.past, pool, spans, self.fast, columns)
+                batch = DecodeBatch(bucket, self.past, pool, spans, self.fast, columns, self.selects_in_graph)
                 batch.fill([])  # all padding: rows without context, each seeing only its own token
                 if outputs is None:
-                    outputs = [torch.empty_like(t) for t in self.decode_forward(batch)]
+                    outputs = [torch.empty_like(t) for t in self._captured_forward(batch)]
                 batch.outputs = _rows_of(outputs, bucket)
                 graph = self.capture_pass(
-                    lambda batch=batch: _copy_into(batch.outputs, self.decode_forward(batch)), mempool
+                    lambda batch=batch: _copy_into(batch.outputs, self._captured_forward(batch)), mempool
                 )
                 self._captured[(id(pool), bucket, spans)] = (batch, graph)
 
@@ -126,7 +129,7 @@ class ModelRunner:
             batch, graph = captured
             batch.fill(selections)
             graph.replay()  # on the device it was captured on (a graph's replay guards it)
-            gains, new_k, new_v = batch.outputs
+            gains, new_k, new_v, *ranked = batch.outputs
         else:
             if bucketed and self.graphs:
                 self.uncaptured_passes += 1  # larger than the largest bucket, or another pool: eager, never captured
@@ -136,8 +139,9 @@ class ModelRunner:
                 else DecodeBatch(rows, self.past, pool, spans, self.fast, columns)
             )
             batch.fill(selections)
-            gains, new_k, new_v = self.decode_forward(batch)
-        advance_all(selections, gains[:rows], new_k[:, :rows], new_v[:, :rows])
+            (gains, new_k, new_v), ranked = self.decode_forward(batch), []
+        order = ranked[0][:rows] if ranked else None  # the pass selected itself: gains are its candidates
+        advance_all(selections, gains[:rows], new_k[:, :rows], new_v[:, :rows], order)
 
     def _splits(self, cohorts: list[BeamCohort]) -> bool:
         """Whether one-span contexts run split in the multi-span bucket (split-KV: decode_batch.splitting_pays)."""
@@ -151,6 +155,14 @@ class ModelRunner:
         """The pass over a filled batch: (gains [B, columns], new_k, new_v [layers, B, 1, kv_heads, hd])."""
         return self.family.decode_forward(batch)
 
+    def _captured_forward(self, batch: DecodeBatch):
+        """A captured pass: (gains, new_k, new_v), or where it selects itself (candidates, new_k, new_v, order)."""
+        gains, new_k, new_v = self.decode_forward(batch)
+        if not batch.selects:
+            return gains, new_k, new_v
+        candidates, order = batch.ranked(gains)
+        return candidates, new_k, new_v, order
+
     def _bucket(self, key: tuple, pool: KVPool) -> DecodeBatch:
         """A bucketed pass's inputs without a graph (the CPU runs the padded pass eagerly): kept per key."""
         if key not in self._buckets:
@@ -163,9 +175,10 @@ class ModelRunner:
 
 
 def _rows_of(outputs: list[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
-    """The first `rows` rows of a decode pass's outputs (gains [B, columns]; new_k, new_v [layers, B, ...])."""
-    gains, new_k, new_v = outputs
-    return gains[:rows], new_k[:, :rows], new_v[:, :rows]
+    """The first `rows` rows of a decode pass's outputs (gains [B, columns]; new_k, new_v [layers, B, ...]; where
+    the pass selects itself, order [B, columns])."""
+    gains, new_k, new_v, *order = outputs
+    return gains[:rows], new_k[:, :rows], new_v[:, :rows], *(o[:rows] for o in order)
 
 
 def _copy_into(targets, values) -> None:

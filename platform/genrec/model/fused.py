@@ -74,6 +74,23 @@ def column_logprobs(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor
     return torch.log_softmax(logits.float(), dim=-1).gather(1, columns)
 
 
+def candidate_scores(scores: torch.Tensor, gains: torch.Tensor, allowed: torch.Tensor, free) -> torch.Tensor:
+    """A beam search's candidates [R, C]: each row's score [R] plus its children's log-probabilities gains [R, C],
+    0 where `free` [R, C] (a finished code's pad step keeps its score; None: nowhere), -inf where not `allowed`."""
+    gains = gains if free is None else gains.masked_fill(free, 0.0)
+    return (scores[:, None] + gains).masked_fill(~allowed, float("-inf"))
+
+
+def selection_keys(scores, gains, allowed, free, segment: torch.Tensor):
+    """The candidates (`candidate_scores`) and int64 sort keys [R, C] that order them by segment [R] (a row's
+    request), then best first: the float's bits made monotonic as a signed int32, flipped to descending in the low
+    32 bits. Sorting the keys is every request's top-k at once, in fixed shapes (genrec.engine.beam.select_ranked)."""
+    cand = candidate_scores(scores, gains, allowed, free)
+    bits = cand.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative float's other bits count the other way
+    return cand, (segment[:, None] << 32) + (0x7FFFFFFF - ordered)
+
+
 @dataclass(frozen=True)
 class Pieces:
     rms_norm: Callable
@@ -86,6 +103,7 @@ class Pieces:
     gated_norm: Callable
     own_attention: Callable
     column_logprobs: Callable  # a decode pass's log-probabilities at the trie's columns (genrec.engine.beam)
+    selection_keys: Callable  # a decode pass's candidates and their sort keys, where it selects itself
 
 
 PLAIN = Pieces(
@@ -99,6 +117,7 @@ PLAIN = Pieces(
     gated_norm,
     own_attention,
     column_logprobs,
+    selection_keys,
 )
 
 

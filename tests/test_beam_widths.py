@@ -81,6 +81,23 @@ def test_codes_of_different_lengths_follow_the_schedule(mini, rng, schedule):
     assert_equals_textbook(engine, hf, random_prompt(engine, 10, rng), schedule)
 
 
+@pytest.mark.parametrize("schedule", [[4, 1, 5, 3], [5, 5, 5, 2]])
+def test_passes_that_select_themselves_keep_finished_codes_through_the_pad_steps(tmp_path, rng, schedule):
+    """MiniOneRec's layout with the selection inside the captured passes (`selects_in_graph`): a finished 3-token
+    code keeps its score through the 4th level (its pad step, `free`) as in the textbook beam search."""
+    from tests.test_graph_capture import RecordedGraph, self_selecting
+
+    tok = minionerec_tokenizer(MINI)
+    vocab = tok.get_vocab()
+    codes = [[vocab[t] for t in code] for code in MINI]
+    path = tmp_path / "model"
+    _, hf = _served(path, tok, [f"m{i}" for i in range(len(codes))], codes, layout={"preset": "minionerec"}, levels=4)
+    engine = self_selecting(path)
+    assert any(pads is not None for pads in engine.family.trie.free)
+    assert_equals_textbook(engine, hf, random_prompt(engine, 10, rng), schedule)
+    assert sum(g.replays for g in RecordedGraph.made[:6]) >= engine.family.levels - 1
+
+
 @pytest.mark.parametrize("width", [1, 5, 64])
 def test_a_constant_schedule_is_the_plain_beam_width(engine, rng, width):
     prompt = random_prompt(engine, 15, rng)

@@ -132,12 +132,13 @@ def test_selection_keys_sort_each_request_best_first(g):
     segment = torch.repeat_interleave(torch.arange(len(rows_per_req)), torch.tensor(rows_per_req))
     scores = torch.randn(R, generator=g) * 50
     gains = torch.randn(R, C, generator=g) * 3
-    gains[0, :3] = torch.tensor([0.0, -0.0, 0.0])  # exact ties: any order among them is a right top-k
+    scores[0], gains[0, :3] = -0.0, torch.tensor([0.0, -0.0, 0.0])  # +0 and -0, tied: either order is right
     allowed = torch.rand(R, C, generator=g) > 0.3
     free = torch.rand(R, C, generator=g) > 0.8
+    allowed[0, :3], free[0, :3] = True, False  # the signed zeros stay as they are
     cand, keys = fused.selection_keys(scores, gains, allowed, free, segment)
     want_cand = torch.where(allowed, scores[:, None] + torch.where(free, 0.0, gains), -torch.inf)
-    assert torch.equal(cand, want_cand)
+    assert torch.equal(cand, want_cand) and cand[0, 1].item() == 0 and torch.signbit(cand[0, :3]).tolist() == [0, 1, 0]
     order = keys.flatten().sort(stable=True).indices
     start = 0
     for r, rows in enumerate(rows_per_req):

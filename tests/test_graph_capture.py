@@ -79,18 +79,23 @@ def test_every_bucket_is_captured_at_start_and_live_passes_only_replay(graphed, 
         assert np.allclose([i.logprob for i in a.items], [i.logprob for i in b.items], atol=1e-4)
 
 
-@pytest.fixture
-def selecting(tiny_dir):
-    """`graphed`, but each captured pass ranks its candidates itself (`selects_in_graph`: one sort in the graph; the
-    host only gathers each request's first rows), and a pass holds up to 64 rows: room for requests of two levels."""
+def self_selecting(model_dir) -> Engine:
+    """An engine as `graphed`'s, but each captured pass ranks its candidates itself (`selects_in_graph`: one sort in
+    the graph; the host only gathers each request's first rows), and a pass holds up to 64 rows."""
     RecordedGraph.made = []
     config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
-    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=64, scheduler=config)
+    engine = Engine.from_pretrained(model_dir, cuda_graph_max_rows=64, scheduler=config)
     engine.runner.graphs, engine.runner.selects_in_graph = True, True
     engine.runner.capture_pass = RecordedGraph
     assert engine.scheduler.idle
     assert all(batch.selects and len(batch.outputs) == 4 for batch, _ in engine.runner._captured.values())
     return engine
+
+
+@pytest.fixture
+def selecting(tiny_dir):
+    """Room in a pass for requests of two levels."""
+    return self_selecting(tiny_dir)
 
 
 def constrained(engine, rng) -> list[RetrieveRequest]:
@@ -132,13 +137,13 @@ def test_a_self_selecting_pass_over_cohorts_of_two_levels_selects_each_as_the_ea
     from genrec_bench.gpu_check import pooled_cohorts
 
     state = rng.get_state()
-    asked = [selecting.prepare(r) for r in constrained(selecting, rng)[:3]]
+    asked = [selecting.prepare(r) for r in constrained(selecting, rng)]
     rng.set_state(state)
-    again = [selecting.prepare(r) for r in constrained(selecting, rng)[:3]]
+    again = [selecting.prepare(r) for r in constrained(selecting, rng)]
     graphed = pooled_cohorts(selecting, asked, selecting.scheduler.budget.pool)  # the pool its graphs were captured for
     eager = pooled_cohorts(selecting, again, selecting.runner.new_pool(4096))
     runner, replays = selecting.runner, sum(g.replays for g in RecordedGraph.made)
-    runner.decode(graphed[2:])  # the widest runs ahead
+    runner.decode(graphed[2:])  # the widest and the scheduled one run ahead
     runner.decode(eager[2:], bucketed=False)
     with no_sync():
         runner.decode(graphed)  # levels 1 and 2 in one pass: two selections

@@ -217,6 +217,8 @@ def select_ranked(selection: Choices, cand: torch.Tensor, order: torch.Tensor, s
     [pass rows, W] their scores, order [pass rows, W] the flat indices of cand by request, best first (each
     request's segment starts at W times its first row). A request's new row of rank q is its segment's q-th."""
     W, device = cand.shape[1], cand.device
+    # A request's picks stay in its own segment: it never keeps more rows than it has candidates (`_rows_after`).
+    assert all(n <= rows * W for n, rows in zip(selection.new_rows, selection.rows_per_req, strict=True))
     current = _layout(tuple(selection.rows_per_req), device)
     chosen = _layout(tuple(selection.new_rows), device)
     at = (start + current["first_row"][chosen["row_req"]]) * W + chosen["row_rank"]

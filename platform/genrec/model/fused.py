@@ -86,6 +86,8 @@ def selection_keys(scores, gains, allowed, free, segment: torch.Tensor):
     request), then best first: the float's bits made monotonic as a signed int32, flipped to descending in the low
     32 bits. Sorting the keys is every request's top-k at once, in fixed shapes (genrec.engine.beam.select_ranked)."""
     cand = candidate_scores(scores, gains, allowed, free)
+    if cand.dtype != torch.float32:  # its bits are read as int32: another width would misread them silently
+        raise TypeError(f"selection keys need float32 candidates, got {cand.dtype}")
     bits = cand.view(torch.int32).to(torch.int64)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative float's other bits count the other way
     return cand, (segment[:, None] << 32) + (0x7FFFFFFF - ordered)

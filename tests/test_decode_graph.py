@@ -174,3 +174,17 @@ def test_a_long_context_split_over_the_spare_blocks_decodes_as_read_whole(engine
         runner.decode(whole, bucketed=False)
     for (s_scores, s_items), (w_scores, w_items) in zip(fetch_finals(split), fetch_finals(whole), strict=True):
         assert s_items == w_items and np.allclose(s_scores, w_scores, atol=1e-5)
+
+
+def test_a_pass_merges_its_spans_with_its_own_pieces(engine, monkeypatch):
+    """The context's span merge is the pass's piece: compiled where the pass's pieces are (CUDA with the fast path),
+    the plain function otherwise."""
+    import dataclasses
+
+    from genrec.model import fused
+
+    compiled = dataclasses.replace(fused.PLAIN, merge_spans=lambda out, lse, spans: (out, lse))
+    monkeypatch.setattr(fused, "pieces", lambda fast, device: compiled if fast else fused.PLAIN)
+    pool = engine.runner.new_pool(64)
+    assert DecodeBatch(16, 1, pool, 4, fast=True).context.merge is compiled.merge_spans
+    assert DecodeBatch(16, 1, pool, 4, fast=False).context.merge is fused.PLAIN.merge_spans

@@ -149,6 +149,27 @@ def test_selection_keys_sort_each_request_best_first(g):
         start += rows
 
 
+def test_merge_spans_compiles_whole_and_merges_as_eager(g):
+    """What a multi-span decode pass runs on CUDA with the fast path: `merge_spans` compiled (fullgraph, as
+    `fused.pieces` compiles it; Inductor's CPU backend here) against the plain function, with rows that have keys in
+    some spans only and a row with none (0 and -inf), at two row counts (the second makes the rows dynamic)."""
+    from genrec.attention.merge import merge_spans
+
+    compiled = torch.compile(merge_spans, fullgraph=True, dynamic=None)
+    for M in (6, 10):
+        spans, H, D = 4, 3, 8
+        out = torch.randn(spans * M, H, D, generator=g).to(torch.bfloat16)
+        lse = torch.randn(H, spans * M, generator=g) * 4
+        lse.view(H, spans, M)[:, 1:, 0] = -torch.inf  # row 0: keys in its first span only
+        lse.view(H, spans, M)[:, :, 1] = -torch.inf  # row 1: no keys at all
+        out.view(spans, M, H, D)[:, 1] = 0
+        got, want = compiled(out, lse, spans), merge_spans(out, lse, spans)
+        torch.testing.assert_close(got[0].float(), want[0].float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+        assert (got[0][1] == 0).all() and (got[1][:, 1] == -torch.inf).all()
+    assert fused.PLAIN.merge_spans is merge_spans
+
+
 def test_suffix_merge_equals_one_softmax_over_context_and_suffix(g):
     """The merged piece against one plain softmax over [context keys, suffix keys] per row."""
     R, S, H, KV, D, C, U = 6, 2, 4, 2, 8, 5, 3

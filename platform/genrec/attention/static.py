@@ -6,6 +6,7 @@ pass has the same op shapes whatever its mix (see `genrec.engine.decode_batch`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ class StaticContext:
     used_k: torch.Tensor
     row_empty: torch.Tensor
     fast: bool = False
+    merge: Callable = merge_spans  # or it compiled (genrec.model.fused: the pass's pieces)
 
     def at_layer(self, i: int) -> StaticRows:
         return StaticRows(self, i)
@@ -80,4 +82,4 @@ class StaticRows:
         queries = q if c.spans == 1 else q.repeat(c.spans, 1, 1)
         args = (c.cu_q, c.cu_k, c.used_k, c.row_empty, queries.shape[0], c.pool.tokens, scale, c.fast)
         out, lse = varlen_op(queries, k, v, *args)
-        return (out, lse) if c.spans == 1 else merge_spans(out, lse, c.spans)
+        return (out, lse) if c.spans == 1 else c.merge(out, lse, c.spans)

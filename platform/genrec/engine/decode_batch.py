@@ -76,6 +76,7 @@ class DecodeBatch:
             used_k=torch.zeros(sequences, **i32),
             row_empty=torch.ones(spans * bucket, dtype=torch.bool, device=device),
             fast=fast,
+            merge=fused.pieces(fast, device).merge_spans,
         )
         if selects:  # what a selection reads besides the pass's gains (beam.Choices), padded: never allowed
             self.scores = torch.zeros(bucket, dtype=torch.float32, device=device)

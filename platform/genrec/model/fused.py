@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from genrec.attention.merge import suffix_merge
+from genrec.attention.merge import merge_spans, suffix_merge
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,6 +101,7 @@ class Pieces:
     qk_norm_rope: Callable
     silu_mul: Callable
     suffix_merge: Callable  # genrec.attention.merge: a row's own suffix, merged with its context part
+    merge_spans: Callable  # genrec.attention.merge: a decode pass's partial attentions over a context's spans, as one
     add_layer_norm: Callable
     gated_norm: Callable
     own_attention: Callable
@@ -115,6 +116,7 @@ PLAIN = Pieces(
     qk_norm_rope,
     silu_mul,
     suffix_merge,
+    merge_spans,
     add_layer_norm,
     gated_norm,
     own_attention,

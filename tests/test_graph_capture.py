@@ -80,12 +80,12 @@ def test_every_bucket_is_captured_at_start_and_live_passes_only_replay(graphed, 
 
 
 def self_selecting(model_dir) -> Engine:
-    """An engine as `graphed`'s, but each captured pass ranks its candidates itself (`selects_in_graph`: one sort in
+    """An engine as `graphed`'s, but each captured pass ranks its candidates itself (`cuda_graph_selection`: one sort in
     the graph; the host only gathers each request's first rows), and a pass holds up to 64 rows."""
     RecordedGraph.made = []
     config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
-    engine = Engine.from_pretrained(model_dir, cuda_graph_max_rows=64, scheduler=config)
-    engine.runner.graphs, engine.runner.selects_in_graph = True, True
+    engine = Engine.from_pretrained(model_dir, cuda_graph_max_rows=64, cuda_graph_selection=True, scheduler=config)
+    engine.runner.graphs = True
     engine.runner.capture_pass = RecordedGraph
     assert engine.scheduler.idle
     assert all(batch.selects and len(batch.outputs) == 4 for batch, _ in engine.runner._captured.values())

@@ -46,7 +46,7 @@ def test_defaults_are_the_engines():
         "max_candidates": 2048,
         "score_max_tokens": 16384,
         "max_candidate_tokens": 65536,
-    }  # cuda_fast and cuda_graph_max_rows: derived (the fast path on with CUDA; 2048 rows)
+    }  # cuda_fast and cuda_graph_max_rows: derived (the fast path on with CUDA; 2048 rows); cuda_graph_selection off
     assert options.scheduler_config() == SchedulerConfig()
 
 

@@ -38,11 +38,17 @@ class EngineOptions(BaseModel):
     cuda_graph_max_rows: int | None = Field(
         None, ge=16, description="rows of the largest decode pass captured as a CUDA graph at start (default 2048)"
     )
+    cuda_graph_selection: bool | None = Field(
+        None,
+        description="the decode graphs also select the beams (one sort in the graph) instead of a top-k after each "
+        "replay; default: off until timed on a GPU (docs/engine.md); no effect without graphs",
+    )
 
     def engine_kwargs(self) -> dict:
         """`Engine.from_pretrained`'s kwargs; a derived default is left out, so a batch run's identity stays."""
         kwargs = self.model_dump(include=set(EngineOptions.model_fields))
-        for derived in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows"):  # by the others, or by the device
-            if kwargs[derived] is None:
-                del kwargs[derived]
+        # Derived (by the other options or the device), or off: an unset one is not part of the identity.
+        for name in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows", "cuda_graph_selection"):
+            if kwargs[name] is None:
+                del kwargs[name]
         return kwargs

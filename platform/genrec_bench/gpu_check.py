@@ -15,7 +15,7 @@ on, and a part that would start after `--budget-s` is skipped:
    4 concurrent callers (threads over an AsyncEngine), fast (`cuda_fast=True`) beside eager (`cuda_fast=False`) and
    one plain prefill of the same prompts; one request also fast with split-KV off (`fast_whole`); one request and
    the batch also on a fast engine whose decode graphs select the beams themselves (`fast_selecting`, a sort in
-   the graph, `selects_in_graph`), with its beams beside the fast engine's (`selecting_beside_fast`), and judged in
+   the graph, `cuda_graph_selection`), with its beams beside the fast engine's (`selecting_beside_fast`), and judged in
    part 3 as the others are;
 5. HSTU (tiny preset) at 2,000 events / 500 candidates: `genrec bench rank` in-process, and a returning user cold,
    warm under the cost rule and warm reading every cached piece, at 2,000 and 4,000 events;
@@ -235,12 +235,11 @@ def beams_agree(a: Engine, b: Engine, retrieve: list) -> tuple[list[bool], float
 
 def big_engines(device, preset_name: str) -> dict[str, Engine]:
     """The preset's dimensions (Qwen3-1.7B's), random weights: bf16 with the fast path on and off (passed
-    explicitly, whatever the default), the fast path selecting inside its decode graphs (`selects_in_graph`), and
+    explicitly, whatever the default), the fast path selecting inside its decode graphs (`cuda_graph_selection`), and
     the float32 reference the correctness rule re-scores with."""
     model_dir = model_dir_for(preset_name, None, SID_GR_LEVELS)
     bf16 = {"device": device, "dtype": torch.bfloat16, "scheduler": COLD}
-    selecting = Engine.from_pretrained(model_dir, cuda_fast=True, **bf16)
-    selecting.runner.selects_in_graph = True  # before its start captures: its passes select their beams themselves
+    selecting = Engine.from_pretrained(model_dir, cuda_fast=True, cuda_graph_selection=True, **bf16)
     return {
         "fast": Engine.from_pretrained(model_dir, cuda_fast=True, **bf16),
         "eager": Engine.from_pretrained(model_dir, cuda_fast=False, **bf16),

@@ -57,11 +57,13 @@ class Engine:
         model_version: str = "",
         clock: Callable[[], float] = time.monotonic,
         graph_max_rows: int | None = None,
+        graph_selection: bool = False,
     ):
         self.family = family
         self.model, self.device = family.model, family.model.device
         self.model_version = model_version  # salts the prefix cache's keys
         self.runner = ModelRunner(family, graph_max_rows=graph_max_rows or GRAPH_MAX_ROWS)
+        self.runner.selects_in_graph = graph_selection
         self.scheduler_config = scheduler or SchedulerConfig()
         self.clock = clock
         self._scheduler: Scheduler | None = None
@@ -88,7 +90,8 @@ class Engine:
         limits = options.model_dump(include=set(LIMITS))
         fast = options.cuda_fast if options.cuda_fast is not None else torch.device(device).type == "cuda"
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, fast=fast, **limits)
-        return cls(family, scheduler, directory.version, graph_max_rows=options.cuda_graph_max_rows)
+        graphs = {"graph_max_rows": options.cuda_graph_max_rows, "graph_selection": bool(options.cuda_graph_selection)}
+        return cls(family, scheduler, directory.version, **graphs)
 
     @property
     def catalog(self):

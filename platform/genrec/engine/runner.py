@@ -49,8 +49,8 @@ class ModelRunner:
         self._captured: dict[tuple, tuple[DecodeBatch, object]] = {}  # (pool, bucket, spans) -> (inputs, graph)
         self.capture_pass = _CudaGraph  # how a pass is captured (the tests' recorder on the CPU)
         # Captured passes select their beams themselves (DecodeBatch.ranked: a sort in the graph) rather than by an
-        # eager top-k after the replay. Off until a GPU measures which is faster (genrec_bench.gpu_check). Read when
-        # the passes are captured (the engine's start): set it before, it changes nothing after.
+        # eager top-k after the replay (the `cuda_graph_selection` option). Off until a GPU measures which is faster
+        # (genrec_bench.gpu_check). Read when the passes are captured (the engine's start): later, it changes nothing.
         self.selects_in_graph = False
         self.warmup_s: float | None = None  # how long `capture` and the engine's warm-up requests took
         self.uncaptured_passes = 0  # bucketed passes that found no captured graph (ran eagerly; none expected)

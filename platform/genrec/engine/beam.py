@@ -179,7 +179,7 @@ def advance_all(
 ) -> None:
     """After one decode pass over the selections' rows (in this order): record each cohort's new BeamKV and run
     each selection. gains [rows, >= C]: each row's log-probabilities at its children's tokens (`Choices.token`);
-    or, with `order` (the selection ran inside the pass: `ranked_order`), its children's scores, ranked."""
+    or, with `order` (the selection ran inside the pass: `DecodeBatch.ranked`), its children's scores, ranked."""
     start = 0
     for selection in selections:
         stop = start

@@ -58,7 +58,7 @@ class DecodeBatch:
         """`spans`: the most spans a context of the pass may have (prefix pieces plus its own part); `columns`: the
         most children a row's node may have; `selects`: the pass ranks its candidates itself (`ranked`)."""
         self.bucket, self.past, self.pool, self.spans = bucket, past, pool, spans
-        self.fast, self.selects = fast, selects
+        self.pieces, self.selects = fused.pieces(fast, pool.k.device), selects  # compiled on CUDA with `fast`
         device = pool.k.device
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.tokens = torch.zeros(bucket, **i64)
@@ -76,7 +76,7 @@ class DecodeBatch:
             used_k=torch.zeros(sequences, **i32),
             row_empty=torch.ones(spans * bucket, dtype=torch.bool, device=device),
             fast=fast,
-            merge=fused.pieces(fast, device).merge_spans,
+            merge=self.pieces.merge_spans,
         )
         if selects:  # what a selection reads besides the pass's gains (beam.Choices), padded: never allowed
             self.scores = torch.zeros(bucket, dtype=torch.float32, device=device)
@@ -144,8 +144,7 @@ class DecodeBatch:
     def ranked(self, gains: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pass's own selection (`selects`): its candidates [B, W] and, per request, their flat indices best
         first [B, W] (one stable sort of `fused.selection_keys`: every request's top-k in fixed shapes)."""
-        pieces = fused.pieces(self.fast, gains.device)
-        cand, keys = pieces.selection_keys(self.scores, gains, self.allowed, self.free, self.segment)
+        cand, keys = self.pieces.selection_keys(self.scores, gains, self.allowed, self.free, self.segment)
         return cand, keys.flatten().sort(stable=True).indices.view_as(keys)
 
     def _span_tables(self, spans: list[list[tuple[int, int]]], counts: list[int], pad: int) -> list:

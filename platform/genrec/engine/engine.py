@@ -62,8 +62,7 @@ class Engine:
         self.family = family
         self.model, self.device = family.model, family.model.device
         self.model_version = model_version  # salts the prefix cache's keys
-        self.runner = ModelRunner(family, graph_max_rows=graph_max_rows or GRAPH_MAX_ROWS)
-        self.runner.selects_in_graph = graph_selection
+        self.runner = ModelRunner(family, graph_max_rows or GRAPH_MAX_ROWS, graph_selection)
         self.scheduler_config = scheduler or SchedulerConfig()
         self.clock = clock
         self._scheduler: Scheduler | None = None
@@ -90,7 +89,7 @@ class Engine:
         limits = options.model_dump(include=set(LIMITS))
         fast = options.cuda_fast if options.cuda_fast is not None else torch.device(device).type == "cuda"
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, fast=fast, **limits)
-        graphs = {"graph_max_rows": options.cuda_graph_max_rows, "graph_selection": bool(options.cuda_graph_selection)}
+        graphs = dict(graph_max_rows=options.cuda_graph_max_rows, graph_selection=bool(options.cuda_graph_selection))
         return cls(family, scheduler, directory.version, **graphs)
 
     @property

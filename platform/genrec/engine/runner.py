@@ -27,7 +27,7 @@ class Prefilled:
 
 
 class ModelRunner:
-    def __init__(self, family: Family, graph_max_rows: int = 2048):
+    def __init__(self, family: Family, graph_max_rows: int = 2048, selects_in_graph: bool = False):
         """`graph_max_rows`: the largest decode pass captured at start; the scheduler caps passes there."""
         # torch's compiler, which the attention's custom ops import on their first call: here, as the engine loads,
         # not in its first request (a process that only checks a model directory never imports it).
@@ -51,7 +51,7 @@ class ModelRunner:
         # Captured passes select their beams themselves (DecodeBatch.ranked: a sort in the graph) rather than by an
         # eager top-k after the replay (the `cuda_graph_selection` option). Off until a GPU measures which is faster
         # (genrec_bench.gpu_check). Read when the passes are captured (the engine's start): later, it changes nothing.
-        self.selects_in_graph = False
+        self.selects_in_graph = selects_in_graph
         self.warmup_s: float | None = None  # how long `capture` and the engine's warm-up requests took
         self.uncaptured_passes = 0  # bucketed passes that found no captured graph (ran eagerly; none expected)
         self.prefill_graphs = None  # the prefill's stages per token bucket, once captured

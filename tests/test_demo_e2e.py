@@ -14,7 +14,10 @@ import pytest
 
 USERS = 24
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(900)  # the whole demo, training included (the default is 300 s a test)
+pytestmark = [
+    pytest.mark.timeout(900),  # the whole demo, training included (the default is 300 s a test)
+    pytest.mark.xdist_group("demo_e2e"),  # one worker: the Ctrl-C test reuses the model the first test trained there
+]
 
 
 def demo(tmp: Path, *extra: str) -> subprocess.Popen:

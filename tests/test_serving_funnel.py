@@ -537,16 +537,17 @@ def frail(serve_url, tiny_dir, hstu_dir):
 
 
 def without_a_ranker(tiny_dir, hstu_dir, on_failure: str) -> None:
-    """Redeploy frail with a ranker that never starts (a new ingress too) and wait until the old ranker is gone
-    and the new ingress answers."""
-    before = set(replica_actor_names("frail", "Ingress"))
+    """Redeploy frail with a ranker that never starts and wait until the old ranker is gone and the new ingress and
+    retriever (Serve replaces every replica of an app whose config changed) answer."""
+    answering = ("Ingress", "EngineServer")
+    before = {name for deployment in answering for name in replica_actor_names("frail", deployment)}
     deploy_started("frail", **frail_args(tiny_dir, hstu_dir, ranker_gone=True, on_failure=on_failure))
     deadline = time.monotonic() + 180
     while True:
         states = deployment_states("frail")
-        ingress = set(replica_actor_names("frail", "Ingress"))
+        now = {name for deployment in answering for name in replica_actor_names("frail", deployment)}
         ranker_gone = states.get("RankerServer", {}).get("RUNNING", 0) == 0
-        if ranker_gone and states.get("Ingress") == {"RUNNING": 1} and not ingress & before:
+        if ranker_gone and all(states.get(d) == {"RUNNING": 1} for d in answering) and not now & before:
             return
         assert time.monotonic() < deadline, states
         time.sleep(0.5)

@@ -59,7 +59,6 @@ class BeamCohort:
         n = len(widths)
         self.base = _pass_bases(trie, widths)
         self.slot_pool, self.slot_offset = slots.pool, slots.start
-        self.slots_k, self.slots_v = slots.k(), slots.v()
         self.level = 0
         self.prompt_lens = to_device([c.length for c in contexts], device)
         # Rows before the first selection: one per request (its prefill's last position).
@@ -83,12 +82,6 @@ class BeamCohort:
         """The next decode pass's (tokens [R], positions [R]): pass `level` feeds the level-(level-1) tokens."""
         row_req = _layout(tuple(self.rows_per_req), self.device)["row_req"]
         return self.tokens[-1], self.prompt_lens[row_req] + self.level - 1
-
-    def record_kv(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """new_k/new_v [layers, R, 1, kv_heads, hd] from the pass just run: into this pass's slots."""
-        at = self.base[self.level - 1]
-        self.slots_k[:, at : at + self.rows] = new_k[:, :, 0]
-        self.slots_v[:, at : at + self.rows] = new_v[:, :, 0]
 
     def advance(self, parent: torch.Tensor, tokens: torch.Tensor, nodes, scores, rows_per_req: list[int]) -> None:
         """Take the next level's rows: parent [new rows] (rows of this level), their tokens, nodes and scores."""
@@ -174,18 +167,13 @@ def _choices(cohorts: list[BeamCohort]) -> Choices:
     return Choices(cohorts, token, child, allowed, free, scores, rows_per_req, new_rows)
 
 
-def advance_all(
-    selections: list[Choices], gains: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, order=None
-) -> None:
-    """After one decode pass over the selections' rows (in this order): record each cohort's new BeamKV and run
+def advance_all(selections: list[Choices], gains: torch.Tensor, order=None) -> None:
+    """After one decode pass over the selections' rows (in this order; its K/V recorded: DecodeBatch.record_kv): run
     each selection. gains [rows, >= C]: each row's log-probabilities at its children's tokens (`Choices.token`);
     or, with `order` (the selection ran inside the pass: `DecodeBatch.ranked`), its children's scores, ranked."""
     start = 0
     for selection in selections:
-        stop = start
-        for cohort in selection.cohorts:
-            cohort.record_kv(new_k[:, stop : stop + cohort.rows], new_v[:, stop : stop + cohort.rows])
-            stop += cohort.rows
+        stop = start + selection.rows
         if order is None:
             select_together(selection, gains[start:stop])
         else:

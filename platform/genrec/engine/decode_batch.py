@@ -65,6 +65,7 @@ class DecodeBatch:
         self.columns = torch.zeros(bucket, columns, **i64)  # the tokens whose log-probabilities the pass returns
         self.positions = torch.zeros(bucket, **i64)
         self.ancestors = torch.zeros(bucket, past, **i64)
+        self.own_slots = torch.zeros(bucket, **i64)  # where each row's new token's K/V goes (record_kv)
         self.mask = torch.ones(bucket, 1, past + 1, dtype=torch.bool, device=device)
         sequences = spans * (bucket + 1)  # per span: up to one sequence per row, plus the padding's
         self.context = StaticContext(
@@ -88,13 +89,14 @@ class DecodeBatch:
     def fill(self, selections: list[Choices]) -> int:
         """Copy the pass's inputs in (device to device, and host index tables staged); returns the real rows."""
         self._fill_columns(selections)
-        rows, pasts, spans, counts = 0, [], [], []
+        rows, pasts, spans, counts, own = 0, [], [], [], []
         for c in (c for selection in selections for c in selection.cohorts):
             n, p = c.rows, c.level - 1  # this pass feeds level c.level's tokens; p earlier tokens per row
             self.tokens[rows : rows + n], self.positions[rows : rows + n] = c.step_inputs()
             if p:
                 self.ancestors[rows : rows + n, :p] = c.ancestors + c.slot_offset
             pasts += [p] * n
+            own.append(c.slot_offset + c.base[p] + np.arange(n))  # this pass's slots of the cohort's BeamKV
             for ctx, width in zip(c.contexts, c.rows_per_req, strict=True):
                 spans.append(ctx.spans())
                 counts.append(width)
@@ -107,6 +109,7 @@ class DecodeBatch:
         mask = np.arange(self.past + 1)[None, :] < np.asarray(pasts + [0] * pad)[:, None]
         mask[:, self.past] = True  # every row sees its own new token
         copies = [(self.mask, mask[:, None], torch.bool), *self._span_tables(spans, counts, pad)]
+        copies.append((self.own_slots, np.concatenate([*own, np.zeros(pad, dtype=np.int64)]), torch.int64))
         if self.selects:
             copies.append(self._fill_selection(selections, counts, pad))
         device = self.tokens.device
@@ -116,6 +119,13 @@ class DecodeBatch:
             self.tokens[rows:] = 0
             self.positions[rows:] = 0
         return rows
+
+    def record_kv(self, new_k: torch.Tensor, new_v: torch.Tensor, rows: int) -> None:
+        """The pass's new K/V [layers, >= rows, 1, kv_heads, hd] into its real rows' own slots: one scatter each for
+        every cohort of the pass (the padding rows' are dropped)."""
+        at = self.own_slots[:rows]
+        self.pool.k.index_copy_(1, at, new_k[:, :rows, 0])
+        self.pool.v.index_copy_(1, at, new_v[:, :rows, 0])
 
     def _fill_columns(self, selections: list[Choices]) -> None:
         """Each row's children's tokens, left-aligned (the columns past a row's own count are never read)."""

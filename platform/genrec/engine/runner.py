@@ -142,7 +142,8 @@ class ModelRunner:
             batch.fill(selections)
             (gains, new_k, new_v), ranked = self.decode_forward(batch), []
         order = ranked[0][:rows] if ranked else None  # the pass selected itself: gains are its candidates
-        advance_all(selections, gains[:rows], new_k[:, :rows], new_v[:, :rows], order)
+        batch.record_kv(new_k, new_v, rows)
+        advance_all(selections, gains[:rows], order)
 
     def _splits(self, cohorts: list[BeamCohort]) -> bool:
         """Whether one-span contexts run split in the multi-span bucket (split-KV: decode_batch.splitting_pays)."""

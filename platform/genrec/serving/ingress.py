@@ -168,7 +168,9 @@ class Ingress:
         try:
             deadline = edge.arrived() + self.request_timeout_s
             target = self._deployment_of("prompt")
-            result, version = await self._call(target, "render_prompt", body, deadline, routing_key(body))
+            result, version = await self._call(
+                target, "render_prompt", body, deadline, routing_key(body, blocks=self.routing_blocks)
+            )
             response.headers[MODEL_VERSION_HEADER] = version
             return result
         except Exception as err:  # noqa: BLE001

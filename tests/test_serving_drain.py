@@ -89,13 +89,15 @@ DEADLINE_S = 26.0  # over Serve's default graceful shutdown (20 s), which killed
 LATE_S = 3.0  # past its deadline, what an answer may take on a loaded 2-core machine (proxy, threads)
 
 
-def funnel_args(tiny_dir, hstu_dir, max_candidates: int, ranker_cpus: float, retry_after_s: int = 1) -> dict:
+def funnel_args(tiny_dir, hstu_dir, max_candidates: int, ranker_gone: bool, retry_after_s: int = 1) -> dict:
+    """`ranker_gone`: a ranker no node can host (it never starts, so its stop need not wait out Serve's 20 s)."""
+    ranker = {"ray_actor_options": {"num_cpus": 64}, "graceful_shutdown_timeout_s": 1} if ranker_gone else {}
     return {
         "retriever": {"model_dir": str(tiny_dir), "threads": 1},
         "ranker": {
             "model_dir": str(hstu_dir),
             "max_candidates": max_candidates,
-            "deployment": {"ray_actor_options": {"num_cpus": ranker_cpus}},
+            "deployment": {"ray_actor_options": {"num_cpus": 0.2}} | ranker,
         },
         # two ingress replicas: Serve replaces one at a time, so the proxy always has a running one
         "ingress": {
@@ -169,7 +171,7 @@ def test_redeploys_replacing_the_ingress_and_its_ranker_end_every_request_in_jso
     genrec's JSON by the request's deadline: a 200 (degraded while the ranker is gone: the retrieval alone, at once),
     a 503 with Retry-After or a 504, never the HTTP proxy's plain-text 500 that Serve's default 20 s graceful
     shutdown caused (the replaced ingress killed under its requests)."""
-    deploy("rollout", **funnel_args(tiny_dir, hstu_dir, 64, ranker_cpus=0.2))
+    deploy("rollout", **funnel_args(tiny_dir, hstu_dir, 64, ranker_gone=False))
     base, answers, stop = f"{serve_url}/rollout", [], threading.Event()
     routes = [("recommend", recommend_body), ("recommend", recommend_body), ("rank", rank_body)]
     workers = [threading.Thread(target=load, args=(base, stop, answers, *route)) for route in routes]
@@ -178,12 +180,12 @@ def test_redeploys_replacing_the_ingress_and_its_ranker_end_every_request_in_jso
         for w in workers:
             w.start()
         time.sleep(2)
-        gone = funnel_args(tiny_dir, hstu_dir, 65, ranker_cpus=64)
+        gone = funnel_args(tiny_dir, hstu_dir, 65, ranker_gone=True)
         replace_ingress("rollout", lambda: deploy_started("rollout", **gone))
         with ThreadPoolExecutor(8) as pool:
             waiting = [pool.submit(post, base, "rank", rank_body(100 + i)) for i in range(8)]
             time.sleep(1)
-            again = funnel_args(tiny_dir, hstu_dir, 65, ranker_cpus=64, retry_after_s=2)
+            again = funnel_args(tiny_dir, hstu_dir, 65, ranker_gone=True, retry_after_s=2)
             replace_ingress("rollout", lambda: deploy_started("rollout", **again))
             burst = [f.result() for f in waiting]
     finally:

@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml Makefile
 .PHONY: install test test-fast demo lint peers
 install: $(STAMP)
 
-# Two workers (pytest-xdist): the tests on the session's Ray cluster run on one, in order; every other test, the
-# unit tier and the tests that start a cluster of their own, is spread over both (tests/conftest.py).
+# Two workers (pytest-xdist), the tests spread over both: each starts the session's Ray cluster once if its tests need
+# it (tests/conftest.py); loadgroup keeps a module marked xdist_group (the demo's) on one worker.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 

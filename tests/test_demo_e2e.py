@@ -16,7 +16,7 @@ USERS = 24
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
     pytest.mark.timeout(900),  # the whole demo, training included (the default is 300 s a test)
-    pytest.mark.xdist_group("demo_e2e"),  # one worker: the Ctrl-C test reuses the model the first test trained there
+    pytest.mark.xdist_group("demo_e2e"),  # one worker, so one demo run (`first_run`) serves both tests
 ]
 
 
@@ -77,15 +77,22 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("demo-e2e")
 
 
-def test_demo_runs_the_platform_end_to_end(workdir):
+@pytest.fixture(scope="module")
+def first_run(workdir) -> tuple[int, str, set[int]]:
+    """The demo run once in the module's workdir, from nothing: (exit code, output, the processes it started). A
+    module fixture, not the first test's own run, so that the Ctrl-C test finds a trained model wherever it runs."""
     process = demo(workdir)
     lines, started = [], set()
     for line in process.stdout:
         lines.append(line.rstrip())
         if "starting the Serve app" in line:
             started = descendants(process.pid)  # Ray's processes, the cache actor, the job runner's
-    assert process.wait(timeout=600) == 0, "\n".join(lines[-40:])
-    output = "\n".join(lines)
+    return process.wait(timeout=600), "\n".join(lines), started
+
+
+def test_demo_runs_the_platform_end_to_end(workdir, first_run):
+    code, output, started = first_run
+    assert code == 0, "\n".join(output.splitlines()[-40:])
     assert "training the demo model" in output and "training the HSTU ranker" in output
     assert "user 1, last watched" in output and "funnel    (HSTU, P(watch))" in output
     for route in ("retrieve", "recommend", "recommend (two-stage)", "score"):
@@ -123,8 +130,8 @@ def report_users(workdir: Path) -> list[str]:
     return pq.read_table(workdir / "out" / "users.parquet", columns=["user_id"]).column(0).to_pylist()
 
 
-def test_ctrl_c_stops_serve_the_jobs_and_ray(workdir):
-    process = demo(workdir)  # reuses the model the first test trained
+def test_ctrl_c_stops_serve_the_jobs_and_ray(workdir, first_run):
+    process = demo(workdir)  # reuses the models the first run trained
     lines = []
     for line in process.stdout:
         lines.append(line.rstrip())

@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml Makefile
 .PHONY: install test test-fast demo lint peers
 install: $(STAMP)
 
-# Two workers (pytest-xdist), the tests spread over both: each starts the session's Ray cluster once if its tests need
-# it (tests/conftest.py); loadgroup keeps a module marked xdist_group (the demo's) on one worker.
+# Two workers (pytest-xdist), each module whole on one (loadfile: its module fixtures, e.g. a Serve app, made once);
+# each worker starts the session's Ray cluster once if its tests need it (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The unit tier only (no Ray, Serve, jobs, redis-server or demo): the inner loop.
 test-fast: $(STAMP)

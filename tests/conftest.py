@@ -17,9 +17,9 @@ QWEN2_TINY = replace(TINY, architecture="qwen2", tie_word_embeddings=True)
 # modules, or is marked `integration` itself.
 INTEGRATION_FIXTURES = {"ray_cluster", "serve_url", "redis_url"}
 INTEGRATION_MODULES = {"test_serving", "test_batch_jobs", "test_demo_e2e"}
-# `make test` runs two pytest-xdist workers, and the tests are spread over both: each worker starts the session's
-# local Ray cluster (and Serve) once, when its first test needs it. (Held to one worker, one cluster, they would
-# take longer: in a spread run on 2026-12-06 they took 1,056 s of the suite's 1,801 test-seconds.)
+# `make test` runs two pytest-xdist workers, each module whole on one (--dist loadfile): each worker starts the
+# session's local Ray cluster (and Serve) once, when its first test needs it. (Held to one worker, one cluster, these
+# tests would take longer: on 2026-12-06 they took 1,056 s of the suite's 1,801 test-seconds.)
 
 
 def pytest_collection_modifyitems(items):

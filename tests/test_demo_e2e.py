@@ -14,10 +14,7 @@ import pytest
 
 USERS = 24
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [
-    pytest.mark.timeout(900),  # the whole demo, training included (the default is 300 s a test)
-    pytest.mark.xdist_group("demo_e2e"),  # one worker, so one demo run (`first_run`) serves both tests
-]
+pytestmark = pytest.mark.timeout(900)  # the whole demo, training included (the default is 300 s a test)
 
 
 def demo(tmp: Path, *extra: str) -> subprocess.Popen:
@@ -80,7 +77,8 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_run(workdir) -> tuple[int, str, set[int]]:
     """The demo run once in the module's workdir, from nothing: (exit code, output, the processes it started). A
-    module fixture, not the first test's own run, so that the Ctrl-C test finds a trained model wherever it runs."""
+    module fixture, not the first test's own run, so that the Ctrl-C test finds a trained model however the tests
+    are selected or spread."""
     process = demo(workdir)
     lines, started = [], set()
     for line in process.stdout:

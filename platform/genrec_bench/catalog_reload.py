@@ -127,6 +127,20 @@ def _percentiles(seconds: list[float]) -> dict:
     }
 
 
+def _versions_answered(done: list, baseline: tuple, changes: dict) -> dict:
+    """The catalog versions answered by the requests that ran wholly inside the baseline, and wholly after each
+    change returned (before the next began): one each, when a change serves every later request. Requests that
+    overlapped a change may answer either version; ordering by end time would interleave them."""
+    bounds = {"before": baseline}
+    names = list(changes)
+    for k, name in enumerate(names):
+        bounds[f"after_{name}"] = (changes[name][1], changes[names[k + 1]][0] if k + 1 < len(names) else float("inf"))
+    return {
+        phase: sorted({v for t0, t1, v in done if isinstance(v, str) and t0 >= start and t1 <= end})
+        for phase, (start, end) in bounds.items()
+    }
+
+
 def _report(o, directory, phases: dict) -> dict:
     done, step_s = phases["done"], phases["step_s"]
     before = _percentiles(_latencies(done, *phases["baseline"]))
@@ -140,8 +154,6 @@ def _report(o, directory, phases: dict) -> dict:
             "p99_excess_in_steps": (during.get("p99_s", 0) - before["p99_s"]) / step_s,
         }
     failed = sum(not isinstance(outcome, str) for _, _, outcome in done)
-    answered = [outcome for _, _, outcome in sorted(done, key=lambda d: d[1]) if isinstance(outcome, str)]
-    versions = [v for k, v in enumerate(answered) if not k or v != answered[k - 1]]  # in the order answered
     return {
         "benchmark": "catalog-reload",
         "model": str(directory.path),
@@ -154,7 +166,7 @@ def _report(o, directory, phases: dict) -> dict:
         "clients": o.clients,
         "requests": len(done),
         "failed": failed,
-        "versions_answered": versions,
+        "versions_answered": _versions_answered(done, phases["baseline"], phases["changes"]),
         "mean_step_s": step_s,
         "before": before,
         **changes,

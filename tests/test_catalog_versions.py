@@ -169,3 +169,38 @@ def test_a_file_whose_name_carries_another_hash_is_refused(fresh, tiny_dir, tmp_
             Catalog.load(path)  # the start-up path (a model directory's catalog, a config's)
         assert fresh.family.catalogs.current is running
     assert fresh.load_catalog(named)["catalog_version"] == version
+
+
+def test_a_pass_whose_later_selection_fails_leaves_every_cohort_as_it_was(fresh, tmp_path, rng, monkeypatch):
+    """Two catalog versions' requests in one decode pass: one selection each. The selection that runs second fails
+    at the last level. The first must not have moved: the retry runs each request alone, and a request already
+    moved past its last level would fail there."""
+    from genrec.engine import beam
+
+    first = fresh.catalog
+    prompt = random_prompt(fresh, 9, rng)
+    prepared, alone = [fresh.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=len(first)))], []
+    alone.append(full_width(fresh, prompt))
+    fresh.load_catalog(write_subset(first, np.arange(1, len(first), 4), tmp_path / "v2.parquet"))
+    prepared.append(fresh.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=len(first))))
+    alone.append(full_width(fresh, prompt))
+    # A pass runs its selections in the order of their tries' ids: the later one fails.
+    later = max((0, 1), key=lambda k: id(prepared[k].served.trie))
+    original, failed = beam.select_together, []
+
+    def failing_at_the_last_level(selection, gains):
+        cohort = selection.cohorts[0]
+        if cohort.trie is prepared[later].served.trie and cohort.level == cohort.trie.levels - 1:
+            failed.append(cohort.level)
+            raise RuntimeError("injected")
+        return original(selection, gains)
+
+    monkeypatch.setattr(beam, "select_together", failing_at_the_last_level)
+    outcomes = dict(fresh._execute(list(enumerate(prepared))))
+    assert failed and isinstance(outcomes[later], RuntimeError)
+    kept = outcomes[1 - later]
+    assert not isinstance(kept, Exception), kept
+    expected = alone[1 - later]
+    assert [i.item_id for i in kept.items] == [i.item_id for i in expected.items]
+    assert [i.logprob for i in kept.items] == pytest.approx([i.logprob for i in expected.items], abs=1e-4)
+    assert kept.catalog_version == expected.catalog_version

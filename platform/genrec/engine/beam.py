@@ -27,6 +27,7 @@ NEG_INF = float("-inf")
 
 
 Width = int | Sequence[int]  # one width for every step, or one per code level (see the module's docstring)
+Move = tuple["BeamCohort", tuple]  # a cohort and the arguments of its next `advance`, made by a selection
 
 
 def step_widths(trie: CodeTrie, width: Width) -> tuple[int, ...]:
@@ -113,7 +114,7 @@ def start_cohort(trie: CodeTrie, prepared: list, contexts: list[ContextKV], last
     widths = [request_width(p.request) for p in prepared]
     cohort = BeamCohort(trie, widths, contexts, exclusions, slots, [p.filter for p in prepared])
     (first,) = choices([cohort])
-    select_together(first, column_logprobs(last_logits, first.token))
+    apply_moves(select_together(first, column_logprobs(last_logits, first.token)))
     return cohort
 
 
@@ -170,18 +171,26 @@ def _choices(cohorts: list[BeamCohort]) -> Choices:
 def advance_all(selections: list[Choices], gains: torch.Tensor, order=None) -> None:
     """After one decode pass over the selections' rows (in this order; its K/V recorded: DecodeBatch.record_kv): run
     each selection. gains [rows, >= C]: each row's log-probabilities at its children's tokens (`Choices.token`);
-    or, with `order` (the selection ran inside the pass: `DecodeBatch.ranked`), its children's scores, ranked."""
-    start = 0
+    or, with `order` (the selection ran inside the pass: `DecodeBatch.ranked`), its children's scores, ranked.
+    Every selection is made before any cohort moves: one that fails leaves them all as they were, so the retry of
+    each request alone (Scheduler._guarded) runs the same level again."""
+    moves, start = [], 0
     for selection in selections:
         stop = start + selection.rows
         if order is None:
-            select_together(selection, gains[start:stop])
+            moves += select_together(selection, gains[start:stop])
         else:
-            select_ranked(selection, gains, order, start)
+            moves += select_ranked(selection, gains, order, start)
         start = stop
+    apply_moves(moves)
 
 
-def select_together(selection: Choices, gains: torch.Tensor) -> None:
+def apply_moves(moves: list[Move]) -> None:
+    for cohort, step in moves:
+        cohort.advance(*step)
+
+
+def select_together(selection: Choices, gains: torch.Tensor) -> list[Move]:
     """One vectorised selection for cohorts at the same level; gains [rows of all cohorts, in order, >= C]: the
     log-probabilities of each row's children's tokens (columns past C are ignored). Each request's best children
     by a top-k over its rows' candidates, padded to the most rows any of its requests has."""
@@ -197,10 +206,10 @@ def select_together(selection: Choices, gains: torch.Tensor) -> None:
     clamped = rank.clamp(max=k - 1)
     new_scores = top_scores[req, clamped].masked_fill(rank >= k, NEG_INF)
     flat = top_index[req, clamped]
-    _hand_out(selection, current["pad_rows"][req, flat // C], flat % C, new_scores)
+    return _moves(selection, current["pad_rows"][req, flat // C], flat % C, new_scores)
 
 
-def select_ranked(selection: Choices, cand: torch.Tensor, order: torch.Tensor, start: int) -> None:
+def select_ranked(selection: Choices, cand: torch.Tensor, order: torch.Tensor, start: int) -> list[Move]:
     """The selection of rows [start, start + selection.rows) of a pass that ranked its candidates itself: cand
     [pass rows, W] their scores, order [pass rows, W] the flat indices of cand by request, best first (each
     request's segment starts at W times its first row). A request's new row of rank q is its segment's q-th."""
@@ -212,22 +221,23 @@ def select_ranked(selection: Choices, cand: torch.Tensor, order: torch.Tensor, s
     at = (start + current["first_row"][chosen["row_req"]]) * W + chosen["row_rank"]
     flat = order.flatten()[at]
     parent = flat // W - start if start else flat // W
-    # A pick past a row's own children scores -inf (never allowed): any column of it hands out the same.
-    _hand_out(selection, parent, (flat % W).clamp_(max=selection.columns - 1), cand.flatten()[flat])
+    # A pick past a row's own children scores -inf (never allowed): any column of it makes the same move.
+    return _moves(selection, parent, (flat % W).clamp_(max=selection.columns - 1), cand.flatten()[flat])
 
 
-def _hand_out(selection: Choices, parent: torch.Tensor, col: torch.Tensor, new_scores: torch.Tensor) -> None:
-    """The new rows (in request order) to their cohorts: parent [new rows] (a row of the selection), the child's
-    column and the new scores. Parents become cohort-local again."""
+def _moves(selection: Choices, parent: torch.Tensor, col: torch.Tensor, new_scores: torch.Tensor) -> list[Move]:
+    """The new rows (in request order) as each cohort's next step: parent [new rows] (a row of the selection), the
+    child's column and the new scores. Parents become cohort-local again."""
     new_tokens, new_nodes = selection.token[parent, col], selection.child[parent, col]
-    old_row, new_row, request = 0, 0, 0
+    moves, old_row, new_row, request = [], 0, 0, 0
     for c in selection.cohorts:
         n_req, old_rows = len(c.widths), c.rows
         mine = selection.new_rows[request : request + n_req]
         rows = slice(new_row, new_row + sum(mine))
         local = parent[rows] - old_row if old_row else parent[rows]
-        c.advance(local, new_tokens[rows], new_nodes[rows], new_scores[rows], mine)
+        moves.append((c, (local, new_tokens[rows], new_nodes[rows], new_scores[rows], mine)))
         old_row, new_row, request = old_row + old_rows, rows.stop, request + n_req
+    return moves
 
 
 def _rows_after(trie: CodeTrie, level: int, width: int, rows: int) -> int:

@@ -45,6 +45,17 @@ def test_no_work_on_the_head_and_gpu_workers_scale_from_zero(config):
     assert config["max_workers"] >= gpu[0]["max_workers"] + cpu[0]["max_workers"]
 
 
+def test_gpu_workers_hold_the_gpu_apps_largest_scale_and_a_rollouts_surge(config):
+    """At gpu.yaml's max_replicas a rolling restart starts its surge first: without room it would wait."""
+    from genrec.serving.args import ROLLOUT_SURGE_PERCENT, AppArgs
+
+    (app,) = yaml.safe_load((REPO / "deployments" / "gpu.yaml").read_text())["applications"]
+    largest = AppArgs.model_validate(app["args"]).retriever.deployment["autoscaling_config"]["max_replicas"]
+    surge = -(-largest * ROLLOUT_SURGE_PERCENT // 100)
+    (gpu,) = [t for name, t in config["available_node_types"].items() if "gpu" in name]
+    assert gpu["max_workers"] >= largest + surge  # one GPU a node (the instance type)
+
+
 def test_autoscaling_dashboard_and_metrics_port_are_on(config):
     (head_start,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
     (worker_start,) = [c for c in config["worker_start_ray_commands"] if "ray start" in c]

@@ -247,3 +247,18 @@ def test_a_section_refuses_serve_options_it_does_not_pass_through():
             AppArgs.model_validate({"retriever": {"model_dir": "/m", "deployment": options}})
     with pytest.raises(ValidationError, match="needs a retriever"):
         AppArgs.model_validate({"ingress": {}})
+
+
+def test_every_deployment_starts_its_replacements_before_it_stops_the_old_unless_told_not_to():
+    """A rolling restart surges (a one-replica engine never has none running); a section's `max_surge_percent`
+    wins, e.g. 0 on a cluster with no room for an extra GPU replica."""
+    from genrec.serving.app import engine_deployment
+    from genrec.serving.args import ROLLOUT_SURGE_PERCENT
+
+    args = AppArgs.model_validate(
+        {"retriever": {"model_dir": "/m"}, "ranker": {"model_dir": "/h", "deployment": {"max_surge_percent": 0}}}
+    )
+    assert ROLLOUT_SURGE_PERCENT > 0
+    assert args.ingress.deployment_options(args.ingress.defaults())["max_surge_percent"] == ROLLOUT_SURGE_PERCENT
+    assert engine_deployment(args, args.retriever)["max_surge_percent"] == ROLLOUT_SURGE_PERCENT
+    assert engine_deployment(args, args.ranker)["max_surge_percent"] == 0

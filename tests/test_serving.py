@@ -17,7 +17,15 @@ from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreReques
 from genrec.model.directory import model_version
 from genrec.testing.tiny import write_model_dir
 from tests.conftest import API_TOKEN_ENV, TINY
-from tests.serve_apps import delete, deploy, deploy_many, deploy_refused, replica_actor_names, wait_for
+from tests.serve_apps import (
+    delete,
+    deploy,
+    deploy_many,
+    deploy_refused,
+    deployment_states,
+    replica_actor_names,
+    wait_for,
+)
 
 PROMPT = "user <|user|> listened to comedy podcast episode then news daily"
 
@@ -518,18 +526,35 @@ def test_a_redeploy_of_a_broken_model_directory_is_refused_and_fails_no_request(
 
 
 def test_rollout_to_a_new_model_fails_no_request(guarded_url, tiny_dir, tmp_path):
+    """A rollout of a one-replica engine starts the new replica before it stops the old (the surge): an engine
+    replica runs throughout, so no request waits out a start."""
     from dataclasses import replace
 
     new_dir = write_model_dir(tmp_path / "v2", replace(TINY, seed=2))
     old_version, new_version = model_version(tiny_dir), model_version(new_dir)
+    running, done = [], threading.Event()
+
+    def sample():  # the engine's running replicas, while Serve lists its replicas (not while the app is rebuilt)
+        while not done.is_set():
+            states = deployment_states("guarded").get("EngineServer")
+            if states is not None:
+                running.append(states.get("RUNNING", 0))
+            time.sleep(0.2)
 
     def rollout():
-        deploy("guarded", **guarded_args(new_dir))
-        time.sleep(2)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            deploy("guarded", **guarded_args(new_dir))
+            time.sleep(2)
+        finally:
+            done.set()
+            sampler.join()
 
     seen, failures = under_load(f"{guarded_url}/v1/retrieve", rollout, headers=AUTH)
     assert failures == []
     assert seen[0] == old_version and seen[-1] == new_version
+    assert len(running) > 5 and min(running) >= 1, running
 
 
 # -- overload ------------------------------------------------------------------------------------

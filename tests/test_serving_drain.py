@@ -90,8 +90,10 @@ LATE_S = 3.0  # past its deadline, what an answer may take on a loaded 2-core ma
 
 
 def funnel_args(tiny_dir, hstu_dir, max_candidates: int, ranker_gone: bool, retry_after_s: int = 1) -> dict:
-    """`ranker_gone`: a ranker no node can host (it never starts, so its stop need not wait out Serve's 20 s)."""
-    ranker = {"ray_actor_options": {"num_cpus": 64}, "graceful_shutdown_timeout_s": 1} if ranker_gone else {}
+    """`ranker_gone`: a ranker no node can host, and no surge (Serve stops the old one first; the new one never
+    starts, so its stop need not wait out Serve's 20 s)."""
+    gone = {"ray_actor_options": {"num_cpus": 64}, "graceful_shutdown_timeout_s": 1, "max_surge_percent": 0}
+    ranker = gone if ranker_gone else {}
     return {
         "retriever": {"model_dir": str(tiny_dir), "threads": 1},
         "ranker": {

@@ -518,9 +518,13 @@ FRAIL_DEADLINE_S = 8.0  # "at once" is under 7 s: a loaded 2-core machine (two t
 
 def frail_args(tiny_dir, hstu_dir, ranker_gone: bool, on_failure: str = "degrade") -> dict:
     ranker = {"model_dir": str(hstu_dir), "max_candidates": RANKER_LIMIT}
-    if ranker_gone:  # no node can host it: Serve stops the running replica and the new one never starts (nor waits
-        # out Serve's 20 s grace when it is stopped in turn)
-        ranker["deployment"] = {"ray_actor_options": {"num_cpus": 64}, "graceful_shutdown_timeout_s": 1}
+    if ranker_gone:  # no node can host it, and no surge: Serve stops the running replica and the new one never
+        # starts (nor waits out Serve's 20 s grace when it is stopped in turn)
+        ranker["deployment"] = {
+            "ray_actor_options": {"num_cpus": 64},
+            "graceful_shutdown_timeout_s": 1,
+            "max_surge_percent": 0,
+        }
     ingress = {"limits": {"request_timeout_s": FRAIL_DEADLINE_S}, "funnel_reserve_s": 1.0}
     return {
         "retriever": {"model_dir": str(tiny_dir), "threads": 1},

@@ -81,6 +81,13 @@ def deployment_problems(options: dict) -> list[str]:
     return found
 
 
+# A rolling restart (any change to `args`) starts each replacement before it stops the replica it replaces, up to
+# this share of a deployment's replicas at once (at least one): a deployment of one replica has no gap. Serve's own
+# default (0) stops first. Where the cluster has no room for the extra replica the old ones keep serving and the
+# replacement waits for room; `max_surge_percent: 0` in a section's `deployment` stops first instead.
+ROLLOUT_SURGE_PERCENT = 25
+
+
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in a config file fails the deploy instead of vanishing
 
@@ -106,7 +113,7 @@ class _Deployed(_Args):
 
     def deployment_options(self, defaults: dict) -> dict:
         """The section's `deployment` over genrec's defaults; its own `num_replicas` replaces the autoscaling."""
-        merged = _merged(defaults, self.deployment)
+        merged = _merged({"max_surge_percent": ROLLOUT_SURGE_PERCENT, **defaults}, self.deployment)
         if "num_replicas" in self.deployment and "autoscaling_config" not in self.deployment:
             merged.pop("autoscaling_config", None)
         return merged

@@ -497,6 +497,75 @@ def test_a_restarted_replica_serves_its_declared_catalog_or_refuses_never_anothe
     assert answer.json()["catalog_version"] == version and client.get(f"{guarded_url}/healthz").status_code == 200
 
 
+CONVERGED_WITHIN_S = 10.0  # the goal's bound: a check period (2 s) plus the tiny catalog's load, on a loaded machine
+
+
+def declares(answer, version: str) -> bool:
+    return answer.status_code == 200 and answer.json()["catalog_version"] == version
+
+
+def test_a_replica_converges_on_its_declared_catalog_when_the_file_arrives_or_changes(
+    guarded_url, tiny_dir, client, tmp_path
+):
+    """Deployed as `serve deploy` does (no genrec check), the config declares a catalog not there yet: the replica
+    keeps the one it runs (kept_running, since when it says), across a redeploy of the unchanged config too (Serve
+    sends no reconfigure). Once the file is written, every request sent after the bound names the declared version
+    and holds no item it lacks; the same after the file is rewritten in place with other items."""
+    from genrec.catalog.catalog import Catalog, catalog_version
+
+    catalog = Catalog.load(tiny_dir / "genrec/catalog.parquet")
+    url, body = f"{guarded_url}/v1/retrieve", {"prompt": "user listened", "beam_width": 16}
+    arriving = tmp_path / "arriving.parquet"
+    user_config = [{"name": "EngineServer", "user_config": {"catalog": str(arriving)}}]
+    args = guarded_args(tiny_dir)
+
+    def served() -> dict:
+        return client.get(f"{guarded_url}/v1/model", headers=AUTH).json()
+
+    deploy("guarded", deployments=user_config, **args)
+    model = wait_for(lambda: (m := served())["catalog_status"] == "kept_running" and m, "kept running")
+    assert model["catalog_version"] == catalog_version(tiny_dir / "genrec/catalog.parquet")
+    assert str(arriving) in model["catalog_refused"] and model["catalog_not_declared_since"] <= time.time()
+    deploy("guarded", deployments=user_config, **args)  # the same config again: no reconfigure reaches the replica
+    answers, stop = [], threading.Event()
+
+    def load():
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                sent = time.monotonic()
+                answers.append((sent, c.post(url, json=body, headers=AUTH)))
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        for step in (2, 3):  # the file arrives, then is rewritten in place with other items
+            rows = np.arange(0, len(catalog), step)
+            written = time.monotonic()
+            Catalog(catalog.item_ids[rows], catalog.codes[rows], catalog.lengths[rows]).save(arriving)
+            version, items = catalog_version(arriving), set(catalog.item_ids[rows].tolist())
+
+            def converged(version=version, written=written):
+                return min((t for t, a in list(answers) if t > written and declares(a, version)), default=None)
+
+            first = wait_for(converged, "an answer from the declared version", 60)
+            print(f"converged on the {'arrived' if step == 2 else 'rewritten'} file in {first - written:.2f} s")
+            assert first - written <= CONVERGED_WITHIN_S
+            time.sleep(1)  # answers after it
+            after = [a for sent, a in list(answers) if sent >= first]
+            assert len(after) > 1 and all(declares(a, version) for a in after), [a.text for a in after]
+            assert all({i["item_id"] for i in a.json()["items"]} <= items for a in after)
+    finally:
+        stop.set()
+        worker.join()
+    model = served()
+    assert (model["catalog_status"], model["catalog_not_declared_since"], model["catalog_refused"]) == (
+        "declared",
+        None,
+        None,
+    )
+    assert {r["catalog_status"] for r in model["replicas"]} == {"declared"}
+
+
 def test_without_an_embedding_cache_user_id_scopes_and_routes_and_only_a_placeholder_needs_a_vector(
     guarded_url, client
 ):

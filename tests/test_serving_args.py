@@ -80,6 +80,7 @@ class RecordingEngine:
 
     def __init__(self, tiny):
         self.engine, self.built, self.config, self.live, self.refusals = tiny, None, None, [], []
+        self.loaded = []  # the catalog files it was asked to load
 
     def __call__(self, model_dir, device, options, limits):
         self.built = {"device": device, **options.engine_kwargs()}
@@ -90,6 +91,7 @@ class RecordingEngine:
         self.live.append(fields)
 
     def load_catalog(self, path):
+        self.loaded.append(path)
         return self.engine.load_catalog(path)
 
     def refused(self, kind, err):
@@ -248,21 +250,73 @@ def test_a_replica_that_cannot_load_its_declared_catalog_at_start_refuses_until_
         # each refusal counted once, by the engine's one outcome count
         assert server.driver.refusals == [("retrieve", "CatalogNotServed"), ("recommend", "CatalogNotServed")]
 
-        async def restored():
-            retry = asyncio.create_task(server._retry_declared(period_s=0.05))
-            await asyncio.sleep(0.2)
-            original = fresh.catalog
-            rows = np.arange(0, len(original), 2)
-            Catalog(original.item_ids[rows], original.codes[rows], original.lengths[rows]).save(declared)
-            await asyncio.wait_for(retry, 30)
-
-        asyncio.run(restored())
+        assert not asyncio.run(server.catalog.check())  # still missing: nothing tried
+        original = fresh.catalog
+        rows = np.arange(0, len(original), 2)
+        Catalog(original.item_ids[rows], original.codes[rows], original.lengths[rows]).save(declared)
+        assert asyncio.run(server.catalog.check())  # the watcher's next check loads it (no reconfigure)
         info = server.model_info()
         assert (info.catalog_status, info.catalog_version) == ("declared", catalog_version(declared))
         assert server.record_routing_stats() == {"catalog_served": True}
         reconfigure(server, {"catalog": str(tmp_path / "missing.parquet")})  # a live change: the running one stays
         info = server.model_info()
         assert (info.catalog_status, info.catalog_version) == ("kept_running", catalog_version(declared))
+    finally:
+        server._stopped.set()
+
+
+def test_a_replica_not_serving_its_declared_catalog_converges_on_it(monkeypatch, tiny_dir, tmp_path):
+    """Whatever keeps a replica off its declared file (not there yet, being written, rewritten in place with
+    other items), each check after the file changes loads it once it is valid; one that has not changed is not
+    read again; /v1/model says since when the replica has not served it."""
+    import time
+
+    import numpy as np
+
+    from genrec.catalog import Catalog
+    from genrec.catalog.catalog import catalog_version
+    from genrec.engine import Engine
+
+    fresh = Engine.from_pretrained(tiny_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
+    monkeypatch.setattr(engine_server, "EngineMetricsExporter", QuietMetrics)
+    options = AppArgs(retriever={"model_dir": "/m"}).retriever.replica_options()
+    driver = RecordingEngine(fresh)
+    server = engine_server.EngineServer.func_or_class(str(tiny_dir), "cpu", options, driver_factory=driver)
+    original = fresh.catalog
+
+    def save(step: int, path):
+        rows = np.arange(0, len(original), step)
+        Catalog(original.item_ids[rows], original.codes[rows], original.lengths[rows]).save(path)
+        return catalog_version(path)
+
+    def state():
+        info = server.model_info()
+        return info.catalog_status, info.catalog_version, info.catalog_not_declared_since
+
+    declared = tmp_path / "arriving.parquet"
+    try:
+        reconfigure(server, {})
+        assert state() == ("declared", original.version, None)
+        before = time.time()
+        reconfigure(server, {"catalog": str(declared)})  # a live change to a file not there yet
+        status, version, since = state()
+        assert (status, version) == ("kept_running", original.version) and before <= since <= time.time()
+        loads = len(driver.loaded)
+        assert not asyncio.run(server.catalog.check()) and len(driver.loaded) == loads  # nothing there: no read
+        declared.write_bytes(b"PAR1 half a copy")  # the copy in flight: tried, refused, the running one stays
+        assert asyncio.run(server.catalog.check()) and state() == ("kept_running", original.version, since)
+        assert not asyncio.run(server.catalog.check())  # unchanged since: not read again
+        arrived = save(2, declared)
+        assert asyncio.run(server.catalog.check()) and state() == ("declared", arrived, None)
+        assert not asyncio.run(server.catalog.check())
+
+        rewritten = save(3, declared)  # in place, other items: converges by its content hash
+        assert rewritten != arrived
+        assert asyncio.run(server.catalog.check()) and state() == ("declared", rewritten, None)
+        assert set(fresh.catalog.item_ids.tolist()) == set(original.item_ids[::3].tolist())
+        touched = declared.read_bytes()
+        declared.write_bytes(touched)  # the same content written again: checked, nothing swapped
+        assert asyncio.run(server.catalog.check()) and server.model_info().previous_catalog_version == arrived
     finally:
         server._stopped.set()
 

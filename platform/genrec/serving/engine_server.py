@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 import zlib
@@ -14,8 +13,8 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from genrec.engine import AsyncEngine, Engine
-from genrec.errors import GenrecError
-from genrec.serving.args import EngineLimits, ReplicaOptions, RetrieverLive, catalog_file, live_limits
+from genrec.serving.args import EngineLimits, ReplicaOptions, RetrieverLive, live_limits
+from genrec.serving.declared_catalog import DeclaredCatalog
 from genrec.serving.http_errors import CatalogNotServed
 from genrec.serving.metrics import EngineMetricsExporter
 from genrec.serving.replicas import REPORT_EVERY_S, board
@@ -46,12 +45,9 @@ class EngineServer:
         self.engine: Engine = self.driver.engine
         self.model_dir, self.device = model_dir, device
         self.info = describe(self.engine, model_dir, device)
-        self.catalog_refused = None  # why the last catalog the user_config named was refused
-        # A retriever refuses requests until it serves its declared catalog, never the model's own (`_serve_catalog`).
-        self.declared: str | None = None
-        self.refusing = self.engine.live_catalog
-        self._catalog_lock = asyncio.Lock()
-        self._retry: asyncio.Task | None = None
+        # A retriever's catalog converges on the file its user_config declares; a ranker has none to change.
+        live = self.engine.live_catalog
+        self.catalog = DeclaredCatalog(model_dir, self.driver.load_catalog, self._report) if live else None
         self.replica = _replica_id()
         self._board = None
         self.metrics = EngineMetricsExporter(self.info.serves)
@@ -62,60 +58,25 @@ class EngineServer:
     async def reconfigure(self, user_config: dict) -> None:
         """Live limits and a retriever's catalog from `user_config` (docs/serving.md, "Live changes"). A config that
         does not validate is refused and the running limits stay (args.live_limits)."""
-        live_model = RetrieverLive if self.engine.live_catalog else EngineLimits
+        live_model = RetrieverLive if self.catalog is not None else EngineLimits
         live, self.config_refused = live_limits(live_model, user_config, self.limits)
         if self.config_refused is None:
             limits = live.limits() if isinstance(live, RetrieverLive) else live
             self.driver.reconfigure(**limits.model_dump())
             self.limits = limits
             if isinstance(live, RetrieverLive):
-                await self._serve_catalog(live.catalog)
-                if self.refusing and (self._retry is None or self._retry.done()):
-                    self._retry = asyncio.create_task(self._retry_declared())
-        elif self.refusing:  # at start: the catalog it declares is unknown, so none is served
-            self.catalog_refused = f"the user_config was refused ({self.config_refused})"
-            self._report()
-
-    async def _serve_catalog(self, catalog: str | None) -> None:
-        """Load the catalog the user_config names (skipped when its file's hash is the served version's). A failure
-        never raises (Serve would tear the replica down, and its replacements fail alike): on a live change the
-        running catalog stays (`kept_running`); at start the replica refuses requests (`refusing`) rather than
-        serve the model's own catalog, whose items the config may have retired."""
-        async with self._catalog_lock:  # a retry (`_retry_declared`) and a reconfigure never load at once
-            self.declared = catalog  # as the config names it, until resolved (e.g. an unknown ~user is not)
-            try:
-                path = catalog_file(self.model_dir, catalog)
-                self.declared = str(path)
-                await asyncio.to_thread(self.driver.load_catalog, path)
-                self.catalog_refused, self.refusing = None, False
-                log.info("genrec: serving catalog %s (%s)", path, self.engine.catalog.version)
-            except Exception as err:  # noqa: BLE001 - see above
-                self.catalog_refused = str(err) if isinstance(err, GenrecError) else f"{catalog}: {err!r}"
-                stays = "requests are refused" if self.refusing else "the running one stays"
-                log.error("genrec: catalog %s refused, %s: %s", catalog, stays, self.catalog_refused)
-        self._report()
-
-    async def _retry_declared(self, period_s: float = REPORT_EVERY_S) -> None:
-        """While refusing: load the declared catalog again once its file changes (Serve sends no reconfigure)."""
-        seen = _file_state(self.declared)
-        while self.refusing:
-            await asyncio.sleep(period_s)
-            if (now := _file_state(self.declared)) != seen and now is not None:
-                seen = now
-                await self._serve_catalog(self.declared)  # a resolved path names the same file again
+                await self.catalog.declare(live.catalog)
+        elif self.catalog is not None and self.catalog.refusing:  # at start: the catalog it declares is unknown
+            self.catalog.undeclare(f"the user_config was refused ({self.config_refused})")
 
     @property
     def catalog_status(self) -> str | None:
         """A retriever's schemas.CatalogStatus; None for a ranker."""
-        if not self.engine.live_catalog:
-            return None
-        if self.refusing:
-            return "refusing"
-        return "kept_running" if self.catalog_refused is not None else "declared"
+        return None if self.catalog is None else self.catalog.status
 
     def _check_serving(self) -> None:
-        if self.refusing:
-            raise CatalogNotServed(self.declared, self.catalog_refused or "not loaded yet")
+        if self.catalog is not None and self.catalog.refusing:
+            raise CatalogNotServed(self.catalog.declared, self.catalog.refused or "not loaded yet")
 
     # `routing_key` is read by the caller's request router (router.py), not here.
     async def retrieve(self, request, timeout_s: float, routing_key: str | None = None):
@@ -141,17 +102,19 @@ class EngineServer:
 
     def _catalog_state(self) -> dict:
         """What this replica reports to the app's board; a refusing replica serves no catalog version."""
-        state = {"replica": self.replica, "catalog_refused": self.catalog_refused}
-        if self.engine.live_catalog:
+        state = {"replica": self.replica, "catalog_refused": None}
+        if self.catalog is not None:
+            catalog = self.catalog
             state |= self.engine.catalog_state() | {"catalog_items": len(self.engine.catalog)}
-            state |= {"catalog_declared": self.declared, "catalog_status": self.catalog_status}
-            if self.refusing:
+            state |= {"catalog_refused": catalog.refused, "catalog_declared": catalog.declared}
+            state |= {"catalog_status": catalog.status, "catalog_not_declared_since": catalog.not_declared_since}
+            if catalog.refusing:
                 state |= {"catalog_version": None, "previous_catalog_version": None, "catalog_items": 0}
         return state
 
     def record_routing_stats(self) -> dict:
         """Serve's routing stats, read by router.py: a replica refusing for want of its catalog is tried last."""
-        return {"catalog_served": not self.refusing}
+        return {"catalog_served": self.catalog is None or not self.catalog.refusing}
 
     def _report(self) -> None:
         """This replica's catalog state to the app's board (GET /v1/model); no board outside Serve."""
@@ -203,8 +166,9 @@ class EngineServer:
     def _export_until_stopped(self, period_s: float = 1.0) -> None:
         ticks = 0
         while not self._stopped.wait(period_s):
-            status = self.catalog_status
-            self.metrics.update(self.driver.metrics(), config_refused=self.config_refused is not None, catalog=status)
+            since = None if self.catalog is None else self.catalog.not_declared_since
+            status, refused = self.catalog_status, self.config_refused is not None
+            self.metrics.update(self.driver.metrics(), config_refused=refused, catalog=status, not_declared_since=since)
             if ticks % int(REPORT_EVERY_S / period_s) == 0:
                 self._report()
             ticks += 1
@@ -227,15 +191,6 @@ def describe(engine: Engine, model_dir: str, device: str) -> ModelInfo:
         serves=list(family.kinds),
         **family.describe(),
     )
-
-
-def _file_state(path: str | None) -> tuple | None:
-    """What tells a file's versions apart without reading it (None: there is none at `path`)."""
-    try:
-        stat = os.stat(path)
-    except (OSError, TypeError, ValueError):
-        return None
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _replica_id() -> str:

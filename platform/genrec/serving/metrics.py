@@ -59,6 +59,11 @@ class EngineMetricsExporter:
             "it refused a live change and serves the one before, refusing: it answers 503 (none since its start)",
             tag_keys=("state",),
         )
+        self.catalog_not_declared_s = Gauge(
+            "genrec_catalog_not_declared_s",
+            description="how long this retriever replica has not served the catalog its config declares, seconds (0: "
+            "it serves it); it converges within a check period plus a load once the file is readable and valid",
+        )
         self.prefix_cache = PrefixCacheExporter()
 
     def answered(self, kind: str, seconds: float) -> None:
@@ -73,12 +78,22 @@ class EngineMetricsExporter:
                 self.requests.inc(n - self.counted.get(key, 0), tags={"kind": kind, "status": status})
         self.counted = dict(counts)
 
-    def update(self, snapshot: dict, config_refused: bool = False, catalog: str | None = None) -> None:
-        """`catalog`: the replica's catalog status (declared, kept_running, refusing; None: a ranker's)."""
+    def update(
+        self,
+        snapshot: dict,
+        config_refused: bool = False,
+        catalog: str | None = None,
+        not_declared_since: float | None = None,
+    ) -> None:
+        """`catalog`: the replica's catalog status (declared, kept_running, refusing; None: a ranker's), not the
+        declared one since `not_declared_since` (wall clock; None: it is)."""
         self.model_load_seconds.set(self.load_s)
         self.user_config_refused.set(int(config_refused))
         for state in UNDECLARED:
             self.catalog_undeclared.set(int(catalog == state), tags={"state": state})
+        if catalog is not None:
+            since = not_declared_since
+            self.catalog_not_declared_s.set(0.0 if since is None else max(0.0, time.time() - since))
         self.export_outcomes(snapshot["requests"])
         self.queue_depth.set(snapshot["queue_depth"])
         self.running.set(snapshot["running"])

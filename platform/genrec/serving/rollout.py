@@ -1,7 +1,8 @@
-"""After `genrec deploy` sent a config: wait for its apps to run, then say which retriever replicas do not serve the
-declared catalog (docs/operations.md, "Deploy checks"). Serve reports a deploy done when its replicas run, not when
-they serve what the config says (a replica may refuse its catalog; a file changed in place is not reloaded), so
-each retriever's replicas are read from its app's GET /v1/model, through Serve's HTTP proxy on the dashboard's host.
+"""After `genrec deploy` sent a config: wait for its apps to run, then for each retriever's replicas to converge on the
+declared catalog, and say which have not (docs/operations.md, "Deploy checks"). Serve reports a deploy done when its
+replicas run, not when they serve what the config says (a replica may refuse its catalog, or not have loaded a file
+changed in place yet: it converges within a check period and a load, declared_catalog.py), so each retriever's
+replicas are read from its app's GET /v1/model, through Serve's HTTP proxy on the dashboard's host.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from genrec.serving.args import DEPLOYMENTS, AppArgs, catalog_file
 DEPLOY_WAIT_S = 600.0  # an app of many GPU replicas can take minutes to start
 POLL_S = 1.0
 REPORTED_WITHIN_S = 15.0  # replicas report to the board on every change and every few seconds (replicas.py)
+CONVERGED_WITHIN_S = 30.0  # a replica's check period, its load of the catalog and its next report, with room
 HTTP_TIMEOUT_S = 10.0
 
 
@@ -57,7 +59,8 @@ def _running(dashboard: str, names: list[str]) -> tuple[dict, list[tuple[str, st
 
 
 def _catalog_problems(app: dict, details: dict, dashboard: str) -> list[tuple[str, str]]:
-    """One line per running retriever replica of the app that does not serve the declared catalog."""
+    """One line per running retriever replica of the app that has not converged on the declared catalog within
+    CONVERGED_WITHIN_S."""
     try:
         args = AppArgs.model_validate(app.get("args") or {})
     except ValidationError:
@@ -68,29 +71,44 @@ def _catalog_problems(app: dict, details: dict, dashboard: str) -> list[tuple[st
     declared = _user_config(app, engine).get("catalog")
     version = _declared_version(args.retriever.model_dir, declared)
     running = _running_replicas(details, name, engine)
-    try:
-        reported = _reported(app_url(dashboard, details, name), args.ingress.auth_token_env, running)
-    except (OSError, ValueError) as err:  # URLError, HTTP errors, timeouts, a body that is not JSON
-        return [("warning", f"{name}: could not ask the app which catalog its replicas serve ({err})")]
-    return [problem for replica in running if (problem := _replica_problem(name, replica, reported, version))]
+    deadline = time.monotonic() + CONVERGED_WITHIN_S
+    while True:
+        try:
+            reported = _reported(app_url(dashboard, details, name), args.ingress.auth_token_env, running)
+        except (OSError, ValueError) as err:  # URLError, HTTP errors, timeouts, a body that is not JSON
+            return [("warning", f"{name}: could not ask the app which catalog its replicas serve ({err})")]
+        problems = [p for replica in running if (p := _replica_problem(name, replica, reported, version))]
+        if not problems or time.monotonic() > deadline:
+            return problems
+        time.sleep(POLL_S)
 
 
 def _replica_problem(app: str, replica: str, reported: dict, version: str | None) -> tuple[str, str] | None:
     state = reported.get(replica)
     if state is None:
         return "error", f"{app}: replica {replica} has not reported its catalog"
+    since = _since(state.get("catalog_not_declared_since"))
     if state.get("catalog_status") != "declared":
         why = f" ({state['catalog_refused']})" if state.get("catalog_refused") else ""
         return "error", (
             f"{app}: replica {replica} does not serve the declared catalog {state.get('catalog_declared')}: "
-            f"{state.get('catalog_status')}, catalog_version {state.get('catalog_version')}{why}"
+            f"{state.get('catalog_status')}, catalog_version {state.get('catalog_version')}{since}{why}; it loads "
+            "the file once it is readable and valid"
         )
     if version is not None and state.get("catalog_version") != version:
         return "error", (
             f"{app}: replica {replica} serves catalog_version {state.get('catalog_version')}, not the declared file's "
-            f"{version} ({state.get('catalog_declared')} changed since it loaded it: deploy it under a new name)"
+            f"{version}: it has not loaded {state.get('catalog_declared')} as it is now, after {CONVERGED_WITHIN_S:g} s"
         )
     return None
+
+
+def _since(when: float | None) -> str:
+    """`, since <UTC time> (<n> s ago)` for a replica's `catalog_not_declared_since`; "" when it has none."""
+    if not isinstance(when, int | float):
+        return ""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when))
+    return f", since {stamp} ({max(0.0, time.time() - when):.0f} s ago)"
 
 
 def _reported(url: str, token_env: str | None, running: list[str]) -> dict[str, dict]:

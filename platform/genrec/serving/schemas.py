@@ -121,6 +121,10 @@ class RankerFacts(BaseModel):
 # `refusing`: no declared catalog since its start, answers 503 catalog_not_served (docs/serving.md, "Live changes").
 CatalogStatus = Literal["declared", "kept_running", "refusing"]
 CATALOG_DECLARED = "the catalog file the replica's user_config declares (the model directory's when it names none)"
+NOT_DECLARED_SINCE = (
+    "qwen3: since when (Unix seconds) the replica has not served its declared catalog (None: it serves it); it "
+    "checks the file every few seconds and loads it once it is readable and valid"
+)
 
 
 class ReplicaState(BaseModel):
@@ -131,6 +135,7 @@ class ReplicaState(BaseModel):
     catalog_refused: str | None = None
     catalog_declared: str | None = Field(None, description=CATALOG_DECLARED)
     catalog_status: CatalogStatus | None = None
+    catalog_not_declared_since: float | None = Field(None, description=NOT_DECLARED_SINCE)
 
 
 class ModelInfo(BaseModel):
@@ -158,6 +163,7 @@ class ModelInfo(BaseModel):
         description="qwen3: declared (serves the declared catalog), kept_running (refused a live change to it, serves "
         "the one before), refusing (none since its start: answers 503 catalog_not_served)",
     )
+    catalog_not_declared_since: float | None = Field(None, description=NOT_DECLARED_SINCE)
     replica: str | None = Field(None, description="the replica that answered")
     replicas: list[ReplicaState] | None = Field(
         None, description="every running replica of this deployment heard from lately, with its catalog version"

@@ -489,7 +489,8 @@ def test_a_restarted_replica_serves_its_declared_catalog_or_refuses_never_anothe
 
     def gauge():
         lines = [ln for ln in client.get(f"http://127.0.0.1:{port}/metrics").text.splitlines() if "guarded" in ln]
-        return exported(lines, "ray_genrec_catalog_not_declared", 'state="refusing"') == 1
+        refusing = exported(lines, "ray_genrec_catalog_not_declared", 'state="refusing"') == 1
+        return refusing and (exported(lines, "ray_genrec_catalog_not_declared_s") or 0) > 0  # since its start
 
     wait_for(gauge, "the gauge")
     declared.write_bytes(saved)

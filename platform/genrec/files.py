@@ -37,7 +37,8 @@ def write_atomically(target: str | Path, data: bytes) -> Path:
 
 
 def is_temporary(path: str | Path) -> bool:
-    """A file `write_atomically` is writing now (or a killed writer left): part of no model or catalog."""
+    """A file `write_atomically` is writing now (or a killed writer left), or a catalog run's lock
+    (`genrec.catalog_tools.lock`): part of no model or catalog."""
     name = Path(path).name
     return name.startswith(".") and name.endswith(TEMPORARY)
 

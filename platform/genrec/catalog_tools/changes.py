@@ -1,11 +1,13 @@
 """`genrec catalog add` / `retire`: new items coded from their embeddings with build-ids' codebooks, items removed;
 every change (an import's too, `write_version`) a new catalog version (docs/engine.md, 'New items without
 retraining: `genrec catalog add` / `retire`'). An existing file is rewritten only when asked (`in_place`): a replica
-serving it would not see the change.
+serving it would not see the change; the run holds `catalog_lock` on the file it replaces from before it reads the
+catalog until it has written it, so of two runs at once the second reads what the first wrote.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 from genrec.catalog.catalog import Catalog, _codes, bytes_version, named_hash, parquet_bytes, versioned_name
 from genrec.catalog_tools.build_ids import _checked_matrix, _rank_within, assign_with_room, read_item_embeddings
 from genrec.catalog_tools.codebooks import Codebooks
+from genrec.catalog_tools.lock import catalog_lock
 from genrec.errors import CatalogError, GenrecError
 from genrec.files import write_atomically
 from genrec.model.directory import ModelDir
@@ -43,19 +46,19 @@ def add_items(
 ) -> CatalogChange:
     """Code `items_path`'s items (Parquet: item_id, embedding) and write the catalog `base` (default the model's) with
     them appended (`write_version`). A catalog imported from another project is refused (its codes are not theirs)."""
-    directory, layout, catalog, base = _open(model_dir, base)
-    codebooks = Codebooks.load(Codebooks.path_beside(directory.catalog_path))
-    codebooks.check_layout(layout, Codebooks.path_beside(directory.catalog_path))
-    table = pq.read_table(base)
-    if IMPORTED_KEY in (table.schema.metadata or {}):
-        raise CatalogError(base, f"was imported (`genrec catalog import`): {NO_CODEBOOKS_OF_IMPORT}")
-    item_ids, vectors = read_item_embeddings(Path(items_path))
-    _check_new_ids(item_ids, catalog, items_path)
-    embeddings = _checked_embeddings(vectors, codebooks.dim, item_ids, items_path)
-    codes = new_codes(catalog, layout, codebooks, embeddings, item_ids, items_path)
-    new_rows = _rows_like(table, item_ids.tolist(), codes)
-    table = pa.concat_tables([table, new_rows], promote_options="default")
-    return _write(table, layout, directory.catalog_path.parent, out, base if in_place else None, len(codes), 0)
+    with _opened(model_dir, base, out, in_place) as (directory, layout, catalog, base):
+        codebooks = Codebooks.load(Codebooks.path_beside(directory.catalog_path))
+        codebooks.check_layout(layout, Codebooks.path_beside(directory.catalog_path))
+        table = pq.read_table(base)
+        if IMPORTED_KEY in (table.schema.metadata or {}):
+            raise CatalogError(base, f"was imported (`genrec catalog import`): {NO_CODEBOOKS_OF_IMPORT}")
+        item_ids, vectors = read_item_embeddings(Path(items_path))
+        _check_new_ids(item_ids, catalog, items_path)
+        embeddings = _checked_embeddings(vectors, codebooks.dim, item_ids, items_path)
+        codes = new_codes(catalog, layout, codebooks, embeddings, item_ids, items_path)
+        new_rows = _rows_like(table, item_ids.tolist(), codes)
+        table = pa.concat_tables([table, new_rows], promote_options="default")
+        return _write(table, layout, directory.catalog_path.parent, out, base if in_place else None, len(codes), 0)
 
 
 def retire_items(
@@ -66,17 +69,17 @@ def retire_items(
     in_place: bool = False,
 ) -> CatalogChange:
     """Remove `item_ids` from the catalog `base` (their codes become free) and write a new version (as add_items)."""
-    directory, layout, catalog, base = _open(model_dir, base)
-    retired = list(dict.fromkeys(item_ids))
-    unknown = [item for item in retired if catalog.index_of(item) is None]
-    if unknown:
-        raise GenrecError(f"--items: item {unknown[0]!r} is not in the catalog ({len(unknown)} of {len(retired)})")
-    if len(retired) == len(catalog):
-        raise GenrecError(f"--items: retiring all {len(catalog)} items would leave the catalog empty")
-    keep = np.ones(len(catalog), dtype=bool)
-    keep[[catalog.index_of(item) for item in retired]] = False
-    table = pq.read_table(base).filter(pa.array(keep))
-    return _write(table, layout, directory.catalog_path.parent, out, base if in_place else None, 0, len(retired))
+    with _opened(model_dir, base, out, in_place) as (directory, layout, catalog, base):
+        retired = list(dict.fromkeys(item_ids))
+        unknown = [item for item in retired if catalog.index_of(item) is None]
+        if unknown:
+            raise GenrecError(f"--items: item {unknown[0]!r} is not in the catalog ({len(unknown)} of {len(retired)})")
+        if len(retired) == len(catalog):
+            raise GenrecError(f"--items: retiring all {len(catalog)} items would leave the catalog empty")
+        keep = np.ones(len(catalog), dtype=bool)
+        keep[[catalog.index_of(item) for item in retired]] = False
+        table = pq.read_table(base).filter(pa.array(keep))
+        return _write(table, layout, directory.catalog_path.parent, out, base if in_place else None, 0, len(retired))
 
 
 IMPORTED_KEY = b"genrec.imported_from"  # Parquet metadata of an imported catalog (kept by add / retire)
@@ -218,12 +221,25 @@ def _first_free_last(codes: np.ndarray, prefixes: np.ndarray, layout, item_ids, 
     return free_position[first_free[wanted] + rank]
 
 
-def _open(model_dir, base=None):
-    """The model directory, its SID layout, the catalog to change (`base`, default the model's) and its path."""
+@contextmanager
+def _opened(model_dir, base, out, in_place: bool):
+    """The model directory, its SID layout, the catalog to change (`base`, default the model's) and its path, with
+    the file the change replaces (`replaced_file`) locked from before the catalog is read until the block ends."""
     directory = ModelDir.open(model_dir, family="qwen3")
     layout = directory.load_sid_layout()
     base = Path(base) if base is not None else directory.catalog_path
-    return directory, layout, Catalog.load(base, layout), base
+    replaced = replaced_file(base, out, in_place)
+    with catalog_lock(replaced) if replaced is not None else nullcontext():
+        yield directory, layout, Catalog.load(base, layout), base
+
+
+def replaced_file(base: Path, out, in_place: bool) -> Path | None:
+    """The named file a change writes, `--out`'s or (in place) the catalog changed, which another run may be
+    rewriting too; None for a new version named by its content hash: written beside the catalog it was made from,
+    which stays as it was, so two runs at once lose nothing (each version holds its own run's change)."""
+    if out is not None:
+        return Path(out)
+    return base if in_place else None
 
 
 def _check_new_ids(item_ids: np.ndarray, catalog: Catalog, source) -> None:

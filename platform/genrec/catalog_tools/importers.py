@@ -3,8 +3,9 @@ against the model's tokenizer and SID layout (docs/open-checkpoints.md, '`genrec
 
 Written atomically as a new version (`changes.write_version`) beside the model's catalog or at `out` (the model's
 own when it has none); replacing a file needs `in_place`, and a trained catalog `force` too, which deletes build-ids'
-codebooks: they describe the catalog build-ids wrote, not an imported one. An imported catalog is marked so in its
-Parquet metadata, and `genrec catalog add` refuses it.
+codebooks: they describe the catalog build-ids wrote, not an imported one. `out`'s file, else the model's catalog
+(whether it exists decides where a new catalog goes), is locked while the run writes (`catalog_lock`). An imported
+catalog is marked so in its Parquet metadata, and `genrec catalog add` refuses it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pyarrow.parquet as pq
 from genrec.catalog.catalog import CATALOG_COLUMNS, PAD, Catalog, padded_rows
 from genrec.catalog_tools.changes import IMPORTED_KEY, write_version
 from genrec.catalog_tools.codebooks import Codebooks
+from genrec.catalog_tools.lock import catalog_lock
 from genrec.errors import CatalogError, GenrecError, ModelDirectoryError
 from genrec.files import write_atomically
 from genrec.model.directory import ModelDir
@@ -106,6 +108,16 @@ def import_catalog(
     check_rows(imported, layout, source)
     imported.check_loads(layout, source)
     own = ModelDir.catalog_path_of(model_dir)
+    with catalog_lock(Path(out) if out is not None else own):  # the module doc
+        target, version = _write_imported(imported, fmt, own, out, in_place, force)
+        if layout_preset is not None:
+            write_layout_preset(model_dir, layout_preset)
+    return summarize(imported, fmt, target, layout, version)
+
+
+def _write_imported(imported: ImportedCatalog, fmt: str, own: Path, out, in_place: bool, force: bool):
+    """The catalog written (the module doc: `out`, `in_place`, `force`), a trained one's codebooks deleted when it
+    is replaced. Returns (path, catalog_version)."""
     rewrite = own if in_place or not own.exists() else None  # the model's first catalog is its own
     replaced = Path(out) if out is not None else rewrite
     trained = replaced is not None and replaced.is_file() and Codebooks.path_beside(replaced).is_file()
@@ -119,9 +131,7 @@ def import_catalog(
     target, version = write_version(table, own.parent, out, rewrite)
     if trained:
         Codebooks.path_beside(target).unlink(missing_ok=True)  # they describe the catalog replaced
-    if layout_preset is not None:
-        write_layout_preset(model_dir, layout_preset)
-    return summarize(imported, fmt, target, layout, version)
+    return target, version
 
 
 def detect_format(source: Path) -> str:

@@ -4,9 +4,10 @@ catalog, a loader per part, and `check`, which checks all a replica reads withou
 dtypes from the headers). Loaders import their heavy parts (transformers, the forward code, safetensors) when called,
 so `check`, run by light processes such as the deploy's preflight, never pays for them.
 
-The version's large-file digests are kept in `genrec/digests.json` (`DigestRecord`), trusted while a file keeps its
-size and mtime (as make and git's index do): headers and sizes would not do, two fine-tunes share every shape.
-Recording is best effort: a read-only directory is hashed at every start unless recorded before.
+The version is a content hash of the files the family's loaders read (`version_files`), no other: a catalog, notes
+or a cache beside them leave it. Its large-file digests are kept in `genrec/digests.json` (`DigestRecord`), trusted
+while a file keeps its size and mtime (as make and git's index do): headers and sizes would not do, two fine-tunes
+share every shape. Recording is best effort: a read-only directory is hashed at every start unless recorded before.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import re
 import time
 from functools import cached_property
 from pathlib import Path
@@ -24,13 +24,25 @@ import torch
 
 from genrec.catalog.catalog import Catalog, ItemIndex
 from genrec.errors import ModelDirectoryError
-from genrec.files import is_temporary, write_atomically
+from genrec.files import write_atomically
 from genrec.model.config import HSTU_MODEL_TYPE, HSTUConfig, Qwen3Config
+from genrec.model.sid_layout import LAYOUT_FILE, SidLayout
 from genrec.model.tokenizer import PROMPT_FILE, ChatOptions, ChatTemplate, check_token_ids, load_tokenizer
 from genrec.model.weights import Layout, load_state_dict, read_headers, weight_files
 
 GENREC_SUBDIR = "genrec"
 FAMILY_NAMES = {"qwen3": "a Qwen3 semantic-ID model", "hstu": "an HSTU ranking model"}
+CONFIG_FILE = "config.json"
+SINGLE_WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's: it names the shards
+# What transformers' AutoTokenizer may read of a directory (transformers.tokenization_utils_base): the files every
+# tokenizer reads, then the vocabulary files of the tokenizer classes a Qwen-like checkpoint names (BPE,
+# SentencePiece, WordPiece); its extra chat templates are CHAT_TEMPLATE_DIR/*.jinja. config.json is read too.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt",
+)  # fmt: skip
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 
 class ModelDir:
@@ -47,7 +59,7 @@ class ModelDir:
         path = Path(path)
         if not path.is_dir():
             raise ModelDirectoryError(path, "model directory does not exist")
-        raw = _read_config(path / "config.json")
+        raw = _read_config(path / CONFIG_FILE)
         kind = HSTUDir if isinstance(raw, dict) and raw.get("model_type") == HSTU_MODEL_TYPE else Qwen3Dir
         if family is not None and kind.family != family:
             raise ModelDirectoryError(path, f"{FAMILY_NAMES[kind.family]}, not {FAMILY_NAMES[family]}")
@@ -67,8 +79,23 @@ class ModelDir:
 
     @cached_property
     def version(self) -> str:
-        """A content hash of every file in the directory (see `model_version`)."""
-        return model_version(self.path)
+        """A content hash of `version_files` (their names and bytes): the model's identity. It salts the prefix
+        cache and names the model in answers (X-Model-Version) and batch runs (docs/engine.md, 'Model directory')."""
+        return files_version(self.path, self.version_files())
+
+    def version_files(self) -> list[Path]:
+        """The files the version covers: each file the family's loaders read, where present. One list for both, so
+        they cannot drift (tests/test_model_version.py fails a loader that opens a file missing here)."""
+        return sorted({file for file in self._files_read() if file.is_file()})
+
+    def _files_read(self) -> list[Path]:
+        """Every file the family's loaders may read, but a catalog that changes under a running model."""
+        return [self.path / CONFIG_FILE, *self._weight_sources()]
+
+    def _weight_sources(self) -> list[Path]:
+        """The weight files `load_weights` reads, and the index that names them (a sharded checkpoint)."""
+        files = self.weight_files()
+        return files if files == [self.path / SINGLE_WEIGHTS] else [self.path / WEIGHTS_INDEX, *files]
 
     @property
     def user_dim(self) -> int | None:
@@ -119,7 +146,15 @@ class Qwen3Dir(ModelDir):
     family = "qwen3"
 
     def _config(self, raw) -> Qwen3Config:
-        return Qwen3Config.from_dict(raw, self.path / "config.json")
+        return Qwen3Config.from_dict(raw, self.path / CONFIG_FILE)
+
+    def _files_read(self) -> list[Path]:
+        """Also the tokenizer's files, the SID layout, the chat options and the soft-token projector; the catalog
+        is versioned apart (`catalog_version`): a new one leaves the model, and its cached prefixes, valid."""
+        tokenizer = [self.path / name for name in TOKENIZER_FILES]
+        templates = (self.path / CHAT_TEMPLATE_DIR).glob("*.jinja")
+        own = [self.sid_layout_path, self.prompt_path, self.soft_token_path]
+        return [*super()._files_read(), *tokenizer, *templates, *own]
 
     @property
     def soft_token_path(self) -> Path:
@@ -147,10 +182,12 @@ class Qwen3Dir(ModelDir):
         check_token_ids(tokenizer, self.config.vocab_size, self.path)
         return tokenizer
 
+    @property
+    def sid_layout_path(self) -> Path:
+        return self.path / GENREC_SUBDIR / LAYOUT_FILE  # what SidLayout.for_model reads
+
     def load_sid_layout(self, tokenizer=None):
         """The SID layout: `genrec/sid_layout.json`, else inferred from the tokenizer (genrec.model.sid_layout)."""
-        from genrec.model.sid_layout import SidLayout
-
         tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
         return SidLayout.for_model(self.path, tokenizer)
 
@@ -203,7 +240,11 @@ class HSTUDir(ModelDir):
     family = "hstu"
 
     def _config(self, raw) -> HSTUConfig:
-        return HSTUConfig.from_dict(raw, self.path / "config.json")
+        return HSTUConfig.from_dict(raw, self.path / CONFIG_FILE)
+
+    def _files_read(self) -> list[Path]:
+        """Also the catalog, the item -> row index: the embedding table's rows were trained against it."""
+        return [*super()._files_read(), self.catalog_path]
 
     def load_catalog(self):
         return ItemIndex.load(self.catalog_path, self.config.num_items)
@@ -231,21 +272,17 @@ def _read_config(path: Path):
         raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
 
 
-# The catalog's files: versioned apart (`catalog_version`), as a catalog may change under a running model.
-CATALOG_FILES = (f"{GENREC_SUBDIR}/catalog.parquet", f"{GENREC_SUBDIR}/codebooks.safetensors")
-CATALOG_VERSION_FILE = re.compile(rf"{GENREC_SUBDIR}/catalog-[0-9a-f]{{12}}\.parquet")  # `genrec catalog`'s versions
-
-
 def model_version(path: str | Path) -> str:
-    """A content hash of every file (names and bytes) but the catalogs' (docs/engine.md, 'Catalog versions, live:
-    `load_catalog` / `rollback_catalog`'); it salts the prefix cache, which a catalog change leaves valid."""
-    root = Path(path)
+    """The version of the model in `path` (`ModelDir.version`)."""
+    return ModelDir.open(path).version
+
+
+def files_version(root: Path, files: list[Path]) -> str:
+    """A content hash of `files` (each one's name under `root` and its bytes, in name order)."""
     record = DigestRecord(root / GENREC_SUBDIR / RECORD)
     digest = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file() and not record.owns(p)):
+    for file in sorted(files):
         name = file.relative_to(root).as_posix()
-        if name in CATALOG_FILES or CATALOG_VERSION_FILE.fullmatch(name) or is_temporary(file):
-            continue
         digest.update(name.encode() + b"\0")
         digest.update(record.digest(file, name))
     record.save()
@@ -271,10 +308,6 @@ class DigestRecord:
         self.path = path
         self.recorded = _read(path)
         self.seen: dict[str, dict] = {}
-
-    def owns(self, file: Path) -> bool:
-        """The record itself and its temporaries: never part of the version."""
-        return file.parent == self.path.parent and file.name.startswith(RECORD)
 
     def digest(self, file: Path, name: str) -> bytes:
         before = file.stat()

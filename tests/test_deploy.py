@@ -1,7 +1,9 @@
 """`genrec deploy`: a config that does not pass `genrec.serving.check` (here a live `user_config` Serve would hand to
 the replicas unchecked) is refused before anything is sent; one that passes goes through a real `serve deploy` to a
 `ray start --head` cluster with its dashboard (tests/dashboard_cluster.py), and a refused redeploy leaves the
-running app and its config as they were; a deploy whose catalog a replica does not serve exits 1 naming it."""
+running app and its config as they were; a catalog no replica could load, or one missing here, is refused too (the
+checks themselves: tests/test_deploy_catalog_check.py); a deploy whose catalog a replica does not serve exits 1
+naming it."""
 
 import socket
 import subprocess
@@ -66,6 +68,19 @@ def test_a_rayservice_file_is_checked_not_deployed(tmp_path):
     refused(write(tmp_path / "svc.yaml", service), "apply it with kubectl")
 
 
+def test_a_catalog_no_replica_could_load_is_refused_and_nothing_is_sent(tiny_dir, tmp_path):
+    """A truncated catalog (checked without --model, as a replica reads the file), and one missing here: either
+    would leave every replica that starts refusing requests."""
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes((tiny_dir / "genrec/catalog.parquet").read_bytes()[:100])
+    config = serve_config(tiny_dir, 8000, max_queue=4)
+    field = "applications[0].deployments[0].user_config.catalog"
+    config["applications"][0]["deployments"][0]["user_config"]["catalog"] = str(cut)
+    refused(write(tmp_path / "cut.yaml", config), f"{field}: {cut}: not a readable Parquet file")
+    config["applications"][0]["deployments"][0]["user_config"]["catalog"] = str(tmp_path / "later.parquet")
+    refused(write(tmp_path / "later.yaml", config), f"{field}: {tmp_path / 'later.parquet'}: catalog file is missing")
+
+
 @pytest.mark.parametrize("text", ["", "- a\n- b\n", "applications: [{name: x, deployments: oops}]\n"])
 def test_a_file_that_is_no_serve_config_is_refused_in_one_line_each(tmp_path, text):
     path = tmp_path / "odd.yaml"
@@ -124,13 +139,17 @@ def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_pat
         (app,) = [a for a in yaml.safe_load_all(running.stdout) if a]  # the cluster's: still the good config
         assert app["deployments"][0]["user_config"] == {"max_queue": 7}, running.stdout
 
-        # A catalog the replica cannot load: the deploy goes through (Serve hands the user_config to the running
-        # replica, which keeps its catalog), and genrec deploy, having waited for it, says so: exit 1, one line.
+        # A catalog missing here is refused, unless the deploy says it arrives later: then it goes through (Serve
+        # hands the user_config to the running replica, which keeps its catalog until the file appears), and
+        # genrec deploy, having waited for it, says so: exit 1, one line.
         config = serve_config(tiny_dir, port, max_queue=7)
         missing = tmp_path / "catalog-gone.parquet"
         config["applications"][0]["deployments"][0]["user_config"]["catalog"] = str(missing)
         gone = write(tmp_path / "gone.yaml", config)
-        done = subprocess.run([*GENREC, str(gone), "-a", address], env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([*GENREC, str(gone), "-a", address], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "--catalog-arrives" in done.stderr, done.stdout + done.stderr
+        arrives = [*GENREC, str(gone), "-a", address, "--catalog-arrives"]
+        done = subprocess.run(arrives, env=env, capture_output=True, text=True, timeout=300)
         lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
         assert done.returncode == 1 and len(lines) == 1, done.stdout + done.stderr
         assert f"does not serve the declared catalog {missing}: kept_running" in lines[0], lines[0]

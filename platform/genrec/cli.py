@@ -268,12 +268,19 @@ def deploy(
     dashboard_timeout_s: float = typer.Option(
         10.0, "--dashboard-timeout-s", min=0.1, help="how long the dashboard has to answer before nothing is sent"
     ),
+    catalog_arrives: bool = typer.Option(
+        False,
+        "--catalog-arrives",
+        help="a catalog a user_config names that is missing here will be written after the deploy (its replicas "
+        "serve it once it appears); otherwise a missing one is refused",
+    ),
 ):
     """`serve deploy`, sent only if the config passes `genrec.serving.check` (Serve would accept a `user_config`
-    that does not validate) and the dashboard answers: otherwise one `error:` line each, exit 2."""
+    that does not validate, or a catalog file no replica can load) and the dashboard answers: otherwise one `error:`
+    line each, exit 2."""
     from genrec.serving.check import deploy as deploy_config
 
-    raise typer.Exit(deploy_config(config, address, check_model, dashboard_timeout_s))
+    raise typer.Exit(deploy_config(config, address, check_model, dashboard_timeout_s, catalog_arrives))
 
 
 def main() -> None:

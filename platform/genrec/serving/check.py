@@ -1,18 +1,26 @@
-"""Check a Serve config before deploying it: `python -m genrec.serving.check CONFIG.yaml [--model]`, and `genrec
-deploy` (`deploy`), which sends only a config that passes, then reports the rollout (rollout.py). Serve would find
-these problems late or never: it drops an unknown key silently, and a `user_config` change alone runs no builder and
-reaches the replicas' `reconfigure`, which keeps the running limits if it does not validate (docs/operations.md,
-'Deploy checks')."""
+"""Check a Serve config before deploying it: `python -m genrec.serving.check CONFIG.yaml [--model]
+[--catalog-arrives]`, and `genrec deploy` (`deploy`), which sends only a config that passes, then reports the rollout
+(rollout.py). Serve would find these problems late or never: it drops an unknown key silently, and a `user_config`
+change alone runs no builder and reaches the replicas' `reconfigure`, which keeps the running limits if it does not
+validate; a catalog file a replica cannot load leaves every replica that starts later refusing requests
+(docs/operations.md, 'Deploy checks')."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import yaml
 from pydantic import BaseModel, ValidationError
 
@@ -23,10 +31,42 @@ from genrec.serving.rollout import wait_and_report
 BUILDER = "genrec.serving.app:build_app"
 DEFAULT_DASHBOARD = "http://localhost:8265"  # serve deploy's default address
 DASHBOARD_TIMEOUT_S = 10.0
+ARRIVES_FLAG = "--catalog-arrives"
+# genrec.catalog.catalog's rules for a catalog file, read here without it: importing genrec.catalog imports torch.
+VERSIONED_NAME = re.compile(r"catalog-([0-9a-f]{12})\.parquet")
 
 
-def problems(config: dict, check_model: bool = False) -> list[str]:
+@dataclass
+class Findings:
+    """What a check found: problems (each refuses the config) and warnings (what it could not check here)."""
+
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def problems(config: dict, check_model: bool = False, catalog_arrives: bool = False) -> list[str]:
     """Every problem of a Serve config (ServeDeploySchema as a dict), each naming where it is."""
+    return findings(config, check_model, catalog_arrives).problems
+
+
+def findings(config: dict, check_model: bool = False, catalog_arrives: bool = False) -> Findings:
+    """The config's problems; when it has none, each catalog file its retriever replicas will load (`catalog_files`),
+    read as they will read it: without `check_model`, the file alone (no torch), with it, also its codes against
+    the model's SID layout. `catalog_arrives`: a declared catalog missing here will be written after the deploy."""
+    found = Findings(_config_problems(config, check_model))
+    if found.problems:
+        return found
+    for where, app in _builder_apps(config):
+        retriever = AppArgs.model_validate(app.get("args") or {}).retriever
+        if retriever is not None:
+            files = catalog_files(app, where, retriever.model_dir, check_model)
+            checked = _catalog_findings(where, files, check_model, catalog_arrives)
+            found.problems += checked.problems
+            found.warnings += checked.warnings
+    return found
+
+
+def _config_problems(config: dict, check_model: bool) -> list[str]:
     from ray.serve.schema import ServeDeploySchema
 
     if not isinstance(config, dict):
@@ -37,10 +77,19 @@ def problems(config: dict, check_model: bool = False) -> list[str]:
         ServeDeploySchema.model_validate(config)
     except ValidationError as err:
         found += [f"{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
-    for i, app in enumerate(_list(config.get("applications"))):
-        if isinstance(app, dict) and app.get("import_path") == BUILDER:
-            found += _app_problems(app, f"applications[{i}]", check_model)
+    for where, app in _builder_apps(config):
+        found += _app_problems(app, where, check_model)
     return found
+
+
+def _builder_apps(config: dict) -> list[tuple[str, dict]]:
+    """The config's genrec apps, each with where it is."""
+    apps = _list(config.get("applications"))
+    return [
+        (f"applications[{i}]", app)
+        for i, app in enumerate(apps)
+        if isinstance(app, dict) and app.get("import_path") == BUILDER
+    ]
 
 
 def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
@@ -64,33 +113,187 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
                 found += [f"{at}.user_config.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
     if check_model and args is not None:
         found += _model_problems(args, where)
-        if not found and args.retriever is not None:
-            found += _catalog_problems(app, args.retriever.model_dir, where)
     return found
 
 
-def _catalog_problems(app: dict, model_dir: str, where: str) -> list[str]:
-    """A catalog the retriever's user_config names, loaded as its replicas will load it (they would refuse it and
-    keep serving the running one, so a deploy that changes nothing else would silently change nothing)."""
-    from genrec.catalog import Catalog  # here: torch loads only to check a model (--model)
+# -- the catalogs a retriever's replicas load ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CatalogFile:
+    """A catalog file a retriever's replicas load, and the config field that makes them load it."""
+
+    field: str
+    model_dir: str
+    catalog: str | None  # as the user_config names it; None: the model directory's own (genrec/catalog.parquet)
+
+    @property
+    def path(self) -> Path:
+        """The file (RuntimeError for an unknown ~user, as on the replicas)."""
+        return catalog_file(self.model_dir, self.catalog)
+
+
+def catalog_files(app: dict, where: str, model_dir: str, check_model: bool) -> list[CatalogFile]:
+    """What every retriever replica of the app loads: the model directory's own catalog (at start; `--model` has
+    loaded it with the directory already) and the one its user_config names, if any."""
+    own = [] if check_model else [CatalogFile(f"{where}.args.retriever.model_dir", model_dir, None)]
+    declared = []
+    for j, deployment in enumerate(_list(app.get("deployments"))):
+        if isinstance(deployment, dict) and deployment.get("name") == DEPLOYMENTS["retriever"]:
+            config = deployment.get("user_config")
+            if isinstance(config, dict) and config.get("catalog") is not None:
+                declared.append(
+                    CatalogFile(f"{where}.deployments[{j}].user_config.catalog", model_dir, config["catalog"])
+                )
+    return own + declared
+
+
+def _catalog_findings(where: str, files: list[CatalogFile], check_model: bool, catalog_arrives: bool) -> Findings:
+    """Each of an app's catalog files checked here. Where the model directory is not readable here (it may exist
+    only on the engine nodes), a file missing here is left unchecked, said in one warning."""
+    found, unchecked = Findings(), []
+    model_here = bool(files) and _readable_dir(files[0].model_dir)
+    for file in files:
+        try:
+            path = file.path
+        except RuntimeError as err:  # an unknown ~user: the replicas cannot resolve it either
+            found.problems.append(f"{file.field}: {file.catalog!r}: {err}")
+            continue
+        if path.exists():
+            problem = _model_catalog_problem(file) if check_model else catalog_file_problem(path)
+            found.problems += [f"{file.field}: {problem}"] if problem else []
+        elif not model_here:
+            unchecked.append(str(path))
+        elif not (catalog_arrives and file.catalog is not None):
+            found.problems.append(f"{file.field}: {path}: {_missing(file)}")
+    if unchecked:
+        found.warnings.append(
+            f"{where}.args.retriever.model_dir: {files[0].model_dir} is not readable here (it may exist only on the "
+            f"engine nodes): a partial check, the catalog its replicas load was not checked ({', '.join(unchecked)})"
+        )
+    return found
+
+
+def _missing(file: CatalogFile) -> str:
+    if file.catalog is None:
+        return "catalog file is missing (every retriever replica loads it at start)"
+    return (
+        f"catalog file is missing here: a replica that starts would refuse every request until it appears; pass "
+        f"{ARRIVES_FLAG} if it will be written there after the deploy"
+    )
+
+
+def _readable_dir(path: str) -> bool:
+    return Path(path).is_dir() and os.access(path, os.R_OK | os.X_OK)
+
+
+def _model_catalog_problem(file: CatalogFile) -> str | None:
+    """The file loaded as a replica loads it, its codes checked against the model's SID layout (imports torch)."""
+    from genrec.catalog import Catalog
     from genrec.model.directory import ModelDir
 
-    found = []
-    for j, deployment in enumerate(_list(app.get("deployments"))):
-        if not isinstance(deployment, dict) or deployment.get("name") != DEPLOYMENTS["retriever"]:
-            continue
-        config = deployment.get("user_config")
-        if not isinstance(config, dict) or config.get("catalog") is None:
-            continue
-        directory = ModelDir.open(model_dir, "qwen3")
-        try:
-            tokenizer = directory.load_tokenizer()
-            Catalog.load(catalog_file(model_dir, config["catalog"]), directory.load_sid_layout(tokenizer))
-        except GenrecError as err:
-            found.append(f"{where}.deployments[{j}].user_config.catalog: {err}")
-        except Exception as err:  # noqa: BLE001 - e.g. an unknown ~user, an unreadable file: the replicas' refusal too
-            found.append(f"{where}.deployments[{j}].user_config.catalog: {config['catalog']!r}: {err!r}")
-    return found
+    try:
+        directory = ModelDir.open(file.model_dir, "qwen3")
+        Catalog.load(file.path, directory.load_sid_layout(directory.load_tokenizer()))
+    except GenrecError as err:
+        return str(err)
+    except Exception as err:  # noqa: BLE001 - e.g. an unreadable file: the replicas' refusal too
+        return f"{file.path}: {err!r}"
+    return None
+
+
+def catalog_file_problem(path: Path) -> str | None:
+    """Why a replica would refuse this catalog file, read as `Catalog.load` reads it before the model's SID layout
+    checks its codes: one Parquet file with the catalog's columns and types, and the content hash its name carries.
+    None when it passes. Without torch (pyarrow and hashlib): a deploying machine need not load it."""
+    if path.is_dir():
+        return f"{path}: is a directory; the catalog must be one Parquet file"
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        return f"{path}: not a readable Parquet file ({err})"
+    problem = _table_problem(table) or _hash_problem(path)
+    return f"{path}: {problem}" if problem else None
+
+
+def _table_problem(table: pa.Table) -> str | None:
+    for column in ("item_id", "semantic_id"):
+        if column not in table.column_names:
+            return f"column {column!r} is missing (have {table.column_names})"
+    if table.num_rows == 0:
+        return "catalog has no items"
+    item_ids = table.column("item_id")
+    problem = _item_id_problem(item_ids) or _semantic_id_problem(table.column("semantic_id"))
+    if problem is None and "popularity" in table.column_names:
+        problem = _popularity_problem(table.column("popularity"), item_ids)
+    return problem
+
+
+def _item_id_problem(column: pa.ChunkedArray) -> str | None:
+    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        return f"column 'item_id' must hold strings, not {kind}"
+    ids = column.cast(kind)
+    if ids.null_count or pc.min(pc.utf8_length(ids)).as_py() == 0:
+        return "column 'item_id' must be a non-empty string on every row"
+    counts = pc.value_counts(ids)
+    repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1)).to_pylist()
+    if repeated:
+        return f"duplicate item_ids: {repeated[:5]}{' ...' if len(repeated) > 5 else ''}"
+    return None
+
+
+def _semantic_id_problem(column: pa.ChunkedArray) -> str | None:
+    kind = column.type
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    if not is_list or not pa.types.is_integer(kind.value_type):
+        return f"column 'semantic_id' must be a list of integer token IDs, not {kind}"
+    codes = column.combine_chunks()
+    if codes.null_count:
+        return f"column 'semantic_id' is null on {codes.null_count} row(s)"
+    tokens = codes.flatten()
+    if tokens.null_count:
+        return f"column 'semantic_id' has {tokens.null_count} null token ID(s)"
+    empty = pc.sum(pc.equal(pc.list_value_length(codes), 0)).as_py()
+    if empty:
+        return f"column 'semantic_id' is empty on {empty} row(s)"
+    try:
+        tokens.cast(pa.int64())
+    except pa.ArrowInvalid as err:
+        return f"column 'semantic_id' holds a token ID outside int64 ({err})"
+    return None
+
+
+def _popularity_problem(column: pa.ChunkedArray, item_ids: pa.ChunkedArray) -> str | None:
+    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+        return f"column 'popularity' must hold numbers, not {column.type}"
+    values = column.to_numpy().astype(np.float64)  # nulls become NaN
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        item = item_ids[int(bad[0])].as_py()
+        return f"column 'popularity', item {item!r}: null or not finite ({len(bad)} rows affected)"
+    return None
+
+
+def _hash_problem(path: Path) -> str | None:
+    """`catalog_version`'s rule: a file whose name carries a hash (catalog-<hash12>.parquet) has that content hash."""
+    named = VERSIONED_NAME.fullmatch(path.name)
+    if named is None:
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    version = digest.hexdigest()[:12]
+    if version == named.group(1):
+        return None
+    return (
+        f"its content hash is {version}, not the {named.group(1)} its name carries: the file was changed after it was "
+        "written (a catalog version is never rewritten; write a new one with `genrec catalog`)"
+    )
+
+
+# -- the rest of the config ---------------------------------------------------------------------------------------
 
 
 def deployments_of(args: dict) -> dict[str, type[BaseModel]]:
@@ -139,22 +342,40 @@ def is_rayservice(document) -> bool:
     return isinstance(document, dict) and document.get("kind") == "RayService"
 
 
-def file_problems(path: Path, check_model: bool = False) -> list[str]:
+def file_problems(path: Path, check_model: bool = False, catalog_arrives: bool = False) -> list[str]:
     """`problems` of a config file, or why it cannot be read."""
+    return file_findings(path, check_model, catalog_arrives).problems
+
+
+def file_findings(path: Path, check_model: bool = False, catalog_arrives: bool = False) -> Findings:
+    """`findings` of a config file, or why it cannot be read."""
     try:
-        return problems(load(path), check_model)
+        return findings(load(path), check_model, catalog_arrives)
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
-        return [f"cannot read it ({type(err).__name__}: {err})"]
+        return Findings([f"cannot read it ({type(err).__name__}: {err})"])
 
 
-def deploy(path: Path, address: str | None, check_model: bool, dashboard_timeout_s: float = DASHBOARD_TIMEOUT_S) -> int:
-    """The exit status: 2 when the config was refused here (nothing sent), else `serve deploy`'s."""
-    found = file_problems(path, check_model)
-    if not found and is_rayservice(yaml.safe_load(path.read_text())):
-        found = ["a KubeRay RayService: apply it with kubectl (it is checked, not deployed, here)"]
-    for problem in found:
+def report(path: Path, found: Findings) -> None:
+    """One `warning:` line per warning, then one `error:` line per problem, each naming the config file."""
+    for warning in found.warnings:
+        print(f"warning: {path}: {warning}", file=sys.stderr)
+    for problem in found.problems:
         print(f"error: {path}: {problem}", file=sys.stderr)
-    if found:
+
+
+def deploy(
+    path: Path,
+    address: str | None,
+    check_model: bool,
+    dashboard_timeout_s: float = DASHBOARD_TIMEOUT_S,
+    catalog_arrives: bool = False,
+) -> int:
+    """The exit status: 2 when the config was refused here (nothing sent), else `serve deploy`'s."""
+    found = file_findings(path, check_model, catalog_arrives)
+    if not found.problems and is_rayservice(yaml.safe_load(path.read_text())):
+        found.problems = ["a KubeRay RayService: apply it with kubectl (it is checked, not deployed, here)"]
+    report(path, found)
+    if found.problems:
         print(f"error: {path}: not deployed (the running version, if any, is unchanged)", file=sys.stderr)
         return 2
     silent = dashboard_silence(address, dashboard_timeout_s)
@@ -195,18 +416,17 @@ def dashboard_silence(address: str | None, timeout_s: float = DASHBOARD_TIMEOUT_
 
 
 def main(argv: list[str]) -> int:
-    check_model = "--model" in argv
-    paths = [Path(a) for a in argv if a != "--model"]
+    flags = {"--model", ARRIVES_FLAG}
+    paths = [Path(a) for a in argv if a not in flags]
     if not paths:
-        print("usage: python -m genrec.serving.check CONFIG.yaml... [--model]", file=sys.stderr)
+        print(f"usage: python -m genrec.serving.check CONFIG.yaml... [--model] [{ARRIVES_FLAG}]", file=sys.stderr)
         return 2
     failed = False
     for path in paths:
-        found = file_problems(path, check_model)
-        for problem in found:
-            print(f"error: {path}: {problem}", file=sys.stderr)
-        failed |= bool(found)
-        if not found:
+        found = file_findings(path, "--model" in argv, ARRIVES_FLAG in argv)
+        report(path, found)
+        failed |= bool(found.problems)
+        if not found.problems:
             print(f"ok: {path}")
     return 2 if failed else 0
 

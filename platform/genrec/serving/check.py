@@ -7,9 +7,7 @@ validate; a catalog file a replica cannot load leaves every replica that starts 
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import subprocess
 import sys
 import urllib.error
@@ -17,10 +15,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import yaml
 from pydantic import BaseModel, ValidationError
 
@@ -32,8 +26,6 @@ BUILDER = "genrec.serving.app:build_app"
 DEFAULT_DASHBOARD = "http://localhost:8265"  # serve deploy's default address
 DASHBOARD_TIMEOUT_S = 10.0
 ARRIVES_FLAG = "--catalog-arrives"
-# genrec.catalog.catalog's rules for a catalog file, read here without it: importing genrec.catalog imports torch.
-VERSIONED_NAME = re.compile(r"catalog-([0-9a-f]{12})\.parquet")
 
 
 @dataclass
@@ -203,94 +195,18 @@ def _model_catalog_problem(file: CatalogFile) -> str | None:
 
 
 def catalog_file_problem(path: Path) -> str | None:
-    """Why a replica would refuse this catalog file, read as `Catalog.load` reads it before the model's SID layout
+    """Why a replica would refuse this catalog file, read as it reads it (`Catalog.load`) before the model's SID layout
     checks its codes: one Parquet file with the catalog's columns and types, and the content hash its name carries.
-    None when it passes. Without torch (pyarrow and hashlib): a deploying machine need not load it."""
-    if path.is_dir():
-        return f"{path}: is a directory; the catalog must be one Parquet file"
+    None when it passes. Without torch: a deploying machine need not have it."""
+    from genrec.catalog.catalog import Catalog
+
     try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as err:
-        return f"{path}: not a readable Parquet file ({err})"
-    problem = _table_problem(table) or _hash_problem(path)
-    return f"{path}: {problem}" if problem else None
-
-
-def _table_problem(table: pa.Table) -> str | None:
-    for column in ("item_id", "semantic_id"):
-        if column not in table.column_names:
-            return f"column {column!r} is missing (have {table.column_names})"
-    if table.num_rows == 0:
-        return "catalog has no items"
-    item_ids = table.column("item_id")
-    problem = _item_id_problem(item_ids) or _semantic_id_problem(table.column("semantic_id"))
-    if problem is None and "popularity" in table.column_names:
-        problem = _popularity_problem(table.column("popularity"), item_ids)
-    return problem
-
-
-def _item_id_problem(column: pa.ChunkedArray) -> str | None:
-    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        return f"column 'item_id' must hold strings, not {kind}"
-    ids = column.cast(kind)
-    if ids.null_count or pc.min(pc.utf8_length(ids)).as_py() == 0:
-        return "column 'item_id' must be a non-empty string on every row"
-    counts = pc.value_counts(ids)
-    repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1)).to_pylist()
-    if repeated:
-        return f"duplicate item_ids: {repeated[:5]}{' ...' if len(repeated) > 5 else ''}"
+        Catalog.load(path)
+    except GenrecError as err:
+        return str(err)
+    except Exception as err:  # noqa: BLE001 - e.g. an unreadable file: the replicas' refusal too
+        return f"{path}: {err!r}"
     return None
-
-
-def _semantic_id_problem(column: pa.ChunkedArray) -> str | None:
-    kind = column.type
-    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
-    if not is_list or not pa.types.is_integer(kind.value_type):
-        return f"column 'semantic_id' must be a list of integer token IDs, not {kind}"
-    codes = column.combine_chunks()
-    if codes.null_count:
-        return f"column 'semantic_id' is null on {codes.null_count} row(s)"
-    tokens = codes.flatten()
-    if tokens.null_count:
-        return f"column 'semantic_id' has {tokens.null_count} null token ID(s)"
-    empty = pc.sum(pc.equal(pc.list_value_length(codes), 0)).as_py()
-    if empty:
-        return f"column 'semantic_id' is empty on {empty} row(s)"
-    try:
-        tokens.cast(pa.int64())
-    except pa.ArrowInvalid as err:
-        return f"column 'semantic_id' holds a token ID outside int64 ({err})"
-    return None
-
-
-def _popularity_problem(column: pa.ChunkedArray, item_ids: pa.ChunkedArray) -> str | None:
-    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
-        return f"column 'popularity' must hold numbers, not {column.type}"
-    values = column.to_numpy().astype(np.float64)  # nulls become NaN
-    bad = np.flatnonzero(~np.isfinite(values))
-    if len(bad):
-        item = item_ids[int(bad[0])].as_py()
-        return f"column 'popularity', item {item!r}: null or not finite ({len(bad)} rows affected)"
-    return None
-
-
-def _hash_problem(path: Path) -> str | None:
-    """`catalog_version`'s rule: a file whose name carries a hash (catalog-<hash12>.parquet) has that content hash."""
-    named = VERSIONED_NAME.fullmatch(path.name)
-    if named is None:
-        return None
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    version = digest.hexdigest()[:12]
-    if version == named.group(1):
-        return None
-    return (
-        f"its content hash is {version}, not the {named.group(1)} its name carries: the file was changed after it was "
-        "written (a catalog version is never rewritten; write a new one with `genrec catalog`)"
-    )
 
 
 # -- the rest of the config ---------------------------------------------------------------------------------------

@@ -142,8 +142,8 @@ NEW_VERSION = (
 )
 OUT_HELP = "the catalog file to write (default: MODEL_DIR/genrec/catalog-<hash12>.parquet, a new version)"
 IN_PLACE_HELP = (
-    "rewrite the catalog changed (or --out's file) in place; replicas serving it do not reload it (their "
-    "user_config is unchanged): restart them"
+    "rewrite the catalog changed (or --out's file) in place, under a lock (a second run waits); replicas serving it "
+    "load the new content within seconds"
 )
 IMPORT_HELP = f"""Read an item map into a catalog of MODEL_DIR, every code checked against
 the model's tokenizer and SID layout (an error names the row and the item); prints a JSON summary. A model without a

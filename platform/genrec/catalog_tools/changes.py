@@ -1,8 +1,9 @@
 """`genrec catalog add` / `retire`: new items coded from their embeddings with build-ids' codebooks, items removed;
 every change (an import's too, `write_version`) a new catalog version (docs/engine.md, 'New items without
-retraining: `genrec catalog add` / `retire`'). An existing file is rewritten only when asked (`in_place`): a replica
-serving it would not see the change; the run holds `catalog_lock` on the file it replaces from before it reads the
-catalog until it has written it, so of two runs at once the second reads what the first wrote.
+retraining: `genrec catalog add` / `retire`'). An existing file is rewritten only when asked (`in_place`; replicas
+serving it load the new content within seconds, serving/declared_catalog.py); the run holds `catalog_lock` on the
+file it replaces from before it reads the catalog until it has written it, so of two runs at once the second reads
+what the first wrote.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def write_version(table: pa.Table, folder: Path, out: str | Path | None, rewrite
         )
     if target.exists() and rewrite is None and named is None:
         raise GenrecError(
-            f"{target}: exists; a catalog is rewritten in place only with --in-place (a replica serving it would not "
-            "see the change): leave --out out to write a new version, catalog-<hash>.parquet"
+            f"{target}: exists; a catalog is rewritten in place only with --in-place (replicas serving it load the new "
+            "content): leave --out out to write a new version, catalog-<hash>.parquet"
         )
     write_atomically(target, data)
     return target, version

@@ -26,11 +26,11 @@ def post(content: bytes):
     return TestClient(app).post("/v1/retrieve", content=content, headers={"content-type": "application/json"})
 
 
-def test_malformed_json_is_400_with_its_position_not_a_field():
+def test_malformed_json_is_400_naming_the_body_and_the_position():
     response = post(b'{"beam_width": ')
     assert response.status_code == 400
     (detail,) = response.json()["details"]
-    assert detail["field"] is None and detail["message"].startswith("malformed JSON at character 15")
+    assert detail == {"field": "body", "message": "malformed JSON at character 15: Expecting value"}
 
 
 def test_a_bad_field_is_422_naming_it():
@@ -58,6 +58,15 @@ LOCATED = [
     ("score", {"prompt": "x"}, "candidates", "is required"),
     ("recommend", {"prompt": "x", "score_weight": 2.0}, "score_weight", "applies to rank_by 'joint' only"),
     ("recommend", {"prompt": "x", "rank_by": "best"}, "rank_by", "must be 'score', 'joint' or 'beam'"),
+    ("score", {"prompt": "x", "candidates": [{"text": "a"}], "labels": ["yes"]}, "labels", "needs 2 labels"),
+    ("recommend", {"prompt": "x", "labels": ["a", "b", "c"]}, "labels", "needs 2 labels, the positive then the"),
+    ("score", {"prompt": "x", "candidates": [{"text": "a"}], "labels": ["yes", 1]}, "labels[1]", "must be text"),
+    (
+        "recommend",
+        {"prompt": "x", "rank_by": "beam", "candidates": [{"item_id": "a"}, {"text": "b"}]},
+        "candidates[1]",
+        "give candidates as item_id",
+    ),
 ]
 PYDANTIC_WORDS = ("Value error", "Input should", "after validation", "Extra inputs", "Field required", "should have")
 

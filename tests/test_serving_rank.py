@@ -43,7 +43,7 @@ def test_rank_equals_the_engine(rank_url, client, ranker, hstu_dir):
     rng = random.Random(1)
     events = history(rng, 40)
     requests = [
-        RankRequest(history=events[:30], candidates=[item(i) for i in (3, 17, 3, 90)]),
+        RankRequest(history=events[:30], candidates=[item(i) for i in (3, 17, 40, 90)]),
         RankRequest(history=events, candidates=[item(i) for i in range(20)], tasks=["like", "click"]),
         RankRequest(history=history(rng, 1), candidates=[item(5)], request_id="r-1"),
     ]

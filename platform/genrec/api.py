@@ -70,11 +70,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def field_error(model: BaseModel, field: str, problem: str) -> ValidationError:
+def field_error(model: BaseModel, field: str | tuple[str | int, ...], problem: str) -> ValidationError:
     """A check across fields, as an error located at the field it is about (a ValueError from a model validator
-    would be located at the model itself); raise it from the validator."""
+    would be located at the model itself); raise it from the validator. `field`: a name, or a path of names and
+    list positions (`("candidates", 2)`: candidates[2])."""
+    loc = field if isinstance(field, tuple) else (field,)
     kind = PydanticCustomError("invalid", "{problem}", {"problem": problem})
-    detail = InitErrorDetails(type=kind, loc=(field,), input=getattr(model, field, None))
+    detail = InitErrorDetails(type=kind, loc=loc, input=getattr(model, loc[0], None))
     return ValidationError.from_exception_data(type(model).__name__, [detail])
 
 
@@ -371,9 +373,21 @@ class Candidate(_Strict):
 LABELS_HELP = "(positive, negative) label tokens; default: the model's (genrec/sid_layout.json 'labels', else yes/no)"
 
 
+def _two_labels(value):
+    """A list of labels of another length than two, refused naming `labels` with the count (a tuple's own check
+    names the first missing position, `labels[1]`, as if the field were that item)."""
+    value = _plain(value)
+    if isinstance(value, list | tuple) and len(value) != 2:
+        raise ValueError(f"needs 2 labels, the positive then the negative; got {len(value)}")
+    return value
+
+
+Labels = Annotated[tuple[Text, Text], BeforeValidator(_two_labels)]
+
+
 class ScoreRequest(PromptInput, Filtered):
     candidates: list[Candidate] = Field(min_length=1)
-    labels: tuple[Text, Text] | None = Field(None, description=LABELS_HELP)
+    labels: Labels | None = Field(None, description=LABELS_HELP)
 
 
 class CandidateScore(BaseModel):
@@ -400,7 +414,7 @@ class RecommendRequest(RetrieveRequest):
     """
 
     candidates: list[Candidate] = Field(default_factory=list)
-    labels: tuple[Text, Text] | None = Field(None, description=LABELS_HELP)
+    labels: Labels | None = Field(None, description=LABELS_HELP)
     rank_by: Literal["score", "joint", "beam"] = Field(
         "score",
         description="'score': by score_logprob, log P(positive label | prompt, item). 'joint': by "
@@ -430,7 +444,7 @@ class RecommendRequest(RetrieveRequest):
         for i, candidate in enumerate(self.candidates):
             if candidate.item_id is None:
                 problem = "rank_by 'beam' returns catalog items: give candidates as item_id, not text or tokens"
-                raise field_error(self, f"candidates[{i}]", problem)
+                raise field_error(self, ("candidates", i), problem)
         return self
 
 

@@ -70,7 +70,8 @@ class RequestMaker:
         kind = self.kind if self.kind != "mixed" else ("retrieve", "score")[self.count % 2]
         if kind == "retrieve":
             return RetrieveRequest(prompt_token_ids=prompt, beam_width=self.beam_width)
-        items = torch.randint(0, len(self.engine.catalog), (self.candidates,), generator=self.generator).tolist()
+        # distinct items: a score through Serve refuses an item given twice
+        items = torch.randperm(len(self.engine.catalog), generator=self.generator)[: self.candidates].tolist()
         return ScoreRequest(
             prompt_token_ids=prompt, candidates=[Candidate(item_id=self.engine.catalog.item_ids[i]) for i in items]
         )

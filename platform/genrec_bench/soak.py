@@ -109,7 +109,9 @@ class SoakRequests:
         return " ".join(self.rng.choice(WORDS) for _ in range(words))
 
     def _items(self) -> list[dict]:
-        return [{"item_id": self.rng.choice(self.item_ids)} for _ in range(self.candidates)]
+        """Distinct catalog items (a score refuses an item given twice)."""
+        picked = self.rng.sample(self.item_ids, min(self.candidates, len(self.item_ids)))
+        return [{"item_id": item} for item in picked]
 
     def _user_prompt(self) -> str:
         return f"user <|user|> {self._text(self.prompt_len // 2)}"

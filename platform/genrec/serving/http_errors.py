@@ -18,6 +18,7 @@ from genrec.errors import EngineStopped, GenrecError, InvalidRequestError, Overl
 from genrec.serving.schemas import ErrorBody, ErrorDetail
 
 log = logging.getLogger(__name__)
+BODY = "body"  # the field a 400 or 422 names when the body as a whole is at fault
 
 
 class Unauthorized(GenrecError):
@@ -83,7 +84,7 @@ def error_response(error: BaseException, retry_after_s: float = 1.0) -> JSONResp
 def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, dict]:
     retry = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
     if isinstance(error, InvalidRequestError):
-        detail = ErrorDetail(field=error.field, message=error.problem)
+        detail = ErrorDetail(field=error.field or BODY, message=error.problem)
         return 422, {"code": "invalid_request", "message": str(error), "details": [detail]}, {}
     if isinstance(error, ValidationError):  # a request rebuilt in the ingress (e.g. with a cached embedding)
         return 422, _invalid(error.errors()).model_dump(), {}
@@ -111,33 +112,66 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
     """FastAPI's own validation of the body: one detail per field, 400 for unparsable JSON, else 422."""
     malformed = any(e.get("type") == "json_invalid" for e in error.errors())
-    return JSONResponse(_invalid(error.errors()).model_dump(), status_code=400 if malformed else 422)
+    body = _invalid(error.errors(), request.headers.get("content-type"))
+    return JSONResponse(body.model_dump(), status_code=400 if malformed else 422)
 
 
-def _invalid(errors) -> ErrorBody:
-    """Pydantic's errors as genrec's body, from each error's field and message (str() shows validators' reprs)."""
-    details = [_detail(e) for e in errors]
-    message = "; ".join(f"{d.field}: {d.message}" if d.field else d.message for d in details)
+def _invalid(errors, content_type: str | None = None) -> ErrorBody:
+    """Pydantic's errors as genrec's body, from each error's field and message (str() shows validators' reprs);
+    `content_type`: the request's, which a body not read as JSON is answered with."""
+    details = [_detail(e, content_type) for e in errors]
+    message = "; ".join(f"{d.field}: {d.message}" for d in details)
     return ErrorBody(code="invalid_request", message=message or "invalid request", details=details)
 
 
 async def http_error_handler(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    """Errors Starlette/FastAPI raise themselves (an unparsable body, a wrong method...): the same JSON shape."""
+    """Errors Starlette/FastAPI raise themselves (an unparsable body, a wrong method...): the same JSON shape. Its
+    400 is a body FastAPI could not decode (not UTF-8, UTF-16 or UTF-32): named `body`, as every 400 is."""
     codes = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large"}
-    body = ErrorBody(code=codes.get(error.status_code, "invalid_request"), message=str(error.detail))
+    message, details = str(error.detail), []
+    if error.status_code == 400:
+        details = [ErrorDetail(field=BODY, message="is not JSON text: send a JSON object, UTF-8 encoded")]
+        message = f"{BODY}: {details[0].message}"
+    body = ErrorBody(code=codes.get(error.status_code, "invalid_request"), message=message, details=details)
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
 
 
-def _detail(error: dict) -> ErrorDetail:
-    """The field and what is wrong with it in genrec's words (api.error_message); a dict key's error names the key."""
+def _detail(error: dict, content_type: str | None = None) -> ErrorDetail:
+    """The field and what is wrong with it in genrec's words (api.error_message); a dict key's error names the key;
+    a problem with no field (the body's own, or a check across fields) names the body."""
     if error.get("type") == "json_invalid":  # its loc is a character position, not a field
         position = error.get("loc", ("", "?"))[-1]
-        return ErrorDetail(message=f"malformed JSON at character {position}: {error.get('msg', '')}")
+        why = (error.get("ctx") or {}).get("error") or error.get("msg", "")
+        return ErrorDetail(field=BODY, message=f"malformed JSON at character {position}: {why}")
     loc, message = tuple(error.get("loc", ())), error_message(error)
+    if loc == (BODY,) and error.get("type") in NOT_AN_OBJECT:
+        return ErrorDetail(field=BODY, message=_not_an_object(error, content_type))
     if "[key]" in loc and loc.index("[key]") > 0:  # (..., the key, "[key]"): the key is at fault, not its value
         at = loc.index("[key]")
         loc, message = loc[: at - 1], f"key {loc[at - 1]!r}: {message}"
-    return ErrorDetail(field=_field_path(loc), message=message)
+    return ErrorDetail(field=_field_path(loc) or BODY, message=message)
+
+
+# FastAPI's errors for a body that is not a JSON object: none (missing), or another JSON value, or bytes (a body
+# whose Content-Type is not JSON, which FastAPI does not parse).
+NOT_AN_OBJECT = ("missing", "model_attributes_type", "model_type", "dict_type")
+# What a JSON value is called, in the order it is told apart (a bool is an int in Python).
+JSON_KINDS = ((bool, "true or false"), (int | float, "a number"), (str, "a string"), (list, "an array"))
+
+
+def _not_an_object(error: dict, content_type: str | None) -> str:
+    """`must be a JSON object...; got an array`: what the body was instead."""
+    value = error.get("input")
+    if isinstance(value, bytes):
+        sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return f"must be a JSON object, sent with Content-Type 'application/json'; got {sent}"
+    if error.get("type") == "missing":
+        got = "an empty body"
+    elif value is None:
+        got = "null"
+    else:
+        got = next((name for kind, name in JSON_KINDS if isinstance(value, kind)), type(value).__name__)
+    return f"must be a JSON object of the request's fields; got {got}"
 
 
 def _field_path(loc) -> str | None:

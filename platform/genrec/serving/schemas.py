@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, Discriminator, Field, StrictInt, StrictStr, Tag, model_validator
 
-from genrec.api import Event, RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest, Text
+from genrec.api import Event, RankRequest, RecommendRequest, RetrieveRequest, ScoreRequest, Text, field_error
 
 
 def _user_id_kind(value) -> str | None:
@@ -42,6 +42,20 @@ def cache_scope(body) -> str | None:
     return "user:" + hashlib.blake2b(repr(body.user_id).encode(), digest_size=16).hexdigest()
 
 
+def refuse_repeated_items(body: BaseModel, item_ids: list[str | None]) -> None:
+    """Score and rank answer one row per candidate, in order: an item given twice is refused, at its second place
+    and naming its first (recommend, one row per item, merges them instead: docs/serving.md, "Routes"). None: a
+    candidate without an item ID (text, token IDs), never a repeat."""
+    first: dict[str, int] = {}
+    for i, item in enumerate(item_ids):
+        if item is None:
+            continue
+        if item in first:
+            problem = f"repeats candidates[{first[item]}] (item {item!r}): give each item once"
+            raise field_error(body, ("candidates", i), problem)
+        first[item] = i
+
+
 class _ByUser(BaseModel):
     api_model: ClassVar[type[BaseModel]]
     ingress_fields: ClassVar[set[str]] = {"user_id"}  # what the ingress reads and the engine's request lacks
@@ -67,6 +81,11 @@ class RetrieveBody(RetrieveRequest, _ByUser):
 class ScoreBody(ScoreRequest, _ByUser):
     api_model: ClassVar[type[BaseModel]] = ScoreRequest
 
+    @model_validator(mode="after")
+    def _items_once(self):
+        refuse_repeated_items(self, [candidate.item_id for candidate in self.candidates])
+        return self
+
 
 class RecommendBody(RecommendRequest, _ByUser):
     """Without `history`: the retrieval model's recommend, as ever. With it (an app with a ranker): two stages,
@@ -87,7 +106,7 @@ class RecommendBody(RecommendRequest, _ByUser):
     @model_validator(mode="after")
     def _task_with_history(self):
         if self.rank_task is not None and self.history is None:
-            raise ValueError("'rank_task' applies to a two-stage recommend only: send 'history' with it")
+            raise field_error(self, "rank_task", "applies to a two-stage recommend only: send 'history' with it")
         return self
 
 
@@ -97,6 +116,11 @@ class RankBody(RankRequest):
         description="routes the request to the engine replica that holds this user's history (no lookup), and "
         "scopes the prefix cache by the user (unless cache_scope names another scope)",
     )
+
+    @model_validator(mode="after")
+    def _items_once(self):
+        refuse_repeated_items(self, self.candidates)
+        return self
 
     def to_request(self, user_embedding: None = None) -> RankRequest:
         """The engine's request: without user_id (a ranker has no soft token), with the cache scope."""
@@ -187,7 +211,10 @@ class ModelInfo(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    field: str | None = None
+    field: str = Field(
+        description="where the problem is: a field's path (`candidates[2]`, `history[0].timestamp`), or `body` "
+        "for the body as a whole (not JSON, or not a JSON object)"
+    )
     message: str
 
 

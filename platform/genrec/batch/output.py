@@ -11,6 +11,7 @@ object appears whole), so a shard is done exactly when its results file reads as
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,7 +66,9 @@ class OutputDir:
                     recorded = json.loads(stream.read().decode())
             else:
                 text = json.dumps({**identity, "run_id": run_id_of(identity)}, indent=2)
-                self._write(self.manifest, lambda stream: stream.write(text.encode()))
+                recorded = self._create(self.manifest, text.encode())
+                found = recorded is not None  # another run wrote its manifest since we looked
+                self.new_run = not found
         if found:
             changed = sorted(k for k in identity if recorded.get(k) != identity[k])
             # Settings only the recorded run has (e.g. a funnel's ranker) make it another run, too.
@@ -138,6 +141,34 @@ class OutputDir:
         with self.fs.open_output_stream(tmp) as stream:
             write(stream)
         self.fs.move(tmp, path)
+
+    def _create(self, path: str, data: bytes) -> dict | None:
+        """Write `data` at `path` unless another writer got there first; returns None, or what that writer wrote
+        (an identity equal to ours too: then the other run owns the manifest, and abandon_new_run leaves it).
+        Two runs started at once into one directory both find no manifest: without this, both went on, each with its
+        own identity, and their shards mixed. On a local filesystem the file is linked into place (atomic, and fails
+        if it exists); an object store has no create-if-absent here, so the file is read back: a run whose manifest
+        was overwritten meanwhile sees the other's and is refused (a narrow window stays)."""
+        parent, name = path.rsplit("/", 1)
+        exists = False
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            tmp = f"{parent}/.{name}.{uuid.uuid4().hex}{TMP_SUFFIX}"
+            with self.fs.open_output_stream(tmp) as stream:
+                stream.write(data)
+            try:
+                os.link(tmp, path)
+                return None
+            except FileExistsError:
+                exists = True  # another run linked its manifest first: read it
+            except OSError:  # a filesystem without hard links: moved and read back, as on an object store
+                pass
+            finally:
+                self.fs.delete_file(tmp)
+        if not exists:
+            self._write(path, lambda stream: stream.write(data))
+        with self.fs.open_input_stream(path) as stream:
+            found = stream.read()
+        return json.loads(found.decode()) if exists or found != data else None
 
     def _footer(self, path: str) -> pq.FileMetaData | None:
         """The footer of a complete Parquet file; None: missing or unreadable (e.g. cut by a machine crash)."""

@@ -117,8 +117,9 @@ def test_one_call_over_every_span_matches_one_softmax_over_the_spans_keys(spans)
 def _static_context(pool, bucket, spans, counts, layout):
     """A StaticContext as `DecodeBatch` fills it (the same tables, through its own code)."""
     from genrec.engine.decode_batch import DecodeBatch
+    from genrec.model.ops import PLAIN_OPS
 
-    batch = DecodeBatch(bucket, 0, pool, spans)
+    batch = DecodeBatch(bucket, 0, pool, PLAIN_OPS, spans)
     tables = batch._span_tables(layout, counts, bucket - sum(counts))
     for buffer, host, dtype in tables:
         buffer.copy_(torch.as_tensor(host).to(dtype))

@@ -51,7 +51,8 @@ class OpShapes(TorchDispatchMode):
 
 def decode_batch(engine, pool, bucket):
     """A pass's inputs as a captured graph holds them: as many columns as any node's children may be."""
-    return DecodeBatch(bucket, max(engine.catalog.levels - 2, 0), pool, columns=engine.family.max_children)
+    past = max(engine.catalog.levels - 2, 0)
+    return DecodeBatch(bucket, past, pool, engine.plan.ops, columns=engine.family.max_children)
 
 
 def recorded_pass(engine, pool, cohorts, bucket):
@@ -148,7 +149,8 @@ def test_contexts_with_reused_prefix_pieces_decode_the_same_bucketed_and_sized_t
 def test_a_node_with_more_children_than_the_batch_holds_is_refused_by_name(engine, rng):
     pool, cohorts = pooled_cohorts(engine, rng, [(20, 6)])
     (selection,) = choices(cohorts)
-    narrow = DecodeBatch(16, max(engine.catalog.levels - 2, 0), pool, columns=selection.columns - 1)
+    past = max(engine.catalog.levels - 2, 0)
+    narrow = DecodeBatch(16, past, pool, engine.plan.ops, columns=selection.columns - 1)
     with pytest.raises(ValueError, match=f"a node has {selection.columns} children; this batch holds"):
         narrow.fill([selection])
 
@@ -162,48 +164,57 @@ def test_split_spans_halves_the_longest_while_its_halves_hold_the_shortest_chunk
     assert split_spans([(0, 4096)], 1, 512) == [(0, 4096)]  # a one-span batch holds no more
 
 
-def test_splitting_pays_for_a_few_wide_requests_over_a_long_context_only():
-    from genrec.engine.decode_batch import splitting_pays
+def test_split_kv_auto_splits_a_pass_that_leaves_most_sms_idle_at_any_context():
+    from genrec.engine.plan import ExecutionPlan
+    from tests.plans import CUDA_OPS_ON_CPU
 
-    heads, sms = 16, 132  # Qwen3-1.7B on an H200
-    assert splitting_pays([256], 5000, heads, sms)  # 2 query blocks x 16 heads: 32 of 132 SMs busy
-    assert not splitting_pays([256] * 8, 5000, heads, sms)  # 256 thread blocks fill the GPU as they are
-    assert not splitting_pays([256], 1000, heads, sms)  # a short context is read at once
+    heads = 16  # Qwen3-1.7B on an H200 (132 SMs)
+    plan = ExecutionPlan(torch.device("cpu"), CUDA_OPS_ON_CPU, sms=132)
+    assert plan.splits([256], 5000, heads)  # 2 query blocks x 16 heads: 32 of 132 SMs busy; split, 128
+    assert plan.splits([256], 1000, heads)  # a short context too: 4 chunks of 250 tokens
+    assert plan.splits([256, 256], 1000, heads)  # 64 blocks: 256 split, within two waves
+    assert not plan.splits([256] * 4, 5000, heads)  # 128 blocks: 512 split, four waves
+    assert not plan.splits([256] * 8, 5000, heads)  # 256 thread blocks fill the GPU as they are
+    assert not plan.splits([256], 255, heads)  # too short to cut
+    assert not ExecutionPlan(torch.device("cpu"), CUDA_OPS_ON_CPU).splits([256], 5000, heads)  # no SMs known
+    off, on = (ExecutionPlan(torch.device("cpu"), CUDA_OPS_ON_CPU, split_kv=s, sms=132) for s in ("off", "on"))
+    assert not off.splits([256], 5000, heads) and on.splits([256] * 8, 5000, heads)
 
 
-def test_a_long_context_split_over_the_spare_blocks_decodes_as_read_whole(engine, rng):
-    """Split-KV: one-span contexts of 1,300 and 2,100 tokens cut into chunks (as a GPU with SMs to fill would) give
-    the same beams and scores as each read whole."""
+def test_a_long_context_split_over_the_spare_blocks_decodes_as_read_whole(tiny_dir, engine, rng):
+    """Split-KV: one-span contexts of 1,300 and 2,100 tokens cut into chunks (the plan's `split_kv` on, as a GPU with
+    SMs to fill would) give the same beams and scores as each read whole."""
+    from genrec.engine import Engine
+    from genrec.engine.plan import ExecutionPlan
     from genrec.model.kv_pool import MAX_SPANS
+    from tests.plans import CUDA_OPS_ON_CPU
 
+    splitting = Engine.from_pretrained(
+        tiny_dir, plan=ExecutionPlan(torch.device("cpu"), CUDA_OPS_ON_CPU, split_kv="on")
+    )
     shape = [(1300, 6), (2100, 4)]
     state = rng.get_state()
-    _, split = pooled_cohorts(engine, rng, shape)
+    _, split = pooled_cohorts(splitting, rng, shape)
     rng.set_state(state)
     _, whole = pooled_cohorts(engine, rng, shape)
-    runner = engine.runner
-    runner.sms = 10**6  # every pass "underfills" the GPU
-    try:
-        while not all(c.done for c in split):
-            runner.decode(split, bucketed=True)
-    finally:
-        runner.sms = 0
+    runner = splitting.runner
+    while not all(c.done for c in split):
+        runner.decode(split, bucketed=True)
     assert any(key[2] == MAX_SPANS for key in runner._buckets)  # the passes ran in the multi-span bucket
     while not all(c.done for c in whole):
-        runner.decode(whole, bucketed=False)
+        engine.runner.decode(whole, bucketed=False)
     for (s_scores, s_items), (w_scores, w_items) in zip(fetch_finals(split), fetch_finals(whole), strict=True):
         assert s_items == w_items and np.allclose(s_scores, w_scores, atol=1e-5)
 
 
-def test_a_pass_merges_its_spans_with_its_own_pieces(engine, monkeypatch):
-    """The context's span merge is the pass's piece: compiled where the pass's pieces are (CUDA with the fast path),
-    the plain function otherwise."""
+def test_a_pass_merges_its_spans_with_its_own_pieces(engine):
+    """The context's span merge is the pass's piece: compiled where the plan's pieces are (CUDA), plain otherwise."""
     import dataclasses
 
     from genrec.model import fused
+    from genrec.model.ops import PLAIN_OPS, ModelOps
 
     compiled = dataclasses.replace(fused.PLAIN, merge_spans=lambda out, lse, spans: (out, lse))
-    monkeypatch.setattr(fused, "pieces", lambda fast, device: compiled if fast else fused.PLAIN)
     pool = engine.runner.new_pool(64)
-    assert DecodeBatch(16, 1, pool, 4, fast=True).context.merge is compiled.merge_spans
-    assert DecodeBatch(16, 1, pool, 4, fast=False).context.merge is fused.PLAIN.merge_spans
+    assert DecodeBatch(16, 1, pool, ModelOps(compiled), 4).context.merge is compiled.merge_spans
+    assert DecodeBatch(16, 1, pool, PLAIN_OPS, 4).context.merge is fused.PLAIN.merge_spans

@@ -8,6 +8,7 @@ from genrec.api import RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
 from genrec.model import ContextKV, ModelDir, fused
 from genrec.model.kv_pool import KVPool
+from genrec.model.ops import PLAIN_OPS
 from genrec_bench import kernels
 from tests.conftest import random_prompt
 
@@ -189,10 +190,13 @@ def test_suffix_merge_equals_one_softmax_over_context_and_suffix(g):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_cpu_runs_the_plain_pieces_whatever_the_switch():
-    assert fused.pieces(True, "cpu") is fused.PLAIN
-    assert fused.pieces(False, "cpu") is fused.PLAIN
-    assert fused.pieces(False, "cuda") is fused.PLAIN  # CUDA without `fast`: eager, no compiling either
+def test_the_cpu_plan_runs_the_plain_pieces_whatever_the_switch():
+    from genrec.engine.plan import ExecutionPlan
+    from genrec.model.ops import PLAIN_OPS
+
+    for device, fast in (("cpu", True), ("cpu", None), ("cpu", False), ("cuda", False)):  # CUDA opted out: plain
+        plan = ExecutionPlan.build(device, torch.bfloat16, fast)
+        assert plan.ops == PLAIN_OPS and not plan.compiles and not plan.graphs and plan.capture is None, device
 
 
 def test_a_fast_engine_on_the_cpu_never_compiles(tiny_dir, monkeypatch, rng):
@@ -200,7 +204,7 @@ def test_a_fast_engine_on_the_cpu_never_compiles(tiny_dir, monkeypatch, rng):
         raise AssertionError("torch.compile called on the CPU path")
 
     monkeypatch.setattr(torch, "compile", refuse)
-    fused._compiled.cache_clear()
+    fused.compiled.cache_clear()
     engine = Engine.from_pretrained(tiny_dir, cuda_fast=True, scheduler=SchedulerConfig(prefix_cache_bytes=0))
     request = RetrieveRequest(prompt_token_ids=random_prompt(engine, 20, rng), beam_width=4)
     assert engine.retrieve([request])[0].items
@@ -246,5 +250,5 @@ def test_the_ops_each_layer_runs_stay_within_their_bound(tiny_dir, dtype):
 
 def test_the_ops_each_hstu_layer_runs_stay_within_their_bound(hstu_dir):
     model = ModelDir.open(hstu_dir).load_model()
-    counts = kernels.hstu_layer_counts(model, 40, 8, fast=False)
+    counts = kernels.hstu_layer_counts(model, 40, 8, PLAIN_OPS)
     assert counts["hstu_prefill"] <= 16 and counts["hstu_candidates"] <= 19, counts

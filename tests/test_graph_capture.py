@@ -13,6 +13,7 @@ import torch
 from genrec.api import RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
 from tests.conftest import random_prompt
+from tests.plans import graphed_plan
 from tests.sync_guard import no_sync
 from tests.test_decode_graph import OpShapes  # the op-and-shape recorder the graph tests share
 
@@ -22,7 +23,7 @@ class RecordedGraph:
 
     made: list = []
 
-    def __init__(self, forward, mempool):
+    def __init__(self, forward):
         self.forward = forward
         with OpShapes() as rec:
             self.outputs = forward()
@@ -44,10 +45,7 @@ def graphed(tiny_dir):
     <= 32 rows), prefill stages for 16, 32 and 64 tokens (a prefill pass holds <= 64 tokens)."""
     RecordedGraph.made = []
     config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
-    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=config)
-    engine.runner.graphs = True  # what `cuda_fast` on CUDA sets
-    engine.runner.capture_pass = RecordedGraph
-    return engine
+    return Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=config, plan=graphed_plan(RecordedGraph))
 
 
 def retrieves(engine, rng, widths):
@@ -62,8 +60,12 @@ def test_every_bucket_is_captured_at_start_and_live_passes_only_replay(graphed, 
     captured = list(RecordedGraph.made)
     stages = graphed.model.config.num_hidden_layers + 1
     # Decode: buckets 32 and 16, each for one-span and multi-span contexts; prefill: 3 token buckets of every stage.
-    assert len(captured) == 4 + 3 * stages
-    assert graphed.runner.warmup_s is not None and graphed.runner.max_pass_rows == 32
+    runner = graphed.runner
+    # Decode: buckets 32 and 16, each for one-span and multi-span contexts, at each sequence capacity its rows may
+    # need; prefill: 3 token buckets of every stage.
+    passes = decode_passes(runner)
+    assert len(captured) == passes + 3 * stages and len(runner._captured) == passes
+    assert runner.warmup_s is not None and runner.graph_max_rows == 32
     state = rng.get_state()
     requests = retrieves(graphed, rng, [7, 12, 30, 5])  # 54 rows at full width: more than one pass holds
     with no_sync():
@@ -72,11 +74,21 @@ def test_every_bucket_is_captured_at_start_and_live_passes_only_replay(graphed, 
     want = engine.retrieve(retrieves(engine, rng, [7, 12, 30, 5]))  # the session's eager engine
     assert RecordedGraph.made == captured  # nothing captured on a live request
     assert graphed.runner.uncaptured_passes == 0
-    decode, prefill = captured[:4], captured[4:]
+    decode, prefill = captured[:passes], captured[passes:]
     assert sum(g.replays for g in decode) >= 3 and sum(g.replays for g in prefill) >= 2 * stages  # 4 prompts, 2 passes
     for a, b in zip(got, want, strict=True):
         assert [i.item_id for i in a.items] == [i.item_id for i in b.items]
         assert np.allclose([i.logprob for i in a.items], [i.logprob for i in b.items], atol=1e-4)
+
+
+def decode_passes(runner) -> int:
+    """The decode passes an engine captures: per bucket, one and MAX_SPANS spans at each of its capacities."""
+    buckets = [
+        runner.graph_max_rows >> i
+        for i in range(runner.graph_max_rows.bit_length())
+        if runner.graph_max_rows >> i >= 16
+    ]
+    return sum(2 * len(runner.capacities(bucket)) for bucket in buckets)
 
 
 def self_selecting(model_dir) -> Engine:
@@ -84,9 +96,8 @@ def self_selecting(model_dir) -> Engine:
     the graph; the host only gathers each request's first rows), and a pass holds up to 64 rows."""
     RecordedGraph.made = []
     config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
-    engine = Engine.from_pretrained(model_dir, cuda_graph_max_rows=64, cuda_graph_selection=True, scheduler=config)
-    engine.runner.graphs = True
-    engine.runner.capture_pass = RecordedGraph
+    plan = graphed_plan(RecordedGraph, selects_in_graph=True)
+    engine = Engine.from_pretrained(model_dir, cuda_graph_max_rows=64, scheduler=config, plan=plan)
     assert engine.scheduler.idle
     assert all(batch.selects and len(batch.outputs) == 4 for batch, _ in engine.runner._captured.values())
     return engine
@@ -121,7 +132,7 @@ def test_captured_passes_that_select_themselves_return_what_the_eager_selection_
     rng.set_state(state)
     want = engine.retrieve(constrained(engine, rng))
     assert RecordedGraph.made == captured and selecting.runner.uncaptured_passes == 0
-    assert sum(g.replays for g in captured[:6]) >= 3
+    assert sum(g.replays for g in captured[: decode_passes(selecting.runner)]) >= 3
     for a, b in zip(got, want, strict=True):
         assert [i.item_id for i in a.items] == [i.item_id for i in b.items]
         assert np.allclose([i.logprob for i in a.items], [i.logprob for i in b.items], atol=1e-4)
@@ -174,12 +185,15 @@ def test_the_scheduler_splits_decode_rows_into_passes_a_capture_holds():
 
     from genrec.engine.scheduler import _passes
 
-    jobs = [SimpleNamespace(cohort=SimpleNamespace(rows=n)) for n in (10, 20, 5, 40, 1)]
-    groups = _passes(jobs, 32)
-    assert [[j.cohort.rows for j in g] for g in groups] == [[10, 20], [5], [40], [1]]
+    def holds(rows: list[int]) -> bool:  # a pass of at most 32 rows of at most 3 requests
+        return sum(rows) <= 32 and len(rows) <= 3
+
+    jobs = [SimpleNamespace(cohort=SimpleNamespace(rows=n)) for n in (10, 20, 5, 40, 1, 2, 3, 4)]
+    groups = _passes(jobs, holds)
+    assert [[j.cohort.rows for j in g] for g in groups] == [[10, 20], [5], [40], [1, 2, 3], [4]]
     jobs = [SimpleNamespace(cohort=SimpleNamespace(rows=n)) for n in (0, 32, 0)]  # a job of no rows first
-    assert [[j.cohort.rows for j in g] for g in _passes(jobs, 32)] == [[0, 32, 0]]
-    assert _passes(jobs, None) == [jobs] and _passes([], 32) == []
+    assert [[j.cohort.rows for j in g] for g in _passes(jobs, holds)] == [[0, 32, 0]]
+    assert _passes(jobs, lambda rows: True) == [jobs] and _passes([], holds) == []
 
 
 def test_every_decode_graph_writes_into_one_set_of_outputs(graphed):
@@ -187,7 +201,7 @@ def test_every_decode_graph_writes_into_one_set_of_outputs(graphed):
     row's log-probabilities at the children any node may have, never [rows, vocab]."""
     assert graphed.scheduler.idle
     outputs = [batch.outputs for batch, _ in graphed.runner._captured.values()]
-    assert len(outputs) == 4 and {o[0].shape[0] for o in outputs} == {16, 32}
+    assert len(outputs) == decode_passes(graphed.runner) and {o[0].shape[0] for o in outputs} == {16, 32}
     columns = graphed.family.max_children
     assert {o[0].shape[1] for o in outputs} == {columns} and columns < graphed.model.config.vocab_size
     for gains, new_k, new_v in outputs:
@@ -197,18 +211,18 @@ def test_every_decode_graph_writes_into_one_set_of_outputs(graphed):
 
 def test_a_failed_capture_leaves_no_scheduler_and_the_next_use_captures_again(tiny_dir):
     config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
-    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=config)
-    engine.runner.graphs = True
+    failures = [RuntimeError("capture failed")]
 
-    def failing(forward, mempool):
-        raise RuntimeError("capture failed")
+    def failing_once(forward):
+        if failures:
+            raise failures.pop()
+        return RecordedGraph(forward)
 
-    engine.runner.capture_pass = failing
+    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=config, plan=graphed_plan(failing_once))
     with pytest.raises(RuntimeError, match="capture failed"):
         _ = engine.scheduler
     assert engine._scheduler is None
     RecordedGraph.made = []
-    engine.runner.capture_pass = RecordedGraph
     assert engine.scheduler.idle and len(RecordedGraph.made) > 4
 
 
@@ -281,9 +295,15 @@ def test_on_cuda_a_float32_engine_starts_and_serves_without_graphs(tiny_dir, eng
 
 
 def warmed(model_dir):
-    """An engine started as one whose pieces compile (CUDA with `fast`) starts: after its own warm-up requests."""
-    engine = Engine.from_pretrained(model_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0))
-    engine.runner.compiles = True
+    """An engine whose pieces compile (Dynamo alone here, backend "eager") starts as on CUDA: after its own warm-up
+    requests."""
+    from genrec.engine.plan import ExecutionPlan
+    from genrec.model import fused
+    from genrec.model.ops import ModelOps
+
+    plan = ExecutionPlan(torch.device("cpu"), ModelOps(fused.compiled("eager")))
+    engine = Engine.from_pretrained(model_dir, scheduler=SchedulerConfig(prefix_cache_bytes=0), plan=plan)
+    assert plan.compiles
     ran = []
     requests = engine.family.warmup_requests
     engine.family.warmup_requests = lambda: ran.extend(requests()) or list(ran)

@@ -37,7 +37,7 @@ def test_recommend_prefills_once(engine, rng, monkeypatch):
     segments = []
     original = engine.model.prefill_packed
     monkeypatch.setattr(
-        engine.model, "prefill_packed", lambda segs, **kw: segments.extend(segs) or original(segs, **kw)
+        engine.model, "prefill_packed", lambda segs, *args, **kw: segments.extend(segs) or original(segs, *args, **kw)
     )
     engine.recommend([RecommendRequest(prompt_token_ids=random_prompt(engine, 9, rng), beam_width=4)])
     assert len(segments) == 1

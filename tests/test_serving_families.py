@@ -49,7 +49,7 @@ def test_each_family_has_every_member_the_seam_declares(engine, ranker):
     """The engine, its scheduler and runner and the servers read a family only through the protocol (no probing
     for an optional member): the decoder implements all of Generating, the ranker all of Family, and what only a
     generating family has is there in the ranker as "none" (no levels, no live catalog, no prompt)."""
-    assert {"levels", "fast", "catalogs", "render_prompt", "capture_prefill", "describe"} <= declared(Family)
+    assert {"levels", "ops", "catalogs", "render_prompt", "capture_prefill", "describe"} <= declared(Family)
     assert declared(Generating) - declared(Family) == {"decode_forward", "generated", "max_children"}
     for family, protocol in ((engine.family, Generating), (ranker.family, Family)):
         assert sorted(name for name in declared(protocol) if not hasattr(family, name)) == [], family.name

@@ -8,7 +8,6 @@ from genrec.attention import (
     ContextRows,
     Spans,
     shared_context_attention,
-    varlen_attention,
     varlen_reference,
 )
 from genrec.model.config import Qwen3Config
@@ -90,7 +89,7 @@ def test_varlen_reference_is_softmax_per_sequence_with_its_lse(causal):
     cu_q, starts, lengths = [0, 4, 4, 9, 11], [50, 7, 0, 20], [6, 9, 5, 0]  # a sequence of no queries; no keys
     q = torch.randn(cu_q[-1], KV * G, D, generator=g)
     spans = Spans(cu_q, starts, lengths)
-    out, lse = varlen_attention(q, pool.k[1], pool.v[1], spans, 0.4, causal=causal)
+    out, lse = varlen_reference(q, pool.k[1], pool.v[1], spans, 0.4, causal=causal)
     for b in range(4):
         lo, hi, s, n = cu_q[b], cu_q[b + 1], starts[b], lengths[b]
         if hi == lo:

@@ -38,6 +38,11 @@ class EngineOptions(BaseModel):
     cuda_graph_max_rows: int | None = Field(
         None, ge=16, description="rows of the largest decode pass captured as a CUDA graph at start (default 2048)"
     )
+    split_kv: Literal["off", "on", "auto"] | None = Field(
+        None,
+        description="CUDA decode: cut each long context into chunks read in parallel when a pass would leave most SMs "
+        "idle (auto, the default), always (on) or never (off); the results are the same (genrec.engine.plan)",
+    )
     cuda_graph_selection: bool | None = Field(
         None,
         description="the decode graphs also select the beams (one sort in the graph) instead of a top-k after each "
@@ -48,7 +53,7 @@ class EngineOptions(BaseModel):
         """`Engine.from_pretrained`'s kwargs; a derived default is left out, so a batch run's identity stays."""
         kwargs = self.model_dump(include=set(EngineOptions.model_fields))
         # Derived (by the other options or the device), or off: an unset one is not part of the identity.
-        for name in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows", "cuda_graph_selection"):
+        for name in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows", "cuda_graph_selection", "split_kv"):
             if kwargs[name] is None:
                 del kwargs[name]
         return kwargs

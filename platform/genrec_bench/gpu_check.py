@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import statistics
@@ -63,7 +64,7 @@ from pathlib import Path
 import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
-from genrec.attention import Spans, varlen_attention, varlen_reference
+from genrec.attention import Spans, flash_varlen, varlen_reference
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.testing.tiny import ModelSpec, preset, write_model_dir
 from genrec_bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
@@ -119,9 +120,9 @@ def varlen_checks(device) -> dict:
         for causal in (False, True):
             q, k, v, spans = _case(device, dtype, causal, 7)
             want, want_lse = varlen_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), spans, 0.088, causal)
-            got, lse = varlen_attention(q, k, v, spans, 0.088, causal, fast=True)
+            got, lse = flash_varlen(q, k, v, spans, 0.088, causal)
             torch.cuda.synchronize()
-            eager, _ = varlen_attention(q, k, v, spans, 0.088, causal)
+            eager, _ = varlen_reference(q, k, v, spans, 0.088, causal)
             key = f"{str(dtype).split('.')[-1]}_{'causal' if causal else 'decode'}"
             finite = torch.isfinite(want_lse)
             out[key] = {
@@ -322,12 +323,13 @@ def same_beams(a: Engine, b: Engine, requests: list[RetrieveRequest]) -> dict:
 
 
 def unsplit(engine: Engine, fn):
-    """fn() with split-KV off: every one-span context read whole (genrec.engine.decode_batch.splitting_pays)."""
-    sms, engine.runner.sms = engine.runner.sms, 0
+    """fn() with split-KV off: every one-span context read whole (the plan's `split_kv`)."""
+    plan = engine.runner.plan
+    engine.runner.plan = dataclasses.replace(plan, split_kv="off")
     try:
         return fn()
     finally:
-        engine.runner.sms = sms
+        engine.runner.plan = plan
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from genrec.engine.beam import choices
 from genrec.engine.decode_batch import DecodeBatch
 from genrec.model import ModelDir
 from genrec.model.hstu import HistoryRows, HistorySegment
+from genrec.model.ops import ModelOps
 from genrec_bench.cli import KernelsOptions
 from genrec_bench.common import described, hstu_preset_dir, machine, model_dir_for, random_prompt
 
@@ -47,7 +48,7 @@ def run(o: KernelsOptions) -> dict:
         )
         counts[name], logits[name] = layer_counts(engine, o.prompt_len, o.requests, o.beam_width)
         if ranker is not None:
-            counts[name] |= hstu_layer_counts(ranker, o.prompt_len, o.requests * o.beam_width, fast)
+            counts[name] |= hstu_layer_counts(ranker, o.prompt_len, o.requests * o.beam_width, engine.plan.ops)
     return {
         "benchmark": "kernels",
         **described(model_dir, o, "device", "prompt_len", "requests", "beam_width"),
@@ -77,7 +78,7 @@ def layer_counts(engine: Engine, prompt_len: int, requests: int, beam_width: int
     engine.runner.decode(cohorts, bucketed=False)  # on to a level whose rows have a suffix to attend to
     selections = choices(cohorts)
     rows = sum(c.rows for c in cohorts)
-    batch = DecodeBatch(rows, engine.runner.past, pool, 1, engine.runner.fast, engine.family.max_children)
+    batch = DecodeBatch(rows, engine.runner.past, pool, engine.plan.ops, 1, engine.family.max_children)
     batch.fill(selections)
     passes = {
         "prefill": lambda: engine.runner.prefill_alone(prepared[0]),
@@ -87,7 +88,7 @@ def layer_counts(engine: Engine, prompt_len: int, requests: int, beam_width: int
     return counts, passes["prefill"]().last_logits.float().cpu()
 
 
-def hstu_layer_counts(model, events: int, candidates: int, fast: bool) -> dict:
+def hstu_layer_counts(model, events: int, candidates: int, ops: ModelOps) -> dict:
     """Per-layer counts of HSTU's history prefill of `events` events and of `candidates` rows over that history."""
     c, device = model.config, model.device
     g = torch.Generator().manual_seed(0)
@@ -97,8 +98,8 @@ def hstu_layer_counts(model, events: int, candidates: int, fast: bool) -> dict:
     shape = (c.num_hidden_layers, events, c.num_attention_heads, c.head_dim)
     k, v = torch.zeros(shape, device=device, dtype=model.dtype), torch.zeros(shape, device=device, dtype=model.dtype)
     passes = {
-        "hstu_prefill": lambda: model.prefill_packed([HistorySegment(history, k, v, 0)], fast),
-        "hstu_candidates": lambda: model.forward_candidates(rows, [HistoryRows(0, candidates, k, v)], fast),
+        "hstu_prefill": lambda: model.prefill_packed([HistorySegment(history, k, v, 0)], ops),
+        "hstu_candidates": lambda: model.forward_candidates(rows, [HistoryRows(0, candidates, k, v)], ops),
     }
     return {name: per_layer(model.layers, fn, device) for name, fn in passes.items()}
 

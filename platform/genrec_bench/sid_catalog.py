@@ -14,6 +14,7 @@ import torch
 from genrec.api import RetrieveRequest
 from genrec.catalog import Catalog, CodeTrie
 from genrec.engine import Engine, SchedulerConfig
+from genrec.engine.plan import ExecutionPlan
 from genrec.engine.retriever import Retriever
 from genrec.model.directory import ModelDir
 from genrec.testing.tiny import preset
@@ -32,9 +33,9 @@ def run(o: SidCatalogOptions) -> dict:
     build_s = statistics.median(_build_seconds(large, layout) for _ in range(o.build_repeats))
     dtype = torch.bfloat16 if o.device.startswith("cuda") else torch.float32
     model = directory.load_model(o.device, dtype)
-    fast = o.cuda_fast if o.cuda_fast is not None else o.device.startswith("cuda")
+    plan = ExecutionPlan.build(o.device, dtype, o.cuda_fast)
     engines = {
-        name: Engine(Retriever(model, tokenizer, catalog, None, layout, fast=fast), COLD)
+        name: Engine(Retriever(model, tokenizer, catalog, None, layout, ops=plan.ops), COLD, plan=plan)
         for name, catalog in (("large", large), ("small", small))
     }
     generator = torch.Generator().manual_seed(0)

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
+from genrec.attention.kernels import REFERENCE, AttentionKernels
 from genrec.attention.merge import merge_partials
-from genrec.attention.varlen import Spans, varlen_attention
+from genrec.attention.varlen import Spans
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,11 @@ def span_parts(contexts: list, cu_q: list[int]) -> list[tuple[Any, Spans]]:
     return parts
 
 
-def attend_parts(q, parts, layer: int, scale: float, fast: bool):
+def attend_parts(q, parts, layer: int, scale: float, kernels: AttentionKernels):
     """q [M, H, D] over every part -> (out [M, H, D], lse [H, M]); queries that read nothing get 0 and -inf."""
     out = lse = None
     for pool, spans in parts:
-        o, s = varlen_attention(q, pool.k[layer], pool.v[layer], spans, scale, fast=fast)
+        o, s = kernels.varlen(q, pool.k[layer], pool.v[layer], spans, scale)
         out, lse = (o, s) if out is None else merge_partials(out, lse, o, s)
     if out is None:
         M, H, D = q.shape
@@ -53,9 +54,9 @@ def attend_parts(q, parts, layer: int, scale: float, fast: bool):
 
 class ContextRows:
     """The context part of a pass: every row over its group's pooled context. `groups` in any order; rows of no
-    group take nothing from the context. `per_row` query positions a row; `fast`: see `varlen_attention`."""
+    group take nothing from the context. `per_row` query positions a row; `kernels`: the plan's."""
 
-    def __init__(self, groups: list[ContextGroup], rows: int, per_row: int = 1, fast: bool = False):
+    def __init__(self, groups: list[ContextGroup], rows: int, per_row: int = 1, kernels: AttentionKernels = REFERENCE):
         cu, ctxs = [0], []
         for g in sorted((g for g in groups if g.stop > g.start), key=lambda g: g.start):
             if g.start > cu[-1]:
@@ -66,7 +67,7 @@ class ContextRows:
         if cu[-1] < rows:
             cu.append(rows)
             ctxs.append(None)
-        self.fast = fast
+        self.kernels = kernels
         self.parts = span_parts(ctxs, [c * per_row for c in cu])
 
     def at_layer(self, i: int) -> LayerRows:
@@ -74,7 +75,7 @@ class ContextRows:
 
     def attend(self, q: torch.Tensor, layer: int, scale: float):
         """q [rows * per_row, H, D] -> (out [.., H, D], lse [H, ..]) over each row's context."""
-        return attend_parts(q, self.parts, layer, scale, self.fast)
+        return attend_parts(q, self.parts, layer, scale, self.kernels)
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ class PrefillRows:
     """The attention of packed prompt chunks: chunk b (queries cu_q[b]:cu_q[b+1]) sees its context's prefix pieces
     whole and its own tokens up to itself (causal, bottom-right: the chunk's tokens are the last ones written)."""
 
-    def __init__(self, contexts: list, cu_q: list[int], fast: bool = False):
-        self.fast = fast
+    def __init__(self, contexts: list, cu_q: list[int], kernels: AttentionKernels = REFERENCE):
+        self.kernels = kernels
         own = [(c.pool, c.extent.start, c.length - c.prefix_length) for c in contexts]
         pools = list({id(p): p for p, _, _ in own}.values())
 
@@ -121,14 +122,12 @@ class PrefillRows:
         the plain call or from the merged ones (the other side gives it zeros)."""
         out = None
         for pool, spans in self.plain:
-            o, _ = varlen_attention(
-                q, pool.k[layer], pool.v[layer], spans, scale, causal=True, need_lse=False, fast=self.fast
-            )
+            o, _ = self.kernels.varlen(q, pool.k[layer], pool.v[layer], spans, scale, causal=True, need_lse=False)
             out = o if out is None else out + o
         if self.merged:
-            merged, lse = attend_parts(q, self.prefix, layer, scale, self.fast)
+            merged, lse = attend_parts(q, self.prefix, layer, scale, self.kernels)
             for pool, spans in self.merged:
-                o, s = varlen_attention(q, pool.k[layer], pool.v[layer], spans, scale, causal=True, fast=self.fast)
+                o, s = self.kernels.varlen(q, pool.k[layer], pool.v[layer], spans, scale, causal=True)
                 merged, lse = merge_partials(merged, lse, o, s)
             out = merged if out is None else out + merged
         return out

@@ -1,6 +1,6 @@
 """The context part of many requests in one call: each sequence's queries over its own span of a token-major
-pool (gaps allowed). Plain torch on the CPU (the reference); FlashAttention-2 varlen on CUDA when the caller
-passes `fast` (the engine's `cuda_fast` option, on by default with CUDA; verified on an H200 against this reference)."""
+pool (gaps allowed). `varlen_reference`: plain torch, any device; `flash_varlen`: FlashAttention-2 varlen (CUDA, half
+precision; verified on an H200 against the reference). An execution plan picks one (genrec.attention.kernels)."""
 
 from __future__ import annotations
 
@@ -36,19 +36,10 @@ class Spans:
         return self._device
 
 
-def varlen_attention(
-    q, k, v, spans: Spans, scale: float, causal: bool = False, need_lse: bool = True, fast: bool = False
-):
+def varlen_reference(q, k, v, spans: Spans, scale: float, causal: bool = False, need_lse: bool = True):
     """q [M, H, D] packs the spans' sequences over k, v [T, KV, D] (one pool layer); causal is bottom-right (the
     last query sees every key, as chunked prefill needs). -> (out [M, H, D] in q's dtype, lse [H, M] f32 or None);
-    no keys: 0 and -inf. FlashAttention-2 varlen with `fast` on CUDA bf16/fp16, else `varlen_reference`."""
-    if fast and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        return _flash_varlen(q, k, v, spans, scale, causal)
-    return varlen_reference(q, k, v, spans, scale, causal, need_lse)
-
-
-def varlen_reference(q, k, v, spans: Spans, scale: float, causal: bool = False, need_lse: bool = True):
-    """Plain torch, one sequence at a time: the reference the CUDA kernel is checked against."""
+    no keys: 0 and -inf. Plain torch, one sequence at a time: the reference the CUDA kernel is checked against."""
     M, H, D = q.shape
     KV = k.shape[1]
     G = H // KV
@@ -112,8 +103,9 @@ def _causal(q, keys, values, scale, need_lse):
     return out.transpose(0, 1), lse
 
 
-def _flash_varlen(q, k, v, spans: Spans, scale: float, causal: bool):
-    """FlashAttention-2 varlen (torch's aten op): keys of sequence b read at cu_seq_k[b] for seqused_k[b]."""
+def flash_varlen(q, k, v, spans: Spans, scale: float, causal: bool = False, need_lse: bool = True):
+    """`varlen_reference`'s contract in FlashAttention-2 varlen (torch's aten op; CUDA, half precision): keys of
+    sequence b read at cu_seq_k[b] for seqused_k[b]; the lse is always computed."""
     cu_q, cu_k, used, max_q, max_k, empty = spans.device_args(q.device)
     out, lse = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used

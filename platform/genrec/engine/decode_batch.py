@@ -3,6 +3,11 @@ as shapes: padded to a power-of-two bucket so one captured CUDA graph per bucket
 rows see only their own token and no context, and every op works row by row, so they never change a real row.
 The pass outputs each row's log-probabilities at its trie children's tokens only (`columns`, as wide as any node's
 children may be), so a catalog version or a filter changes data, never a shape, and no [rows, vocab] is written.
+
+The context call's launch is frozen at capture too: FlashAttention-2 launches ceil(max_q / 128) x sequences x heads
+thread blocks. So each request's rows are cut into sequences of at most the kernel's query block (max_q is one
+block), and a pass holds at most `sequences` of them per span (its capacity, a power of two the runner picks by the
+pass): the blocks launched stay within twice the blocks with work, whatever the padding.
 """
 
 from __future__ import annotations
@@ -12,21 +17,28 @@ import torch
 
 from genrec.attention import StaticContext
 from genrec.engine.beam import Choices
-from genrec.model import fused
+from genrec.model.ops import ModelOps
 from genrec.staging import to_device
-
-# Split-KV (a multi-span pass's spare blocks read a long context in parallel): no chunk shorter than this, and a
-# pass of one-span contexts takes the multi-span bucket only when a context holds two such chunks. Not yet tuned on a
-# GPU: FlashAttention-2 walks a sequence's keys in blocks of 64-128, so 512 keys are a few iterations per thread block.
-SPLIT_MIN_CHUNK = 512
-QUERY_BLOCK = 128  # query rows per FlashAttention-2 thread block (head dim 128, sm80 and later)
 
 
 def bucket_of(rows: int, smallest: int = 16) -> int:
     return max(smallest, 1 << (rows - 1).bit_length())
 
 
-def split_spans(spans: list[tuple[int, int]], blocks: int, min_chunk: int = SPLIT_MIN_CHUNK) -> list:
+def sequences_of(rows_per_context: list[int], query_block: int | None) -> int:
+    """The sequences a span of a pass holds: each context's rows cut into runs of at most `query_block` (None: one
+    run each)."""
+    if query_block is None:
+        return len(rows_per_context)
+    return sum(-(-rows // query_block) for rows in rows_per_context)
+
+
+def capacity_of(sequences: int) -> int:
+    """The capacity (sequences per span, a power of two) of the captured pass that holds `sequences`."""
+    return 1 << max(sequences - 1, 0).bit_length()
+
+
+def split_spans(spans: list[tuple[int, int]], blocks: int, min_chunk: int) -> list:
     """A context's (pool offset, tokens) spans cut into at most `blocks` chunks, the longest halved first while its
     halves hold `min_chunk` tokens. The context call merges its spans exactly (log-sum-exp), so the cut changes no
     result, only how many thread blocks read the context at once."""
@@ -41,24 +53,29 @@ def split_spans(spans: list[tuple[int, int]], blocks: int, min_chunk: int = SPLI
     return spans
 
 
-def splitting_pays(rows_per_context: list[int], longest_context: int, heads: int, sms: int) -> bool:
-    """Whether a pass of one-span contexts should run split in the multi-span bucket: its context call would run
-    fewer thread blocks (query blocks times heads, one set per context) than the GPU has SMs, and a context is long
-    enough to cut. A wide batch fills the GPU as it is, and a short context is read at once."""
-    blocks = sum(-(-rows // QUERY_BLOCK) for rows in rows_per_context) * heads
-    return blocks < sms and longest_context >= 2 * SPLIT_MIN_CHUNK
-
-
 class DecodeBatch:
     """The inputs (and a captured graph's outputs) of a decode pass of up to `bucket` rows over one pool."""
 
     def __init__(
-        self, bucket: int, past: int, pool, spans: int = 1, fast: bool = False, columns: int = 1, selects=False
+        self,
+        bucket: int,
+        past: int,
+        pool,
+        ops: ModelOps,
+        spans: int = 1,
+        columns: int = 1,
+        selects: bool = False,
+        sequences: int | None = None,
+        split_min_chunk: int = 0,
     ):
-        """`spans`: the most spans a context of the pass may have (prefix pieces plus its own part); `columns`: the
-        most children a row's node may have; `selects`: the pass ranks its candidates itself (`ranked`)."""
+        """`ops`: the plan's; `spans`: the most spans a context of the pass may have (prefix pieces plus its own part,
+        or the chunks split-KV cuts it into, each at least `split_min_chunk` tokens); `columns`: the most children a
+        row's node may have; `selects`: the pass ranks its candidates itself (`ranked`); `sequences`: the most
+        sequences a span holds (`sequences_of`; default: one a row, any mix)."""
         self.bucket, self.past, self.pool, self.spans = bucket, past, pool, spans
-        self.pieces, self.selects = fused.pieces(fast, pool.k.device), selects  # compiled on CUDA with `fast`
+        self.pieces, self.selects, self.query_block = ops.pieces, selects, ops.attention.query_block
+        self.sequences = bucket if sequences is None else sequences
+        self.split_min_chunk = split_min_chunk
         device = pool.k.device
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.tokens = torch.zeros(bucket, **i64)
@@ -67,7 +84,7 @@ class DecodeBatch:
         self.ancestors = torch.zeros(bucket, past, **i64)
         self.own_slots = torch.zeros(bucket, **i64)  # where each row's new token's K/V goes (record_kv)
         self.mask = torch.ones(bucket, 1, past + 1, dtype=torch.bool, device=device)
-        sequences = spans * (bucket + 1)  # per span: up to one sequence per row, plus the padding's
+        sequences = spans * (self.sequences + 1)  # per span: its capacity, plus the padding's
         self.context = StaticContext(
             pool,
             bucket,
@@ -76,7 +93,7 @@ class DecodeBatch:
             cu_k=torch.zeros(sequences + 1, **i32),
             used_k=torch.zeros(sequences, **i32),
             row_empty=torch.ones(spans * bucket, dtype=torch.bool, device=device),
-            fast=fast,
+            kernels=ops.attention,
             merge=self.pieces.merge_spans,
         )
         if selects:  # what a selection reads besides the pass's gains (beam.Choices), padded: never allowed
@@ -104,7 +121,7 @@ class DecodeBatch:
         if spans and max(map(len, spans)) > self.spans:
             raise ValueError(f"a context has more than the {self.spans} spans this batch holds")
         if self.spans > 1:
-            spans = [split_spans(s, self.spans) for s in spans]
+            spans = [split_spans(s, self.spans, self.split_min_chunk) for s in spans]
         pad = self.bucket - rows
         mask = np.arange(self.past + 1)[None, :] < np.asarray(pasts + [0] * pad)[:, None]
         mask[:, self.past] = True  # every row sees its own new token
@@ -158,16 +175,23 @@ class DecodeBatch:
         return cand, keys.flatten().sort(stable=True).indices.view_as(keys)
 
     def _span_tables(self, spans: list[list[tuple[int, int]]], counts: list[int], pad: int) -> list:
-        """The varlen index tables: block j (rows repeated) holds every request's span j, then the padding rows
-        (no keys); empty sequences fill each block up to its fixed size."""
-        B, S = self.bucket, self.spans
-        sizes = [*counts, pad] + [0] * (B + 1 - len(counts) - 1)  # B + 1 sequences per block
-        ends = np.cumsum(sizes)
+        """The varlen index tables: block j (rows repeated) holds every request's span j, its rows cut into runs of at
+        most a query block (`sequences_of`), then the padding rows (no keys); empty sequences fill each block up to
+        its capacity."""
+        B, S, Q = self.bucket, self.spans, self.query_block
+        runs = [[min(Q, n - a) for a in range(0, n, Q)] if Q is not None and n > Q else [n] for n in counts]
+        if len(sum(runs, [])) > self.sequences:
+            raise ValueError(f"the pass's {len(sum(runs, []))} sequences exceed the {self.sequences} it holds")
+        owner = np.repeat(np.arange(len(counts)), [len(r) for r in runs])  # each run's request
+        fill = self.sequences - len(owner)
+        sizes = np.asarray([*sum(runs, []), pad] + [0] * fill, dtype=np.int64)  # sequences + 1 per block
+        starts_q = np.cumsum(sizes) - sizes
         cu_q, starts, used, empty = [], [], [], []
         for j in range(S):
-            span_j = [s[j] if j < len(s) else (0, 0) for s in spans] + [(0, 0)] * (B + 1 - len(spans))
-            offsets, lengths = np.asarray(span_j, dtype=np.int64).reshape(-1, 2).T
-            cu_q.append(j * B + ends - np.asarray(sizes))
+            span_j = np.asarray([s[j] if j < len(s) else (0, 0) for s in spans] or np.zeros((0, 2)), dtype=np.int64)
+            offsets = np.concatenate([span_j[owner, 0], np.zeros(fill + 1, dtype=np.int64)])
+            lengths = np.concatenate([span_j[owner, 1], np.zeros(fill + 1, dtype=np.int64)])
+            cu_q.append(j * B + starts_q)
             starts.append(offsets)
             used.append(lengths)
             empty.append(np.repeat(lengths == 0, sizes))

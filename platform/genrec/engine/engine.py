@@ -29,10 +29,11 @@ from genrec.api import (
 )
 from genrec.engine.family import Family, request_kind
 from genrec.engine.job import Prepared
+from genrec.engine.plan import ExecutionPlan
 from genrec.engine.ranker import Ranker
 from genrec.engine.retriever import Retriever
 from genrec.engine.runner import ModelRunner
-from genrec.engine.scheduler import Scheduler, SchedulerConfig, check_int
+from genrec.engine.scheduler import Scheduler, SchedulerConfig, by_device, check_int
 from genrec.engine.served_catalog import CatalogVersions
 from genrec.engine_options import EngineOptions
 from genrec.errors import CatalogError, InvalidRequestError
@@ -56,14 +57,18 @@ class Engine:
         scheduler: SchedulerConfig | None = None,
         model_version: str = "",
         clock: Callable[[], float] = time.monotonic,
+        plan: ExecutionPlan | None = None,
         graph_max_rows: int | None = None,
-        graph_selection: bool = False,
     ):
+        """`plan`: what differs by device (genrec.engine.plan), the one the family was built with (default: the
+        plain plan, as a family built without one runs)."""
         self.family = family
         self.model, self.device = family.model, family.model.device
+        self.plan = plan or ExecutionPlan(self.device)
         self.model_version = model_version  # salts the prefix cache's keys
-        self.runner = ModelRunner(family, graph_max_rows or GRAPH_MAX_ROWS, graph_selection)
         self.scheduler_config = scheduler or SchedulerConfig()
+        max_requests = by_device(self.scheduler_config, self.device).max_running
+        self.runner = ModelRunner(family, self.plan, graph_max_rows or GRAPH_MAX_ROWS, max_requests)
         self.clock = clock
         self._scheduler: Scheduler | None = None
         self._making_scheduler = threading.Lock()
@@ -76,9 +81,11 @@ class Engine:
         device: str = "cpu",
         dtype: torch.dtype | str | None = None,
         scheduler: SchedulerConfig | None = None,
+        plan: ExecutionPlan | None = None,
         **options,
     ) -> Engine:
-        """The engine of a model directory, whichever family it holds; `options`: EngineOptions' fields."""
+        """The engine of a model directory, whichever family it holds; `options`: EngineOptions' fields; `plan`: the
+        execution plan (default: `ExecutionPlan.build` for the device, dtype and options)."""
         directory = ModelDir.open(model_dir)
         for name in LIMITS:  # strictly: a bool or a float is refused, not read as a number
             if name in options and not (options[name] is None and name in DERIVED):
@@ -87,10 +94,11 @@ class Engine:
         if not isinstance(dtype, torch.dtype):
             dtype = _dtype(EngineOptions(dtype=dtype).dtype, device)
         limits = options.model_dump(include=set(LIMITS))
-        fast = options.cuda_fast if options.cuda_fast is not None else torch.device(device).type == "cuda"
-        family = FAMILIES[directory.family].from_dir(directory, device, dtype, fast=fast, **limits)
-        graphs = dict(graph_max_rows=options.cuda_graph_max_rows, graph_selection=bool(options.cuda_graph_selection))
-        return cls(family, scheduler, directory.version, **graphs)
+        plan = plan or ExecutionPlan.build(
+            device, dtype, options.cuda_fast, options.split_kv, bool(options.cuda_graph_selection)
+        )
+        family = FAMILIES[directory.family].from_dir(directory, device, dtype, ops=plan.ops, **limits)
+        return cls(family, scheduler, directory.version, plan=plan, graph_max_rows=options.cuda_graph_max_rows)
 
     @property
     def catalog(self):
@@ -137,10 +145,10 @@ class Engine:
                 scheduler = Scheduler(
                     self.family, self.runner, self.scheduler_config, self.clock, model_version=self.model_version
                 )
-                if self.runner.graphs:  # every decode bucket captured now, before any request (never on a live one)
+                if self.plan.graphs:  # every decode pass captured now, before any request (never on a live one)
                     seconds = self.runner.capture(scheduler.budget.pool, self.scheduler_config.prefill_tokens_per_step)
                     log.info("captured the decode passes' CUDA graphs in %.1f s", seconds)
-                if self.runner.compiles:  # its compiled pieces compile now, on requests of its own
+                if self.plan.compiles:  # its compiled pieces compile now, on requests of its own
                     log.info("warmed up on the engine's own requests in %.1f s", self._warm_up(scheduler))
                 self._scheduler = scheduler
         return self._scheduler

@@ -28,6 +28,7 @@ from genrec.engine.pass_cost import PassCost
 from genrec.engine.prefill_graphs import PrefillGraphs
 from genrec.engine.served_catalog import CatalogVersions
 from genrec.errors import InvalidRequestError
+from genrec.model.ops import ModelOps
 
 # The request class of each kind, the most specific first (a RecommendRequest is also a RetrieveRequest).
 KINDS = {"recommend": RecommendRequest, "retrieve": RetrieveRequest, "score": ScoreRequest, "rank": RankRequest}
@@ -51,7 +52,7 @@ class Family(Protocol):
     name: str  # "qwen3" | "hstu"
     kinds: tuple[str, ...]  # the request kinds it answers
     model: torch.nn.Module  # its `config` has the KV shape (num_hidden_layers, num_key_value_heads, head_dim)
-    fast: bool  # the CUDA fast path: its kernels, and passes replayed as graphs (genrec.engine.runner)
+    ops: ModelOps  # what its passes run: the engine's execution plan's (genrec.engine.plan)
     catalog: Catalog | ItemIndex  # item IDs <-> what the model reads of them: codes, or embedding rows (served now)
     catalogs: CatalogVersions | None  # the catalog versions it serves, changed live; None: its catalog is fixed
     cost: PassCost  # what its passes cost in token-equivalents: rows passes and prefill chunks are bounded by it
@@ -74,8 +75,9 @@ class Family(Protocol):
         """Each (embeds, ctx) at the positions after ctx.length, its K/V written into ctx, all in one pass: the output
         at each segment's last position, or None. `graphs`: `capture_prefill`'s, replayed where they hold the pass."""
 
-    def capture_prefill(self, capture_pass, mempool, max_tokens: int) -> PrefillGraphs | None:
-        """The prefill captured as graphs up to `max_tokens` per pass (genrec.engine.prefill_graphs), or None."""
+    def capture_prefill(self, session, max_tokens: int) -> PrefillGraphs | None:
+        """The prefill captured as graphs up to `max_tokens` per pass (genrec.engine.prefill_graphs) in the start-up
+        capture session (genrec.engine.plan.CudaCapture), or None."""
 
     def start(self, job: Job) -> JobState:
         """A prefilled job's next state: DECODING (its beam cohort started; Generating only) or SCORING."""
@@ -88,8 +90,8 @@ class Family(Protocol):
         """What /v1/model says of this family's model (the other family's fields None)."""
 
     def warmup_requests(self) -> list:
-        """Small requests of each kind it answers, in two sizes each: what an engine whose pieces compile (CUDA with
-        `fast`) runs before it is seen, so that they compile then (a piece recompiles once, for dynamic shapes, at
+        """Small requests of each kind it answers, in two sizes each: what an engine whose pieces compile (its execution
+        plan's) runs before it is seen, so that they compile then (a piece recompiles once, for dynamic shapes, at
         the second size it sees), never on a live request."""
 
 

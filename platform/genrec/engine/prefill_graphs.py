@@ -28,7 +28,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 class PrefillGraphs:
     """A prefill's stages captured per token bucket over the largest bucket's buffers (smaller: their first rows)."""
 
-    def __init__(self, model, ops: Pieces, max_tokens: int, capture_pass, mempool):
+    def __init__(self, model, ops: Pieces, max_tokens: int, session):
+        """`session`: the start-up capture session (genrec.engine.plan.CudaCapture, or a tests' stand-in)."""
         c, dtype, device = model.config, model.dtype, model.device
         self.model, self.ops, self.layers = model, ops, c.num_hidden_layers
         self.buckets = token_buckets(max_tokens)
@@ -37,9 +38,9 @@ class PrefillGraphs:
         self.x, self.attn, self.cos, self.sin = zeros(T, c.hidden_size), zeros(T, H, D), zeros(T, D), zeros(T, D)
         self.q, self.k, self.v = zeros(T, H, D), zeros(T, KV, D), zeros(T, KV, D)
         self.graphs = {}
-        for bucket in reversed(self.buckets):  # largest first: one memory pool serves all
+        for bucket in reversed(self.buckets):  # largest first: the session's one memory pool serves all
             stages = range(self.layers + 1)
-            self.graphs[bucket] = [capture_pass(lambda i=i, b=bucket: self._stage(i, b), mempool) for i in stages]
+            self.graphs[bucket] = [session.graph(lambda i=i, b=bucket: self._stage(i, b)) for i in stages]
 
     def holds(self, tokens: int) -> bool:
         return tokens <= self.buckets[-1]

@@ -18,6 +18,7 @@ from genrec.engine.pass_cost import PassCost
 from genrec.engine.prefix_cache import Scope, block_keys
 from genrec.engine.results import check_finite
 from genrec.errors import InvalidRequestError
+from genrec.model.ops import PLAIN_OPS, ModelOps
 from genrec.staging import fetch, to_device
 
 
@@ -39,12 +40,12 @@ class Ranker:
         items: ItemIndex,
         max_candidates: int = 2048,
         score_max_tokens: int = 16384,
-        fast: bool = False,
+        ops: ModelOps = PLAIN_OPS,
         **_,
     ):
-        """`score_max_tokens`: one ranking pass's bound in token-equivalents (genrec.engine.pass_cost). `fast`: on
-        CUDA, the compiled layer pieces. The decoder's own options (max_candidate_tokens, ...) are accepted, unused."""
-        self.model, self.catalog, self.fast = model, items, fast
+        """`score_max_tokens`: one ranking pass's bound in token-equivalents (genrec.engine.pass_cost). `ops`: the
+        execution plan's. The decoder's own options (max_candidate_tokens, ...) are accepted, unused."""
+        self.model, self.catalog, self.ops = model, items, ops
         self.device = model.device
         self.max_candidates = max_candidates
         self.score_max_tokens = score_max_tokens
@@ -129,10 +130,10 @@ class Ranker:
 
     def prefill(self, segments: list, graphs=None) -> list[None]:
         """A history's K/V is all its candidates need: no outputs. (Not graphed: `capture_prefill`.)"""
-        self.model.prefill_contexts(segments, fast=self.fast)
+        self.model.prefill_contexts(segments, self.ops)
         return [None] * len(segments)
 
-    def capture_prefill(self, capture_pass, mempool, max_tokens: int) -> None:
+    def capture_prefill(self, session, max_tokens: int) -> None:
         """HSTU's prefill runs eagerly (its layers are few and short: launches cost little there)."""
         return None
 
@@ -154,7 +155,7 @@ class Ranker:
         if part:
             items, positions = to_device(np.concatenate(items), device), to_device(np.concatenate(positions), device)
             probs = model.task_probs(
-                model.candidates_over(model.embed_events(items, None, positions), groups, fast=self.fast)
+                model.candidates_over(model.embed_events(items, None, positions), groups, self.ops)
             )
             for (k, _, _), g in zip(part, groups, strict=True):
                 job = jobs[k]

@@ -39,7 +39,7 @@ from genrec.engine.request_tokens import (
 from genrec.engine.scoring import LabelScores, Scorer, candidate_rows
 from genrec.engine.served_catalog import FILTER_CACHE_BYTES, CatalogVersions, FilterMask, ServedCatalog
 from genrec.errors import InvalidRequestError
-from genrec.model import fused
+from genrec.model.ops import PLAIN_OPS, ModelOps
 from genrec.model.sid_layout import SidLayout
 from genrec.model.soft_token import SoftTokenProjector
 from genrec.model.tokenizer import USER_TOKEN, ChatTemplate
@@ -82,7 +82,7 @@ class Retriever:
         score_max_tokens: int = 16384,
         max_candidate_tokens: int = 65536,
         max_candidate_len: int | None = None,
-        fast: bool = False,
+        ops: ModelOps = PLAIN_OPS,
         chat: ChatTemplate | None = None,
         filter_cache_bytes: int = FILTER_CACHE_BYTES,
     ):
@@ -93,7 +93,7 @@ class Retriever:
         self.max_candidates = max_candidates
         self.score_max_tokens = score_max_tokens  # one scoring pass, in token-equivalents (its estimated cost)
         self.max_candidate_tokens = max_candidate_tokens  # one request's candidates in all
-        self.fast = fast
+        self.ops = ops  # the engine's execution plan's (genrec.engine.plan)
         self.layout = layout if layout is not None else SidLayout.infer(tokenizer)
         first = ServedCatalog.build(catalog, self.layout, self.device, filter_cache_bytes)
         self.levels = first.trie.levels  # decode steps: the longest code and its ending (what a later catalog may take)
@@ -104,7 +104,7 @@ class Retriever:
         self.placeholder_id = tokenizer.get_vocab().get(USER_TOKEN)
         # Room for the code after the prompt, and for the begin token the engine may append.
         self.max_prompt_tokens = model.config.prompt_room(self.levels + (self.begin is not None))
-        self.scorer = Scorer(model, fast)
+        self.scorer = Scorer(model, ops)
         self.cost = self.scorer.cost  # what a pass costs: the scheduler bounds prefill chunks with it too
         # One candidate's tokens; by default the longest row one scoring pass holds alone (at least an item's code).
         longest = max(self.cost.longest_row(score_max_tokens), self.levels + (self.begin is not None))
@@ -246,11 +246,11 @@ class Retriever:
 
     def prefill(self, segments: list, graphs=None) -> torch.Tensor:
         """The logits at each segment's last position [segments, vocab]."""
-        return self.model.prefill_packed(segments, fast=self.fast, graphs=graphs)
+        return self.model.prefill_packed(segments, self.ops, graphs=graphs)
 
-    def capture_prefill(self, capture_pass, mempool, max_tokens: int) -> PrefillGraphs:
+    def capture_prefill(self, session, max_tokens: int) -> PrefillGraphs:
         """The prefill's stages captured per token bucket up to `max_tokens` (genrec.engine.prefill_graphs)."""
-        return PrefillGraphs(self.model, fused.pieces(self.fast, self.device), max_tokens, capture_pass, mempool)
+        return PrefillGraphs(self.model, self.ops.pieces, max_tokens, session)
 
     def start(self, job) -> JobState:
         """A beam request starts its cohort (first level from the prompt's last logits); a score goes to its rows."""
@@ -268,9 +268,9 @@ class Retriever:
         past_v = pool.v[:, batch.ancestors] if batch.past else None
         embeds = model.embed(batch.tokens[:, None])
         hidden, new_k, new_v = model.forward_rows(
-            embeds, batch.positions[:, None], batch.context, past_k, past_v, mask=batch.mask, fast=self.fast
+            embeds, batch.positions[:, None], batch.context, past_k, past_v, mask=batch.mask, ops=self.ops
         )
-        return model.column_logprobs(hidden[:, -1], batch.columns, self.fast), new_k, new_v
+        return model.column_logprobs(hidden[:, -1], batch.columns, self.ops), new_k, new_v
 
     def generated(self, job, beams: list[tuple[int, float]]) -> RetrieveResult | RecommendResult | None:
         """A retrieve's result, or a recommend's in beam order; None: a scoring recommend keeps its beams to score."""

@@ -1,6 +1,7 @@
 """The model runner: runs the passes the scheduler decides (prefill chunks, decode, rows), through the engine's
-family. On CUDA with `fast`, decode replays a graph per row bucket, all captured once at engine start (`capture`),
-never on a live request. The family's `fast` is passed down, never read from a global.
+family, as the engine's execution plan says (genrec.engine.plan). With the plan's graphs, decode replays a graph per
+row bucket, sequence capacity and span count, all captured once at engine start (`capture`), never on a live request;
+a pass the captures do not hold runs eagerly.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from genrec.engine.beam import BeamCohort, advance_all, choices
-from genrec.engine.decode_batch import DecodeBatch, bucket_of, splitting_pays
+from genrec.engine.decode_batch import DecodeBatch, bucket_of, capacity_of, sequences_of
 from genrec.engine.family import Family
 from genrec.engine.job import Prepared
+from genrec.engine.plan import SPLIT_MIN_CHUNK, ExecutionPlan
 from genrec.model.kv_pool import MAX_SPANS, ContextKV, KVPool
 
 
@@ -27,32 +29,23 @@ class Prefilled:
 
 
 class ModelRunner:
-    def __init__(self, family: Family, graph_max_rows: int = 2048, selects_in_graph: bool = False):
-        """`graph_max_rows`: the largest decode pass captured at start; the scheduler caps passes there."""
+    def __init__(self, family: Family, plan: ExecutionPlan, graph_max_rows: int = 2048, max_requests: int = 8):
+        """`graph_max_rows`: the largest decode pass captured at start; `max_requests`: the most requests one decode
+        pass holds (the scheduler's `max_running`); the scheduler keeps passes within both (`pass_holds`)."""
         # torch's compiler, which the attention's custom ops import on their first call: here, as the engine loads,
         # not in its first request (a process that only checks a model directory never imports it).
         import torch._dynamo  # noqa: F401
 
-        self.family, self.model = family, family.model
+        self.family, self.model, self.plan = family, family.model, plan
         self.device = self.model.device
-        self.fast = family.fast
-        # Passes replayed as CUDA graphs: with the FlashAttention-2 kernel only (bf16 / fp16), whose index tables stay
-        # on the device; a float32 engine's attention reads them on the host, which no graph can hold.
-        half = self.model.dtype in (torch.float16, torch.bfloat16)
-        self.compiles = self.fast and self.device.type == "cuda"  # its pieces compiled (model/fused.py)
-        self.graphs = self.compiles and half
-        # The SMs a pass's context call should fill (split-KV, decode_batch.splitting_pays); 0: never split.
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.graphs else 0
+        self.graphs = plan.graphs
         self.graph_max_rows = bucket_of(graph_max_rows)
+        self.max_requests = max_requests
         self.past = max(family.levels - 2, 0)  # the longest beam suffix a decode pass reads
-        self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans, columns) -> a bucketed pass (no graph)
-        self._captured: dict[tuple, tuple[DecodeBatch, object]] = {}  # (pool, bucket, spans) -> (inputs, graph)
-        self.capture_pass = _CudaGraph  # how a pass is captured (the tests' recorder on the CPU)
-        # Captured passes select their beams themselves (DecodeBatch.ranked: a sort in the graph) rather than by an
-        # eager top-k after the replay (the `cuda_graph_selection` option). Off until a GPU measures which is faster
-        # (genrec_bench.gpu_check). Read when the passes are captured (the engine's start): later, it changes nothing.
-        self.selects_in_graph = selects_in_graph
+        self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans, capacity, columns) -> a pass (no graph)
+        self._captured: dict[tuple, tuple[DecodeBatch, object]] = {}  # (pool, bucket, spans, capacity) -> pass, graph
         self.warmup_s: float | None = None  # how long `capture` and the engine's warm-up requests took
+        self.graph_bytes: int | None = None  # the device memory the captures took (None: none captured)
         self.uncaptured_passes = 0  # bucketed passes that found no captured graph (ran eagerly; none expected)
         self.prefill_graphs = None  # the prefill's stages per token bucket, once captured
 
@@ -76,26 +69,38 @@ class ModelRunner:
             segments.append((self.family.context_embeds(prepared, start, start + n), ctx))
         return self.family.prefill(segments, self.prefill_graphs)
 
-    @property
-    def max_pass_rows(self) -> int | None:
-        """The most rows one decode pass should hold: the largest captured bucket (None: no bound)."""
-        return self.graph_max_rows if self.graphs else None
+    def pass_holds(self, rows_per_job: list[int]) -> bool:
+        """Whether one decode pass may hold these jobs' rows: a captured graph holds at most `graph_max_rows` rows of
+        at most `max_requests` requests (without graphs, any)."""
+        return not self.graphs or (sum(rows_per_job) <= self.graph_max_rows and len(rows_per_job) <= self.max_requests)
 
     @torch.inference_mode()
     def capture(self, pool: KVPool, prefill_tokens: int) -> float:
-        """Capture every decode bucket of `pool` (16 rows up to `graph_max_rows`; one span and MAX_SPANS) and the
-        prefill stages up to `prefill_tokens`. Once, before any request, so no capture overlaps other CUDA work (a
-        pass not captured here runs eagerly). Returns the seconds it took."""
-        started = time.perf_counter()
+        """Capture every decode pass of `pool` (16 rows up to `graph_max_rows`, each sequence capacity it may need;
+        one span and MAX_SPANS) and the prefill stages up to `prefill_tokens`, in one session (the plan's). Once,
+        before any request, so no capture overlaps other CUDA work. Returns the seconds it took."""
+        started, before = time.perf_counter(), _device_bytes(self.device)
         with _on(self.device):
-            mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-            self._capture_decode(pool, mempool)
-            self.prefill_graphs = self.family.capture_prefill(self.capture_pass, mempool, prefill_tokens)
+            session = self.plan.capture(self.device)
+            self._capture_decode(pool, session)
+            self.prefill_graphs = self.family.capture_prefill(session, prefill_tokens)
+        self.graph_bytes = _device_bytes(self.device) - before
         self.warmup_s = time.perf_counter() - started
         return self.warmup_s
 
-    def _capture_decode(self, pool: KVPool, mempool) -> None:
-        """Every decode bucket, largest first, each graph's outputs copied into one set of buffers sized by the
+    def capacities(self, bucket: int) -> list[int]:
+        """The sequence capacities captured for a bucket: from what its fewest rows need to what its most rows of
+        `max_requests` requests may (each request's rows cut into query blocks: `sequences_of`)."""
+        block = self.plan.ops.attention.query_block
+        fewest = sequences_of([bucket // 2 + 1], block) if bucket > bucket_of(1) else 1
+        most = min(bucket, sequences_of([bucket], block) + self.max_requests)
+        sizes = [capacity_of(fewest)]
+        while sizes[-1] < most:
+            sizes.append(sizes[-1] * 2)
+        return sizes
+
+    def _capture_decode(self, pool: KVPool, session) -> None:
+        """Every decode pass, largest first, each graph's outputs copied into one set of buffers sized by the
         largest, so the [rows, vocab] outputs are held once, not per graph (internals go back to the shared pool)."""
         bucket, buckets = self.graph_max_rows, []
         while self.family.levels and bucket >= bucket_of(1):
@@ -104,15 +109,14 @@ class ModelRunner:
         outputs, columns = None, self.family.max_children if buckets else 0
         for bucket in buckets:
             for spans in (MAX_SPANS, 1):
-                batch = DecodeBatch(bucket, self.past, pool, spans, self.fast, columns, self.selects_in_graph)
-                batch.fill([])  # all padding: rows without context, each seeing only its own token
-                if outputs is None:
-                    outputs = [torch.empty_like(t) for t in self._captured_forward(batch)]
-                batch.outputs = _rows_of(outputs, bucket)
-                graph = self.capture_pass(
-                    lambda batch=batch: _copy_into(batch.outputs, self._captured_forward(batch)), mempool
-                )
-                self._captured[(id(pool), bucket, spans)] = (batch, graph)
+                for capacity in reversed(self.capacities(bucket)):
+                    batch = self._batch(bucket, pool, spans, columns, capacity, self.plan.selects_in_graph)
+                    batch.fill([])  # all padding: rows without context, each seeing only its own token
+                    if outputs is None:
+                        outputs = [torch.empty_like(t) for t in self._captured_forward(batch)]
+                    batch.outputs = _rows_of(outputs, bucket)
+                    graph = session.graph(lambda batch=batch: _copy_into(batch.outputs, self._captured_forward(batch)))
+                    self._captured[(id(pool), bucket, spans, capacity)] = (batch, graph)
 
     @torch.inference_mode()
     def decode(self, cohorts: list[BeamCohort], bucketed: bool | None = None) -> None:
@@ -123,7 +127,9 @@ class ModelRunner:
         pool = cohorts[0].slot_pool
         rows, columns = sum(s.rows for s in selections), max(s.columns for s in selections)
         spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
-        key = (id(pool), bucket_of(rows), 1 if spans == 1 and not self._splits(cohorts) else MAX_SPANS)
+        widths = [n for c in cohorts for n in c.rows_per_req]
+        capacity = capacity_of(sequences_of(widths, self.plan.ops.attention.query_block))
+        key = (id(pool), bucket_of(rows), 1 if spans == 1 and not self._splits(cohorts) else MAX_SPANS, capacity)
         bucketed = self.graphs if bucketed is None else bucketed
         captured = self._captured.get(key) if bucketed and self.graphs else None
         if captured is not None and captured[0].columns.shape[1] >= columns:
@@ -137,7 +143,7 @@ class ModelRunner:
             batch = (
                 self._bucket((*key, columns), pool)
                 if bucketed and not self.graphs
-                else DecodeBatch(rows, self.past, pool, spans, self.fast, columns)
+                else self._batch(rows, pool, spans, columns)
             )
             batch.fill(selections)
             (gains, new_k, new_v), ranked = self.decode_forward(batch), []
@@ -146,12 +152,13 @@ class ModelRunner:
         advance_all(selections, gains[:rows], order)
 
     def _splits(self, cohorts: list[BeamCohort]) -> bool:
-        """Whether one-span contexts run split in the multi-span bucket (split-KV: decode_batch.splitting_pays)."""
-        if not self.sms:
-            return False
+        """Whether one-span contexts run split in the multi-span bucket (split-KV: the plan's policy)."""
         rows = [n for c in cohorts for n in c.rows_per_req]
         longest = max(ctx.length for c in cohorts for ctx in c.contexts)
-        return splitting_pays(rows, longest, self.model.config.num_attention_heads, self.sms)
+        return self.plan.splits(rows, longest, self.model.config.num_attention_heads)
+
+    def _batch(self, rows, pool, spans, columns, capacity=None, selects=False) -> DecodeBatch:
+        return DecodeBatch(rows, self.past, pool, self.plan.ops, spans, columns, selects, capacity, SPLIT_MIN_CHUNK)
 
     def decode_forward(self, batch: DecodeBatch):
         """The pass over a filled batch: (gains [B, columns], new_k, new_v [layers, B, 1, kv_heads, hd])."""
@@ -168,7 +175,8 @@ class ModelRunner:
     def _bucket(self, key: tuple, pool: KVPool) -> DecodeBatch:
         """A bucketed pass's inputs without a graph (the CPU runs the padded pass eagerly): kept per key."""
         if key not in self._buckets:
-            self._buckets[key] = DecodeBatch(key[1], self.past, pool, key[2], self.fast, key[3])
+            _, bucket, spans, capacity, columns = key
+            self._buckets[key] = self._batch(bucket, pool, spans, columns, capacity)
         return self._buckets[key]
 
     @torch.inference_mode()
@@ -194,22 +202,6 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-class _CudaGraph:
-    """A pass captured as a CUDA graph (with the engine's device current): `replay()` reruns it on its buffers."""
-
-    def __init__(self, forward, mempool):
-        """`mempool`: shared by the engine's captured passes (captured largest first, replayed one at a time)."""
-        stream = torch.cuda.Stream()  # on the current device: the engine's
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            forward()  # warm-up outside the capture (lazy initialisations, autotuning)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA call cannot invalidate this capture (a second guard: captures run
-        # at engine start, before any request, and nothing outside the engine's thread issues device work). The
-        # capture stream is our own: torch's default one is made once per process, on whichever device was first.
-        with torch.cuda.graph(self.graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
-            self.outputs = forward()
-
-    def replay(self) -> None:
-        self.graph.replay()
+def _device_bytes(device: torch.device) -> int:
+    """The device memory torch holds on `device` (its caching allocator's reservations; 0 on the CPU)."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0

@@ -91,7 +91,7 @@ class Scheduler:
         self.salt = model_version.encode()  # cached prefixes of another model version never match
         self.device = runner.device
         self.clock = clock
-        self.config = _by_device(config or SchedulerConfig(), self.device)
+        self.config = by_device(config or SchedulerConfig(), self.device)
         model = self.runner.model
         self.per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
         budget = self.config.kv_budget_bytes
@@ -116,7 +116,7 @@ class Scheduler:
         fixed = sorted(set(fields) - set(LIVE_FIELDS))
         if fixed:
             raise InvalidRequestError(fixed[0], f"cannot change on a running engine (live: {', '.join(LIVE_FIELDS)})")
-        self.config = _by_device(replace(self.config, **fields), self.device)  # one atomic swap
+        self.config = by_device(replace(self.config, **fields), self.device)  # one atomic swap
         return self.config
 
     def submit(self, prepared: Prepared, timeout_s: float | None = None) -> Future:
@@ -266,10 +266,10 @@ class Scheduler:
             self._generated([job])
 
     def _decode(self) -> int:
-        """Decode passes of whole requests in admission order, each within `max_pass_rows` (the largest graph)."""
+        """Decode passes of whole requests in admission order, each as one captured pass holds (`pass_holds`)."""
         decoding = self.in_state(DECODING)
         rows = sum(j.cohort.rows for j in decoding)
-        for jobs in _passes(decoding, self.runner.max_pass_rows):
+        for jobs in _passes(decoding, self.runner.pass_holds):
             self._guarded(jobs, lambda jobs: self.runner.decode([j.cohort for j in jobs]))
         self._generated([j for j in decoding if j.state is DECODING and j.cohort.done])
         return rows
@@ -351,21 +351,21 @@ class Scheduler:
             pass  # the caller cancelled meanwhile: nobody waits for this result
 
 
-def _passes(jobs: list[Job], max_rows: int | None) -> list[list[Job]]:
-    """The jobs split into consecutive groups of at most max_rows rows (a job wider than that alone in its group)."""
-    if max_rows is None:
-        return [jobs] if jobs else []
-    passes, rows = [], 0
+def _passes(jobs: list[Job], holds: Callable[[list[int]], bool]) -> list[list[Job]]:
+    """The jobs split into consecutive groups one pass `holds` (rows per job; a job it cannot hold with others goes
+    alone in its group)."""
+    passes, rows = [], []
     for job in jobs:
-        if not passes or rows + job.cohort.rows > max_rows:
+        if not passes or not holds([*rows, job.cohort.rows]):
             passes.append([])
-            rows = 0
+            rows = []
         passes[-1].append(job)
-        rows += job.cohort.rows
+        rows.append(job.cohort.rows)
     return passes
 
 
-def _by_device(config: SchedulerConfig, device: torch.device) -> SchedulerConfig:
+def by_device(config: SchedulerConfig, device: torch.device) -> SchedulerConfig:
+    """The config with what it leaves to the device filled in (`max_running`)."""
     if config.max_running is not None:
         return config
     return replace(config, max_running=8 if device.type == "cuda" else 64)

@@ -15,6 +15,7 @@ import torch
 from genrec.attention import ContextGroup, ContextRows
 from genrec.engine.pass_cost import PassCost
 from genrec.model.kv_pool import ContextKV
+from genrec.model.ops import PLAIN_OPS, ModelOps
 from genrec.staging import to_device
 
 
@@ -143,8 +144,8 @@ def not_retrieved(prepared, retrieved) -> list[int]:
 class Scorer:
     """Runs scoring passes on a Qwen3 model: every candidate a row over its job's context, causal within itself."""
 
-    def __init__(self, model, fast: bool = False):
-        self.model, self.device, self.fast = model, model.device, fast
+    def __init__(self, model, ops: ModelOps = PLAIN_OPS):
+        self.model, self.device, self.ops = model, model.device, ops
         self.cost = PassCost.qwen3(model.config)
 
     @torch.inference_mode()
@@ -177,8 +178,8 @@ class Scorer:
         positions = starts[:, None] + np.arange(ids.shape[1])[None, :]
         labels = np.repeat([seg.job.labels for seg in segments], counts, axis=0)
         ids_d, positions, labels = to_device(ids, device), to_device(positions, device), to_device(labels, device)
-        context = ContextRows(groups, len(ids), ids.shape[1], fast=self.fast)
-        hidden, _, _ = model.forward_rows(model.embed(ids_d), positions, context, causal=True, fast=self.fast)
+        context = ContextRows(groups, len(ids), ids.shape[1], self.ops.attention)
+        hidden, _, _ = model.forward_rows(model.embed(ids_d), positions, context, causal=True, ops=self.ops)
         last = hidden[torch.arange(len(ids), device=device), to_device(lengths - 1, device)]
         logprob, prob = self._label_scores(last, labels[:, 0], labels[:, 1])
         sequence = self._sequence_logprobs(segments, hidden, ids, lengths)

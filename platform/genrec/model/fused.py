@@ -1,7 +1,7 @@
 """The elementwise pieces of a layer (what lies between two matrix products), each one plain torch function.
 
-Eager they are the reference; `pieces(fast, device)` compiles them on CUDA with `fast` (docs/engine.md, 'KV memory
-and the CUDA fast path'), with automatic dynamic shapes: the axes that change (rows, tokens) go symbolic, the model's
+Eager they are the reference; `compiled()` compiles them, for a CUDA execution plan (docs/engine.md, 'KV memory
+and the execution plan'), with automatic dynamic shapes: the axes that change (rows, tokens) go symbolic, the model's
 sizes stay constant and the reductions single-pass (on an H200 faster than `dynamic=True`: a 5,000-token prefill
 40.2 vs 42.2 ms, its q/k norm + RoPE 1.1 vs 4.0 ms). No "reduce-overhead": the runner captures whole passes.
 Numerics are transformers': each norm normalises in float32, rounds to the input's dtype, then scales.
@@ -125,13 +125,9 @@ PLAIN = Pieces(
 )
 
 
-def pieces(fast: bool, device) -> Pieces:
-    """The plain functions, or (CUDA with `fast`) the same functions compiled."""
-    return _compiled() if fast and torch.device(device).type == "cuda" else PLAIN
-
-
 @functools.cache
-def _compiled() -> Pieces:
-    """Compiled once per process; each piece compiles at its first call (the engine's warm-up)."""
-    compile = functools.partial(torch.compile, fullgraph=True, dynamic=None)
+def compiled(backend: str = "inductor") -> Pieces:
+    """Compiled once per process; each piece compiles at its first call (the engine's warm-up). `backend`: Inductor;
+    the tests' "eager" runs Dynamo alone (its guards, its cache entries and their limit) on the CPU."""
+    compile = functools.partial(torch.compile, fullgraph=True, dynamic=None, backend=backend)
     return Pieces(**{f.name: compile(getattr(PLAIN, f.name)) for f in fields(Pieces)})

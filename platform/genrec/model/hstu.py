@@ -22,6 +22,7 @@ from genrec.files import write_atomically
 from genrec.model import fused
 from genrec.model.config import HSTUConfig
 from genrec.model.fused import Pieces
+from genrec.model.ops import PLAIN_OPS, ModelOps
 from genrec.model.weights import Layout, assign_weights, loaded_embedding
 
 # Prefill queries per attention call: bounds the [heads, chunk, keys] score matrix (1024 × 16k keys × 4 heads
@@ -157,7 +158,7 @@ class HSTU(nn.Module):
         return self.prefill_packed([HistorySegment(embeds, k_cache, v_cache, start)])
 
     @torch.inference_mode()
-    def prefill_packed(self, segments: list[HistorySegment], fast: bool = False) -> torch.Tensor:
+    def prefill_packed(self, segments: list[HistorySegment], ops: ModelOps = PLAIN_OPS) -> torch.Tensor:
         """Several users' new events in one pass: projections over all tokens at once, attention per user.
         Returns the hidden states of all segments' events, concatenated in order."""
         for s in segments:
@@ -180,7 +181,7 @@ class HSTU(nn.Module):
                 first += n
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        return self._layers(x, attend, fused.pieces(fast, x.device))
+        return self._layers(x, attend, ops.pieces)
 
     def _layers(self, x: torch.Tensor, attend, ops: Pieces) -> torch.Tensor:
         """The layers over x [..., hidden]; `attend(i, q, k, v)` is layer i's attention sum (not yet divided by N).
@@ -211,20 +212,22 @@ class HSTU(nn.Module):
         return out[0] if len(out) == 1 else torch.cat(out)
 
     @torch.inference_mode()
-    def forward_candidates(self, embeds: torch.Tensor, groups: list[HistoryRows], fast: bool = False) -> torch.Tensor:
+    def forward_candidates(
+        self, embeds: torch.Tensor, groups: list[HistoryRows], ops: ModelOps = PLAIN_OPS
+    ) -> torch.Tensor:
         """Candidate rows embeds [R, hidden], each over its group's history (one product per group) and itself (rows in
         no group: itself only); returns hidden [R, hidden] before the final norm, for `task_probs`."""
-        ops = fused.pieces(fast, embeds.device)
+        pieces = ops.pieces
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            attn = ops.own_attention(q, k, v, self.scale)  # each row's own part, [R, H, D]
+            attn = pieces.own_attention(q, k, v, self.scale)  # each row's own part, [R, H, D]
             for g in groups:
                 if g.stop > g.start:
                     for span in (*g.prefix, KeySpan(g.k, g.v)):
                         attn[g.start : g.stop] += self._over(q[g.start : g.stop], span.k[i], span.v[i])
             return attn
 
-        return self._layers(embeds, attend, ops)
+        return self._layers(embeds, attend, pieces)
 
     def _over(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Queries q [n, H, D] over every key of k, v [T, H, D]: Σ_j SiLU(q·k_j/√d) v_j, [n, H, D] (not divided
@@ -237,25 +240,25 @@ class HSTU(nn.Module):
     # -- the engine's calls: histories held as genrec ContextKVs (prefix pieces of the pool, then its own extent) --
 
     @torch.inference_mode()
-    def prefill_contexts(self, segments: list[tuple[torch.Tensor, object]], fast: bool = False) -> None:
+    def prefill_contexts(self, segments: list[tuple[torch.Tensor, object]], ops: ModelOps = PLAIN_OPS) -> None:
         """Each (embeds [n, hidden], ctx): n new events after the ctx.length ready ones, written into ctx."""
         history = [
             HistorySegment(embeds, ctx.extent.k(), ctx.extent.v(), ctx.length - ctx.prefix_length, _prefix(ctx))
             for embeds, ctx in segments
         ]
-        self.prefill_packed(history, fast)
+        self.prefill_packed(history, ops)
         for embeds, ctx in segments:
             ctx.length += len(embeds)
 
     @torch.inference_mode()
-    def candidates_over(self, embeds: torch.Tensor, groups: list, fast: bool = False) -> torch.Tensor:
+    def candidates_over(self, embeds: torch.Tensor, groups: list, ops: ModelOps = PLAIN_OPS) -> torch.Tensor:
         """Candidate rows over their request's context (`ContextGroup`s): hidden [R, hidden] for `task_probs`."""
         rows = []
         for g in groups:
             own = g.ctx.length - g.ctx.prefix_length
             k, v = g.ctx.extent.k()[:, :own], g.ctx.extent.v()[:, :own]
             rows.append(HistoryRows(g.start, g.stop, k, v, _prefix(g.ctx)))
-        return self.forward_candidates(embeds, rows, fast)
+        return self.forward_candidates(embeds, rows, ops)
 
     def task_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + multi-task head on hidden states [R, hidden]: [R, tasks] in float32."""

@@ -17,6 +17,7 @@ from genrec.model import fused
 from genrec.model.config import Qwen3Config
 from genrec.model.fused import PLAIN, Pieces
 from genrec.model.kv_pool import ContextKV
+from genrec.model.ops import PLAIN_OPS, ModelOps
 from genrec.model.weights import Layout, assign_weights, loaded_embedding
 from genrec.staging import to_device
 
@@ -162,10 +163,10 @@ class Qwen3(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(hidden).float()
 
-    def column_logprobs(self, hidden: torch.Tensor, columns: torch.Tensor, fast: bool = False) -> torch.Tensor:
+    def column_logprobs(self, hidden: torch.Tensor, columns: torch.Tensor, ops: ModelOps = PLAIN_OPS) -> torch.Tensor:
         """The next token's float32 log-probabilities after hidden [R, hidden] at columns [R, C] only (fused.py: the
         cast to float32 inside the compiled piece, so no float32 [R, vocab] copy is made first)."""
-        return fused.pieces(fast, self.device).column_logprobs(self._head(hidden), columns)
+        return ops.pieces.column_logprobs(self._head(hidden), columns)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., vocab] in the model's dtype."""
@@ -173,25 +174,25 @@ class Qwen3(nn.Module):
 
     @torch.inference_mode()
     def prefill(
-        self, embeds: torch.Tensor, ctx: ContextKV, logits_at: torch.Tensor | None = None, fast: bool = False
+        self, embeds: torch.Tensor, ctx: ContextKV, logits_at: torch.Tensor | None = None, ops: ModelOps = PLAIN_OPS
     ) -> torch.Tensor:
         """Embeds [S, hidden] as prompt positions ctx.length.., their K/V written into `ctx` (which must have room);
         float32 logits at `logits_at` (chunk-relative indices; default: the last position)."""
-        hidden = self._prefill_hidden([(embeds, ctx)], fast)
+        hidden = self._prefill_hidden([(embeds, ctx)], ops)
         return self.logits(hidden[-1:] if logits_at is None else hidden[logits_at])
 
     @torch.inference_mode()
     def prefill_packed(
-        self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool = False, graphs=None
+        self, segments: list[tuple[torch.Tensor, ContextKV]], ops: ModelOps = PLAIN_OPS, graphs=None
     ) -> torch.Tensor:
         """Several prompts (or chunks) in one pass: projections and MLPs over all their tokens, attention per segment;
         logits [n, vocab] at each segment's last position. `graphs` (`genrec.engine.prefill_graphs`): the captured
         stages, replayed where a bucket holds the pass."""
-        hidden = self._prefill_hidden(segments, fast, graphs)
+        hidden = self._prefill_hidden(segments, ops, graphs)
         ends = to_device(np.cumsum([len(e) for e, _ in segments]) - 1, hidden.device)
         return self.logits(hidden[ends])
 
-    def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]], fast: bool, graphs=None) -> torch.Tensor:
+    def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]], ops: ModelOps, graphs=None):
         """The layers over the segments' tokens, stage by stage (`prefill_stage`), eager or replayed from `graphs` (a
         bucket of at least as many tokens); the K/V writes and the attention run eagerly between the stages."""
         device = segments[0][0].device
@@ -202,12 +203,9 @@ class Qwen3(nn.Module):
         x = segments[0][0] if len(segments) == 1 else torch.cat([e for e, _ in segments])
         n = len(x)
         cos, sin = self.rotary.cos_sin(to_device(positions, device), x.dtype)
-        rows = PrefillRows([ctx for _, ctx in segments], [0, *np.cumsum([len(e) for e, _ in segments]).tolist()], fast)
-        stages = (
-            graphs.stages(n)
-            if graphs is not None and graphs.holds(n)
-            else EagerStages(self, fused.pieces(fast, device))
-        )
+        cu_q = [0, *np.cumsum([len(e) for e, _ in segments]).tolist()]
+        rows = PrefillRows([ctx for _, ctx in segments], cu_q, ops.attention)
+        stages = graphs.stages(n) if graphs is not None and graphs.holds(n) else EagerStages(self, ops.pieces)
         x, q, k, v = stages.first(x, cos, sin)
         for i, layer in enumerate(self.model.layers):
             for pool, slots, tokens in writes:
@@ -256,7 +254,7 @@ class Qwen3(nn.Module):
         past_v: torch.Tensor | None = None,
         causal: bool = True,
         mask: torch.Tensor | None = None,
-        fast: bool = False,
+        ops: ModelOps = PLAIN_OPS,
     ):
         """R rows of S new tokens: embeds [R, S, hidden], positions [R, S]. `context` (anything with `at_layer(i)`:
         `ContextRows`, a static pass's `StaticContext`) says which ContextKV each row reads; then its own suffix,
@@ -270,18 +268,20 @@ class Qwen3(nn.Module):
             u = torch.arange(P + S, device=embeds.device)
             mask = (u[None, :] <= (torch.arange(S, device=embeds.device)[:, None] + P))[None]
         new_k, new_v = [], []
-        ops = fused.pieces(fast, embeds.device)
+        pieces = ops.pieces
 
         def attend(i: int, layer: DecoderLayer, normed: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.self_attn.qkv_heads(normed, cos, sin, ops)
+            q, k, v = layer.self_attn.qkv_heads(normed, cos, sin, pieces)
             new_k.append(k)
             new_v.append(v)
             if P:
                 k = torch.cat((past_k[i], k), dim=1)
                 v = torch.cat((past_v[i], v), dim=1)
-            return shared_context_attention(q, context.at_layer(i), k, v, mask, layer.self_attn.scale, ops.suffix_merge)
+            return shared_context_attention(
+                q, context.at_layer(i), k, v, mask, layer.self_attn.scale, pieces.suffix_merge
+            )
 
-        x = self._layers(embeds, attend, ops)
+        x = self._layers(embeds, attend, pieces)
         return x, torch.stack(new_k), torch.stack(new_v)
 
 

@@ -1,0 +1,123 @@
+"""The execution plan: what differs by device, chosen once when an engine is built (docs/engine.md, 'The execution
+plan'). It holds the model's operations (the layer pieces, plain or compiled, and the attention kernels), whether
+passes are captured as CUDA graphs at start and how a capture session is opened, the split-KV policy and where a
+decode pass selects its beams. The model, the attention and the runner take the plan's parts and never ask which
+device they are on; tests build a plan (`ExecutionPlan.build`, `dataclasses.replace`) instead of patching attributes.
+
+The CPU plan: plain pieces, the reference kernels, no graphs, no split. The CUDA plan (half precision): compiled
+pieces, FlashAttention-2, graphs captured in one session (one side stream, one memory pool), split-KV by the blocks
+with work against the SMs. A float32 CUDA engine compiles its pieces but runs the reference attention, whose index
+tables are read on the host, so it captures no graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from genrec.attention import FLASH, REFERENCE
+from genrec.model import fused
+from genrec.model.kv_pool import MAX_SPANS
+from genrec.model.ops import PLAIN_OPS, ModelOps
+
+SplitKV = Literal["off", "on", "auto"]
+# Split-KV: a decode pass whose context call would leave most SMs idle cuts each long context into MAX_SPANS chunks
+# of at least this many tokens, read in parallel and merged exactly (log-sum-exp). Untuned: gpu_check times it.
+SPLIT_MIN_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    device: torch.device
+    ops: ModelOps = PLAIN_OPS
+    graphs: bool = False  # decode and prefill passes captured as CUDA graphs at start, replayed after
+    capture: type | None = None  # opens a start-up capture session (`CudaCapture`; tests: a recorder)
+    split_kv: SplitKV = "auto"
+    sms: int = 0  # the SMs a decode pass's context call should fill (auto); 0: unknown, never split
+    selects_in_graph: bool = False  # a captured decode pass selects its beams itself (one sort in the graph)
+
+    @classmethod
+    def build(
+        cls,
+        device,
+        dtype: torch.dtype,
+        fast: bool | None = None,
+        split_kv: SplitKV | None = None,
+        selects_in_graph: bool = False,
+    ) -> ExecutionPlan:
+        """The plan for an engine on `device` in `dtype`. `fast` (default: on with CUDA): the compiled pieces,
+        FlashAttention-2 and graphs where the dtype allows them; no effect on the CPU. `split_kv`: default auto."""
+        device, split_kv = torch.device(device), split_kv or "auto"
+        fast = device.type == "cuda" and (fast is None or fast)
+        if not fast:
+            return cls(device, split_kv=split_kv)
+        graphs = dtype in (torch.float16, torch.bfloat16)  # FlashAttention-2 runs in half precision only
+        ops = ModelOps(fused.compiled(), FLASH if graphs else REFERENCE)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if graphs else 0
+        return cls(device, ops, graphs, CudaCapture if graphs else None, split_kv, sms, selects_in_graph and graphs)
+
+    @property
+    def compiles(self) -> bool:
+        """Whether its pieces compile (then the engine warms them up on its own requests at start)."""
+        return self.ops.pieces is not fused.PLAIN
+
+    def splits(self, rows_per_context: list[int], longest_context: int, heads: int) -> bool:
+        """Whether a decode pass of one-span contexts runs split (the multi-span bucket, each context cut into up to
+        MAX_SPANS chunks): `on` whenever a context can be cut; `auto` when the split call would run in at most two
+        waves of the SMs (the pass as it is leaves most of them idle); never `off`."""
+        if self.split_kv == "off" or longest_context < 2 * SPLIT_MIN_CHUNK:
+            return False
+        if self.split_kv == "on":
+            return True
+        blocks = sum(self.query_blocks(rows) for rows in rows_per_context) * heads
+        return 0 < blocks * MAX_SPANS <= 2 * self.sms
+
+    def query_blocks(self, rows: int) -> int:
+        """The attention's thread blocks for one context's `rows` queries, per head (1 where a block holds any)."""
+        block = self.ops.attention.query_block
+        return 1 if block is None else -(-rows // block)
+
+    def describe(self) -> dict:
+        """What /v1/model and gpu_check say of it."""
+        return {
+            "attention": self.ops.attention.name,
+            "compiled_pieces": self.compiles,
+            "cuda_graphs": self.graphs,
+            "split_kv": self.split_kv,
+            "selects_in_graph": self.selects_in_graph,
+        }
+
+
+class CudaCapture:
+    """One start-up capture session on the engine's device (current): every graph captured on ONE side stream into
+    ONE memory pool, so the caching allocator reuses one graph's freed blocks in the next (it reuses a block only on
+    the stream that freed it), and the graphs, captured largest first and replayed one at a time, share them."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs = 0
+
+    def graph(self, forward) -> CudaGraph:
+        self.graphs += 1
+        return CudaGraph(forward, self.stream, self.pool)
+
+
+class CudaGraph:
+    """A pass captured as a CUDA graph: `replay()` reruns it on its buffers; `outputs`: what the pass returned."""
+
+    def __init__(self, forward, stream: torch.cuda.Stream, pool):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()  # warm-up outside the capture (lazy initialisations, autotuning)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA call cannot invalidate this capture (a second guard: captures run
+        # at engine start, before any request, and nothing outside the engine's thread issues device work).
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            self.outputs = forward()
+
+    def replay(self) -> None:
+        self.graph.replay()

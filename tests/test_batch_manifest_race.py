@@ -45,7 +45,7 @@ def test_two_runs_with_other_settings_at_once_one_is_refused(tmp_path, monkeypat
         tmp_path, monkeypatch, [{"model_version": "m", "beam_width": 8}, {"model_version": "m", "beam_width": 16}]
     )
     refused = [r for r in results if isinstance(r, GenrecError)]
-    accepted = [(d, r) for d, r in zip(dirs, results) if isinstance(r, str)]
+    accepted = [(d, r) for d, r in zip(dirs, results, strict=True) if isinstance(r, str)]
     assert len(refused) == 1 and len(accepted) == 1, results
     assert "holds the output of another run (beam_width" in str(refused[0])
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())

@@ -36,7 +36,10 @@ class EngineOptions(BaseModel):
         "start); default: on with CUDA, false opts out; no effect on the CPU",
     )
     cuda_graph_max_rows: int | None = Field(
-        None, ge=16, description="rows of the largest decode pass captured as a CUDA graph at start (default 2048)"
+        None,
+        ge=16,
+        le=16384,
+        description="rows of the largest decode pass captured as a CUDA graph at start (default 2048)",
     )
     split_kv: Literal["off", "on", "auto"] | None = Field(
         None,

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from genrec.attention import FLASH, REFERENCE
+from genrec.engine.decode_batch import bucket_of, capacity_of, sequences_of
 from genrec.model import fused
 from genrec.model.kv_pool import MAX_SPANS
 from genrec.model.ops import PLAIN_OPS, ModelOps
@@ -73,6 +74,23 @@ class ExecutionPlan:
             return True
         blocks = sum(self.query_blocks(rows) for rows in rows_per_context) * heads
         return 0 < blocks * MAX_SPANS <= 2 * self.sms
+
+    def capacity(self, rows_per_context: list[int]) -> int:
+        """The sequence capacity (per span) of the captured decode pass that holds these contexts' rows: each one's
+        rows cut into the attention's query blocks, rounded up to a power of two. FlashAttention-2 launches a thread
+        block per query block and sequence of the capacity, so the blocks launched stay within twice those with work."""
+        return capacity_of(sequences_of(rows_per_context, self.ops.attention.query_block))
+
+    def capacities(self, bucket: int, max_requests: int) -> list[int]:
+        """The capacities captured for a row bucket: from what its fewest rows need to what its most rows of
+        `max_requests` requests may need."""
+        block = self.ops.attention.query_block
+        fewest = sequences_of([bucket // 2 + 1], block) if bucket > bucket_of(1) else 1
+        most = min(bucket, sequences_of([bucket], block) + max_requests)
+        sizes = [capacity_of(fewest)]
+        while sizes[-1] < most:
+            sizes.append(sizes[-1] * 2)
+        return sizes
 
     def query_blocks(self, rows: int) -> int:
         """The attention's thread blocks for one context's `rows` queries, per head (1 where a block holds any)."""

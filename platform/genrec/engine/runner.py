@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from genrec.engine.beam import BeamCohort, advance_all, choices
-from genrec.engine.decode_batch import DecodeBatch, bucket_of, capacity_of, sequences_of
+from genrec.engine.decode_batch import DecodeBatch, bucket_of
 from genrec.engine.family import Family
 from genrec.engine.job import Prepared
 from genrec.engine.plan import SPLIT_MIN_CHUNK, ExecutionPlan
@@ -89,15 +89,8 @@ class ModelRunner:
         return self.warmup_s
 
     def capacities(self, bucket: int) -> list[int]:
-        """The sequence capacities captured for a bucket: from what its fewest rows need to what its most rows of
-        `max_requests` requests may (each request's rows cut into query blocks: `sequences_of`)."""
-        block = self.plan.ops.attention.query_block
-        fewest = sequences_of([bucket // 2 + 1], block) if bucket > bucket_of(1) else 1
-        most = min(bucket, sequences_of([bucket], block) + self.max_requests)
-        sizes = [capacity_of(fewest)]
-        while sizes[-1] < most:
-            sizes.append(sizes[-1] * 2)
-        return sizes
+        """The sequence capacities captured for a row bucket (the plan's)."""
+        return self.plan.capacities(bucket, self.max_requests)
 
     def _capture_decode(self, pool: KVPool, session) -> None:
         """Every decode pass, largest first, each graph's outputs copied into one set of buffers sized by the
@@ -127,8 +120,7 @@ class ModelRunner:
         pool = cohorts[0].slot_pool
         rows, columns = sum(s.rows for s in selections), max(s.columns for s in selections)
         spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
-        widths = [n for c in cohorts for n in c.rows_per_req]
-        capacity = capacity_of(sequences_of(widths, self.plan.ops.attention.query_block))
+        capacity = self.plan.capacity([n for c in cohorts for n in c.rows_per_req])
         key = (id(pool), bucket_of(rows), 1 if spans == 1 and not self._splits(cohorts) else MAX_SPANS, capacity)
         bucketed = self.graphs if bucketed is None else bucketed
         captured = self._captured.get(key) if bucketed and self.graphs else None

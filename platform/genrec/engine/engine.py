@@ -95,7 +95,12 @@ class Engine:
             dtype = _dtype(EngineOptions(dtype=dtype).dtype, device)
         limits = options.model_dump(include=set(LIMITS))
         plan = plan or ExecutionPlan.build(
-            device, dtype, options.cuda_fast, options.split_kv, bool(options.cuda_graph_selection)
+            device,
+            dtype,
+            options.cuda_fast,
+            options.split_kv,
+            bool(options.cuda_graph_selection),
+            repr(directory.config),
         )
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, ops=plan.ops, **limits)
         return cls(family, scheduler, directory.version, plan=plan, graph_max_rows=options.cuda_graph_max_rows)

@@ -47,15 +47,17 @@ class ExecutionPlan:
         fast: bool | None = None,
         split_kv: SplitKV | None = None,
         selects_in_graph: bool = False,
+        model_key: str = "",
     ) -> ExecutionPlan:
         """The plan for an engine on `device` in `dtype`. `fast` (default: on with CUDA): the compiled pieces,
-        FlashAttention-2 and graphs where the dtype allows them; no effect on the CPU. `split_kv`: default auto."""
+        FlashAttention-2 and graphs where the dtype allows them; no effect on the CPU. `split_kv`: default auto.
+        `model_key`: the model's shape (its config): engines of one key share their compiled pieces."""
         device, split_kv = torch.device(device), split_kv or "auto"
         fast = device.type == "cuda" and (fast is None or fast)
         if not fast:
             return cls(device, split_kv=split_kv)
         graphs = dtype in (torch.float16, torch.bfloat16)  # FlashAttention-2 runs in half precision only
-        ops = ModelOps(fused.compiled(), FLASH if graphs else REFERENCE)
+        ops = ModelOps(fused.compiled(key=f"{dtype} {model_key}"), FLASH if graphs else REFERENCE)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if graphs else 0
         return cls(device, ops, graphs, CudaCapture if graphs else None, split_kv, sms, selects_in_graph and graphs)
 

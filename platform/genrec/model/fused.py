@@ -10,6 +10,8 @@ Numerics are transformers': each norm normalises in float32, rounds to the input
 from __future__ import annotations
 
 import functools
+import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -17,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from genrec.attention.merge import merge_spans, suffix_merge
+
+log = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,8 +130,40 @@ PLAIN = Pieces(
 
 
 @functools.cache
-def compiled(backend: str = "inductor") -> Pieces:
-    """Compiled once per process; each piece compiles at its first call (the engine's warm-up). `backend`: Inductor;
-    the tests' "eager" runs Dynamo alone (its guards, its cache entries and their limit) on the CPU."""
-    compile = functools.partial(torch.compile, fullgraph=True, dynamic=None, backend=backend)
-    return Pieces(**{f.name: compile(getattr(PLAIN, f.name)) for f in fields(Pieces)})
+def compiled(backend: str = "inductor", key: str = "") -> Pieces:
+    """The pieces compiled for one kind of engine (`key`: its dtype and model shape), once per process; each piece
+    compiles at its first call (the engine's warm-up). `backend`: Inductor; the tests' "eager" runs Dynamo alone (its
+    guards, its cache entries and their limit) on the CPU."""
+    return Pieces(**{f.name: CompiledPiece(getattr(PLAIN, f.name), backend) for f in fields(Pieces)})
+
+
+class CompiledPiece:
+    """A piece compiled whole (fullgraph) from its own copy of the function's code. Dynamo keeps its cache entries,
+    and their limit (8), per code object: each kind of engine's copy counts only its own shapes (a prefill's and a
+    decode's ranks, a 1-row pass), never another model size's or dtype's in the same process. A shape past the limit
+    runs the plain function (logged once), never fails a request."""
+
+    def __init__(self, fn: Callable, backend: str):
+        from torch._dynamo.exc import FailOnRecompileLimitHit  # here: a process that never compiles never imports it
+
+        self.limit_hit = FailOnRecompileLimitHit
+        self.plain, self.code = fn, fn.__code__.replace()  # a new code object: its own cache
+        own = types.FunctionType(self.code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        self.compiled = torch.compile(own, fullgraph=True, dynamic=None, backend=backend)
+        self.fallbacks = 0  # calls that ran plain, past the recompile limit
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.compiled(*args, **kwargs)
+        except self.limit_hit:
+            if not self.fallbacks:
+                log.warning("genrec: %s met more shapes than Dynamo compiles; those run eagerly", self.plain.__name__)
+            self.fallbacks += 1
+            return self.plain(*args, **kwargs)
+
+    @property
+    def entries(self) -> int:
+        """Dynamo's cache entries for this piece: the shapes (guards) it compiled for."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(self.code))

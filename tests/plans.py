@@ -45,3 +45,24 @@ def graphed_plan(graph_class, ops: ModelOps = CUDA_OPS_ON_CPU, **fields) -> Exec
 
 def with_split(plan: ExecutionPlan, split_kv: str) -> ExecutionPlan:
     return dataclasses.replace(plan, split_kv=split_kv)
+
+
+class TracedGraph:
+    """A CPU stand-in for a CUDA graph that replays a record, never the Python: at capture the pass is traced once
+    (make_fx, real mode) over the static buffers, each tensor it reads a reference held by the record (as a graph
+    holds device addresses) and the attention's custom op one opaque node; a replay runs the record. So a value the
+    Python froze at capture (a host tensor, a Python number, a buffer rebound after capture) is replayed frozen, as on
+    CUDA, and a host sync inside the pass fails the capture."""
+
+    made: list = []
+
+    def __init__(self, forward):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self.record = make_fx(lambda: forward(), tracing_mode="real")()  # its defaults bound, as the runner calls it
+        self.outputs, self.replays = None, 0
+        TracedGraph.made.append(self)
+
+    def replay(self) -> None:
+        self.record()
+        self.replays += 1

@@ -124,3 +124,22 @@ def _static_context(pool, bucket, spans, counts, layout):
     for buffer, host, dtype in tables:
         buffer.copy_(torch.as_tensor(host).to(dtype))
     return batch.context
+
+
+def test_the_suffix_scores_are_float32_products_in_a_half_precision_pass():
+    """The suffix part's scores are computed from float32 operands (the context part's kernel keeps its scores in
+    float32): a bfloat16 product would round each score before the softmax, an error of ~2^-8 of its size."""
+    from genrec.attention.merge import suffix_merge
+
+    g = torch.Generator().manual_seed(5)
+    R, S, U, KV, G, D = 3, 1, 4, 2, 2, 64
+    q = (torch.randn(R, S, KV * G, D, generator=g) * 4).bfloat16()
+    k, v = (torch.randn(R, U, KV, D, generator=g) * 4).bfloat16(), torch.randn(R, U, KV, D, generator=g).bfloat16()
+    no_context = (torch.zeros(R * S, KV * G, D).bfloat16(), torch.full((KV * G, R * S), float("-inf")))
+    got = suffix_merge(q, k, v, None, *no_context, 0.125).float()
+    qf, kf = q.float().view(R, S, KV, G, D), k.float()
+    p = torch.softmax(torch.einsum("rskgd,rukd->rkgsu", qf, kf) * 0.125, -1)
+    want = torch.einsum("rkgsu,rukd->rskgd", p, v.float()).reshape(R, S, KV * G, D)
+    rounded = torch.einsum("rskgd,rukd->rkgsu", q.view(R, S, KV, G, D), k).float() * 0.125
+    coarse = torch.einsum("rkgsu,rukd->rskgd", torch.softmax(rounded, -1), v.float()).reshape(R, S, KV * G, D)
+    assert (got - want).abs().max() < (coarse - want).abs().max() / 2  # closer than the bf16 product's answer

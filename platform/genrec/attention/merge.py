@@ -38,8 +38,9 @@ def suffix_merge(q, suffix_k, suffix_v, suffix_mask, out_ctx, lse_ctx, scale: fl
     G = H // KV
     qg = q.view(R, S, KV, G, D)
 
-    # Suffix part, all rows at once: scores [R, KV, G, S, U].
-    s_suf = torch.einsum("rskgd,rukd->rkgsu", qg, suffix_k).float() * scale
+    # Suffix part, all rows at once: scores [R, KV, G, S, U], in float32 as the context part's kernel keeps them (a
+    # product in bf16 would round each score before the softmax).
+    s_suf = torch.einsum("rskgd,rukd->rkgsu", qg.float(), suffix_k.float()) * scale
     if suffix_mask is not None:
         s_suf = torch.where(suffix_mask[:, None, None], s_suf, float("-inf"))
         # Hidden keys may be padding gathered from anywhere in the pool (another request's NaN, say): their

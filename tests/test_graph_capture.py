@@ -6,6 +6,8 @@ unless it runs the very same ops on the very same shapes (what replaying a real 
 the engine's own path: the scheduler, the bucketed batches, the one-call context attention, the selection.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -340,3 +342,93 @@ def test_a_ranker_whose_pieces_compile_warms_up_on_ranks_of_two_sizes(hstu_dir, 
     assert [i.item_id for i in got.items] == [i.item_id for i in want.items]
     for a, b in zip(got.items, want.items, strict=True):
         assert a.scores == pytest.approx(b.scores, abs=1e-5)
+
+
+def test_a_start_captures_in_one_session_and_reports_what_the_captures_hold(tiny_dir):
+    """CUDA's caching allocator reuses a freed block only on the stream that freed it: every graph of a start is
+    captured in ONE session (one side stream, one pool), not a stream per graph (393 streams once: nothing
+    recycled, ~6-8 GB per engine). /v1/model's `execution` says what the captures hold."""
+    from tests.plans import RecordingCapture
+
+    RecordedGraph.made = []
+    config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
+    engine = Engine.from_pretrained(
+        tiny_dir, cuda_graph_max_rows=32, scheduler=config, plan=graphed_plan(RecordedGraph)
+    )
+    opened = RecordingCapture.opened
+    assert engine.scheduler.idle and RecordingCapture.opened == opened + 1
+    described = engine.describe_execution()
+    assert described["captured_decode_passes"] == decode_passes(engine.runner) == len(engine.runner._captured)
+    assert described["captured_prefill_buckets"] == 3 and described["cuda_graphs"]
+    largest = engine.runner._captured[max(engine.runner._captured, key=lambda k: (k[1], k[2], k[3]))][0]
+    assert described["static_buffer_bytes"] > sum(t.nbytes for t in largest.outputs)  # outputs and inputs, counted once
+    assert described["graph_bytes"] == 0  # measured on CUDA only
+
+
+class CudaCalls:
+    """torch.cuda's capture calls, recorded on the CPU: streams and pools made, graphs captured, and on which."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+
+        self.streams, self.pools, self.graphs = [], [], []
+        calls = self
+
+        class Stream:
+            def __init__(self, device=None):
+                calls.streams.append(self)
+
+            def wait_stream(self, other):
+                pass
+
+        class Graph:
+            def replay(self):
+                raise AssertionError("no replay at start")
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None, capture_error_mode=None):
+            calls.graphs.append((stream, pool))
+            yield
+
+        def pool_handle():
+            calls.pools.append(object())
+            return calls.pools[-1]
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", pool_handle)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+
+
+class StreamPerGraph:
+    """The planted defect, as the runner captured before: a new side stream for every graph (one shared pool)."""
+
+    def __init__(self, device):
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def graph(self, forward):
+        from genrec.engine.plan import CudaGraph
+
+        return CudaGraph(forward, torch.cuda.Stream(), self.pool)
+
+
+@pytest.mark.parametrize("capture", ["CudaCapture", "planted"])
+def test_the_cuda_capture_session_makes_one_stream_and_one_pool_for_every_graph(tiny_dir, monkeypatch, capture):
+    """The CUDA plan's own capture code (genrec.engine.plan.CudaCapture) through an engine's start, torch.cuda's
+    calls recorded: one stream and one pool for all its graphs; the planted stream-per-graph capture fails."""
+    from genrec.engine.plan import CudaCapture
+
+    session = CudaCapture if capture == "CudaCapture" else StreamPerGraph
+    calls = CudaCalls(monkeypatch)
+    config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
+    plan = dataclasses.replace(graphed_plan(RecordedGraph), capture=session)
+    engine = Engine.from_pretrained(tiny_dir, cuda_graph_max_rows=32, scheduler=config, plan=plan)
+    assert engine.scheduler.idle and len(calls.graphs) > 20
+    on = {id(stream) for stream, _ in calls.graphs}
+    assert len(calls.pools) == 1 and {id(pool) for _, pool in calls.graphs} == {id(calls.pools[0])}
+    if capture == "planted":
+        assert len(on) == len(calls.graphs)
+    else:
+        assert len(on) == 1 and len(calls.streams) - len(calls.graphs) * 2 == 1  # 2 current_stream() per graph

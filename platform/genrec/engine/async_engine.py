@@ -139,8 +139,8 @@ class AsyncEngine:
         return self.scheduler.reconfigure(**fields)
 
     def metrics(self) -> dict:
-        runner = self.engine.runner
-        graphs = {"warmup_s": runner.warmup_s, "uncaptured_passes": runner.uncaptured_passes}
+        execution = self.engine.describe_execution()
+        graphs = {"warmup_s": execution["warmup_s"], "uncaptured_passes": execution["uncaptured_passes"]}
         return {**self.scheduler.metrics.snapshot(), "prefix_cache": self.scheduler.cache.snapshot(), "graphs": graphs}
 
     @property

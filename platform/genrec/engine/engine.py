@@ -105,6 +105,10 @@ class Engine:
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, ops=plan.ops, **limits)
         return cls(family, scheduler, directory.version, plan=plan, graph_max_rows=options.cuda_graph_max_rows)
 
+    def describe_execution(self) -> dict:
+        """What differs by device, as this engine runs it: its plan, and what its start captured (/v1/model)."""
+        return self.plan.describe() | self.runner.describe()
+
     @property
     def catalog(self):
         """The family's catalog served now (a decoder's may change: `load_catalog`)."""

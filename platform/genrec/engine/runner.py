@@ -88,6 +88,23 @@ class ModelRunner:
         self.warmup_s = time.perf_counter() - started
         return self.warmup_s
 
+    def describe(self) -> dict:
+        """What the captures hold (/v1/model `execution`, gpu_check): passes captured, the bytes of their static
+        buffers (inputs and outputs, any device: an estimate the CPU can make) and, on CUDA, the device memory the
+        capture session took in all (graphs' pool included: measured)."""
+        buffers = [t for batch, _ in self._captured.values() for t in vars(batch).values() if torch.is_tensor(t)]
+        buffers += [t for batch, _ in self._captured.values() for t in batch.outputs or ()]
+        buffers += [t for t in vars(self.prefill_graphs or object()).values() if torch.is_tensor(t)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}
+        return {
+            "captured_decode_passes": len(self._captured),
+            "captured_prefill_buckets": len(self.prefill_graphs.buckets) if self.prefill_graphs else 0,
+            "static_buffer_bytes": sum(storages.values()),
+            "graph_bytes": self.graph_bytes,
+            "warmup_s": self.warmup_s,
+            "uncaptured_passes": self.uncaptured_passes,
+        }
+
     def capacities(self, bucket: int) -> list[int]:
         """The sequence capacities captured for a row bucket (the plan's)."""
         return self.plan.capacities(bucket, self.max_requests)

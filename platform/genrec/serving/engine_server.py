@@ -189,6 +189,7 @@ def describe(engine: Engine, model_dir: str, device: str) -> ModelInfo:
         device=device,
         family=family.name,
         serves=list(family.kinds),
+        execution=engine.describe_execution(),
         **family.describe(),
     )
 

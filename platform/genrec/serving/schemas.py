@@ -192,6 +192,12 @@ class ModelInfo(BaseModel):
     replicas: list[ReplicaState] | None = Field(
         None, description="every running replica of this deployment heard from lately, with its catalog version"
     )
+    execution: dict | None = Field(
+        None,
+        description="what differs by device as the replica runs it (genrec.engine.plan): attention kernel, compiled "
+        "pieces, CUDA graphs, split-KV, selection, and what its start captured (passes, static buffer bytes, the "
+        "graphs' device memory on CUDA, warm-up seconds)",
+    )
     max_candidates: int = Field(description="candidates per score, recommend or rank request")
     levels: int | None = Field(None, description="qwen3: semantic-ID code length (the longest code's)")
     codes: int | None = Field(None, description="qwen3: distinct codes in the catalog (items may share one)")

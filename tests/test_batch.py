@@ -17,6 +17,7 @@ import torch
 
 from genrec.api import RecommendRequest, RetrieveRequest
 from genrec.batch import CacheConfig, Execution, RecommendSpec, load_user_embeddings, run
+from genrec.batch.output import STALE_TMP_AGE_S, OutputDir
 from genrec.catalog.catalog import catalog_version
 from genrec.model.directory import model_version
 from tests.conftest import random_prompt
@@ -148,6 +149,13 @@ def test_driver_killed_midway_then_rerun_equals_an_uninterrupted_run(ray_cluster
         resumed, uninterrupted = part_files(out, kind), part_files(spec.out, kind)
         assert [p.name for p in resumed] == [p.name for p in uninterrupted]
         assert all(a.read_bytes() == b.read_bytes() for a, b in zip(resumed, uninterrupted, strict=True))
+    # A writer killed mid-file leaves its temporary: a run started within STALE_TMP_AGE_S leaves it (it could be a
+    # live run's, being written); once older, the next run's clean-up removes it. Nothing else is left behind.
+    left = [p for p in out.rglob(".*") if p.is_file()]
+    assert all(p.name.endswith(".tmp") and p.parent.name in ("recommendations", "errors") for p in left), left
+    for p in left:
+        os.utime(p, (time.time() - STALE_TMP_AGE_S - 1,) * 2)
+    assert OutputDir(str(out), "recommendations").remove_stale_tmp() == len(left)
     assert not [p for p in out.rglob(".*") if p.is_file()], "temporary files left behind"
 
     again = subprocess.run([*job, "--max-error-fraction", "0.05"], env=env, capture_output=True, text=True)

@@ -134,6 +134,33 @@ def test_the_rank_job_keeps_the_first_row_of_each_user(tmp_path):
     assert len({(r["user_id"], r["rank"]) for r in output}) == len(output)
 
 
+def test_a_null_in_a_row_is_refused_in_genrecs_words():
+    """A null where an object, text or a number must be: the error row says so as the HTTP 422 does (issue #46,
+    item 6: these reasons were pydantic's, e.g. "Input should be a valid dictionary or instance of Candidate")."""
+    from genrec.api import RecommendRequest
+    from genrec.batch.stages import validate_rows
+
+    candidate = pa.struct([("item_id", pa.string())])
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    table = pa.table(
+        {
+            "user_id": pa.array([1, 2, 3, 4], pa.int64()),
+            "prompt": pa.array(["x", None, None, "x"], pa.string()),
+            "messages": pa.array([None, [None], None, None], pa.list_(message)),
+            "prompt_token_ids": pa.array([None, None, [3, None], None], pa.list_(pa.int64())),
+            "candidates": pa.array([[{"item_id": "a"}, None], None, None, None], pa.list_(candidate)),
+        }
+    )
+    wanted = ["prompt", "messages", "prompt_token_ids", "candidates"]
+    parsed = validate_rows(table, RecommendRequest, wanted, {"beam_width": 4})
+    assert [(e.position, e.field, e.reason) for e in parsed.errors] == [
+        (0, "candidates[1]", "must be an object with item_id, text or token_ids; got null"),
+        (1, "messages[0]", "must be an object with role and content; got null"),
+        (2, "prompt_token_ids[1]", "must be an integer; got null"),
+    ]
+    assert parsed.positions == [3]
+
+
 def test_files_whose_user_ids_differ_in_type_are_refused(tmp_path):
     pq.write_table(pa.table({"user_id": [42], "prompt": ["x"]}), tmp_path / "a.parquet")
     pq.write_table(pa.table({"user_id": ["42"], "prompt": ["x"]}), tmp_path / "b.parquet")

@@ -94,3 +94,38 @@ def test_an_object_store_manifest_overwritten_meanwhile_is_seen(tmp_path):
 
     out._write = overwritten
     assert out._create("out/manifest.json", b'{"model_version": "m"}') == {"model_version": "other", "run_id": "x"}
+
+
+def test_a_second_run_leaves_the_first_runs_temporaries_being_written(tmp_path, monkeypatch):
+    """Run B starts (same settings) while run A writes a shard: B's clean-up of killed writers' temporaries must not
+    delete A's file before A moves it into place (it did: A's commit failed, FileNotFoundError). Temporaries older
+    than STALE_TMP_AGE_S still go."""
+    import os
+    import time
+
+    import pyarrow as pa
+
+    from genrec.batch import output
+    from genrec.batch.shards import Shard
+
+    identity = {"model_version": "m", "beam_width": 8}
+    first, second = (OutputDir(str(tmp_path / "out"), "recommendations") for _ in range(2))
+    first.open_run(identity)
+    stale = tmp_path / "out" / "errors" / ".part-000007.parquet.0123.tmp"  # a writer killed long ago
+    stale.write_bytes(b"partial")
+    old = time.time() - output.STALE_TMP_AGE_S - 60
+    os.utime(stale, (old, old))
+    write_table, removed = output.pq.write_table, []
+
+    def meanwhile(table, where, **kwargs):  # A is writing its temporary when B starts
+        write_table(table, where, **kwargs)
+        assert second.open_run(identity) == first.open_run(identity)
+        removed.append(second.remove_stale_tmp())
+
+    monkeypatch.setattr(output.pq, "write_table", meanwhile)
+    shard = Shard(index=0, path=str(tmp_path / "users.parquet"), start=0, stop=1)
+    table = pa.table({"user_id": pa.array([1], pa.int64())})
+    assert first.commit(shard, table, table).rows == 1  # A's files landed
+    assert removed == [1, 0] and not stale.exists()  # the old one went, with B's first clean-up
+    assert sorted(p.name for p in (tmp_path / "out" / "recommendations").iterdir()) == [shard.name]
+    assert sorted(p.name for p in (tmp_path / "out" / "errors").iterdir()) == [shard.name]

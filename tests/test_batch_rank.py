@@ -26,6 +26,7 @@ from genrec.errors import GenrecError
 from tests import rank_inputs
 from tests.rank_inputs import SPEC, users_rows, write_users
 from tests.shard_runs import error_rows, run_in_process, run_shard
+from tests.test_http_errors import PYDANTIC_WORDS
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = SPEC.tasks
@@ -134,6 +135,14 @@ def test_every_kind_of_bad_rank_row_becomes_an_error_naming_its_field(ranker, hs
 
     want = [(i, field, None if i == 1 else i) for i, (_, field) in enumerate(cases) if field]
     assert error_rows(spec.out, shard) == want
+    reasons = {e["row"]: e["reason"] for e in pq.read_table(tmp_path / "out" / "errors" / shard.name).to_pylist()}
+    assert {row: reasons[row] for row in (2, 4, 10, 12)} == {  # a null in genrec's words (issue #46, item 6)
+        2: "is required (a list of events); got null",
+        4: "must be text (a string); got null",
+        10: "is required (a list of strings); got null",
+        12: "must be text (a string); got null",
+    }
+    assert not [r for r in reasons.values() if any(w in r for w in PYDANTIC_WORDS)], reasons
     output = pq.read_table(tmp_path / "out" / RANKINGS / shard.name)
     good = [i for i, (_, field) in enumerate(cases) if field is None]
     assert written_rows(output) == expected_rows(ranker, [rows[i] for i in good], len(rows), "click", set())

@@ -2,8 +2,10 @@
 names its field, a cut output file counts as not done, and a rerun with other settings is refused."""
 
 import math
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from genrec.batch import RecommendSpec, run
-from genrec.batch.output import RECOMMENDATIONS, OutputDir
+from genrec.batch.output import RECOMMENDATIONS, STALE_TMP_AGE_S, OutputDir
 from genrec.batch.shards import UsersInput
 from genrec.batch.stages import Recommend, Retrieve
 from genrec.errors import GenrecError
@@ -82,9 +84,13 @@ def test_a_cut_or_missing_output_file_is_not_done_and_stale_temporaries_go(tmp_p
     cut = recommendations / shards[1].name
     cut.write_bytes(cut.read_bytes()[:20])  # as a machine crash might leave it
     (tmp_path / "out" / "errors" / shards[2].name).unlink()
-    (recommendations / ".part-000009.parquet.0123.tmp").write_bytes(b"partial")
+    stale, live = recommendations / ".part-000009.parquet.0123.tmp", recommendations / ".part-000008.parquet.4567.tmp"
+    for tmp in (stale, live):
+        tmp.write_bytes(b"partial")
+    old = time.time() - STALE_TMP_AGE_S - 1  # a killed writer's; the other may be a live run's, being written
+    os.utime(stale, (old, old))
     assert sorted(out.committed(shards)) == [0]
-    assert out.remove_stale_tmp() == 1 and not list(recommendations.glob(".*"))
+    assert out.remove_stale_tmp() == 1 and list(recommendations.glob(".*")) == [live]
 
 
 def test_a_rerun_with_other_settings_is_refused_before_any_work(tiny_dir, tmp_path):

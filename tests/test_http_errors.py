@@ -97,3 +97,54 @@ def test_a_model_level_refusal_over_http_is_422_at_its_field():
     assert response.json()["details"] == [
         {"field": "beam_width", "message": "4 differs from the last of beam_widths (8): give one, or the same"}
     ]
+
+
+# A null or a value of another type where a list item or an object is expected (issue #46, item 6: these read as
+# pydantic's "Input should be a valid dictionary or instance of Candidate", "Field required"): (route, body, the
+# one detail's field, its message)
+NULLS = [
+    ("score", {"prompt": "x", "candidates": [{"text": "a"}, None]}, "candidates[1]",
+     "must be an object with item_id, text or token_ids; got null"),
+    ("score", {"prompt": "x", "candidates": [{"text": "a"}, "b"]}, "candidates[1]",
+     "must be an object with item_id, text or token_ids; got a string"),
+    ("score", {"prompt": "x", "candidates": None}, "candidates",
+     "must be a list of objects with item_id, text or token_ids; got null"),
+    ("rank", {"history": None, "candidates": ["a"]}, "history", "must be a list of events; got null"),
+    ("rank", {"history": {"item_id": "a"}, "candidates": ["a"]}, "history", "must be a list of events; got an object"),
+    ("rank", {"candidates": ["a"]}, "history", "is required"),
+    ("rank", {"history": [None], "candidates": ["a"]}, "history[0]",
+     "must be an object with item_id (and action, timestamp); got null"),
+    ("rank", {"history": [{"item_id": None}], "candidates": ["a"]}, "history[0].item_id",
+     "must be text (a string); got null"),
+    ("rank", {"history": [{"item_id": "a"}], "candidates": ["a", None]}, "candidates[1]",
+     "must be text (a string); got null"),
+    ("rank", {"history": [{"item_id": "a", "action": "1"}], "candidates": ["a"]}, "history[0].action",
+     "must be an integer; got a string"),
+    ("recommend", {"prompt": "x", "history": [None]}, "history[0]",
+     "must be an object with item_id (and action, timestamp); got null"),
+    ("retrieve", {"messages": [None]}, "messages[0]", "must be an object with role and content; got null"),
+    ("retrieve", {"prompt": "x", "beam_width": None}, "beam_width", "must be an integer; got null"),
+    ("retrieve", {"prompt": "x", "filters": {"year": None}}, "filters.year",
+     "must be text, a finite number or true/false, not null"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "field", "message"), NULLS, ids=[str(i) for i in range(len(NULLS))])
+def test_a_null_or_wrong_type_is_told_in_genrecs_words_over_http(route, body, field, message):
+    """The ingress's own request models behind genrec's handlers (edge.install), as JSON over HTTP."""
+    from genrec.serving import edge
+    from genrec.serving.schemas import RankBody, RecommendBody, RetrieveBody, ScoreBody
+
+    app = FastAPI()
+    edge.install(app, edge.EdgeSettings())
+    model = {"retrieve": RetrieveBody, "score": ScoreBody, "recommend": RecommendBody, "rank": RankBody}[route]
+
+    @app.post(f"/v1/{route}")
+    def answer(request: model):  # noqa: ARG001 - FastAPI validates the body by the annotation
+        return {}
+
+    response = TestClient(app).post(f"/v1/{route}", json=body)
+    assert response.status_code == 422
+    assert response.json()["details"] == [{"field": field, "message": message}]
+    assert response.json()["message"] == f"{field}: {message}"
+    assert not [w for w in PYDANTIC_WORDS if w in response.text], response.text

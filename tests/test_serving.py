@@ -65,15 +65,17 @@ def client():
         yield c
 
 
-def raw_post(app_url: str, path: str, headers: dict, parts, timeout_s: float = 30) -> tuple[int, str, float]:
+def raw_post(app_url: str, path: str, headers, parts, timeout_s: float = 30) -> tuple[int, str, float]:
     """A POST over a plain socket, its body `parts` sent as they come (a client that streams or trickles its
-    body); sending stops once an answer arrives. Returns (status, the error code, seconds until the answer)."""
+    body); sending stops once an answer arrives. `headers`: a dict, or (name, value) pairs (a name may repeat, as
+    no HTTP client library sends it). Returns (status, the error code, seconds until the answer)."""
     import select
 
     host, port, prefix = app_url.split("//")[1].replace(":", "/", 1).split("/", 2)
+    pairs = headers.items() if isinstance(headers, dict) else headers
     started = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
-        lines = [f"POST /{prefix}{path} HTTP/1.1", f"Host: {host}", *(f"{k}: {v}" for k, v in headers.items())]
+        lines = [f"POST /{prefix}{path} HTTP/1.1", f"Host: {host}", *(f"{k}: {v}" for k, v in pairs)]
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
         try:
             for part in parts:
@@ -335,6 +337,30 @@ def test_auth_is_read_before_the_body_and_a_trickled_body_ends_at_its_deadline(g
     assert (status, code) == (401, "unauthorized")  # had it waited for the body, the answer would be the 408
     status, code, seconds = raw_post(guarded_url, "/v1/retrieve", head | AUTH, [b'{"prompt": "user'])
     assert (status, code) == (408, "timeout") and 2 <= seconds < 10
+
+
+def test_two_authorization_headers_are_a_401_whichever_is_right(guarded_url):
+    """Two Authorization headers (httpx would merge them: a raw socket sends both) are refused in either order: a
+    proxy in front that read the first would otherwise disagree with the ingress, which read the last."""
+    (right,) = AUTH.items()
+    wrong = ("Authorization", "Bearer not-the-token")
+    body = json.dumps({"prompt": "user listened"}).encode()  # a request both routes take
+    head = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    for route in ("/v1/retrieve", "/v1/prompt"):
+        for twice in ([wrong, right], [right, wrong], [right, right]):
+            status, code, _ = raw_post(guarded_url, route, head + twice, [body])
+            assert (status, code) == (401, "unauthorized"), (route, twice)
+        assert raw_post(guarded_url, route, [*head, right], [body])[0] == 200  # one right header passes
+
+
+def test_a_null_where_an_object_must_be_is_a_422_in_genrecs_words(guarded_url, client):
+    """Over Serve, as tests/test_http_errors.py checks each case: pydantic's words ("Input should be a valid
+    dictionary or instance of Candidate") never reach the client (issue #46, item 6)."""
+    body = {"prompt": "user listened", "candidates": [{"text": "a"}, None]}
+    answer = client.post(f"{guarded_url}/v1/score", json=body, headers=AUTH)
+    assert answer.status_code == 422
+    message = "must be an object with item_id, text or token_ids; got null"
+    assert answer.json()["details"] == [{"field": "candidates[1]", "message": message}]
 
 
 def test_deadline_is_504_and_changes_live_without_a_restart(guarded_url, tiny_dir, client):

@@ -116,6 +116,21 @@ def test_auth_is_checked_before_the_body_is_read():
     assert edge_app.answered[-1] == ("other", 404)  # a path that is not a route is counted as "other"
 
 
+RIGHT, WRONG = (b"authorization", b"Bearer s3cret"), (b"Authorization", b"Bearer wrong")
+
+
+@pytest.mark.parametrize(
+    "headers", [[WRONG, RIGHT], [RIGHT, WRONG], [RIGHT, RIGHT]], ids=["wrong-first", "right-first", "twice"]
+)
+def test_two_authorization_headers_are_refused_whichever_comes_first(headers):
+    """A proxy in front may read the first header and this edge another: with two, neither is taken."""
+    edge_app = EdgeApp(token=b"s3cret")
+    status, body, read = edge_app.call("/v1/retrieve", [b'{"prompt": "x"}'], headers=headers, stall_after=0)
+    assert (status, body["code"], read) == (401, "unauthorized", 0)
+    assert "more than one 'Authorization' header" in body["message"]
+    assert edge_app.call("/v1/retrieve", [b'{"prompt": "x"}'], headers=[RIGHT])[0] == 200  # one right header passes
+
+
 INTERNALS = ("function", "0x", "functools", "partial", "<", "constrained", "validator")
 BAD_USER_IDS = {
     "too long": '"' + "u" * 300 + '"',

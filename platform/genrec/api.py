@@ -9,6 +9,8 @@ Text must be valid Unicode (a lone surrogate, reachable through JSON escapes, is
 from __future__ import annotations
 
 import math
+import types
+import typing
 from typing import Annotated, Literal
 
 import numpy as np
@@ -105,9 +107,112 @@ _WORDS = {
 }
 
 
+# A value of the wrong type is told what it must be and what it was (`must be a list; got null`).
+_TYPE_ERRORS = frozenset(
+    ("int_type", "int_parsing", "float_type", "float_parsing", "bool_type", "string_type", "list_type")
+    + ("tuple_type", "dict_type", "model_type", "model_attributes_type")
+)
+# What a value of each request model (pydantic names it by its class) must be, and what several of them are called.
+_OBJECTS = {
+    "Candidate": ("an object with item_id, text or token_ids", "objects with item_id, text or token_ids"),
+    "Event": ("an object with item_id (and action, timestamp)", "events"),
+    "ChatMessage": ("an object with role and content", "chat messages"),
+}
+
+
+def described_value(value) -> str:
+    """What a value is, in the words of a JSON document (`null`, `a string`...), never the value itself."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kinds = ((int | float, "a number"), (str, "a string"), (list | tuple, "a list"), (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), f"a value of type {type(value).__name__}")
+
+
+def expected_value(model: type[BaseModel], name: str) -> str | None:
+    """What field `name` of `model` takes, for a message (`a list of events`); None: not a field told here."""
+    field = model.model_fields.get(name)
+    annotation = _bare(field.annotation) if field is not None else None
+    if typing.get_origin(annotation) is not list:
+        return None
+    (item,) = typing.get_args(annotation) or (None,)
+    item = _bare(item)
+    if isinstance(item, type) and item.__name__ in _OBJECTS:
+        return f"a list of {_OBJECTS[item.__name__][1]}"
+    words = {str: "strings", int: "integers", float: "numbers"}
+    return f"a list of {words[item]}" if item in words else "a list"
+
+
 def error_message(error: dict) -> str:
-    """One pydantic error (an item of `ValidationError.errors()`) in genrec's words, without the field."""
+    """One pydantic error (an item of `ValidationError.errors()`) in genrec's words, without the field; a value of
+    the wrong type also says what it was (`must be an object with item_id, text or token_ids; got null`)."""
+    message = _message(error)
+    if error.get("type") in _TYPE_ERRORS and "input" in error:
+        message += f"; got {described_value(error['input'])}"
+    return message
+
+
+def located_error(error: dict, model: type[BaseModel] | None = None) -> tuple[str | None, str]:
+    """One pydantic error as (its field's path, e.g. `candidates[0].text`: None when it names no field, as a check
+    across fields located at the model; what is wrong with it, `error_message`). A dict key's error names the key.
+    Pydantic's own parts of a location (a union member's schema, e.g. `function-after[...]`) are left out.
+    `model`: the request model validated, which tells the object a location takes where the error does not (JSON
+    validation does not name it)."""
+    loc, kind = tuple(error.get("loc", ())), error.get("type")
+    ctx = error.get("ctx") or {}
+    if kind in ("model_type", "model_attributes_type") and "class_name" not in ctx and model:
+        found = _model_at(model, loc)
+        if found is not None:
+            error = {**error, "ctx": {**ctx, "class_name": found.__name__}}
+    message = error_message(error)
+    if kind == "list_type" and model and loc and isinstance(loc[-1], str):  # `must be a list of events; ...`
+        parent = _model_at(model, loc[:-1])
+        expected = expected_value(parent, loc[-1]) if parent is not None else None
+        if expected is not None:
+            message = message.replace(_WORDS["list_type"], f"must be {expected}", 1)
+    if "[key]" in loc and loc.index("[key]") > 0:  # (..., the key, "[key]"): the key is at fault, not its value
+        at = loc.index("[key]")
+        loc, message = loc[: at - 1], f"key {loc[at - 1]!r}: {message}"
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier():
+            path += f".{part}" if path else part
+    return path or None, message
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type | None:
+    """The model class a location within `model` takes (`("candidates", 0)` of ScoreRequest: Candidate)."""
+    at = model
+    for part in loc:
+        if isinstance(part, str) and isinstance(at, type) and issubclass(at, BaseModel) and part in at.model_fields:
+            at = _bare(at.model_fields[part].annotation)
+        elif isinstance(part, int) and typing.get_origin(at) is list:
+            at = _bare(typing.get_args(at)[0])
+        else:
+            return None
+    return at if isinstance(at, type) and issubclass(at, BaseModel) else None
+
+
+def _bare(annotation):
+    """An annotation without Annotated's metadata or an Optional's None (`list[Event] | None`: list[Event])."""
+    while True:
+        if typing.get_origin(annotation) is Annotated:
+            annotation = typing.get_args(annotation)[0]
+            continue
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(members) == 1:
+            annotation = members[0]
+            continue
+        return annotation
+
+
+def _message(error: dict) -> str:
     kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    if kind in ("model_type", "model_attributes_type") and ctx.get("class_name") in _OBJECTS:
+        return f"must be {_OBJECTS[ctx['class_name']][0]}"
     if kind in ("value_error", "assertion_error") and "error" in ctx:
         return str(ctx["error"])
     unit = "characters" if kind.startswith("string") or isinstance(error.get("input"), str) else "items"
@@ -225,7 +330,8 @@ def _filter_value(value, where: str = ""):
         return _unicode(value)
     if isinstance(value, bool | int) or (isinstance(value, float) and math.isfinite(value)):
         return value
-    raise ValueError(f"{where}must be text, a finite number or true/false, not {value!r}"[:200])
+    shown = "null" if value is None else repr(value)  # as JSON says it
+    raise ValueError(f"{where}must be text, a finite number or true/false, not {shown}"[:200])
 
 
 class FilterRange(_Strict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,10 @@ from genrec.errors import GenrecError
 
 RECOMMENDATIONS, RANKINGS, ERRORS, MANIFEST = "recommendations", "rankings", "errors", "manifest.json"
 TMP_SUFFIX = ".tmp"
+# A temporary this much older than now (by its modification time) is a killed writer's: a live one writes its file
+# and moves it into place at once, and a run started meanwhile into the same output (same settings) must not
+# delete it. Far above a shard file's write, and above any clock skew between the driver and an object store.
+STALE_TMP_AGE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -86,13 +91,18 @@ class OutputDir:
             self.new_run = False
 
     def remove_stale_tmp(self) -> int:
-        """Delete the temporary files of writers that were killed; returns how many."""
+        """Delete the temporary files of writers that were killed: those older than STALE_TMP_AGE_S (a younger one
+        may be a live run's, being written; one whose filesystem gives no time stays). Returns how many."""
+        before = time.time() - STALE_TMP_AGE_S
         with self._writing():
             stale = [
                 info.path
                 for directory in (self.results, self.errors)
                 for info in self.fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
-                if info.base_name.startswith(".") and info.path.endswith(TMP_SUFFIX)
+                if info.base_name.startswith(".")
+                and info.path.endswith(TMP_SUFFIX)
+                and info.mtime is not None
+                and info.mtime.timestamp() < before
             ]
             for path in stale:
                 try:

@@ -18,7 +18,7 @@ from functools import cached_property
 import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
-from genrec.api import RankRequest, RecommendRequest, RetrieveRequest
+from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, expected_value, located_error
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS
 from genrec.batch.shards import InputLayout
 from genrec.batch.spec import Execution, FunnelSpec, JobSpec, RankingExecution, RankSpec, RecommendSpec, ranking_config
@@ -271,7 +271,7 @@ def validate_rows(
             if refused is None:
                 request = kind(**fields, **settings)
         except ValidationError as err:
-            refused = _validation_error(row, err, kind)
+            refused = _validation_error(row, err, kind, nulls=columns.keys() - fields.keys())
         except Exception as err:  # noqa: BLE001 - one row's data: that row's error, never the job's
             refused = RowError.of(row, err)
         if refused is not None:
@@ -282,10 +282,14 @@ def validate_rows(
     return parsed
 
 
-def _validation_error(row: int, err: ValidationError, kind) -> RowError:
+def _validation_error(row: int, err: ValidationError, kind, nulls) -> RowError:
+    """The row's first error in genrec's words (api.located_error); `nulls`: the row's null columns (left out of the
+    request, so that a null reads as not given): a required one is refused as such."""
     first = err.errors()[0]
-    reason = first["msg"].removeprefix("Value error, ")
-    name = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+    name, reason = located_error(first, kind)
+    if first.get("type") == "missing" and name in nulls:
+        expected = expected_value(kind, name)
+        reason = f"is required ({expected}); got null" if expected else "is required; got null"
     if not name:  # a check across fields: its message quotes the field(s) it is about
         quoted = [f for f in re.findall(r"'(\w+)'", reason) if f in kind.model_fields]
         name = quoted[0] if quoted else "row"

@@ -88,6 +88,10 @@ def _refusal(scope, path: str, settings: EdgeSettings):
     """The answer to a request refused on its headers alone (None: let it in)."""
     headers = dict(scope.get("headers", ()))
     if settings.token is not None and path.startswith(AUTH_PREFIX):
+        # One Authorization header, or none: with two, a proxy in front that reads the first and this edge (which
+        # would read the last) could each let in what the other refuses.
+        if sum(name.lower() == b"authorization" for name, _ in scope.get("headers", ())) > 1:
+            return error_response(Unauthorized("more than one 'Authorization' header: send one, 'Bearer <token>'"))
         scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         # constant time: the token does not leak by timing
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("latin-1"), settings.token):

@@ -10,10 +10,10 @@ import math
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from genrec.api import error_message
+from genrec.api import located_error
 from genrec.errors import EngineStopped, GenrecError, InvalidRequestError, Overloaded, RequestTimeout
 from genrec.serving.schemas import ErrorBody, ErrorDetail
 
@@ -112,14 +112,17 @@ def _classify(error: BaseException, retry_after_s: float) -> tuple[int, dict, di
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
     """FastAPI's own validation of the body: one detail per field, 400 for unparsable JSON, else 422."""
     malformed = any(e.get("type") == "json_invalid" for e in error.errors())
-    body = _invalid(error.errors(), request.headers.get("content-type"))
+    field = getattr(request.scope.get("route"), "body_field", None)  # the route's request model, if it has one
+    model = getattr(getattr(field, "field_info", None), "annotation", None)
+    body = _invalid(error.errors(), request.headers.get("content-type"), model)
     return JSONResponse(body.model_dump(), status_code=400 if malformed else 422)
 
 
-def _invalid(errors, content_type: str | None = None) -> ErrorBody:
+def _invalid(errors, content_type: str | None = None, model=None) -> ErrorBody:
     """Pydantic's errors as genrec's body, from each error's field and message (str() shows validators' reprs);
-    `content_type`: the request's, which a body not read as JSON is answered with."""
-    details = [_detail(e, content_type) for e in errors]
+    `content_type`: the request's, which a body not read as JSON is answered with; `model`: the request model."""
+    model = model if isinstance(model, type) and issubclass(model, BaseModel) else None
+    details = [_detail(e, content_type, model) for e in errors]
     message = "; ".join(f"{d.field}: {d.message}" for d in details)
     return ErrorBody(code="invalid_request", message=message or "invalid request", details=details)
 
@@ -136,20 +139,18 @@ async def http_error_handler(request: Request, error: StarletteHTTPException) ->
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
 
 
-def _detail(error: dict, content_type: str | None = None) -> ErrorDetail:
-    """The field and what is wrong with it in genrec's words (api.error_message); a dict key's error names the key;
+def _detail(error: dict, content_type: str | None = None, model=None) -> ErrorDetail:
+    """The field and what is wrong with it in genrec's words (api.located_error); a dict key's error names the key;
     a problem with no field (the body's own, or a check across fields) names the body."""
     if error.get("type") == "json_invalid":  # its loc is a character position, not a field
         position = error.get("loc", ("", "?"))[-1]
         why = (error.get("ctx") or {}).get("error") or error.get("msg", "")
         return ErrorDetail(field=BODY, message=f"malformed JSON at character {position}: {why}")
-    loc, message = tuple(error.get("loc", ())), error_message(error)
+    loc = tuple(error.get("loc", ()))
     if loc == (BODY,) and error.get("type") in NOT_AN_OBJECT:
         return ErrorDetail(field=BODY, message=_not_an_object(error, content_type))
-    if "[key]" in loc and loc.index("[key]") > 0:  # (..., the key, "[key]"): the key is at fault, not its value
-        at = loc.index("[key]")
-        loc, message = loc[: at - 1], f"key {loc[at - 1]!r}: {message}"
-    return ErrorDetail(field=_field_path(loc) or BODY, message=message)
+    field, message = located_error({**error, "loc": loc[1:] if loc[:1] == (BODY,) else loc}, model)  # less "body"
+    return ErrorDetail(field=field or BODY, message=message)
 
 
 # FastAPI's errors for a body that is not a JSON object: none (missing), or another JSON value, or bytes (a body
@@ -172,15 +173,3 @@ def _not_an_object(error: dict, content_type: str | None) -> str:
     else:
         got = next((name for kind, name in JSON_KINDS if isinstance(value, kind)), type(value).__name__)
     return f"must be a JSON object of the request's fields; got {got}"
-
-
-def _field_path(loc) -> str | None:
-    """`candidates[0].text`: the field names and list positions of a location. Pydantic also puts a union
-    member's schema in it (`function-after[<function ... at 0x...>, str]`, `constrained-int`): left out."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif isinstance(part, str) and part != "body" and part.isidentifier():
-            path += f".{part}" if path else part
-    return path or None

@@ -92,9 +92,9 @@ class ModelRunner:
         """What the captures hold (/v1/model `execution`, gpu_check): passes captured, the bytes of their static
         buffers (inputs and outputs, any device: an estimate the CPU can make) and, on CUDA, the device memory the
         capture session took in all (graphs' pool included: measured)."""
-        buffers = [t for batch, _ in self._captured.values() for t in vars(batch).values() if torch.is_tensor(t)]
+        holders = [batch for batch, _ in self._captured.values()] + [self.prefill_graphs] * bool(self.prefill_graphs)
+        buffers = [t for holder in holders for t in vars(holder).values() if torch.is_tensor(t)]
         buffers += [t for batch, _ in self._captured.values() for t in batch.outputs or ()]
-        buffers += [t for t in vars(self.prefill_graphs or object()).values() if torch.is_tensor(t)]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}
         return {
             "captured_decode_passes": len(self._captured),

@@ -56,7 +56,7 @@ class AsyncEngine:
         if engine.driver is not None and engine.driver.healthy:
             raise RuntimeError("another AsyncEngine drives this engine")
         self.engine = engine
-        self.scheduler = engine.scheduler
+        self.scheduler = engine.start()  # captures and warm-up here, before the loop serves anyone
         engine.driver = self
         self._lock = threading.Lock()  # one submitter at a time: the tokenizer is not thread-safe
         self._closed = False  # set under _lock: after it, nothing new is admitted

@@ -147,8 +147,14 @@ class Engine:
 
     @property
     def scheduler(self) -> Scheduler:
-        """Made on first use, its passes captured before it is seen: a failed capture leaves no scheduler (the next
-        use tries again), and no other thread can submit to it while it captures."""
+        """The started engine's scheduler (`start`)."""
+        return self.start()
+
+    def start(self) -> Scheduler:
+        """Start the engine, once: its scheduler and KV pool, then what its plan prepares before any request (every
+        pass captured as a graph, the compiled pieces warmed up on requests of its own). A replica calls it as it
+        starts; the synchronous API on first use. A failed start leaves none (the next call tries again), and no
+        other thread can submit while it runs."""
         with self._making_scheduler:
             if self._scheduler is None:
                 scheduler = Scheduler(

@@ -1,5 +1,5 @@
 """Prefill passes replayed as CUDA graphs, piecewise: each stage between two attention calls (`Qwen3.prefill_stage`)
-is one graph per token bucket (docs/engine.md, 'KV memory and the CUDA fast path'). Not captured whole: a pass's
+is one graph per token bucket (docs/engine.md, 'KV memory and the execution plan'). Not captured whole: a pass's
 token count varies and its attention reads index tables the host builds per pass. A pass replays the smallest bucket
 holding it, the rows past it zeroed (never reaching a K/V write or an attention): 29 graph launches and 28 attention
 calls for 28 layers, not ~400 kernels. Captured at engine start only; a pass larger than every bucket runs eagerly.

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from genrec.engine import SchedulerConfig
+from genrec.engine import AsyncEngine, SchedulerConfig
 from genrec.model.directory import model_version
 from genrec.serving import engine_server
 from genrec.serving.args import AppArgs, EngineLimits
@@ -93,6 +93,12 @@ class RecordingEngine:
     def load_catalog(self, path):
         self.loaded.append(path)
         return self.engine.load_catalog(path)
+
+    # What the replica reads of its driver besides requests: the AsyncEngine's own, over the recorded engine.
+    live_catalog = property(lambda self: self.engine.live_catalog)
+    catalog_state = AsyncEngine.catalog_state
+    def describe(self):
+        return self.engine.describe()
 
     def refused(self, kind, err):
         self.refusals.append((kind, type(err).__name__))

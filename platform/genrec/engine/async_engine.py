@@ -132,6 +132,19 @@ class AsyncEngine:
         """`Engine.load_catalog`: built in the caller's thread while the loop steps, swapped between requests."""
         return self.engine.load_catalog(path)
 
+    @property
+    def live_catalog(self) -> bool:
+        """`Engine.live_catalog`: whether its catalog changes live (a decoder's)."""
+        return self.engine.live_catalog
+
+    def catalog_state(self) -> dict:
+        """The catalog served now: `Engine.catalog_state()` and its items (`catalog_items`)."""
+        return self.engine.catalog_state() | {"catalog_items": len(self.engine.catalog)}
+
+    def describe(self) -> dict:
+        """`Engine.describe`."""
+        return self.engine.describe()
+
     def rollback_catalog(self) -> dict:
         return self.engine.rollback_catalog()
 

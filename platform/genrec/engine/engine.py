@@ -105,6 +105,13 @@ class Engine:
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, ops=plan.ops, **limits)
         return cls(family, scheduler, directory.version, plan=plan, graph_max_rows=options.cuda_graph_max_rows)
 
+    def describe(self) -> dict:
+        """What the engine serves, as /v1/model says it: its model's version and family, the kinds it answers, the
+        family's facts (limits, catalog, levels...) and its execution (`describe_execution`)."""
+        family = self.family
+        facts = {"version": self.model_version, "family": family.name, "serves": list(family.kinds)}
+        return facts | {"execution": self.describe_execution()} | family.describe()
+
     def describe_execution(self) -> dict:
         """What differs by device, as this engine runs it: its plan, and what its start captured (/v1/model)."""
         return self.plan.describe() | self.runner.describe()

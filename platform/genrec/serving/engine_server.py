@@ -42,11 +42,10 @@ class EngineServer:
         # The builder's limits until reconfigure applies the config's (and if the config's are refused).
         self.limits, self.config_refused = limits, None
         self.driver = (driver_factory or load_driver)(model_dir, device, options, limits)
-        self.engine: Engine = self.driver.engine
         self.model_dir, self.device = model_dir, device
-        self.info = describe(self.engine, model_dir, device)
+        self.info = describe(self.driver, model_dir, device)
         # A retriever's catalog converges on the file its user_config declares; a ranker has none to change.
-        live = self.engine.live_catalog
+        live = self.driver.live_catalog
         self.catalog = DeclaredCatalog(model_dir, self.driver.load_catalog, self._report) if live else None
         self.replica = _replica_id()
         self._board = None
@@ -97,7 +96,7 @@ class EngineServer:
 
     def model_info(self, routing_key: str | None = None) -> ModelInfo:
         """The model, and the catalog this replica serves now (its levels and codes too; none while refusing)."""
-        served = describe(self.engine, self.model_dir, self.device)  # its catalog fields: the served one's
+        served = describe(self.driver, self.model_dir, self.device)  # its catalog fields: the served one's
         return served.model_copy(update={"replica": self.replica, **self._catalog_state()})
 
     def _catalog_state(self) -> dict:
@@ -105,7 +104,7 @@ class EngineServer:
         state = {"replica": self.replica, "catalog_refused": None}
         if self.catalog is not None:
             catalog = self.catalog
-            state |= self.engine.catalog_state() | {"catalog_items": len(self.engine.catalog)}
+            state |= self.driver.catalog_state()
             state |= {"catalog_refused": catalog.refused, "catalog_declared": catalog.declared}
             state |= {"catalog_status": catalog.status, "catalog_not_declared_since": catalog.not_declared_since}
             if catalog.refusing:
@@ -180,18 +179,9 @@ def load_driver(model_dir: str, device: str, options: ReplicaOptions, limits: En
     return AsyncEngine(Engine.from_pretrained(model_dir, device=device, scheduler=scheduler, **options.engine_kwargs()))
 
 
-def describe(engine: Engine, model_dir: str, device: str) -> ModelInfo:
+def describe(driver: AsyncEngine | Engine, model_dir: str, device: str) -> ModelInfo:
     """What /v1/model says about the engine's model (the other family's fields None)."""
-    family = engine.family
-    return ModelInfo(
-        version=engine.model_version,
-        model_dir=str(model_dir),
-        device=device,
-        family=family.name,
-        serves=list(family.kinds),
-        execution=engine.describe_execution(),
-        **family.describe(),
-    )
+    return ModelInfo(model_dir=str(model_dir), device=device, **driver.describe())
 
 
 def _replica_id() -> str:

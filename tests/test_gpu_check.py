@@ -11,7 +11,7 @@ import torch
 
 from genrec.api import RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
-from genrec_bench.gpu_check import NOISE_FLOOR, exact_logprobs, judge, judged
+from genrec_bench.gpu_check import NOISE_FLOOR, exact_logprobs, judge, judged, kernel_kind, launch_counts
 from tests.conftest import random_prompt
 
 COLD = SchedulerConfig(prefix_cache_bytes=0)
@@ -107,3 +107,35 @@ def test_the_gpu_check_runs_as_a_module_without_ray():
     loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert {"genrec_bench.cli", "genrec.engine", "torch"} <= loaded  # the listing is read right
     assert not {m for m in loaded if m.split(".")[0] in ("ray", "pandas", "fastapi", "starlette")}
+
+
+def test_triton_kernels_are_the_compiled_pieces_whatever_they_fuse():
+    for name in ("triton_poi_fused_cat_0", "triton_red_fused_gather_index_1", "triton_per_fused_copy_2"):
+        assert kernel_kind(name) == "compiled"
+    assert kernel_kind("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "copy"
+    assert kernel_kind("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>") == "selection"
+    assert kernel_kind("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>") == "attention"
+    assert kernel_kind("nvjet_tst_128x64_64x8_1x2_h_bz_coopB_NNT") == "matmul"
+
+
+def test_launch_counts_include_the_extended_launch_calls():
+    """Triton launches with cuLaunchKernelEx; the runtime's extended form is cudaLaunchKernelExC."""
+
+    class Event:
+        def __init__(self, name, device_type=torch.autograd.DeviceType.CPU):
+            self.name, self.device_type = name, device_type
+
+    class Profile:
+        def events(self):
+            calls = ["cudaLaunchKernel"] * 3 + ["cuLaunchKernelEx"] * 2 + ["cudaLaunchKernelExC", "cuLaunchKernel"]
+            kernels = [Event("k", torch.autograd.DeviceType.CUDA)] * 7
+            return [Event(n) for n in [*calls, "cudaGraphLaunch", "aten::mm"]] + kernels
+
+    counts = launch_counts(Profile())
+    assert counts["launch_calls"] == 7 and counts["kernels"] == 7 and counts["graph_launches"] == 1
+    assert counts["launch_calls_by_call"] == {
+        "cudaLaunchKernel": 3,
+        "cudaLaunchKernelExC": 1,
+        "cuLaunchKernel": 1,
+        "cuLaunchKernelEx": 2,
+    }

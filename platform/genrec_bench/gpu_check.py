@@ -1,31 +1,50 @@
-"""The prepared check for a GPU session (issue 38): one command, under 5 minutes on one H200, without Ray.
+"""The prepared check for a GPU session (issues 38, 47): one command, under 5 minutes on one H100 or H200, without Ray.
 
-    PYTHONPATH=platform python -m genrec_bench.gpu_check --out gpu_check.json --budget-s 280 [--quick]
+    PYTHONPATH=platform python -m genrec_bench.gpu_check --out gpu_check.json [--budget-s 240] [--quick]
+    PYTHONPATH=platform python -m genrec_bench.gpu_check --device cpu --preset tiny --contexts 64,128  # a dry run
 
-Parts, in order; each part's JSON is written as it finishes, a failing part records its error and the others go
-on, and a part that would start after `--budget-s` is skipped:
+Before any part, Dynamo's recompile limit is raised to 64 (torch's default 8; with fullgraph=True a piece past it
+raises where the engine has no fallback): what it was and is goes under "run" in the JSON. Each part's JSON is
+written as it finishes ("seconds": each part's); a failing part records its error and the others go on; a part that
+would start after `--budget-s` (default 240 s: the run ends within 5 minutes while its last part takes under one) is
+skipped, and the timing parts take fewer repeats when less than two minutes are left, so a budget cut drops repeats
+and the trailing parts, never the profiles. Parts, in order:
 1. versions, and the schema of the FlashAttention-2 varlen aten op (seqused_k present?);
 2. kernels: the CUDA varlen path against the plain-torch float32 reference (decode-like spans with gaps, a sequence
-   without keys, GQA; causal prefill-like spans), bf16 and fp16, and the float32 reference on CUDA against the CPU;
-3. correctness of the fast path and of eager, each judged on its own against float32 (`judge`, below): the tiny
-   preset (qwen3, qwen2), then Qwen3-1.7B dimensions at SID-GR's shape (beam 256, 3 levels, contexts 1,000 and
-   5,000);
-4. SID-GR's shapes timed in-process from submission to result, prompt tokens given (Qwen3-1.7B dimensions, bf16,
-   random weights, prefix cache off; beam 256 / 3 levels at contexts 1,000 and 5,000): one request, a batch of 8,
-   4 concurrent callers (threads over an AsyncEngine), fast (`cuda_fast=True`) beside eager (`cuda_fast=False`) and
-   one plain prefill of the same prompts; one request also fast with split-KV off (`fast_whole`); one request and
-   the batch also on a fast engine whose decode graphs select the beams themselves (`fast_selecting`, a sort in
-   the graph, `cuda_graph_selection`), with its beams beside the fast engine's (`selecting_beside_fast`), and judged in
-   part 3 as the others are;
-5. HSTU (tiny preset) at 2,000 events / 500 candidates: `genrec bench rank` in-process, and a returning user cold,
-   warm under the cost rule and warm reading every cached piece, at 2,000 and 4,000 events;
-6. `bench load --cuda-fast`'s pattern in-process: a thread making prompts (reading the trie on the device) and
-   submitting requests of many widths while the engine loop captures and replays decode graphs; its errors;
-7. launches per decode pass and its selection (torch.profiler): eager, FA2 varlen, replayed as a CUDA graph, and
-   replayed by the graphs that select;
-8. where one request's time goes at 1000/256/3 and 5000/256/3 (torch.profiler, the fast engine): wall time, GPU busy
-   time and idle gaps, kernel time by kind (matrix products, attention, selection, copies, compiled pieces, other)
-   and the kernels that took longest.
+   without keys, GQA; causal prefill-like spans), bf16 and fp16, and the float32 reference on CUDA against the CPU
+   ("skipped": "no CUDA" on a CPU);
+3. load: the preset's engines (Qwen3-1.7B's dimensions, bf16, random weights, prefix cache off), built and started
+   one at a time before any other model compiles: `fast` (`cuda_fast=True`), `fast_whole` (fast, built with
+   `split_kv="off"`), `eager` (`cuda_fast=False`), `float32` (the reference the rule re-scores with, eager: nothing
+   compiled for it) and `fast_selecting` (decode graphs that select the beams themselves, `cuda_graph_selection`;
+   last: a capture it cannot make costs the others nothing). Each one's `plan.describe()`, start and warm-up
+   seconds, `runner.graph_bytes`, the device memory it holds once started and its compiled pieces' fallbacks; the
+   device's memory after all started; the fast engine's first request beside its second;
+4. launches per decode pass and its selection (torch.profiler, 4 requests of beam 30 after 2,000 tokens): eager, FA2
+   varlen, replayed as a CUDA graph (split-KV as the plan decides: `split` says which), replayed with split-KV off,
+   replayed by the graphs that select; launch calls counted by kind (cudaLaunchKernel, cuLaunchKernel(Ex), ...);
+5. where one request's time goes at each context (beam 256 / 3 levels; torch.profiler), the fast engine, then the
+   one with split-KV off: wall time, GPU busy time and idle gaps, kernel time by kind (compiled pieces = Triton
+   kernels, attention, matrix products, selection, copies, other) and the kernels that took longest;
+6. correctness at the preset's size, SID-GR's shape (beam 256, 3 levels, each context): every bf16 engine judged on
+   its own against float32 (`judge`, below);
+7. SID-GR's shapes timed in-process from submission to result, prompt tokens given, at each context: one request, a
+   batch of 8 and 4 concurrent callers (threads over an AsyncEngine), fast beside split-KV off and eager; one
+   request and the batch also beside `fast_selecting` (with its beams beside the fast engine's,
+   `selecting_beside_fast`) and one plain prefill of the same prompts (the floor);
+8. `bench load --cuda-fast`'s pattern in-process, the other engines freed first: a thread making prompts (reading the
+   trie on the device) and submitting requests of many widths to a fresh engine over the fast one's weights and
+   plan (its own pool and captures); its errors; then the fast engine is freed too (del, gc, the CUDA cache emptied)
+   and Dynamo's caches reset;
+9. correctness of the tiny preset, qwen3 then qwen2, fast and eager each judged against float32 (eager), Dynamo's
+   caches reset after each;
+10. HSTU (tiny preset) at 2,000 events / 500 candidates: `genrec bench rank` in-process, and a returning user cold,
+   warm under the cost rule and warm reading every cached piece, at 2,000 and 4,000 events.
+
+`--quick` (under 2 minutes; default budget 100 s): parts 1, 2, 3 (fast, its decode graphs up to 256 rows, eager and
+float32 only), 6, 7 (one request only, 3 repeats) and 9. A dry run (`--device cpu --preset tiny --contexts 64,128`)
+runs every part on the CPU plan with one repeat, small pools and HSTU at 200 / 50; only part 2 is skipped
+(tests/test_gpu_check_dry_run.py runs it in CI).
 
 **The correctness rule** (`judge`). In bf16 two correct engines return different items where log-probabilities
 nearly tie, so neither is compared with the other: each engine's returned items are re-scored exactly by a float32
@@ -139,11 +158,28 @@ def varlen_checks(device) -> dict:
     return out
 
 
-KV_BUDGET = 8 << 30  # bytes of KV pool per engine: 8 contexts of 5,000 tokens and their beams fit (bf16)
-COLD = SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=KV_BUDGET)  # the prefix cache off: rounds repeat
+KV_BUDGET = 8 << 30  # bytes of KV pool per bf16 engine: 8 contexts of 5,000 tokens and their beams fit
+REFERENCE_KV_BUDGET = 3 << 30  # the float32 reference: one request at a time (5,000 tokens: 1.1 GiB) and its beams
+TINY_KV_BUDGET = 1 << 30  # the tiny presets' engines
+LOAD_KV_BUDGET = 2 << 30  # the load pattern's engine: prompts of at most 1,076 tokens
+CPU_KV_BUDGET = 256 << 20  # any pool of a CPU dry run (tiny models)
 SID_GR_WIDTH, SID_GR_LEVELS = 256, 3  # SID-GR's headline shape: beam 256, 3 tokens, contexts 1,000 and 5,000
+RECOMPILE_LIMIT = 64  # Dynamo's cache entries per code object (torch's default: 8), set before any part
+# --budget-s's defaults: no part starts later, so a run ends within 5 (--quick: 2) minutes when its last part takes
+# under a minute (--quick: 20 s).
+BUDGET_S, QUICK_BUDGET_S = 240.0, 100.0
 
-# -- 3: correctness, judged against float32 ----------------------------------------------------------------------
+
+def on_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def cold(device, kv_bytes: int = KV_BUDGET) -> SchedulerConfig:
+    """The prefix cache off (rounds repeat) and a KV pool of `kv_bytes` (a CPU dry run's: at most CPU_KV_BUDGET)."""
+    return SchedulerConfig(prefix_cache_bytes=0, kv_budget_bytes=kv_bytes if on_cuda(device) else CPU_KV_BUDGET)
+
+
+# -- the correctness rule (parts 6 and 9) ----------------------------------------------------------------------------
 
 NOISE_SHARE = 1 / 32  # ν = NOISE_SHARE * |t_k|, at least NOISE_FLOOR (the module's docstring says why)
 NOISE_FLOOR = 1 / 16
@@ -192,15 +228,16 @@ def judged(engines: dict[str, Engine], reference: Engine, request: RetrieveReque
 
 
 def tiny_judged(device, architecture: str = "qwen3") -> dict:
-    """The tiny preset (3 levels) of the decoder architecture, bf16, fast and eager, judged against float32."""
+    """The tiny preset (3 levels) of the decoder architecture, bf16, fast and eager, judged against float32 (an
+    eager engine: nothing compiled for it)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / "tiny", preset("tiny", architecture=architecture, levels=3))
-        bf16 = {"device": device, "dtype": torch.bfloat16, "scheduler": COLD}
+        kw = {"device": device, "scheduler": cold(device, TINY_KV_BUDGET)}
         engines = {
-            "fast": Engine.from_pretrained(model_dir, cuda_fast=True, **bf16),
-            "eager": Engine.from_pretrained(model_dir, cuda_fast=False, **bf16),
+            "fast": Engine.from_pretrained(model_dir, dtype=torch.bfloat16, cuda_fast=True, **kw),
+            "eager": Engine.from_pretrained(model_dir, dtype=torch.bfloat16, cuda_fast=False, **kw),
         }
-        reference = Engine.from_pretrained(model_dir, device=device, dtype=torch.float32, scheduler=COLD)
+        reference = Engine.from_pretrained(model_dir, dtype=torch.float32, cuda_fast=False, **kw)
         g = torch.Generator().manual_seed(3)
         out = {
             f"{n}/{w}": judged(
@@ -209,6 +246,7 @@ def tiny_judged(device, architecture: str = "qwen3") -> dict:
             for n, w in ((200, 30), (57, 256), (1000, 100))
         }
         out["ok"] = all(part["ok"] for part in out.values())
+        out["plans"] = {name: e.plan.describe() for name, e in {**engines, "float32": reference}.items()}
         return out
 
 
@@ -231,24 +269,254 @@ def beams_agree(a: Engine, b: Engine, retrieve: list) -> tuple[list[bool], float
     return same, beams
 
 
-# -- 4: SID-GR's shapes, timed -----------------------------------------------------------------------------------
+# -- 3: the preset's engines -----------------------------------------------------------------------------------------
+
+# Built and started in this order, one at a time, before any other model: the fast path; the fast path with
+# split-KV off (an engine built so, not a mutated plan); eager; the float32 reference (eager: nothing compiled for
+# it); the fast path selecting inside its decode graphs, last (a capture it cannot make costs the others nothing).
+ENGINE_OPTIONS = {
+    "fast": {"cuda_fast": True},
+    "fast_whole": {"cuda_fast": True, "split_kv": "off"},
+    "eager": {"cuda_fast": False},
+    "float32": {"cuda_fast": False, "dtype": torch.float32},
+    "fast_selecting": {"cuda_fast": True, "cuda_graph_selection": True},
+}
+QUICK_ENGINES = ("fast", "eager", "float32")  # --quick's; also the ones every later part of the preset needs
+# --quick times one request of beam 256: its fast engine captures the decode passes of up to 256 rows only.
+QUICK_OPTIONS = {"fast": {"cuda_graph_max_rows": 256}}
 
 
-def big_engines(device, preset_name: str) -> dict[str, Engine]:
-    """The preset's dimensions (Qwen3-1.7B's), random weights: bf16 with the fast path on and off (passed
-    explicitly, whatever the default), the fast path selecting inside its decode graphs (`cuda_graph_selection`), and
-    the float32 reference the correctness rule re-scores with."""
-    model_dir = model_dir_for(preset_name, None, SID_GR_LEVELS)
-    bf16 = {"device": device, "dtype": torch.bfloat16, "scheduler": COLD}
-    selecting = Engine.from_pretrained(model_dir, cuda_fast=True, cuda_graph_selection=True, **bf16)
-    return {
-        "fast": Engine.from_pretrained(model_dir, cuda_fast=True, **bf16),
-        "eager": Engine.from_pretrained(model_dir, cuda_fast=False, **bf16),
-        "float32": Engine.from_pretrained(
-            model_dir, device=device, dtype=torch.float32, cuda_fast=False, scheduler=COLD
-        ),
-        "fast_selecting": selecting,  # started last (`loaded`): a capture it cannot make costs the others nothing
+def build_engine(model_dir: Path, name: str, device, **overrides) -> Engine:
+    options = ENGINE_OPTIONS[name] | overrides
+    dtype = options.pop("dtype", torch.bfloat16)
+    kv_bytes = REFERENCE_KV_BUDGET if dtype == torch.float32 else KV_BUDGET
+    return Engine.from_pretrained(model_dir, device=device, dtype=dtype, scheduler=cold(device, kv_bytes), **options)
+
+
+def gpu_memory(device) -> dict | None:
+    """The device's memory now (GiB): torch's allocated, reserved and peak allocated; the driver's free and total."""
+    if not on_cuda(device):
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    gib = {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "peak_allocated": torch.cuda.max_memory_allocated(device),
+        "free": free,
+        "total": total,
     }
+    return {f"{name}_gib": round(n / 2**30, 2) for name, n in gib.items()}
+
+
+def compiled_fallbacks(engine: Engine) -> int | None:
+    """Calls of its compiled pieces that ran plain, past Dynamo's recompile limit (None: nothing compiled)."""
+    if not engine.plan.compiles:
+        return None
+    pieces = engine.plan.ops.pieces
+    return sum(getattr(getattr(pieces, f.name), "fallbacks", 0) for f in dataclasses.fields(pieces))
+
+
+def loaded(big: dict, device, preset_name: str, names=tuple(ENGINE_OPTIONS), overrides: dict | None = None) -> dict:
+    """The preset's engines, each built and started before the next (its captures, compiles and warm-up requests):
+    its plan, `start_s` (build and start), `warmup_s`, `graph_bytes` (the device memory its captures took), the
+    device memory it holds once started and its compiled pieces' fallbacks; the device's memory after all started;
+    then the fast one's first request at 1000/256/3 beside its second: nothing should compile or capture on the
+    first. An engine outside QUICK_ENGINES that cannot start is reported and left out."""
+    model_dir = model_dir_for(preset_name, None, SID_GR_LEVELS)
+    if on_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+    started = {}
+    for name in names:
+        before, start = torch.cuda.memory_allocated(device) if on_cuda(device) else 0, time.perf_counter()
+        try:
+            engine = build_engine(model_dir, name, device, **(overrides or {}).get(name, {}))
+            if not engine.scheduler.idle:  # made on first use: captures, compiles, warm-up requests
+                raise RuntimeError(f"{name}: a request is running before any was submitted")
+        except Exception as err:  # noqa: BLE001 - an optional engine that cannot start is reported and left out
+            if name in QUICK_ENGINES:
+                raise
+            started[name], engine = {"error": f"{type(err).__name__}: {err}"[:2000]}, None
+        if engine is None:
+            release({}, device, reset=False)  # what it held, once the error's frames are gone
+            continue
+        big[name] = engine
+        held = torch.cuda.memory_allocated(device) - before if on_cuda(device) else None
+        started[name] = {
+            "options": {k: str(v) for k, v in (ENGINE_OPTIONS[name] | (overrides or {}).get(name, {})).items()},
+            "plan": engine.plan.describe(),
+            "start_s": round(time.perf_counter() - start, 2),
+            "warmup_s": engine.runner.warmup_s,
+            "graph_bytes": engine.runner.graph_bytes,
+            "gpu_memory_gib": None if held is None else round(held / 2**30, 2),
+            "compiled_fallbacks": compiled_fallbacks(engine),
+        }
+    memory = gpu_memory(device)  # after every engine started: weights, KV pools, captures
+    (request,) = sid_gr_requests(big["fast"], 1000 if on_cuda(device) else 64, count=1)
+    first, second = (timed(lambda: big["fast"].retrieve([request]), device) for _ in range(2))
+    return {
+        "model_dir": str(model_dir),
+        "engines": list(big),
+        "started": started,
+        "gpu_memory_after_start": memory,
+        "fast_first_request_s": first,
+        "fast_second_request_s": second,
+    }
+
+
+def release(engines: dict, device, reset: bool = True) -> dict:
+    """Free `engines` (cleared), the device's cached blocks, and with `reset` Dynamo's caches (between model sizes:
+    the next model's pieces compile afresh, within the recompile limit). Returns their compiled pieces' fallbacks,
+    their bucketed decode passes that found no captured graph (none expected) and the device's memory after."""
+    fallbacks = {name: compiled_fallbacks(engine) for name, engine in engines.items()}
+    uncaptured = {name: engine.runner.uncaptured_passes for name, engine in engines.items()}
+    engines.clear()
+    gc.collect()  # an AsyncEngine and its engine refer to each other: their KV pools go back now
+    if on_cuda(device):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    if reset:
+        from torch import _dynamo
+
+        _dynamo.reset()
+    return {
+        "compiled_fallbacks": fallbacks,
+        "uncaptured_passes": uncaptured,
+        "dynamo_reset": reset,
+        "gpu_memory": gpu_memory(device),
+    }
+
+
+def compile_headroom(limit: int = RECOMPILE_LIMIT) -> dict:
+    """Dynamo's recompile limit raised to `limit` (torch's default 8: with fullgraph=True a piece past it raises
+    where the engine has no fallback). Returns what it was and what it is now."""
+    from torch import _dynamo
+
+    config = _dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    was = getattr(config, name)
+    setattr(config, name, max(was, limit))
+    accumulated = getattr(config, "accumulated_recompile_limit", getattr(config, "accumulated_cache_size_limit", None))
+    return {
+        "setting": f"torch._dynamo.config.{name}",
+        "was": was,
+        "now": getattr(config, name),
+        "accumulated_recompile_limit": accumulated,
+    }
+
+
+# -- 4: launches per decode pass ---------------------------------------------------------------------------------
+
+
+def pooled_cohorts(engine, prepared: list, pool):
+    """One cohort per prepared beam request as the scheduler makes them: contexts and BeamKV slots in `pool`."""
+    from genrec.engine.beam import request_width, slots_needed, start_cohort
+
+    cohorts = []
+    for p in prepared:
+        ctx = pool.context(len(p.token_ids))
+        logits = engine.runner.prefill([(p, ctx, 0, len(p.token_ids))])
+        slots = pool.reserve(slots_needed(decoder(engine).trie, [request_width(p.request)]))  # a schedule's own
+        cohorts.append(start_cohort(p.served.device_trie(), [p], [ctx], logits, slots=slots))
+    return cohorts
+
+
+def _cohorts(engine, prompt_len, beams):
+    """Fresh cohorts of `beams` widths in the engine's own pool: the one its decode graphs were captured for."""
+    g = torch.Generator().manual_seed(5)
+    prepared = [
+        engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, g), beam_width=width))
+        for width in beams
+    ]
+    return pooled_cohorts(engine, prepared, engine.scheduler.budget.pool)
+
+
+def device_kernels(prof) -> list:
+    """The kernels a torch.profiler profile saw run on the device."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+# Host calls that launch one kernel: the runtime's and the driver's, the extended forms included (Triton launches
+# its kernels with cuLaunchKernelEx).
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchKernelEx", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def launch_counts(prof) -> dict:
+    """A profile's device kernels, kernel launch calls (each kind of call counted) and CUDA graph launches."""
+    names = [e.name for e in prof.events()]
+    by_call = {call: names.count(call) for call in LAUNCH_CALLS}
+    return {
+        "kernels": len(device_kernels(prof)),
+        "launch_calls": sum(by_call.values()),
+        "launch_calls_by_call": {call: n for call, n in by_call.items() if n},
+        "graph_launches": names.count("cudaGraphLaunch"),
+    }
+
+
+# Which engine each mode of a decode pass runs on, and whether bucketed (the captured graphs where there are).
+DECODE_MODES = {
+    "eager": ("eager", False),
+    "varlen": ("fast", False),  # the fast engine's kernels (FA2), not replayed
+    "graphs": ("fast", True),
+    "graphs_split_off": ("fast_whole", True),
+    "graphs_selecting": ("fast_selecting", True),
+}
+
+
+def launches_per_decode_pass(engines: dict[str, Engine], prompt_len: int, beams: list[int], device) -> dict:
+    """Kernels and launch calls of one decode pass and its selection (torch.profiler): the `eager` engine; the `fast`
+    one eagerly (FA2 varlen); the pass replayed as a CUDA graph, split-KV as the plan decides (`graphs`, `split`
+    says which) and off; and replayed by the engine whose graphs select. Also each against eager (logprobs, items)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from genrec.engine.beam import fetch_finals
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(device) else [])
+    out, finals = {}, {}
+    for mode, (name, bucketed) in DECODE_MODES.items():
+        if name not in engines:
+            continue
+        engine = engines[name]
+        cohorts = _cohorts(engine, prompt_len, beams)
+        engine.runner.decode(cohorts, bucketed)  # warm-up (graphs were captured at the engine's start)
+        split = engine.runner._splits(cohorts)
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            engine.runner.decode(cohorts, bucketed)
+            synchronize(device)
+            seconds = time.perf_counter() - start
+        while not all(c.done for c in cohorts):
+            engine.runner.decode([c for c in cohorts if not c.done], bucketed)
+        finals[mode] = fetch_finals(cohorts)
+        out[mode] = {**launch_counts(prof), "seconds": seconds, "split": split}
+    for mode in [m for m in finals if m != "eager"]:
+        same = [a[1] == b[1] for a, b in zip(finals["eager"], finals[mode], strict=True)]
+        diff = max(
+            max(abs(x - y) for x, y in zip(a[0], b[0], strict=True))
+            for a, b in zip(finals["eager"], finals[mode], strict=True)
+        )
+        out[f"{mode}_items_equal_eager"], out[f"{mode}_max_score_diff"] = same, diff
+    return out
+
+
+# -- 5: where the time goes --------------------------------------------------------------------------------------
+
+# Kernel kinds by name, first match wins: Inductor's compiled pieces (Triton kernels: named triton_..., whatever
+# they fuse, a cat or a gather included), FlashAttention, cuBLAS / CUTLASS products, the beam selection's sorts and
+# gathers, copies and casts.
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
+    ("selection", ("topk", "sort", "radix", "scan", "gather", "index", "softmax", "logsumexp")),
+    ("copy", ("copy", "memcpy", "memset", "fill", "cat")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if lowered.startswith("triton"):
+        return "compiled"
+    return next((kind for kind, words in KERNEL_KINDS if any(w in lowered for w in words)), "other")
 
 
 def sid_gr_requests(engine: Engine, context: int, count: int = 8) -> list[RetrieveRequest]:
@@ -257,59 +525,113 @@ def sid_gr_requests(engine: Engine, context: int, count: int = 8) -> list[Retrie
     return [RetrieveRequest(prompt_token_ids=random_prompt(engine, context, g), beam_width=width) for _ in range(count)]
 
 
+def where_time_goes(engine: Engine, context: int, device) -> dict:
+    """One request at `context`/256/3 under torch.profiler, after a warm-up: wall time, the GPU's busy time (the
+    union of its kernels' intervals) and idle gaps, kernel time by kind, and the ten kernels that took longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    (request,) = sid_gr_requests(engine, context, count=1)
+    engine.retrieve([request])
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(device) else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.retrieve([request])
+        synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kernels = device_kernels(prof)
+    busy_us, end = 0.0, float("-inf")
+    for interval in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        busy_us += max(0.0, interval[1] - max(interval[0], end))
+        end = max(end, interval[1])
+    by_kind, by_name = {}, {}
+    for e in kernels:
+        kind, us = kernel_kind(e.name), e.time_range.elapsed_us()
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
+        by_name[e.name[:120]] = by_name.get(e.name[:120], 0.0) + us / 1e3
+    return {
+        "plan": engine.plan.describe(),
+        "wall_ms": wall_ms,
+        "gpu_busy_ms": busy_us / 1e3,
+        "gpu_idle_ms": wall_ms - busy_us / 1e3,
+        **launch_counts(prof),
+        "kernel_ms_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "longest_kernels_ms": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]},
+    }
+
+
+# -- 6: correctness at the preset's size -------------------------------------------------------------------------
+
+
 def big_judged(big: dict[str, Engine], contexts: list[int]) -> dict:
-    """SID-GR's shape: one request per context, fast and eager (and the fast engine that selects inside its graphs,
-    where it started) each judged against float32."""
-    arms = {name: big[name] for name in ("fast", "eager", "fast_selecting") if name in big}
+    """SID-GR's shape: one request per context, each bf16 engine that started (fast, split-KV off, eager, selecting
+    inside its graphs) judged against float32."""
+    arms = {name: engine for name, engine in big.items() if name != "float32"}
     out = {str(n): judged(arms, big["float32"], sid_gr_requests(big["fast"], n, 1)[0]) for n in contexts}
     out["ok"] = all(part["ok"] for part in out.values())
     return out
 
 
-def sid_gr_timed(big: dict[str, Engine], context: int, device) -> dict:
-    """One request and a batch of 8, fast beside eager and beside one plain prefill of the same prompts (the floor),
-    and beside the fast engine that selects inside its graphs where it started; then 4 concurrent callers, fast
-    beside eager. Seconds are medians, from submission to result."""
+# -- 7: SID-GR's shapes, timed -----------------------------------------------------------------------------------
+
+
+def sid_gr_timed(big: dict[str, Engine], context: int, device, repeats: int = 5, full: bool = True) -> dict:
+    """One request, a batch of 8 and 4 concurrent callers: fast beside split-KV off (`fast_whole`) and eager, one
+    plain prefill of the same prompts (the floor); one request and the batch also beside the fast engine that selects
+    inside its graphs, where they started. `full=False` (--quick): one request only. Seconds are medians of
+    `repeats` (the batch: 2 fewer), from submission to result."""
     fast, eager = big["fast"], big["eager"]
-    selecting = big.get("fast_selecting")
-    also = {"fast_selecting": selecting} if selecting else {}
+    arms = {name: big[name] for name in ("fast_whole", "fast_selecting") if name in big}
     requests = sid_gr_requests(fast, context)
-    prepared = [fast.prepare(r) for r in requests]
+    prepared = [fast.prepare(r) for r in (requests if full else requests[:1])]
     one = interleaved_medians(
         {
             "fast": lambda: fast.retrieve(requests[:1]),
-            "fast_whole": lambda: unsplit(fast, lambda: fast.retrieve(requests[:1])),
-            **{name: lambda e=e: e.retrieve(requests[:1]) for name, e in also.items()},
+            **{name: lambda e=e: e.retrieve(requests[:1]) for name, e in arms.items()},
             "eager": lambda: eager.retrieve(requests[:1]),
             "one_prefill": lambda: fast.runner.prefill_alone(prepared[0]),
         },
-        5,
+        repeats,
         device,
     )
-    batch = interleaved_medians(
+    report = {"repeats": repeats, "one_request_s": one}
+    ratios = report["ratios"] = {
+        "one_fast_over_prefill": one["fast"] / one["one_prefill"],
+        "one_eager_over_fast": one["eager"] / one["fast"],
+    }
+    if "fast_whole" in arms:
+        ratios["one_whole_over_split"] = one["fast_whole"] / one["fast"]
+    if "fast_selecting" in arms:
+        ratios["one_selecting_over_fast"] = one["fast_selecting"] / one["fast"]
+    if not full:
+        return report
+    batch = report["batch_8_s"] = interleaved_medians(
         {
             "fast": lambda: fast.retrieve(requests),
-            **{name: lambda e=e: e.retrieve(requests) for name, e in also.items()},
+            **{name: lambda e=e: e.retrieve(requests) for name, e in arms.items()},
             "eager": lambda: eager.retrieve(requests),
             "one_prefill_each": lambda: [fast.runner.prefill_alone(p) for p in prepared],
         },
-        3,
+        max(1, repeats - 2),
         device,
     )
-    concurrent = {name: callers_rate(big[name], requests) for name in ("fast", "eager")}
-    ratios = {
-        "one_fast_over_prefill": one["fast"] / one["one_prefill"],
-        "one_whole_over_split": one["fast_whole"] / one["fast"],
-        "one_eager_over_fast": one["eager"] / one["fast"],
-        "batch_fast_over_prefills": batch["fast"] / batch["one_prefill_each"],
-        "batch_eager_over_fast": batch["eager"] / batch["fast"],
-        "concurrent_fast_over_eager_rate": concurrent["fast"]["requests_per_s"] / concurrent["eager"]["requests_per_s"],
+    callers = ("fast", "fast_whole", "eager")
+    concurrent = report["concurrent_4"] = {
+        name: callers_rate(big[name], requests, each=min(4, repeats)) for name in callers if name in big
     }
-    report = {"one_request_s": one, "batch_8_s": batch, "concurrent_4": concurrent, "ratios": ratios}
-    if selecting:
-        report["selecting_beside_fast"] = same_beams(fast, selecting, requests)
-        ratios["one_selecting_over_fast"] = one["fast_selecting"] / one["fast"]
+    ratios["batch_fast_over_prefills"] = batch["fast"] / batch["one_prefill_each"]
+    ratios["batch_eager_over_fast"] = batch["eager"] / batch["fast"]
+    ratios["concurrent_fast_over_eager_rate"] = (
+        concurrent["fast"]["requests_per_s"] / concurrent["eager"]["requests_per_s"]
+    )
+    if "fast_whole" in arms:
+        ratios["batch_whole_over_split"] = batch["fast_whole"] / batch["fast"]
+        ratios["concurrent_split_over_whole_rate"] = (
+            concurrent["fast"]["requests_per_s"] / concurrent["fast_whole"]["requests_per_s"]
+        )
+    if "fast_selecting" in arms:
         ratios["batch_selecting_over_fast"] = batch["fast_selecting"] / batch["fast"]
+        report["selecting_beside_fast"] = same_beams(fast, arms["fast_selecting"], requests)
     return report
 
 
@@ -317,19 +639,9 @@ def same_beams(a: Engine, b: Engine, requests: list[RetrieveRequest]) -> dict:
     """Two engines of the same kernels and dtype (the eager selection and the one inside the graph) on the same
     requests: how many return the same items, and the largest logprob difference. Information, not a verdict: where
     candidates tie exactly at a level's cut (bf16 logits often do), each keeps another of them and both are right
-    (the verdict is part 3's rule, against float32)."""
+    (the verdict is part 6's rule, against float32)."""
     same, beams = beams_agree(a, b, requests)
     return {"same_items": sum(same), "of": len(same), "max_logprob_diff": beams}
-
-
-def unsplit(engine: Engine, fn):
-    """fn() with split-KV off: every one-span context read whole (the plan's `split_kv`)."""
-    plan = engine.runner.plan
-    engine.runner.plan = dataclasses.replace(plan, split_kv="off")
-    try:
-        return fn()
-    finally:
-        engine.runner.plan = plan
 
 
 @contextlib.contextmanager
@@ -369,35 +681,20 @@ def callers_rate(engine: Engine, requests: list[RetrieveRequest], callers: int =
     }
 
 
-# -- 5: HSTU -----------------------------------------------------------------------------------------------------
+# -- 8: bench load's pattern -------------------------------------------------------------------------------------
 
 
-def hstu(device) -> dict:
-    """`genrec bench rank` at 2,000 events / 500 candidates on the device (its plain-forward baseline included), and
-    a returning user (10 events more per visit) cold, warm under the cost rule, and warm reading every piece."""
-    from genrec_bench import engine as benches
-
-    out = {"bench_rank": benches.rank(RankOptions(device=device, repeats=5, fanout_sample=5))}
-    ranker = Engine.from_pretrained(hstu_preset_dir("tiny"), device=device, scheduler=COLD)
-    for events in (2000, 4000):
-        request = benches.rank_request(ranker, events, 500)
-        out[f"returning {events}/500"] = benches.warm_and_cold(ranker, request, 10, 5, device, every_piece=True)
-    return out
-
-
-# -- 6: bench load's pattern -------------------------------------------------------------------------------------
-
-
-def load_pattern(engine: Engine, seconds: float = 6.0, timeout_s: float = 90.0) -> dict:
+def load_pattern(engine: Engine, device, seconds: float = 6.0, timeout_s: float = 90.0) -> dict:
     """`bench load --cuda-fast`'s pattern in-process: this thread makes prompts (reading the trie on the device, as
-    its request maker does) and submits requests of many beam widths, while the engine loop captures (or replays)
-    a decode graph for each new row bucket: a fresh runner over the engine's weights (`bench load`'s `serving`), so
-    that no bucket was captured before. Records every request's error."""
-    from genrec_bench.load import serving
-
+    its request maker does) and submits requests of many beam widths, while an engine loop replays the decode graphs:
+    a fresh engine over the weights and plan of `engine`, with a pool of its own (its graphs captured as it starts).
+    Records every request's error."""
+    pool = cold(device, LOAD_KV_BUDGET).kv_budget_bytes
+    config = SchedulerConfig(max_queue=4096, request_timeout_s=600, prefix_cache_bytes=0, kv_budget_bytes=pool)
+    serving = Engine(engine.family, config, engine.model_version, plan=engine.plan)
     widths, g = (1, 3, 8, 30, 64, 100, 256, 17), torch.Generator().manual_seed(7)
     futures, errors = [], []
-    with serving(engine, prefix_cache_bytes=0, kv_budget_bytes=KV_BUDGET) as (async_engine, _):
+    with driven(serving) as async_engine:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             prompt = random_prompt(engine, 300 + 97 * (len(futures) % 9), g)
@@ -412,132 +709,33 @@ def load_pattern(engine: Engine, seconds: float = 6.0, timeout_s: float = 90.0) 
                 future.result(timeout=max(0.0, done_by - time.perf_counter()))
             except Exception as err:  # noqa: BLE001 - recorded: what this part is for
                 errors.append(f"{type(err).__name__}: {err}"[:300])
-    return {"submitted": len(futures), "errors": len(errors), "first_errors": errors[:3], "ok": not errors}
-
-
-# -- 7: launches per decode pass ---------------------------------------------------------------------------------
-
-
-def pooled_cohorts(engine, prepared: list, pool):
-    """One cohort per prepared beam request as the scheduler makes them: contexts and BeamKV slots in `pool`."""
-    from genrec.engine.beam import request_width, slots_needed, start_cohort
-
-    cohorts = []
-    for p in prepared:
-        ctx = pool.context(len(p.token_ids))
-        logits = engine.runner.prefill([(p, ctx, 0, len(p.token_ids))])
-        slots = pool.reserve(slots_needed(decoder(engine).trie, [request_width(p.request)]))  # a schedule's own
-        cohorts.append(start_cohort(p.served.device_trie(), [p], [ctx], logits, slots=slots))
-    return cohorts
-
-
-def _cohorts(engine, prompt_len, beams):
-    """Fresh cohorts of `beams` widths in the engine's own pool: the one its decode graphs were captured for."""
-    g = torch.Generator().manual_seed(5)
-    prepared = [
-        engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, prompt_len, g), beam_width=width))
-        for width in beams
-    ]
-    return pooled_cohorts(engine, prepared, engine.scheduler.budget.pool)
-
-
-def device_kernels(prof) -> list:
-    """The kernels a torch.profiler profile saw run on the device."""
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def launch_counts(prof) -> dict:
-    """A profile's device kernels, kernel launch calls and CUDA graph launches."""
-    names = [e.name for e in prof.events()]
     return {
-        "kernels": len(device_kernels(prof)),
-        "launch_calls": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names),
-        "graph_launches": names.count("cudaGraphLaunch"),
+        "plan": serving.plan.describe(),
+        "submitted": len(futures),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "ok": not errors,
     }
 
 
-def launches_per_decode_pass(engines: dict[str, Engine], prompt_len: int, beams: list[int]) -> dict:
-    """Kernels and launch calls of one decode pass and its selection (torch.profiler): the `eager` engine; the `fast`
-    one eagerly (FA2 varlen); the static pass replayed as a CUDA graph; and replayed by the engine whose graphs
-    select (where it started). Also each against eager (logprobs, items)."""
-    from torch.profiler import ProfilerActivity, profile
+# -- 10: HSTU ----------------------------------------------------------------------------------------------------
 
-    from genrec.engine.beam import fetch_finals
 
-    out, finals = {}, {}
-    modes = {"eager": "eager", "varlen": "fast", "graphs": "fast", "graphs_selecting": "fast_selecting"}
-    for mode in [m for m, name in modes.items() if name in engines]:
-        engine = engines[modes[mode]]
-        cohorts, bucketed = _cohorts(engine, prompt_len, beams), mode.startswith("graphs")
-        engine.runner.decode(cohorts, bucketed)  # warm-up (graphs were captured at the engine's start)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            engine.runner.decode(cohorts, bucketed)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-        while not all(c.done for c in cohorts):
-            engine.runner.decode([c for c in cohorts if not c.done], bucketed)
-        finals[mode] = fetch_finals(cohorts)
-        out[mode] = {**launch_counts(prof), "seconds": seconds}
-    for mode in [m for m in finals if m != "eager"]:
-        same = [a[1] == b[1] for a, b in zip(finals["eager"], finals[mode], strict=True)]
-        diff = max(
-            max(abs(x - y) for x, y in zip(a[0], b[0], strict=True))
-            for a, b in zip(finals["eager"], finals[mode], strict=True)
+def hstu(device, events: int = 2000, candidates: int = 500, repeats: int = 5) -> dict:
+    """`genrec bench rank` at `events` / `candidates` on the device (its plain-forward baseline included), and a
+    returning user (10 events more per visit) cold, warm under the cost rule, and warm reading every piece, at
+    `events` and twice as many."""
+    from genrec_bench import engine as benches
+
+    options = RankOptions(device=device, events=events, candidates=candidates, repeats=repeats, fanout_sample=5)
+    out = {"bench_rank": benches.rank(options)}
+    ranker = Engine.from_pretrained(hstu_preset_dir("tiny"), device=device, scheduler=cold(device, TINY_KV_BUDGET))
+    for n in (events, 2 * events):
+        request = benches.rank_request(ranker, n, candidates)
+        out[f"returning {n}/{candidates}"] = benches.warm_and_cold(
+            ranker, request, 10, repeats, device, every_piece=True
         )
-        out[f"{mode}_items_equal_eager"], out[f"{mode}_max_score_diff"] = same, diff
     return out
-
-
-# Kernel kinds by name, first match wins (cuBLAS / CUTLASS products, FlashAttention, the beam selection's sorts and
-# gathers, copies and casts, Inductor's compiled pieces).
-KERNEL_KINDS = (
-    ("attention", ("flash", "fmha")),
-    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
-    ("selection", ("topk", "sort", "radix", "scan", "gather", "index", "softmax", "logsumexp")),
-    ("copy", ("copy", "memcpy", "memset", "fill", "cat")),
-    ("compiled", ("triton",)),
-)
-
-
-def kernel_kind(name: str) -> str:
-    lowered = name.lower()
-    return next((kind for kind, words in KERNEL_KINDS if any(w in lowered for w in words)), "other")
-
-
-def where_time_goes(engine: Engine, context: int, device) -> dict:
-    """One request at `context`/256/3 under torch.profiler, after a warm-up: wall time, the GPU's busy time (the
-    union of its kernels' intervals) and idle gaps, kernel time by kind, and the ten kernels that took longest."""
-    from torch.profiler import ProfilerActivity, profile
-
-    (request,) = sid_gr_requests(engine, context, count=1)
-    engine.retrieve([request])
-    synchronize(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        engine.retrieve([request])
-        synchronize(device)
-        wall_ms = (time.perf_counter() - start) * 1e3
-    kernels = device_kernels(prof)
-    busy_us, end = 0.0, float("-inf")
-    for interval in sorted((e.time_range.start, e.time_range.end) for e in kernels):
-        busy_us += max(0.0, interval[1] - max(interval[0], end))
-        end = max(end, interval[1])
-    by_kind, by_name = {}, {}
-    for e in kernels:
-        kind, us = kernel_kind(e.name), e.time_range.elapsed_us()
-        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
-        by_name[e.name[:120]] = by_name.get(e.name[:120], 0.0) + us / 1e3
-    return {
-        "wall_ms": wall_ms,
-        "gpu_busy_ms": busy_us / 1e3,
-        "gpu_idle_ms": wall_ms - busy_us / 1e3,
-        **launch_counts(prof),
-        "kernel_ms_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "longest_kernels_ms": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]},
-    }
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -545,16 +743,35 @@ def where_time_goes(engine: Engine, context: int, device) -> dict:
 
 class Report:
     """The parts' results, rewritten to `path` after each part; a part records its error instead of raising, and
-    one that would start after the deadline is skipped."""
+    one that would start after the deadline (or has a reason to be skipped) is skipped. `run`: the settings and
+    the order the parts ran in; `seconds`: each part's."""
 
-    def __init__(self, path: Path, budget_s: float):
-        self.path, self.deadline, self.parts = path, time.perf_counter() + budget_s, {}
+    def __init__(self, path: Path, budget_s: float, device):
+        self.path, self.budget_s, self.device = path, budget_s, device
+        self.deadline = time.perf_counter() + budget_s
+        self.parts = {"run": {"budget_s": budget_s, "order": []}, "seconds": {}}
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def part(self, name: str, fn):
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def repeats(self, full: int) -> int:
+        """Timing repeats for a part starting now: `full` with two minutes of the budget left, half with one, then
+        one; a CPU dry run: one. A budget cut drops repeats before it drops parts."""
+        if not on_cuda(self.device):
+            return 1
+        left = self.left()
+        return full if left >= 120 else max(1, full // 2) if left >= 60 else 1
+
+    def note(self, name: str, value) -> None:
+        self.parts["run"][name] = value
+        self.write()
+
+    def part(self, name: str, fn, skip: str | None = None):
         start, result = time.perf_counter(), None
-        if start > self.deadline:
-            self.parts[name] = {"skipped": "out of time (--budget-s)"}
+        self.parts["run"]["order"].append(name)
+        if skip or start > self.deadline:
+            self.parts[name] = {"skipped": skip or "out of time (--budget-s)"}
         else:
             try:
                 result = fn()
@@ -562,69 +779,105 @@ class Report:
             except Exception:  # noqa: BLE001 - a failing part is reported, the others still run
                 self.parts[name] = {"error": traceback.format_exc()[-3000:]}
             gc.collect()  # an AsyncEngine and its engine refer to each other: their KV pools go back now
-            self.parts.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
-        self.path.write_text(json.dumps(self.parts, indent=2, default=str))
+            if on_cuda(self.device):
+                torch.cuda.empty_cache()
+            self.parts["seconds"][name] = round(time.perf_counter() - start, 1)
+        self.write()
         print(name, json.dumps(self.parts[name], default=str)[:1500], flush=True)
         return result
 
-
-def loaded(big: dict, device, preset_name: str) -> dict:
-    """The engines, each started (its captures and warm-up requests: `start_s`, `warmup_s`), then the fast one's
-    first request at 1000/256/3 beside its second: nothing should compile or capture on the first."""
-    big.update(big_engines(device, preset_name))
-    memory = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-    started = {}
-    for name, engine in list(big.items()):
-        start = time.perf_counter()
-        try:
-            assert engine.scheduler.idle
-        except Exception as err:  # noqa: BLE001 - an engine that cannot start is reported and left out
-            if name in ("fast", "eager", "float32"):
-                raise
-            started[name] = {"error": f"{type(err).__name__}: {err}"}
-            del big[name]
-            continue
-        started[name] = {"start_s": time.perf_counter() - start, "warmup_s": engine.runner.warmup_s}
-    (request,) = sid_gr_requests(big["fast"], 1000, count=1)
-    first, second = (timed(lambda: big["fast"].retrieve([request]), device) for _ in range(2))
-    return {
-        "engines": sorted(big),
-        "gpu_memory_gib": round(memory / 2**30, 1),
-        "started": started,
-        "fast_first_request_s": first,
-        "fast_second_request_s": second,
-    }
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.parts, indent=2, default=str))
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
-    parser.add_argument("--budget-s", type=float, default=280.0, help="parts that would start later are skipped")
-    parser.add_argument("--quick", action="store_true", help="versions, kernels and correctness only")
-    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script's parts (kernels fail)")
-    parser.add_argument("--preset", default="qwen3-1.7b", help="the decoder of parts 3-7 (tiny for a dry run)")
-    parser.add_argument("--contexts", default="1000,5000", help="SID-GR's contexts, tokens")
-    args = parser.parse_args()
-    device, report = args.device, Report(args.out, args.budget_s)
-    contexts = [int(n) for n in args.contexts.split(",")]
-    report.part("versions", versions)
-    report.part("kernels", lambda: varlen_checks(device))
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"parts that would start later are skipped (default {BUDGET_S:.0f}, --quick {QUICK_BUDGET_S:.0f})",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="under 2 minutes: versions, kernels, correctness, one request timed"
+    )
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of every part (CUDA's kernels skipped)")
+    parser.add_argument("--preset", default="qwen3-1.7b", help="the decoder of parts 3-8 (tiny for a dry run)")
+    parser.add_argument("--contexts", default="1000,5000", help="SID-GR's contexts, tokens (a dry run: 64,128)")
+    return parser.parse_args(argv)
+
+
+def steps(args: argparse.Namespace, report: Report, big: dict[str, Engine]):
+    """The run in the module docstring's order: (name, fn, skip) for a part (`skip`: a reason not to run it), or
+    (name, fn, "note") for what goes under "run". Lazy: a step is made after the one before it ran, so it sees which
+    of the preset's engines started (`big`)."""
+    device, contexts, quick = args.device, [int(n) for n in args.contexts.split(",")], args.quick
+    cuda = on_cuda(device)
+    yield "versions", versions, None
+    yield "kernels", lambda: varlen_checks(device), None if cuda else "no CUDA"
+
+    # The preset's engines first, each started before any other model compiles.
+    names, overrides = (QUICK_ENGINES, QUICK_OPTIONS) if quick else (tuple(ENGINE_OPTIONS), None)
+    yield f"load {args.preset}", lambda: loaded(big, device, args.preset, names, overrides), None
+    missing = None if set(QUICK_ENGINES) <= set(big) else "the preset's engines did not start"
+    if not quick:  # the profiles, before any timing: they explain it
+        n = 2000 if cuda else contexts[-1]
+        yield (
+            f"launches per decode pass 4 x {n}/30",
+            lambda: launches_per_decode_pass(big, n, [30] * 4, device),
+            missing,
+        )
+        for name, label in (("fast", ""), ("fast_whole", " split-KV off")):
+            for context in contexts:
+                yield (
+                    f"where the time goes {context}/256/3{label}",
+                    lambda n=context, e=name: where_time_goes(big[e], n, device),
+                    missing or (None if name in big else f"{name} did not start"),
+                )
+    yield f"judged {args.preset} 256/3", lambda: big_judged(big, contexts), missing
+    for context in contexts:
+        yield (
+            f"sid-gr {context}/256/3",
+            lambda n=context: sid_gr_timed(big, n, device, report.repeats(3 if quick else 5), full=not quick),
+            missing,
+        )
+    if not quick:  # on the fast engine alone (the others freed first: its own engine starts a pool of its own)
+        others = f"released {args.preset} but fast"
+        yield (
+            others,
+            lambda: release({name: big.pop(name) for name in list(big) if name != "fast"}, device, False),
+            "note",
+        )
+        yield "load pattern (fast)", lambda: load_pattern(big["fast"], device, 6.0 if cuda else 1.0), missing
+    yield f"released {args.preset}", lambda: release(big, device), "note"
+
+    # Then the other models, Dynamo's caches reset after each.
     for architecture in ("qwen3", "qwen2"):
-        report.part(f"judged tiny {architecture}", lambda a=architecture: tiny_judged(device, a))
-    big: dict[str, Engine] = {}
-    report.part(f"load {args.preset}", lambda: loaded(big, device, args.preset))
-    if not big:
-        return
-    report.part(f"judged {args.preset} 256/3", lambda: big_judged(big, contexts))
-    if args.quick:
-        return
-    for context in contexts:
-        report.part(f"sid-gr {context}/256/3", lambda n=context: sid_gr_timed(big, n, device))
-    report.part("hstu 2000/500", lambda: hstu(device))
-    report.part("load pattern (fast)", lambda: load_pattern(big["fast"]))
-    report.part("launches per decode pass 4 x 2000/30", lambda: launches_per_decode_pass(big, 2000, [30] * 4))
-    for context in contexts:
-        report.part(f"where the time goes {context}/256/3", lambda n=context: where_time_goes(big["fast"], n, device))
+        yield f"judged tiny {architecture}", lambda a=architecture: tiny_judged(device, a), None
+        yield f"released tiny {architecture}", lambda: release({}, device), "note"
+    if not quick:
+        events, candidates = (2000, 500) if cuda else (200, 50)
+        yield f"hstu {events}/{candidates}", lambda: hstu(device, events, candidates, report.repeats(5)), None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The steps; returns the report (also written to --out)."""
+    args = arguments(argv)
+    budget_s = args.budget_s if args.budget_s is not None else QUICK_BUDGET_S if args.quick else BUDGET_S
+    report = Report(args.out, budget_s, args.device)
+    report.note("args", {name: str(value) for name, value in vars(args).items()})
+    report.note("compile", compile_headroom())  # before anything compiles
+    for name, fn, skip in steps(args, report, {}):
+        if skip == "note":
+            try:
+                report.note(name, fn())
+            except Exception:  # noqa: BLE001 - recorded; the parts after it still run
+                report.note(name, {"error": traceback.format_exc()[-3000:]})
+        else:
+            report.part(name, fn, skip)
+    report.note("total_s", round(budget_s - report.left(), 1))
+    return report.parts
 
 
 def gpu_consistency(device: str) -> dict:

@@ -24,6 +24,7 @@ from genrec.api import RetrieveRequest
 from genrec.catalog import Catalog
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.engine import Engine
+from genrec.engine.plan import ExecutionPlan
 from genrec.engine.retriever import Retriever
 from genrec.engine.served_catalog import FilterMasks
 from genrec_bench.cli import FilterOptions
@@ -39,7 +40,9 @@ def run(o: FilterOptions) -> dict:
     rng = np.random.default_rng(0)
     catalog = with_genres(random_catalog(layout, o.items, o.per_level, rng)[0], rng)
     dtype = torch.bfloat16 if o.device.startswith("cuda") else torch.float32
-    engine = Engine(Retriever(directory.load_model(o.device, dtype), tokenizer, catalog, None, layout), COLD)
+    plan = ExecutionPlan.build(o.device, dtype)  # the device's default plan
+    model = directory.load_model(o.device, dtype)
+    engine = Engine(Retriever(model, tokenizer, catalog, None, layout, ops=plan.ops), COLD, plan=plan)
     served = engine.family.catalogs.current
     generator = torch.Generator().manual_seed(0)
     prompts = [random_prompt(engine, o.prompt_len, generator) for _ in range(o.batch)]

@@ -89,7 +89,10 @@ def serving(engine: Engine, **config):
     deadline unless `config` says otherwise, and an async call of it; shut down afterwards. The one place a bench
     makes an AsyncEngine: the synchronous engine keeps its own scheduler for the sequential figures."""
     config = SchedulerConfig(**{"max_queue": 4096, "request_timeout_s": 600, **config})
-    async_engine = AsyncEngine(Engine(engine.family, config, engine.model_version))
+    own = Engine(
+        engine.family, config, engine.model_version, plan=engine.plan, graph_max_rows=engine.runner.graph_max_rows
+    )
+    async_engine = AsyncEngine(own)  # the engine's plan: on CUDA its own captures, as a replica's
     try:
         yield async_engine, functools.partial(call_engine, async_engine)
     finally:

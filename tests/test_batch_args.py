@@ -41,8 +41,8 @@ def test_engine_and_cache_flags_reach_the_spec_and_the_identity():
     }
     assert spec.cache == CacheConfig(name="users", policy="lfu", shards=2, store="none")
     assert spec_from("--no-cuda-fast").engine_kwargs()["cuda_fast"] is False  # the opt-out
-    assert spec_from("--cuda-graph-selection").engine_kwargs()["cuda_graph_selection"] is True  # the opt-in
-    assert "cuda_graph_selection" not in spec.engine_kwargs()  # off unless asked: no part of a run's identity
+    assert spec_from("--split-kv", "off").engine_kwargs()["split_kv"] == "off"
+    assert "split_kv" not in spec.engine_kwargs()  # auto unless asked: no part of a run's identity (same results)
     plain = RecommendSpec(model="m", users="u", out="o").identity("v", "input")
     identity = spec.identity("v", "input")
     assert "cuda_fast" not in plain  # derived from the device when not given: not part of a run's identity

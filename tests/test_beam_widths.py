@@ -83,8 +83,8 @@ def test_codes_of_different_lengths_follow_the_schedule(mini, rng, schedule):
 
 @pytest.mark.parametrize("schedule", [[4, 1, 5, 3], [5, 5, 5, 2]])
 def test_passes_that_select_themselves_keep_finished_codes_through_the_pad_steps(tmp_path, rng, schedule):
-    """MiniOneRec's layout with the selection inside the captured passes (`cuda_graph_selection`): a finished 3-token
-    code keeps its score through the 4th level (its pad step, `free`) as in the textbook beam search."""
+    """MiniOneRec's layout with the selection inside the captured passes (the plan's `selects_in_graph`): a finished
+    3-token code keeps its score through the 4th level (its pad step, `free`) as in the textbook beam search."""
     from tests.test_graph_capture import RecordedGraph, decode_passes, self_selecting
 
     tok = minionerec_tokenizer(MINI)

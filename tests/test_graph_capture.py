@@ -94,8 +94,8 @@ def decode_passes(runner) -> int:
 
 
 def self_selecting(model_dir) -> Engine:
-    """An engine as `graphed`'s, but each captured pass ranks its candidates itself (`cuda_graph_selection`: one sort in
-    the graph; the host only gathers each request's first rows), and a pass holds up to 64 rows."""
+    """An engine as `graphed`'s, but each captured pass ranks its candidates itself (the plan's `selects_in_graph`:
+    one sort in the graph; the host only gathers each request's first rows), and a pass holds up to 64 rows."""
     RecordedGraph.made = []
     config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64)
     plan = graphed_plan(RecordedGraph, selects_in_graph=True)

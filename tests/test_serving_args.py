@@ -46,7 +46,7 @@ def test_defaults_are_the_engines():
         "max_candidates": 2048,
         "score_max_tokens": 16384,
         "max_candidate_tokens": 65536,
-    }  # cuda_fast and cuda_graph_max_rows: derived (the fast path on with CUDA; 2048 rows); cuda_graph_selection off
+    }  # cuda_fast, cuda_graph_max_rows and split_kv: derived (the fast path on with CUDA; 2048 rows; auto)
     assert options.scheduler_config() == SchedulerConfig()
 
 
@@ -62,6 +62,8 @@ def test_defaults_are_the_engines():
         ("threads", 0),
         ("cuda_fast", "sometimes"),
         ("kv_budget", 1),
+        ("cuda_graph_selection", True),  # removed: refused naming it
+        ("split_kv", "sometimes"),
     ],
 )
 def test_a_bad_engine_option_is_refused_by_name(field, value):

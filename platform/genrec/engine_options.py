@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Options no longer taken, and what a config that names one does instead.
+REMOVED = {
+    "cuda_graph_selection": "the decode graphs' own selection is internal until a GPU has timed it (gpu_check's "
+    "fast_selecting); leave it out",
+}
 
 
 class EngineOptions(BaseModel):
@@ -12,6 +18,15 @@ class EngineOptions(BaseModel):
     a batch run keeps them in its identity."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed(cls, values):
+        """A removed option is refused with one line naming what replaced it (docs/CHANGELOG.md)."""
+        for name, instead in REMOVED.items():
+            if isinstance(values, dict) and name in values:
+                raise ValueError(f"{name} was removed: {instead}")
+        return values
 
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="default: bfloat16 on CUDA, float32 on the CPU"
@@ -46,17 +61,12 @@ class EngineOptions(BaseModel):
         description="CUDA decode: cut each long context into chunks read in parallel when a pass would leave most SMs "
         "idle (auto, the default), always (on) or never (off); the results are the same (genrec.engine.plan)",
     )
-    cuda_graph_selection: bool | None = Field(
-        None,
-        description="the decode graphs also select the beams (one sort in the graph) instead of a top-k after each "
-        "replay; default: off until timed on a GPU (docs/engine.md); no effect without graphs",
-    )
 
     def engine_kwargs(self) -> dict:
         """`Engine.from_pretrained`'s kwargs; a derived default is left out, so a batch run's identity stays."""
         kwargs = self.model_dump(include=set(EngineOptions.model_fields))
         # Derived (by the other options or the device), or off: an unset one is not part of the identity.
-        for name in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows", "cuda_graph_selection", "split_kv"):
+        for name in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows", "split_kv"):
             if kwargs[name] is None:
                 del kwargs[name]
         return kwargs

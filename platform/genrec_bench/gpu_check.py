@@ -16,7 +16,7 @@ and the trailing parts, never the profiles. Parts, in order:
 3. load: the preset's engines (Qwen3-1.7B's dimensions, bf16, random weights, prefix cache off), built and started
    one at a time before any other model compiles: `fast` (`cuda_fast=True`), `fast_whole` (fast, built with
    `split_kv="off"`), `eager` (`cuda_fast=False`), `float32` (the reference the rule re-scores with, eager: nothing
-   compiled for it) and `fast_selecting` (decode graphs that select the beams themselves, `cuda_graph_selection`;
+   compiled for it) and `fast_selecting` (decode graphs that select the beams themselves, `selects_in_graph`;
    last: a capture it cannot make costs the others nothing). Each one's `plan.describe()`, start and warm-up
    seconds, `runner.graph_bytes`, the device memory it holds once started and its compiled pieces' fallbacks; the
    device's memory after all started; the fast engine's first request beside its second;
@@ -279,7 +279,7 @@ ENGINE_OPTIONS = {
     "fast_whole": {"cuda_fast": True, "split_kv": "off"},
     "eager": {"cuda_fast": False},
     "float32": {"cuda_fast": False, "dtype": torch.float32},
-    "fast_selecting": {"cuda_fast": True, "cuda_graph_selection": True},
+    "fast_selecting": {"cuda_fast": True, "selects_in_graph": True},
 }
 QUICK_ENGINES = ("fast", "eager", "float32")  # --quick's; also the ones every later part of the preset needs
 # --quick times one request of beam 256: its fast engine captures the decode passes of up to 256 rows only.

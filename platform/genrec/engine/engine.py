@@ -82,10 +82,12 @@ class Engine:
         dtype: torch.dtype | str | None = None,
         scheduler: SchedulerConfig | None = None,
         plan: ExecutionPlan | None = None,
+        selects_in_graph: bool = False,
         **options,
     ) -> Engine:
         """The engine of a model directory, whichever family it holds; `options`: EngineOptions' fields; `plan`: the
-        execution plan (default: `ExecutionPlan.build` for the device, dtype and options)."""
+        execution plan (default: `ExecutionPlan.build` for the device, dtype and options). `selects_in_graph`: the
+        decode graphs select their beams (internal until a GPU has timed it: gpu_check)."""
         directory = ModelDir.open(model_dir)
         for name in LIMITS:  # strictly: a bool or a float is refused, not read as a number
             if name in options and not (options[name] is None and name in DERIVED):
@@ -99,7 +101,7 @@ class Engine:
             dtype,
             options.cuda_fast,
             options.split_kv,
-            bool(options.cuda_graph_selection),
+            selects_in_graph,
             repr(directory.config),
         )
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, ops=plan.ops, **limits)

@@ -99,6 +99,7 @@ class RecordingEngine:
     # What the replica reads of its driver besides requests: the AsyncEngine's own, over the recorded engine.
     live_catalog = property(lambda self: self.engine.live_catalog)
     catalog_state = AsyncEngine.catalog_state
+
     def describe(self):
         return self.engine.describe()
 

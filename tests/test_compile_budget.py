@@ -90,8 +90,9 @@ def run_every_engine(pieces_for, tiny_dir, wider_dir, hstu_dir=None, split=True)
             pieces = pieces_for(name, dtype)
             used.append(pieces)
             engine = served(model_dir, cuda_plan(pieces, dtype), dtype)
+            splits = split and engine.plan.graphs  # split-KV runs in the graphed plan's bucketed passes only
             plan = dataclasses.replace(cuda_plan(pieces, dtype), split_kv="on")
-            live_decoder_requests(engine, served(model_dir, plan, dtype) if split else engine)
+            live_decoder_requests(engine, served(model_dir, plan, dtype) if splits else engine)
     for dtype in (torch.bfloat16, torch.float32) if hstu_dir is not None else ():
         pieces = pieces_for("hstu", dtype)
         used.append(pieces)

@@ -175,7 +175,7 @@ def test_a_pass_whose_later_selection_fails_leaves_every_cohort_as_it_was(fresh,
     """Two catalog versions' requests in one decode pass: one selection each. The selection that runs second fails
     at the last level. The first must not have moved: the retry runs each request alone, and a request already
     moved past its last level would fail there."""
-    from genrec.engine import beam
+    from genrec.engine import selection as selection_module
 
     first = fresh.catalog
     prompt = random_prompt(fresh, 9, rng)
@@ -186,7 +186,7 @@ def test_a_pass_whose_later_selection_fails_leaves_every_cohort_as_it_was(fresh,
     alone.append(full_width(fresh, prompt))
     # A pass runs its selections in the order of their tries' ids: the later one fails.
     later = max((0, 1), key=lambda k: id(prepared[k].served.trie))
-    original, failed = beam.select_together, []
+    original, failed = selection_module.select_together, []
 
     def failing_at_the_last_level(selection, gains):
         cohort = selection.cohorts[0]
@@ -195,7 +195,7 @@ def test_a_pass_whose_later_selection_fails_leaves_every_cohort_as_it_was(fresh,
             raise RuntimeError("injected")
         return original(selection, gains)
 
-    monkeypatch.setattr(beam, "select_together", failing_at_the_last_level)
+    monkeypatch.setattr(selection_module, "select_together", failing_at_the_last_level)
     outcomes = dict(fresh._execute(list(enumerate(prepared))))
     assert failed and isinstance(outcomes[later], RuntimeError)
     kept = outcomes[1 - later]

@@ -6,8 +6,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genrec.api import RetrieveRequest
-from genrec.engine.beam import choices, fetch_finals
+from genrec.engine.beam import fetch_finals
 from genrec.engine.decode_batch import DecodeBatch
+from genrec.engine.selection import choices
 from genrec_bench import gpu_check
 from tests.conftest import random_prompt
 

@@ -101,7 +101,7 @@ def self_selecting(model_dir) -> Engine:
     plan = graphed_plan(RecordedGraph, selects_in_graph=True)
     engine = Engine.from_pretrained(model_dir, cuda_graph_max_rows=64, scheduler=config, plan=plan)
     assert engine.scheduler.idle
-    assert all(batch.selects and len(batch.outputs) == 4 for batch, _ in engine.runner._captured.values())
+    assert all(batch.selection is not None and len(batch.outputs) == 4 for batch, _ in engine.runner._captured.values())
     return engine
 
 

@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from genrec.api import RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
-from genrec.engine.beam import choices
 from genrec.engine.decode_batch import DecodeBatch
+from genrec.engine.selection import choices
 from genrec.model import ModelDir
 from genrec.model.hstu import HistoryRows, HistorySegment
 from genrec.model.ops import ModelOps

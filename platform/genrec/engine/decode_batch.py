@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from genrec.attention import StaticContext
-from genrec.engine.beam import Choices
+from genrec.engine.selection import Choices, InGraphSelection
 from genrec.model.ops import ModelOps
 from genrec.staging import to_device
 
@@ -73,7 +73,7 @@ class DecodeBatch:
         row's node may have; `selects`: the pass ranks its candidates itself (`ranked`); `sequences`: the most
         sequences a span holds (`sequences_of`; default: one a row, any mix)."""
         self.bucket, self.past, self.pool, self.spans = bucket, past, pool, spans
-        self.pieces, self.selects, self.query_block = ops.pieces, selects, ops.attention.query_block
+        self.pieces, self.query_block = ops.pieces, ops.attention.query_block
         self.sequences = bucket if sequences is None else sequences
         self.split_min_chunk = split_min_chunk
         device = pool.k.device
@@ -96,11 +96,7 @@ class DecodeBatch:
             kernels=ops.attention,
             merge=self.pieces.merge_spans,
         )
-        if selects:  # what a selection reads besides the pass's gains (beam.Choices), padded: never allowed
-            self.scores = torch.zeros(bucket, dtype=torch.float32, device=device)
-            self.allowed = torch.zeros(bucket, columns, dtype=torch.bool, device=device)
-            self.free = torch.zeros(bucket, columns, dtype=torch.bool, device=device)
-            self.segment = torch.zeros(bucket, **i64)  # each row's request in the pass; padding rows after all
+        self.selection = InGraphSelection(bucket, columns, device) if selects else None  # the pass ranks too
         self.outputs = None  # (gains, new_k, new_v[, order]) of a captured graph
 
     def fill(self, selections: list[Choices]) -> int:
@@ -127,8 +123,8 @@ class DecodeBatch:
         mask[:, self.past] = True  # every row sees its own new token
         copies = [(self.mask, mask[:, None], torch.bool), *self._span_tables(spans, counts, pad)]
         copies.append((self.own_slots, np.concatenate([*own, np.zeros(pad, dtype=np.int64)]), torch.int64))
-        if self.selects:
-            copies.append(self._fill_selection(selections, counts, pad))
+        if self.selection is not None:
+            copies.append(self.selection.fill(selections, counts, pad))
         device = self.tokens.device
         for buffer, host, dtype in copies:
             buffer.copy_(to_device(host, device, dtype), non_blocking=True)
@@ -152,27 +148,6 @@ class DecodeBatch:
                 raise ValueError(f"a node has {selection.columns} children; this batch holds {width}")
             self.columns[row : row + selection.rows, : selection.columns] = selection.token
             row += selection.rows
-
-    def _fill_selection(self, selections: list[Choices], counts: list[int], pad: int) -> tuple:
-        """The selections' scores, allowed and free children into their rows (device to device); the padding
-        allows nothing. Returns the segment table's host copy."""
-        row = 0
-        for selection in selections:
-            rows, C = slice(row, row + selection.rows), selection.columns
-            self.scores[rows] = selection.scores
-            self.allowed[rows, :C] = selection.allowed
-            self.free[rows, :C] = selection.free if selection.free is not None else False
-            if C < self.allowed.shape[1]:
-                self.allowed[rows, C:] = False
-            row = rows.stop
-        self.allowed[row:] = False
-        return self.segment, np.repeat(np.arange(len(counts) + 1), [*counts, pad]), torch.int64
-
-    def ranked(self, gains: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pass's own selection (`selects`): its candidates [B, W] and, per request, their flat indices best
-        first [B, W] (one stable sort of `fused.selection_keys`: every request's top-k in fixed shapes)."""
-        cand, keys = self.pieces.selection_keys(self.scores, gains, self.allowed, self.free, self.segment)
-        return cand, keys.flatten().sort(stable=True).indices.view_as(keys)
 
     def _span_tables(self, spans: list[list[tuple[int, int]]], counts: list[int], pad: int) -> list:
         """The varlen index tables: block j (rows repeated) holds every request's span j, its rows cut into runs of at

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec.engine.beam import BeamCohort, advance_all, choices
+from genrec.engine.beam import BeamCohort
 from genrec.engine.decode_batch import DecodeBatch, bucket_of
 from genrec.engine.family import Family
 from genrec.engine.job import Prepared
 from genrec.engine.plan import SPLIT_MIN_CHUNK, ExecutionPlan
+from genrec.engine.selection import advance_all, choices
 from genrec.model.kv_pool import MAX_SPANS, ContextKV, KVPool
 
 
@@ -130,35 +131,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, cohorts: list[BeamCohort], bucketed: bool | None = None) -> None:
-        """One pass over the cohorts' rows (all in one pool), then their selections. `bucketed` (default: with CUDA
-        graphs) pads the rows to a power of two."""
-        # Same-level cohorts of one catalog version adjacent: one selection each (beam.choices).
+        """One pass over the cohorts' rows (all in one pool): fill its inputs, run it as the plan says (a captured
+        graph's replay, or eagerly), then advance every cohort by its selection (genrec.engine.selection).
+        `bucketed` (default: with graphs) pads the rows to a power of two."""
+        # Same-level cohorts of one catalog version adjacent: one selection each (selection.choices).
         selections = choices(sorted(cohorts, key=lambda c: (c.level, id(c.trie))))
+        batch, graph = self._pass_for(cohorts, selections, self.graphs if bucketed is None else bucketed)
+        rows = batch.fill(selections)
+        gains, new_k, new_v, order = self._run(batch, graph)
+        batch.record_kv(new_k, new_v, rows)
+        advance_all(selections, gains[:rows], None if order is None else order[:rows])
+
+    def _pass_for(self, cohorts: list[BeamCohort], selections, bucketed: bool) -> tuple[DecodeBatch, object]:
+        """The pass that holds these rows, and its captured graph (None: it runs eagerly). A bucketed pass of the
+        graphed plan that no capture holds (wider than the largest, another pool) runs eagerly and is counted."""
         pool = cohorts[0].slot_pool
         rows, columns = sum(s.rows for s in selections), max(s.columns for s in selections)
         spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
         capacity = self.plan.capacity([n for c in cohorts for n in c.rows_per_req])
         key = (id(pool), bucket_of(rows), 1 if spans == 1 and not self._splits(cohorts) else MAX_SPANS, capacity)
-        bucketed = self.graphs if bucketed is None else bucketed
-        captured = self._captured.get(key) if bucketed and self.graphs else None
+        if not bucketed:
+            return self._batch(rows, pool, spans, columns), None
+        if not self.graphs:
+            return self._bucket((*key, columns), pool), None
+        captured = self._captured.get(key)
         if captured is not None and captured[0].columns.shape[1] >= columns:
-            batch, graph = captured
-            batch.fill(selections)
-            graph.replay()  # on the device it was captured on (a graph's replay guards it)
-            gains, new_k, new_v, *ranked = batch.outputs
-        else:
-            if bucketed and self.graphs:
-                self.uncaptured_passes += 1  # larger than the largest bucket, or another pool: eager, never captured
-            batch = (
-                self._bucket((*key, columns), pool)
-                if bucketed and not self.graphs
-                else self._batch(rows, pool, spans, columns)
-            )
-            batch.fill(selections)
-            (gains, new_k, new_v), ranked = self.decode_forward(batch), []
-        order = ranked[0][:rows] if ranked else None  # the pass selected itself: gains are its candidates
-        batch.record_kv(new_k, new_v, rows)
-        advance_all(selections, gains[:rows], order)
+            return captured
+        self.uncaptured_passes += 1
+        return self._batch(rows, pool, spans, columns), None
+
+    def _run(self, batch: DecodeBatch, graph) -> tuple:
+        """The filled pass: (gains, new_k, new_v, order), `order` the ranking where the pass selected itself (then
+        the gains are its candidates' scores), else None."""
+        if graph is None:
+            return *self.decode_forward(batch), None
+        graph.replay()  # on the device it was captured on (a graph's replay guards it)
+        gains, new_k, new_v, *order = batch.outputs
+        return gains, new_k, new_v, order[0] if order else None
 
     def _splits(self, cohorts: list[BeamCohort]) -> bool:
         """Whether one-span contexts run split in the multi-span bucket (split-KV: the plan's policy)."""
@@ -176,9 +185,9 @@ class ModelRunner:
     def _captured_forward(self, batch: DecodeBatch):
         """A captured pass: (gains, new_k, new_v), or where it selects itself (candidates, new_k, new_v, order)."""
         gains, new_k, new_v = self.decode_forward(batch)
-        if not batch.selects:
+        if batch.selection is None:
             return gains, new_k, new_v
-        candidates, order = batch.ranked(gains)
+        candidates, order = batch.selection.ranked(batch.pieces, gains)
         return candidates, new_k, new_v, order
 
     def _bucket(self, key: tuple, pool: KVPool) -> DecodeBatch:

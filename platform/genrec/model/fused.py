@@ -88,7 +88,8 @@ def candidate_scores(scores: torch.Tensor, gains: torch.Tensor, allowed: torch.T
 def selection_keys(scores, gains, allowed, free, segment: torch.Tensor):
     """The candidates (`candidate_scores`) and int64 sort keys [R, C] that order them by segment [R] (a row's
     request), then best first: the float's bits made monotonic as a signed int32, flipped to descending in the low
-    32 bits. Sorting the keys is every request's top-k at once, in fixed shapes (genrec.engine.beam.select_ranked)."""
+    32 bits. Sorting the keys is every request's top-k at once, in fixed shapes
+    (genrec.engine.selection.select_ranked)."""
     cand = candidate_scores(scores, gains, allowed, free)
     if cand.dtype != torch.float32:  # its bits are read as int32: another width would misread them silently
         raise TypeError(f"selection keys need float32 candidates, got {cand.dtype}")

@@ -49,8 +49,10 @@ def cuda_plan(pieces: fused.Pieces, dtype: torch.dtype) -> ExecutionPlan:
 
 
 def served(model_dir, plan: ExecutionPlan, dtype) -> Engine:
-    config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=512)
-    engine = Engine.from_pretrained(model_dir, dtype=dtype, plan=plan, cuda_graph_max_rows=64, scheduler=config)
+    # Small captures (passes of up to 32 rows of up to 4 requests, prefill passes of up to 64 tokens): the shapes a
+    # piece compiles for are the ranks and sizes of its calls, not their count.
+    config = SchedulerConfig(prefix_cache_bytes=0, prefill_tokens_per_step=64, max_running=4)
+    engine = Engine.from_pretrained(model_dir, dtype=dtype, plan=plan, cuda_graph_max_rows=32, scheduler=config)
     assert engine.scheduler.idle  # its start: captures and warm-up
     return engine
 

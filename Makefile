@@ -22,9 +22,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-# The unit tier only (no Ray, Serve, jobs, redis-server or demo): the inner loop.
+# The unit tier only (no Ray, Serve, jobs, redis-server or demo, nor the slow CPU checks of the GPU path): the inner loop.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not integration" tests
+	$(PY) -m pytest -q -n 2 -m "not integration and not slow" tests
 
 demo: $(STAMP)
 	$(PY) -m genrec_demo

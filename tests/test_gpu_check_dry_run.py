@@ -13,6 +13,8 @@ import pytest
 
 from genrec_bench.gpu_check import ENGINE_OPTIONS, QUICK_ENGINES, RECOMPILE_LIMIT, Report, arguments, steps
 
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast skips it
+
 CONTEXTS = (64, 128)
 CUDA_ONLY = {"kernels"}  # the parts that need CUDA: "skipped": "no CUDA" on a CPU, never an error
 

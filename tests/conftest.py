@@ -22,30 +22,11 @@ INTEGRATION_MODULES = {"test_serving", "test_batch_jobs", "test_demo_e2e"}
 # tests would take longer: on 2026-12-06 they took 1,056 s of the suite's 1,801 test-seconds.)
 
 
-# The longest modules first (their wall time in `make test`, 2026-12-06): xdist's loadfile hands each worker whole
-# modules in collection order, so one of these started last kept one worker busy minutes after the other had ended.
-LONGEST_FIRST = (
-    "test_demo_e2e",
-    "test_serving",
-    "test_serving_drain",
-    "test_batch_jobs",
-    "test_node_loss",
-    "test_serving_funnel",
-    "test_deploy",
-    "test_bench_commands",
-    "test_batch_funnel",
-    "test_compile_budget",
-    "test_batch",
-)
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         on_session_cluster = bool(INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())))
         if on_session_cluster or _module(item) in INTEGRATION_MODULES:
             item.add_marker(pytest.mark.integration)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: each module's own order kept
 
 
 def _module(item) -> str:

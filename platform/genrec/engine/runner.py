@@ -148,10 +148,10 @@ class ModelRunner:
         pool = cohorts[0].slot_pool
         rows, columns = sum(s.rows for s in selections), max(s.columns for s in selections)
         spans = max(len(ctx.spans()) for c in cohorts for ctx in c.contexts)
+        if not bucketed:  # sized to the rows (the CPU's pass): no bucket, capacity or split to work out
+            return self._batch(rows, pool, spans, columns), None
         capacity = self.plan.capacity([n for c in cohorts for n in c.rows_per_req])
         key = (id(pool), bucket_of(rows), 1 if spans == 1 and not self._splits(cohorts) else MAX_SPANS, capacity)
-        if not bucketed:
-            return self._batch(rows, pool, spans, columns), None
         if not self.graphs:
             return self._bucket((*key, columns), pool), None
         captured = self._captured.get(key)

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from genrec.model.soft_token import SoftTokenProjector
 from genrec_demo.batches import IGNORE, Batch, NegativeSampler, Vocab, epoch_windows, make_batch
 from genrec_demo.config import DemoConfig
+from genrec_demo.streams import initialise
 
 WARMUP = 0.03  # share of the budget
 
@@ -106,8 +107,7 @@ def train(
     with one_thread():
         torch.manual_seed(cfg.seed)
         rng = np.random.default_rng(cfg.seed)
-        model = transformers.Qwen3ForCausalLM(hf_config(cfg, tokenizer)).train()
-        projector = SoftTokenProjector(user_vectors.shape[1], cfg.hidden)
+        model, projector = new_models(cfg, tokenizer, user_vectors.shape[1])
         params = [*model.parameters(), *projector.parameters()]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
         users = torch.as_tensor(user_vectors, dtype=torch.float32)
@@ -140,6 +140,17 @@ def train(
                     break
         bar.close()
     return Trained(model.eval(), projector.eval(), budget.stats(cfg.seed, epochs, losses))
+
+
+def new_models(cfg: DemoConfig, tokenizer, user_dim: int) -> tuple[transformers.Qwen3ForCausalLM, SoftTokenProjector]:
+    """The Qwen3 and its soft-token projector, each drawn from its named streams (`genrec_demo.streams`): the
+    Qwen3 as transformers initialises one (N(0, initializer_range), norms 1), the projector as torch does."""
+    config = hf_config(cfg, tokenizer)
+    model = transformers.Qwen3ForCausalLM(config).train()
+    initialise(model, cfg.seed, "retriever", config.initializer_range, config.initializer_range)
+    projector = SoftTokenProjector(user_dim, cfg.hidden)
+    initialise(projector, cfg.seed, "projector", config.initializer_range)
+    return model, projector.train()
 
 
 def forward_logits(model, projector, batch: Batch, users: torch.Tensor, user_token: int) -> torch.Tensor:

@@ -30,8 +30,10 @@ class RankerConfig:
     logq: bool = True  # subtract log q(item) from "watch" in training: it then learns log p(item | history)
     next_item_weight: float = 1.0  # auxiliary next-item loss on the history events (training only)
     dropout: float = 0.0  # on the input embeddings, training only
+    embedding_std: float = 0.1  # the initial scale of every embedding (the item rows' first `rank` dims: SVD)
     svd_init: bool = True  # start the item embeddings from the SVD item factors (the retriever's item space)
     lr: float = 3e-3
+    average_last: float = 0.0  # the weights served: the mean over this share of the last steps (0: the last step's)
     weight_decay: float = 0.01
     seed: int = 0
 

@@ -20,12 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from genrec.model.hstu import HSTU
+from genrec_demo.averaging import WeightAverage
 from genrec_demo.batches import NegativeSampler, near_items
 from genrec_demo.data import MovieLens
 from genrec_demo.factors import Factors
 from genrec_demo.ranker.config import RankerConfig
 from genrec_demo.ranker.events import UserEvents, make_rank_batch, user_events
 from genrec_demo.ranker.forward import hidden_states
+from genrec_demo.streams import initialise
 from genrec_demo.train import Budget, one_thread
 
 LIKE = 4  # a rating of 4 or 5 is a like
@@ -50,14 +52,13 @@ def negative_sampler(data: MovieLens, factors: Factors, cfg: RankerConfig) -> Ne
 
 
 def new_model(cfg: RankerConfig, num_items: int, item_factors: np.ndarray | None = None) -> HSTU:
-    """item_factors [items, rank] (unit rows): the item embeddings start from them (rank <= hidden dims; the
-    rest small noise), so items rated by few users start near the ones like them."""
+    """Drawn from the ranker's named streams (`genrec_demo.streams`). item_factors [items, rank] (unit rows): the
+    item embeddings start from them (rank <= hidden dims; the rest small noise), so items rated by few users start
+    near the ones like them."""
     model = HSTU(cfg.hstu_config(num_items))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "embedding" in name:
-                p.normal_(0.0, 0.1)
-        if item_factors is not None:
+    initialise(model, cfg.seed, "ranker", embedding_std=cfg.embedding_std)
+    if item_factors is not None:
+        with torch.no_grad():
             model.item_embedding.weight[:, : item_factors.shape[1]] = torch.as_tensor(item_factors)
     return model
 
@@ -71,6 +72,7 @@ def train_ranker(data: MovieLens, factors: Factors, cfg: RankerConfig) -> Traine
         sampler = negative_sampler(data, factors, cfg)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
         budget, rows, epochs, losses = Budget(0.0, cfg.steps), training_rows(data), 0.0, {}
+        average = WeightAverage(model)
         while budget.progress < 1.0:
             order = rng.permutation(len(rows))
             for start in range(0, len(order), cfg.batch):
@@ -84,8 +86,11 @@ def train_ranker(data: MovieLens, factors: Factors, cfg: RankerConfig) -> Traine
                 optimizer.step()
                 budget.steps += 1
                 epochs += len(chunk) / len(rows)
+                if budget.progress > 1.0 - cfg.average_last:
+                    average.add()
                 if budget.progress >= 1.0:
                     break
+        average.apply()
     return TrainedRanker(model.eval().requires_grad_(False), budget.stats(cfg.seed, epochs, losses))
 
 

@@ -10,7 +10,7 @@ from genrec.api import RecommendedItem
 from genrec_demo.calibrate import best_weight, measure_weights
 from genrec_demo.data import MovieLens
 from genrec_demo.evaluate import rankings_from_rows, retrieve_order
-from genrec_demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
+from genrec_demo.metrics import hit_ranks, mrr, ndcg_at, paired, popularity_rankings, recall_at
 
 
 def test_ranks_recall_and_ndcg_by_hand():
@@ -72,3 +72,14 @@ def test_score_weights_measured_on_a_hand_computed_example():
         assert measured[weight] == pytest.approx(((rank_a < 10) / 2 + (rank_b < 10) / 2, sum(gains) / 2))
     assert best_weight(measured) == 0.5
     assert best_weight({0.0: (0.5, 0.3), 0.25: (0.5, 0.3), 1.0: (0.5, 0.2)}) == 0.0  # ties: the smaller weight
+
+
+def test_paired_counts_users_gained_and_lost_and_the_mean_difference():
+    ranks = np.array([0, 12, 3, 50, 9])
+    baseline = np.array([1, 2, 3, 8, 20])
+    out = paired(ranks, baseline, k=10)
+    gains = lambda r: np.where(r < 10, 1 / np.log2(r + 2.0), 0.0)  # noqa: E731
+    diff = gains(ranks) - gains(baseline)
+    assert out["ndcg@10 difference"] == round(diff.mean(), 4)
+    assert out["standard error"] == round(diff.std(ddof=1) / np.sqrt(5), 4)
+    assert (out["users gained"], out["users lost"]) == (1, 2)  # user 4 gains it; users 1 and 3 lose it

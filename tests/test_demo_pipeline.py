@@ -15,7 +15,7 @@ from genrec_demo.evaluate import measure, rankings_from_rows, retrieve_order
 from genrec_demo.factors import svd_factors
 from genrec_demo.model_dir import read_titles
 from genrec_demo.pipeline.inputs import Prompts
-from genrec_demo.pipeline.run import demo_factors, prepare
+from genrec_demo.pipeline.prepare import demo_factors, prepare
 
 SLICE = DemoConfig(users=24, max_steps=3, batch=8, history=10, codebook=16, rank=8, negatives=2, near=20, seed=3)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from genrec_demo.data import MovieLens
-from genrec_demo.metrics import hit_ranks, mrr, ndcg_at, popularity_rankings, recall_at
+from genrec_demo.metrics import hit_ranks, mrr, ndcg_at, paired, popularity_rankings, recall_at
 
 METHODS = ("retrieve", "recommend", "ranker", "popularity")
 
@@ -30,6 +30,10 @@ class Evaluation:
             m: {f"recall@{k}": recall_at(r, k), f"ndcg@{k}": ndcg_at(r, k), f"mrr@{self.depth}": mrr(r, self.depth)}
             for m, r in self.ranks.items()
         }
+
+    def paired(self, method: str, baseline: str, k: int = 10) -> dict[str, float | int]:
+        """`method` against `baseline` user by user (see metrics.paired)."""
+        return paired(self.ranks[method], self.ranks[baseline], k)
 
     def recall_curve(self, method: str) -> np.ndarray:
         """Recall@K for K = 1..depth."""

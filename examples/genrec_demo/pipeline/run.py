@@ -1,8 +1,9 @@
 """`python -m genrec_demo` (`make demo`): the whole platform on one machine, on MovieLens-100k, with a trained model.
 
 1. MovieLens from the recbole wheel -> SVD factors -> semantic IDs -> a trained model directory (reused while
-   its recipe matches; `--retrain` trains it again) -> recommend's ranking chosen on the validation items; then
-   an HSTU ranker trained on the same training items (genrec_demo.ranker), reused the same way.
+   its recipe matches; `--retrain` trains it again) -> recommend's ranking chosen on the validation items; beside
+   it, in a second process, an HSTU ranker trained on the same training items (genrec_demo.ranker), reused the
+   same way (genrec_demo.pipeline.prepare).
 2. A local Ray. jobs/load_user_embeddings.py loads every user's vector into the EmbeddingCache actor.
 3. The Serve app of deployments/funnel-local.yaml (the Qwen3 retriever and the HSTU ranker), pointed at both
    models and the cache; a few real HTTP requests (retrieve, score, recommend, and the two-stage recommend with
@@ -30,90 +31,24 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from genrec.cache.config import CacheConfig
-from genrec.model.directory import GENREC_SUBDIR
-from genrec_demo.build import build_model
-from genrec_demo.calibrate import choose_ranking, is_current
-from genrec_demo.catalog import complete_catalog
 from genrec_demo.config import DemoConfig
-from genrec_demo.data import MovieLens, load_movielens
 from genrec_demo.evaluate import measure, rankings_from_rows
-from genrec_demo.factors import Factors, svd_factors
-from genrec_demo.model_dir import RECIPE, read_recipe, read_titles, write_recipe
+from genrec_demo.model_dir import read_titles
 from genrec_demo.pipeline.catalog_change import show_catalog_change
 from genrec_demo.pipeline.client import Funnel, Latencies, show_filters, show_user, user_body
 from genrec_demo.pipeline.cluster import app_config, local_ray, port_or_free, start_serve_app
 from genrec_demo.pipeline.inputs import Prompts, write_inputs
 from genrec_demo.pipeline.jobs import REPO_ROOT, JobResult, run_job
+from genrec_demo.pipeline.prepare import BEAM, Prepared, prepare_models
 from genrec_demo.plot import plot_recall
 from genrec_demo.ranker.config import RankerConfig
-from genrec_demo.ranker.model_dir import prepare_ranker
 from genrec_demo.summary import key_values, quality_table
-from genrec_demo.train import one_thread
 
 SERVE_CONFIG = REPO_ROOT / "deployments" / "funnel-local.yaml"
 RANK_TASK = "watch"  # the ranker's task that orders the funnel: P(the user watches the item next)
 CACHE_NAME = "demo-users"
 BATCH_SIZE = 64  # users per engine call and per output file of the batch job
 SHOW_USERS = 2  # users whose HTTP answers are shown
-BEAM = 50  # items retrieved, then ranked, per user
-
-
-@dataclass
-class Prepared:
-    data: MovieLens
-    factors: Factors
-    recipe: dict
-    reused: bool
-    ranker: dict | None = None  # the ranker's recipe (prepare_models)
-    ranker_reused: bool = False
-
-
-def prepare_models(model_dir: Path, ranker_dir: Path, cfg: DemoConfig, ranker_cfg: RankerConfig, retrain: bool, say,
-                   progress: bool = True, beam: int = BEAM) -> Prepared:  # fmt: skip
-    """`prepare`, then the HSTU ranker in `ranker_dir` (reused the same way) on the same data."""
-    prepared = prepare(model_dir, cfg, retrain, say, progress, beam)
-    prepared.ranker, prepared.ranker_reused = prepare_ranker(
-        ranker_dir, prepared.data, prepared.factors, ranker_cfg, retrain, say
-    )
-    return prepared
-
-
-def prepare(model_dir: Path, cfg: DemoConfig, retrain: bool, say, progress: bool = True, beam: int = BEAM) -> Prepared:
-    """The data and a trained model: the one in `model_dir` if its recipe matches (and not `retrain`), with
-    recommend's ranking for `beam` chosen on the validation items (kept in the recipe)."""
-    data = load_movielens()
-    if cfg.users is not None:
-        data = data.head(cfg.users)
-    factors = demo_factors(data, cfg.rank)
-    recipe = read_recipe(model_dir)
-    same = recipe is not None and recipe["config"] == cfg.to_dict()
-    reused = same and not retrain
-    if reused:
-        say(f"reusing the trained model in {model_dir} (--retrain trains it again)")
-    else:
-        why = "--retrain" if same else "no model of this recipe yet"
-        length = f"{cfg.max_steps} steps" if cfg.max_steps else f"{cfg.budget_cpu_s:.0f} CPU-seconds of one thread"
-        say(f"training the demo model ({why}): {length}, seed {cfg.seed}")
-        (model_dir / GENREC_SUBDIR / RECIPE).unlink(missing_ok=True)  # an interrupted run must not look complete
-        with one_thread():  # build-ids' k-means too
-            build_model(data, factors, model_dir, cfg, progress)
-        recipe = read_recipe(model_dir)
-    with one_thread():  # build-ids' k-means, as at training
-        completed = complete_catalog(model_dir, data, factors, cfg.seed)
-    if completed:
-        say(f"added the codebooks and the movies' attributes to {model_dir}'s catalog (a model trained before them)")
-    if not is_current(recipe.get("ranking"), beam):
-        say(f"choosing recommend's ranking on the validation items (beam {beam}) ...")
-        recipe["ranking"] = choose_ranking(model_dir, data, factors.users, cfg.history, beam)
-        write_recipe(model_dir, recipe)
-    return Prepared(data, factors, recipe, reused)
-
-
-def demo_factors(data: MovieLens, rank: int) -> Factors:
-    """The SVD on one thread: its last bits depend on the thread count, and through the semantic IDs so would the
-    whole model; on one thread a recipe gives the same model on any machine."""
-    with one_thread():
-        return svd_factors(data, rank)
 
 
 def run_demo(
@@ -150,6 +85,7 @@ def run_demo(
         "ranking": prepared.recipe["ranking"],
         "ranker": {"reused": prepared.ranker_reused, "training": prepared.ranker["training"], "task": RANK_TASK},
         "quality@10": table,
+        "funnel vs beam order": evaluation.paired("ranker", "retrieve"),
         "recall@10 / popularity": {m: _ratio(table, m) for m in table if m != "popularity"},
         "latency": run.latencies.summary(),
         "filtered": run.filtered,
@@ -259,6 +195,9 @@ def _summary(report: dict) -> str:
         [
             f"quality on {report['users']} users (each one's held-out last movie, unseen items only):",
             quality_table(report["quality@10"]),
+            key_values(
+                "the funnel (ranker) against the beam order (retrieve), user by user", report["funnel vs beam order"]
+            ),
             key_values(
                 "model",
                 {

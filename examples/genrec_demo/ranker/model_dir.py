@@ -47,13 +47,25 @@ def prepare_ranker(
 ) -> tuple[dict, bool]:
     """(recipe, reused): the ranker in `ranker_dir` if its recipe matches (and not `retrain`), else trained
     there now on `data`'s training items (`factors`: the SVD of them, for the negatives)."""
-    ranker_dir = Path(ranker_dir)
+    kept = kept_ranker(ranker_dir, data, cfg, retrain, say)
+    return (kept, True) if kept is not None else (train_into(ranker_dir, data, factors, cfg), False)
+
+
+def kept_ranker(ranker_dir: Path, data: MovieLens, cfg: RankerConfig, retrain: bool, say=print) -> dict | None:
+    """The recipe of the ranker in `ranker_dir` when it is reused (it matches, and not `retrain`); else None, and
+    `say` tells why it trains."""
     recipe = read_ranker_recipe(ranker_dir)
     same = recipe is not None and {k: recipe.get(k) for k in ("config", "users")} == recipe_of(cfg, data)
     if same and not retrain:
         say(f"reusing the trained ranker in {ranker_dir} (--retrain trains it again)")
-        return recipe, True
+        return recipe
     why = "--retrain" if same else "no ranker of this recipe yet"
     say(f"training the HSTU ranker ({why}): {cfg.steps} steps, seed {cfg.seed}")
+    return None
+
+
+def train_into(ranker_dir: Path, data: MovieLens, factors: Factors, cfg: RankerConfig) -> dict:
+    """Train a ranker into `ranker_dir` (its recipe written last) and return the recipe."""
+    ranker_dir = Path(ranker_dir)
     (ranker_dir / GENREC_SUBDIR / RECIPE).unlink(missing_ok=True)  # an interrupted run must not look complete
-    return write_ranker(ranker_dir, train_ranker(data, factors, cfg), data, cfg), False
+    return write_ranker(ranker_dir, train_ranker(data, factors, cfg), data, cfg)

@@ -174,9 +174,12 @@ def test_redeploys_replacing_the_ingress_and_its_ranker_end_every_request_in_jso
     a 503 with Retry-After or a 504, never the HTTP proxy's plain-text 500 that Serve's default 20 s graceful
     shutdown caused (the replaced ingress killed under its requests)."""
     deploy("rollout", **funnel_args(tiny_dir, hstu_dir, 64, ranker_gone=False))
-    base, answers, stop = f"{serve_url}/rollout", [], threading.Event()
-    routes = [("recommend", recommend_body), ("recommend", recommend_body), ("rank", rank_body)]
-    workers = [threading.Thread(target=load, args=(base, stop, answers, *route)) for route in routes]
+    base, answers, stop, ranks_stop = f"{serve_url}/rollout", [], threading.Event(), threading.Event()
+    # The /v1/rank client sends no new request once the burst is out: with the ranker gone each of its requests
+    # takes the whole deadline, so one sent during the second replacement ended ~26 s after the burst (the test
+    # then only waited for it). Its request in flight when the burst goes out crosses the second replacement.
+    routes = [(stop, "recommend", recommend_body), (stop, "recommend", recommend_body), (ranks_stop, "rank", rank_body)]
+    workers = [threading.Thread(target=load, args=(base, until, answers, *route)) for until, *route in routes]
     burst = []
     try:
         for w in workers:
@@ -186,12 +189,14 @@ def test_redeploys_replacing_the_ingress_and_its_ranker_end_every_request_in_jso
         replace_ingress("rollout", lambda: deploy_started("rollout", **gone))
         with ThreadPoolExecutor(8) as pool:
             waiting = [pool.submit(post, base, "rank", rank_body(100 + i)) for i in range(8)]
+            ranks_stop.set()
             time.sleep(1)
             again = funnel_args(tiny_dir, hstu_dir, 65, ranker_gone=True, retry_after_s=2)
             replace_ingress("rollout", lambda: deploy_started("rollout", **again))
             burst = [f.result() for f in waiting]
     finally:
         stop.set()
+        ranks_stop.set()
         for w in workers:
             w.join()
         delete("rollout")

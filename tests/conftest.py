@@ -140,7 +140,10 @@ def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace="genrec-tests", log_to_driver=False)
+    # Metrics reach the node's Prometheus endpoint every second, not every 10 s (Ray's default): the tests that read
+    # a counter or gauge there wait for it.
+    system = {"metrics_report_interval_ms": 1000}
+    ray.init(num_cpus=2, include_dashboard=False, namespace="genrec-tests", log_to_driver=False, _system_config=system)
     yield ray
     ray.shutdown()
 

@@ -98,10 +98,12 @@ def _apply() -> None:
 
 
 def delete(name: str) -> None:
+    """Delete the app without waiting for its replicas to stop (~3 s each: Serve's graceful shutdown loop); the next
+    config sent leaves it out, and no test deploys a deleted app's name again."""
     from ray import serve
 
     _DEPLOYED.pop(name)
-    serve.delete(name)
+    serve.delete(name, _blocking=False)
 
 
 def replica_actor_names(app: str, deployment: str) -> list[str]:

@@ -714,7 +714,7 @@ def test_engine_metrics_reach_prometheus(open_url, client):
         ("ray_genrec_prefix_cache_tokens_reused_total",): 96,  # six whole blocks of the repeated prompt
     }
     deadline = time.monotonic() + 60
-    while True:  # counters start at 0 and Ray exports every few seconds: wait for the values, not the names
+    while True:  # counters start at 0 and Ray exports every second: wait for the values, not the names
         text = client.get(f"http://127.0.0.1:{port}/metrics").text
         lines = [line for line in text.splitlines() if 'application="open"' in line]
         values = {series: exported(lines, *series) for series in moved}
@@ -722,7 +722,7 @@ def test_engine_metrics_reach_prometheus(open_url, client):
         if present and all((values[k] or 0) >= least for k, least in moved.items()):
             break
         assert time.monotonic() < deadline, (values, sorted({ln.split("{")[0] for ln in lines}))
-        time.sleep(2)
+        time.sleep(0.5)  # the session's Ray exports every second (tests/conftest.py)
     # Every kind served with every status starts at 0: an error ratio reads 0 before the first error.
     assert exported(lines, "ray_genrec_requests_total", 'kind="score"', 'status="stopped"') == 0
     assert exported(lines, "ray_genrec_prefix_cache_spills_total") == 0

@@ -114,13 +114,13 @@ def test_bench_serve(tiny_dir, tmp_path):
 
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     args = ["--model", str(tiny_dir), "--prompt-len", "16", "--beam-width", "4", "--rates", "10", "--duration", "0.5"]
-    command = [sys.executable, "-m", "genrec.cli", "bench", "serve", *args, "--burst", "4"]
+    command = [sys.executable, "-m", "genrec.cli", "bench", "serve", *args, "--burst", "4", "--pairs", "3"]
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
     command += ["--json", str(out), "--plot", str(plot)]
     done = subprocess.run(command, env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     report = json.loads(out.read_text())
-    assert report["ratios"]["saturation_serve_over_in_process"] > 0
+    assert report["ratios"]["saturation_serve_over_in_process"] > 0 and report["one_at_a_time"]["pairs"] == 3
     assert report["serve"]["rates"][0]["completed"] > 0 and report["serve"]["rates"][0]["errors"] == 0
     assert plot.stat().st_size > 0
 

@@ -317,6 +317,7 @@ class ServeOptions(PresetLevels):
     beam_width: int = opt(32, min=1)
     candidates: int = opt(100, "candidates per score request", min=1)
     burst: int = opt(64, "requests sent at once to measure saturation throughput", min=1)
+    pairs: int = opt(25, "requests timed one at a time on both paths, back to back, for the latency Serve adds", min=1)
     plot: Path | None = opt(None, "PNG: latency against achieved throughput, both paths")
 
 

@@ -42,7 +42,8 @@ def serve(o: ServeOptions) -> dict:
     with serving(engine) as (_, in_process_call):
         in_process = asyncio.run(_measure(in_process_call, maker, rates, o.duration, o.burst))
         with local_app("bench", args) as url:
-            through, added = asyncio.run(_measure_http(url, in_process_call, maker, rates, o.duration, o.burst))
+            measured = _measure_http(url, in_process_call, maker, rates, o.duration, o.burst, o.pairs)
+            through, added = asyncio.run(measured)
     report = {
         "benchmark": "serve",
         "kind": o.kind,
@@ -73,7 +74,7 @@ def serve(o: ServeOptions) -> dict:
     return report
 
 
-async def _measure_http(url, in_process_call, maker, rates, duration, burst) -> tuple[dict, dict]:
+async def _measure_http(url, in_process_call, maker, rates, duration, burst, pairs) -> tuple[dict, dict]:
     limits = httpx.Limits(max_connections=burst + 16, max_keepalive_connections=burst + 16)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
@@ -86,7 +87,7 @@ async def _measure_http(url, in_process_call, maker, rates, duration, burst) -> 
                 raise GenrecError(f"HTTP {response.status_code}: {response.text[:200]}")
             return response.json()
 
-        added = await _added_latency(in_process_call, http_call, maker)
+        added = await _added_latency(in_process_call, http_call, maker, pairs)
         return await _measure(http_call, maker, rates, duration, burst), added
 
 
@@ -95,7 +96,7 @@ async def _measure(call, maker, rates, duration, burst) -> dict:
     return {"saturation": saturation, "rates": [await open_loop(call, maker, rate, duration) for rate in rates]}
 
 
-async def _added_latency(in_process_call, http_call, maker, pairs: int = 25) -> dict:
+async def _added_latency(in_process_call, http_call, maker, pairs: int) -> dict:
     """One request at a time (no queueing), the same request on both paths back to back, alternating which
     goes first: the median of the per-pair differences is what Serve adds, whatever the machine's drift."""
     await in_process_call(maker())

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from genrec.model.hstu import HSTU
-from genrec_demo.averaging import WeightAverage
 from genrec_demo.batches import NegativeSampler, near_items
 from genrec_demo.data import MovieLens
 from genrec_demo.factors import Factors
@@ -72,7 +71,6 @@ def train_ranker(data: MovieLens, factors: Factors, cfg: RankerConfig) -> Traine
         sampler = negative_sampler(data, factors, cfg)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
         budget, rows, epochs, losses = Budget(0.0, cfg.steps), training_rows(data), 0.0, {}
-        average = WeightAverage(model)
         while budget.progress < 1.0:
             order = rng.permutation(len(rows))
             for start in range(0, len(order), cfg.batch):
@@ -86,11 +84,8 @@ def train_ranker(data: MovieLens, factors: Factors, cfg: RankerConfig) -> Traine
                 optimizer.step()
                 budget.steps += 1
                 epochs += len(chunk) / len(rows)
-                if budget.progress > 1.0 - cfg.average_last:
-                    average.add()
                 if budget.progress >= 1.0:
                     break
-        average.apply()
     return TrainedRanker(model.eval().requires_grad_(False), budget.stats(cfg.seed, epochs, losses))
 
 

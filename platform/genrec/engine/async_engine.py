@@ -110,7 +110,7 @@ class AsyncEngine:
 
     def refused(self, kind: str, err: BaseException) -> None:
         """Count a request that ended before the engine queued it (refused here, or by the caller)."""
-        self.scheduler.metrics.finished(kind, outcome_of(err))
+        self.scheduler.refused(kind, outcome_of(err))
 
     @property
     def healthy(self) -> bool:
@@ -119,7 +119,7 @@ class AsyncEngine:
 
     @property
     def stalled(self) -> bool:
-        return self.scheduler.metrics.step_in_flight_s() > self.stall_s
+        return self.scheduler.step_in_flight_s() > self.stall_s
 
     def _unhealthy_reason(self) -> str:
         if self._closed:
@@ -154,11 +154,11 @@ class AsyncEngine:
     def metrics(self) -> dict:
         execution = self.engine.describe_execution()
         graphs = {"warmup_s": execution["warmup_s"], "uncaptured_passes": execution["uncaptured_passes"]}
-        return {**self.scheduler.metrics.snapshot(), "prefix_cache": self.scheduler.cache.snapshot(), "graphs": graphs}
+        return self.scheduler.snapshot() | {"graphs": graphs}
 
     @property
     def kv_bytes_reserved(self) -> int:
-        return self.scheduler.budget.reserved
+        return self.scheduler.kv_bytes_reserved
 
     def shutdown(self, timeout_s: float = 10.0, drain: bool = False) -> None:
         """Stop admitting; settle every held request (EngineStopped now, or with `drain` after up to `timeout_s`)."""

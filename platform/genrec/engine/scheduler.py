@@ -139,6 +139,22 @@ class Scheduler:
         self.metrics = EngineMetrics(self.clock)
         self.cache.stats = CacheStats()
 
+    def snapshot(self) -> dict:
+        """The counts and timings so far, the prefix cache's among them (an engine's `metrics`)."""
+        return self.metrics.snapshot() | {"prefix_cache": self.cache.snapshot()}
+
+    def refused(self, kind: str, outcome: str) -> None:
+        """Count a request that ended before it was queued (refused by its driver)."""
+        self.metrics.finished(kind, outcome)
+
+    def step_in_flight_s(self) -> float:
+        """How long the step now running has run (0 between steps)."""
+        return self.metrics.step_in_flight_s()
+
+    @property
+    def kv_bytes_reserved(self) -> int:
+        return self.budget.reserved
+
     @property
     def has_room(self) -> bool:
         return len(self.waiting) + len(self.inbox) < self.config.max_queue

@@ -33,15 +33,12 @@ def _module(item) -> str:
     return item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One torch thread for a module's tests (restored after): on 2 shared cores, with the other xdist worker and
-    other jobs running, OpenMP's second thread waits on the first, and CPU-bound checks of the GPU path took about
-    twice as long (test_compile_budget: 121 s against 63 s alone). What they check does not depend on it."""
-    before = torch.get_num_threads()
+def pytest_configure(config):
+    """Each pytest process runs torch on one thread: `make test` runs two xdist workers on two cores, and a worker's
+    second OpenMP thread only waits on the first while the other worker computes (CPU-bound checks of the GPU path
+    took twice as long: test_compile_budget 121 s against 63 s). Ray's workers, jobs and the demo's processes keep
+    their own settings; a test that sets threads restores them."""
     torch.set_num_threads(1)
-    yield  # a fixture's teardown runs whatever its tests did
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from genrec.testing.tiny import write_model_dir
 from tests.conftest import TINY, random_prompt
 from tests.plans import FLASH_ON_CPU, graphed_plan
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # slow: make test-fast skips it
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast skips it
 
 LIMIT = 8  # torch._dynamo.config.recompile_limit's default
 HEADROOM = 3  # entries a piece may not reach, kept for Inductor's extra guards

@@ -19,7 +19,7 @@ from tests.conftest import random_prompt
 from tests.plans import TracedGraph, graphed_plan
 from tests.test_graph_capture import RecordedGraph
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # slow: make test-fast skips it
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast skips it
 
 # Small captures: passes of up to 32 rows of up to 4 requests, prefill passes of up to 16 tokens.
 CONFIG = dict(prefix_cache_bytes=0, prefill_tokens_per_step=16, max_running=4)

@@ -40,11 +40,15 @@ def prepare_models(model_dir: Path, ranker_dir: Path, cfg: DemoConfig, ranker_cf
     """`prepare`, and the HSTU ranker in `ranker_dir` (reused the same way) on the same data, trained beside it."""
     inputs = demo_inputs(cfg)
     kept = kept_ranker(ranker_dir, inputs[0], ranker_cfg, retrain, say)
+    if kept:
+        prepared = prepare(model_dir, cfg, retrain, say, progress, beam, inputs)
+        prepared.ranker, prepared.ranker_reused = kept, True
+        return prepared
     # A pool, not a bare process: leaving the block (Ctrl-C, an error here) terminates the ranker's training too.
     with get_context("spawn").Pool(1) as pool:
-        training = None if kept else pool.apply_async(train_into, (ranker_dir, *inputs, ranker_cfg))
+        training = pool.apply_async(train_into, (ranker_dir, *inputs, ranker_cfg))
         prepared = prepare(model_dir, cfg, retrain, say, progress, beam, inputs)
-        prepared.ranker, prepared.ranker_reused = (kept, True) if kept else (training.get(), False)
+        prepared.ranker, prepared.ranker_reused = training.get(), False
     return prepared
 
 

@@ -54,7 +54,8 @@ class EngineOptions(BaseModel):
         None,
         ge=16,
         le=16384,
-        description="rows of the largest decode pass captured as a CUDA graph at start (default 2048)",
+        description="rows of the largest decode pass captured as a CUDA graph at start (default: worked out at start "
+        "from max_running, the widest beam, the KV pool and the memory left beside it; genrec.engine.capture_size)",
     )
     split_kv: Literal["off", "on", "auto"] | None = Field(
         None,

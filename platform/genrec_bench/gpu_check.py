@@ -274,12 +274,15 @@ def beams_agree(a: Engine, b: Engine, retrieve: list) -> tuple[list[bool], float
 # Built and started in this order, one at a time, before any other model: the fast path; the fast path with
 # split-KV off (an engine built so, not a mutated plan); eager; the float32 reference (eager: nothing compiled for
 # it); the fast path selecting inside its decode graphs, last (a capture it cannot make costs the others nothing).
+# The fast engines capture up to 2,048 rows, the widest pass the parts make (8 requests of beam 256): the derived
+# default (8 requests of beam 1,024 where memory allows) would spend start-up time on captures no part replays.
+WIDEST = {"cuda_graph_max_rows": 2048}
 ENGINE_OPTIONS = {
-    "fast": {"cuda_fast": True},
-    "fast_whole": {"cuda_fast": True, "split_kv": "off"},
+    "fast": {"cuda_fast": True, **WIDEST},
+    "fast_whole": {"cuda_fast": True, "split_kv": "off", **WIDEST},
     "eager": {"cuda_fast": False},
     "float32": {"cuda_fast": False, "dtype": torch.float32},
-    "fast_selecting": {"cuda_fast": True, "selects_in_graph": True},
+    "fast_selecting": {"cuda_fast": True, "selects_in_graph": True, **WIDEST},
 }
 QUICK_ENGINES = ("fast", "eager", "float32")  # --quick's; also the ones every later part of the preset needs
 # --quick times one request of beam 256: its fast engine captures the decode passes of up to 256 rows only.

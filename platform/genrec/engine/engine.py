@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 FAMILIES = {"qwen3": Retriever, "hstu": Ranker}  # a model directory's family -> the engine's
 LIMITS = ("max_candidates", "score_max_tokens", "max_candidate_tokens", "max_candidate_len")  # the families' limits
 DERIVED = ("max_candidate_len",)  # limits whose None means "worked out from the others"
-GRAPH_MAX_ROWS = 2048  # the largest decode pass captured at start: 8 requests of beam 256
 
 
 class Engine:
@@ -68,7 +67,7 @@ class Engine:
         self.model_version = model_version  # salts the prefix cache's keys
         self.scheduler_config = scheduler or SchedulerConfig()
         max_requests = by_device(self.scheduler_config, self.device).max_running
-        self.runner = ModelRunner(family, self.plan, graph_max_rows or GRAPH_MAX_ROWS, max_requests)
+        self.runner = ModelRunner(family, self.plan, graph_max_rows, max_requests)
         self.clock = clock
         self._scheduler: Scheduler | None = None
         self._making_scheduler = threading.Lock()

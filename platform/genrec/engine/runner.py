@@ -7,12 +7,14 @@ a pass the captures do not hold runs eagerly.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from genrec.engine.beam import BeamCohort
+from genrec.engine.capture_size import decode_bytes_per_row, rows_to_capture
 from genrec.engine.decode_batch import DecodeBatch, bucket_of
 from genrec.engine.family import Family
 from genrec.engine.job import Prepared
@@ -30,9 +32,10 @@ class Prefilled:
 
 
 class ModelRunner:
-    def __init__(self, family: Family, plan: ExecutionPlan, graph_max_rows: int = 2048, max_requests: int = 8):
-        """`graph_max_rows`: the largest decode pass captured at start; `max_requests`: the most requests one decode
-        pass holds (the scheduler's `max_running`); the scheduler keeps passes within both (`pass_holds`)."""
+    def __init__(self, family: Family, plan: ExecutionPlan, graph_max_rows: int | None = None, max_requests: int = 8):
+        """`graph_max_rows`: the largest decode pass captured at start (None: worked out as it captures,
+        genrec.engine.capture_size); `max_requests`: the most requests one decode pass holds (the scheduler's
+        `max_running`); the scheduler keeps passes within both (`pass_holds`)."""
         # torch's compiler, which the attention's custom ops import on their first call: here, as the engine loads,
         # not in its first request (a process that only checks a model directory never imports it).
         import torch._dynamo  # noqa: F401
@@ -40,7 +43,7 @@ class ModelRunner:
         self.family, self.model, self.plan = family, family.model, plan
         self.device = self.model.device
         self.graphs = plan.graphs
-        self.graph_max_rows = bucket_of(graph_max_rows)
+        self.graph_max_rows = None if graph_max_rows is None else bucket_of(graph_max_rows)
         self.max_requests = max_requests
         self.past = max(family.levels - 2, 0)  # the longest beam suffix a decode pass reads
         self._buckets: dict[tuple, DecodeBatch] = {}  # (pool, bucket, spans, capacity, columns) -> a pass (no graph)
@@ -81,6 +84,8 @@ class ModelRunner:
         one span and MAX_SPANS) and the prefill stages up to `prefill_tokens`, in one session (the plan's). Once,
         before any request, so no capture overlaps other CUDA work. Returns the seconds it took."""
         started, before = time.perf_counter(), _device_bytes(self.device)
+        if self.graph_max_rows is None:
+            self.graph_max_rows = self._rows_to_capture(pool)
         with _on(self.device):
             session = self.plan.capture(self.device)
             self._capture_decode(pool, session)
@@ -88,6 +93,12 @@ class ModelRunner:
         self.graph_bytes = _device_bytes(self.device) - before
         self.warmup_s = time.perf_counter() - started
         return self.warmup_s
+
+    def _rows_to_capture(self, pool: KVPool) -> int:
+        """The largest decode pass to capture, as the pool and the memory left beside it allow (capture_size)."""
+        config, columns = self.model.config, getattr(self.family, "max_children", 1)
+        per_row = decode_bytes_per_row(config, self.model.dtype.itemsize, columns)
+        return rows_to_capture(self.max_requests, self.family.levels, pool.tokens, per_row, _free_bytes(self.device))
 
     def describe(self) -> dict:
         """What the captures hold (/v1/model `execution`, gpu_check): passes captured, the bytes of their static
@@ -98,6 +109,7 @@ class ModelRunner:
         buffers += [t for batch, _ in self._captured.values() for t in batch.outputs or ()]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}
         return {
+            "graph_max_rows": self.graph_max_rows,
             "captured_decode_passes": len(self._captured),
             "captured_prefill_buckets": len(self.prefill_graphs.buckets) if self.prefill_graphs else 0,
             "static_buffer_bytes": sum(storages.values()),
@@ -218,6 +230,13 @@ def _on(device: torch.device):
     """The engine's device made current, so that streams, graphs and their pool are made on it (an engine on
     cuda:1 in a process whose current device is cuda:0 would otherwise capture nothing)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _free_bytes(device: torch.device) -> int:
+    """The memory free on `device` now: the GPU's, or the host's available RAM (a CPU capture's stand-in)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _device_bytes(device: torch.device) -> int:

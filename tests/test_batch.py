@@ -228,3 +228,33 @@ def test_recommend_with_embeddings_from_the_cache(ray_cluster, engine, tiny_dir,
     assert np.allclose([r["code_logprob"] for r in table], [i.code_logprob for _, _, i in expected], atol=1e-5)
     given = [r for r in table if r["retrieval_logprob"] is None]
     assert len(given) == 2 * (n - 1) and {r["item_id"] for r in given} == {"item-000001", "item-000002"}
+
+
+def test_a_pipeline_of_the_callers_own_with_a_genrec_stage_gives_the_jobs_rows(reference, users, tmp_path):
+    """genrec.data in a pipeline the job does not know (examples/ray_data_pipeline.py's): rows from Python objects,
+    the genrec stage, the caller's own map_batches, written elsewhere. The job's rows for the same users; each bad
+    row a row with its error."""
+    import importlib.util
+
+    import ray
+
+    path = REPO / "examples" / "ray_data_pipeline.py"
+    example = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location("example", path))
+    spec.loader.exec_module(example)
+    job_spec, summary = reference
+    settings = dict(beam_width=BEAM, num_results=RESULTS, batch_size=BATCH)
+    example.recommendations(ray.data.from_items(users[1]), job_spec.model, **settings).write_parquet(str(tmp_path))
+    mine = pq.read_table(tmp_path).to_pylist()
+    assert len({r["made_at"] for r in mine}) == 1  # the caller's own map ran after the stage
+
+    job = sorted(read_output(job_spec.out).to_pylist(), key=lambda r: (r["user_id"], r["rank"]))
+    good = sorted((r for r in mine if r["error_reason"] is None), key=lambda r: (r["user_id"], r["rank"]))
+    same = ("user_id", "rank", "item_id", "semantic_id", "model_version", "catalog_version")
+    assert [[r[c] for c in same] for r in good] == [[r[c] for c in same] for r in job]
+    logprobs = [[r["retrieval_logprob"] for r in rows] for rows in (good, job)]
+    assert np.allclose(*logprobs, atol=1e-5)
+    assert {r["run_id"] for r in good} != {summary.run_id} and len({r["run_id"] for r in good}) == 1  # its own
+
+    bad = sorted(((r["user_id"], r["error_field"]) for r in mine if r["error_reason"] is not None), key=str)
+    assert bad == sorted(((users[1][row]["user_id"], field) for row, field in BAD.items()), key=str)
+    assert all(r["item_id"] is None for r in mine if r["error_reason"] is not None)

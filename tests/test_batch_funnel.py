@@ -323,3 +323,24 @@ def test_bad_ranking_flags_exit_2_naming_the_flag(case, fragment, tiny_dir, hstu
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and fragment in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_funnel_as_a_stage_of_the_callers_pipeline_gives_the_jobs_rows(reference, users, tmp_path):
+    """genrec.data.Recommend with a ranker over a Dataset of the users' rows (its two stages, each on its own
+    actors): the funnel job's rows; the bad rows of either stage as rows with their error."""
+    import ray
+
+    import genrec.data
+
+    spec, _ = reference
+    settings = dict(beam_width=BEAM, num_results=RESULTS, batch_size=BATCH, rank_task=TASK)
+    funnel = genrec.data.Recommend(spec.model, ranker=spec.ranker, rank_actors=1, **settings)
+    mine = funnel(ray.data.from_items(users[1])).take_all()
+    job = pq.read_table(Path(spec.out) / RECOMMENDATIONS).to_pylist()
+    same = ("user_id", "rank", "retrieval_rank", "item_id", "degraded", "ranker_version")
+    good = sorted((r for r in mine if r["error_reason"] is None), key=lambda r: (r["user_id"], r["rank"]))
+    assert [[r[c] for c in same] for r in good] == [[r[c] for c in same] for r in job]
+    probs = [[math.nan if r["prob_like"] is None else r["prob_like"] for r in rows] for rows in (good, job)]
+    assert np.allclose(*probs, atol=1e-6, equal_nan=True)
+    bad = sorted((r["user_id"], r["error_field"]) for r in mine if r["error_reason"] is not None)
+    assert bad == [(f"u{row:02d}", field) for row, field in BAD.items()]

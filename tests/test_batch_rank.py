@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -230,6 +231,20 @@ def test_the_rank_job_equals_engine_rank_and_a_rerun_rebuilds_a_deleted_shard(ra
     assert (again["processed"], again["skipped_as_done"], again["errors"]) == (BATCH, 10 - BATCH, 1)
     assert again["run_id"] == summary.run_id and again["rows_written"] == summary.rows_written
     assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("part-*.parquet")} == first
+
+    # The same ranking as a stage of a pipeline of the caller's (genrec.data): the job's rows, its bad row a row.
+    import genrec.data
+
+    rank = genrec.data.Rank(spec.model, rank_by="like", batch_size=BATCH)
+    mine = pa.Table.from_pylist(rank(ray_cluster.data.from_items(rows)).take_all())
+    good = mine.filter(pc.is_null(mine["error_reason"]))
+    ours, theirs = sorted(written_rows(good)), sorted(got)
+    assert [r[:3] for r in ours] == [r[:3] for r in theirs]
+    ours, theirs = ([[math.nan if p is None else p for p in r[3:]] for r in rows_] for rows_ in (ours, theirs))
+    assert np.allclose(ours, theirs, atol=1e-6, equal_nan=True)
+    assert mine.filter(pc.is_valid(mine["error_reason"])).select(["user_id", "error_field"]).to_pylist() == [
+        {"user_id": "user-004", "error_field": "candidates[0]"}
+    ]
 
 
 def test_a_rank_run_into_a_recommend_runs_directory_is_refused(tmp_path):

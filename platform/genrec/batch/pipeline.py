@@ -65,7 +65,7 @@ def run(
     plan = stages_of(spec, execution, ranking)
     for _, run_on in plan:
         _check_device(spec, run_on)
-    users = UsersInput(spec.users, _layout([stage for stage, _ in plan]))
+    users = UsersInput(spec.users, layout_of([stage for stage, _ in plan]))
     if users.unread:
         print(f"warning: {spec.users}: no stage of this job reads column(s) {', '.join(users.unread)}", file=sys.stderr)
     version = ModelDir.open(spec.model).version
@@ -124,31 +124,38 @@ def _claim_cluster(plan: list[tuple[Stage, Execution]], out: OutputDir) -> None:
 
 def _run_stages(pending: list[Shard], plan: list[tuple[Stage, Execution]], run_id: str, worker: type[ShardWorker]):
     ray = ensure_ray()
-    from ray.data import ActorPoolStrategy
-
     dataset = ray.data.from_arrow([shards_table([s]) for s in pending])  # one block per shard
     dataset.context.enable_progress_bars = plan[0][1].progress  # this dataset's copy of the context
     for k, (stage, run_on) in enumerate(plan):
         stage.connect()
-        dataset = dataset.map_batches(
-            worker,
-            fn_constructor_kwargs={
-                "stage": stage,
-                "run_id": run_id,
-                "hand_on": k < len(plan) - 1,
-                "execution": run_on,
-                "catalog_version": catalog_version_of(stage.model),  # every actor checks it serves this one
-            },
-            batch_size=1,  # one shard per call: the shard, not the Ray Data batch, sizes the engine call
-            batch_format="pyarrow",
-            compute=ActorPoolStrategy(size=min(run_on.actors, len(pending))),
-            num_cpus=run_on.cpus_per_actor,
-            num_gpus=run_on.num_gpus or None,
-        )
+        # One shard per call: the shard, not the Ray Data batch, sizes the engine call.
+        actors = run_on.model_copy(update={"actors": min(run_on.actors, len(pending))})
+        dataset = on_actors(dataset, worker, stage, actors, 1, run_id=run_id, hand_on=k < len(plan) - 1)
     yield from dataset.iter_rows()
 
 
-def _layout(stages: list[Stage]) -> InputLayout:
+def on_actors(dataset, worker: type, stage: Stage, run_on: Execution, batch_size: int, **kwargs):
+    """`dataset` mapped by `worker(stage, execution=run_on, catalog_version=..., **kwargs)` on an actor pool of
+    run_on's size, CPUs and GPUs, in Arrow batches of `batch_size` rows (a job's and genrec.data's stages alike)."""
+    from ray.data import ActorPoolStrategy
+
+    return dataset.map_batches(
+        worker,
+        fn_constructor_kwargs={
+            "stage": stage,
+            "execution": run_on,
+            "catalog_version": catalog_version_of(stage.model),  # every actor checks it serves this one
+            **kwargs,
+        },
+        batch_size=batch_size,
+        batch_format="pyarrow",
+        compute=ActorPoolStrategy(size=run_on.actors),
+        num_cpus=run_on.cpus_per_actor,
+        num_gpus=run_on.num_gpus or None,
+    )
+
+
+def layout_of(stages: list[Stage]) -> InputLayout:
     """The input columns of all the stages together."""
     return InputLayout(
         required=tuple(group for stage in stages for group in stage.layout.required),

@@ -38,16 +38,30 @@ def catalog_version_of(model: str) -> str | None:
     return catalog_version(path) if path.is_file() else None
 
 
-class JobSpec(EngineOptions):
-    """Everything that decides a job's output (engine options included): equal specs and inputs, equal files."""
+class StageSpec(EngineOptions):
+    """What a stage computes, on any input (a job's shards, or a Dataset's rows: genrec.data): its model, engine
+    options and the settings of its requests."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1, description="model directory")
+    device: str = "cpu"  # not a flag: the CUDA engine with GPUs per actor
+
+    @field_validator("model")
+    @classmethod
+    def _absolute_model(cls, path: str) -> str:
+        return absolute(path)
+
+    def check_models(self) -> None:
+        """Refuse, before any work, a model directory of the other family or one that fails `ModelDir.check`."""
+
+
+class JobSpec(StageSpec):
+    """Everything that decides a job's output (engine options included): equal specs and inputs, equal files."""
+
     users: str = Field(min_length=1, description="users Parquet file or directory (local path or URI)")
     out: str = Field(min_length=1, description="output directory (local path or URI)")
     batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
-    device: str = "cpu"  # not a flag: the CUDA engine with GPUs per actor
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         """The settings a rerun must share with the first run for its output to be the same run's."""
@@ -61,17 +75,15 @@ class JobSpec(EngineOptions):
             **self.engine_kwargs(),
         }
 
-    @field_validator("model", "users", "out")
+    @field_validator("users", "out")
     @classmethod
     def _absolute(cls, path: str) -> str:
         return absolute(path)
 
-    def check_models(self) -> None:
-        """Refuse, before any work, a model directory of the other family or one that fails `ModelDir.check`."""
 
-
-class RecommendSpec(JobSpec):
-    """The recommend job: retrieve (or with `score` recommend) for every user."""
+class RecommendStage(StageSpec):
+    """Retrieve (or with `score` recommend) for every user: the settings of the recommend job and of
+    genrec.data.Recommend."""
 
     beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search")
     beam_widths: list[Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
@@ -123,6 +135,13 @@ class RecommendSpec(JobSpec):
         """Codes each user's beam search returns: `num_results` (None: every beam)."""
         return self.num_results
 
+    def check_models(self) -> None:
+        model_dir(self.model, "qwen3").check()
+
+
+class RecommendSpec(RecommendStage, JobSpec):
+    """The recommend job: its stage's settings over a users input, into an output directory."""
+
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         # "rank", "rank_by": score's and order_by's names before (their old flags are gone: docs/CHANGELOG.md); kept
         # as the identity's keys, so that the run_ids of earlier runs stay the same.
@@ -137,14 +156,9 @@ class RecommendSpec(JobSpec):
             "cache": self.cache.name if self.cache else None,
         }
 
-    def check_models(self) -> None:
-        model_dir(self.model, "qwen3").check()
 
-
-class FunnelSpec(RecommendSpec):
+class FunnelStage(RecommendStage):
     """The funnel: the recommend in beam order (with `score`, the label's), then the ranker over each user's items."""
-
-    applies_to: ClassVar[str] = "the ranking stage"  # what its own flags are for (without --ranker: refused)
 
     ranker: str = Field(description="HSTU ranking model: a second stage ranks each user's items after its history")
     rank_task: str | None = Field(
@@ -180,21 +194,25 @@ class FunnelSpec(RecommendSpec):
         super().check_models()
         model_dir(self.ranker, "hstu").check()
 
+
+class FunnelSpec(FunnelStage, RecommendSpec):
+    """The funnel job."""
+
+    applies_to: ClassVar[str] = "the ranking stage"  # what its own flags are for (without --ranker: refused)
+
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         ranker = {"job": "funnel", "ranker_version": ModelDir.open(self.ranker).version, "rank_task": self.rank_task}
         kept = {"num_results": self.num_results}  # items after ranking (None: all), not codes
         return {**super().identity(model_version, input_fingerprint), **ranker, **kept, "format": FUNNEL_FORMAT}
 
 
-class RankSpec(JobSpec):
-    """The rank job: rank every user's given candidates with a ranking (HSTU) model."""
+class RankStage(StageSpec):
+    """Rank every user's given candidates with a ranking (HSTU) model: the settings of the rank job and of
+    genrec.data.Rank."""
 
     rank_by: str | None = Field(
         None, min_length=1, description="a task of the model: the order, ties in the candidates' (default: theirs)"
     )
-
-    def identity(self, model_version: str, input_fingerprint: str) -> dict:
-        return {**super().identity(model_version, input_fingerprint), "job": "rank", "rank_by": self.rank_by}
 
     def check_models(self) -> None:
         directory = model_dir(self.model, "hstu")
@@ -202,6 +220,13 @@ class RankSpec(JobSpec):
         tasks = directory.config.tasks
         if self.rank_by is not None and self.rank_by not in tasks:
             raise GenrecError(f"rank_by {self.rank_by!r} is not a task of the model (its tasks: {', '.join(tasks)})")
+
+
+class RankSpec(RankStage, JobSpec):
+    """The rank job."""
+
+    def identity(self, model_version: str, input_fingerprint: str) -> dict:
+        return {**super().identity(model_version, input_fingerprint), "job": "rank", "rank_by": self.rank_by}
 
 
 def model_dir(path: str, family: str) -> ModelDir:

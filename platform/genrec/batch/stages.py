@@ -21,7 +21,15 @@ from pydantic import BaseModel, ValidationError
 from genrec.api import RankRequest, RecommendRequest, RetrieveRequest, expected_value, located_error
 from genrec.batch.output import RANKINGS, RECOMMENDATIONS
 from genrec.batch.shards import InputLayout
-from genrec.batch.spec import Execution, FunnelSpec, JobSpec, RankingExecution, RankSpec, RecommendSpec, ranking_config
+from genrec.batch.spec import (
+    Execution,
+    FunnelStage,
+    RankingExecution,
+    RankStage,
+    RecommendStage,
+    StageSpec,
+    ranking_config,
+)
 from genrec.batch.tables import (
     ROW,
     Degraded,
@@ -60,7 +68,7 @@ class Rows:
 
 
 class Stage:
-    spec: JobSpec
+    spec: StageSpec
     layout: InputLayout  # the input columns it reads
     results: str  # the output folder of its results
     model: str  # the model directory its engine runs
@@ -83,7 +91,7 @@ class Retrieve(Stage):
         *("exclude_item_ids", "filters", "allowed_item_ids"),
     ]
 
-    def __init__(self, spec: RecommendSpec):
+    def __init__(self, spec: RecommendStage):
         self.spec, self.model, self.cache = spec, spec.model, None
 
     def connect(self) -> None:
@@ -150,7 +158,7 @@ class Rank(Stage):
     layout = InputLayout(required=(("history",), ("candidates",)), optional=("tasks",))
     results = RANKINGS
 
-    def __init__(self, spec: RankSpec):
+    def __init__(self, spec: RankStage):
         self.spec, self.model, self.tasks = spec, spec.model, tuple(ranking_config(spec.model).tasks)
 
     def parse(self, rows: Rows) -> Parsed:
@@ -181,7 +189,7 @@ class RankRetrieved(Stage):
     layout = InputLayout(required=(("history",),))
     results = RECOMMENDATIONS
 
-    def __init__(self, spec: FunnelSpec):
+    def __init__(self, spec: FunnelStage):
         self.spec, self.model, self.tasks = spec, spec.ranker, tuple(ranking_config(spec.ranker).tasks)
 
     def parse(self, rows: Rows) -> Parsed:
@@ -216,11 +224,11 @@ class RankRetrieved(Stage):
         return funnel_table(rows.handed, by_row, self.tasks, spec.rank_task, rows.versions.model, spec.num_results)
 
 
-def stages_of(spec: JobSpec, execution: Execution, ranking: RankingExecution) -> list[tuple[Stage, Execution]]:
-    """The spec's job as (job, how its stage runs), in order: one stage, or the funnel's two."""
-    if isinstance(spec, RankSpec):
+def stages_of(spec: StageSpec, execution: Execution, ranking: RankingExecution) -> list[tuple[Stage, Execution]]:
+    """The spec's stages as (stage, how it runs), in order: one stage, or the funnel's two."""
+    if isinstance(spec, RankStage):
         return [(Rank(spec), execution)]
-    if isinstance(spec, FunnelSpec):
+    if isinstance(spec, FunnelStage):
         first = (Recommend if spec.score else BeamOrder)(spec)
         return [(first, execution), (RankRetrieved(spec), ranking.over(execution))]
     return [((Recommend if spec.score else Retrieve)(spec), execution)]

@@ -262,3 +262,58 @@ def test_every_deployment_starts_its_replacements_before_it_stops_the_old_unless
     assert args.ingress.deployment_options(args.ingress.defaults())["max_surge_percent"] == ROLLOUT_SURGE_PERCENT
     assert engine_deployment(args, args.retriever)["max_surge_percent"] == ROLLOUT_SURGE_PERCENT
     assert engine_deployment(args, args.ranker)["max_surge_percent"] == 0
+
+
+GPU_CONFIGS = [DEPLOYMENTS / "gpu.yaml", DEPLOYMENTS / "funnel-gpu.yaml"]
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
+def test_the_gpu_engines_scale_on_their_work_with_a_policy_that_loads(path):
+    """Each engine deployment names genrec's work policy (not Serve's request count), by an import path that
+    imports and kwargs it takes, as the controller will load and build it."""
+    from ray.serve.config import AutoscalingConfig
+
+    from genrec.serving.app import engine_deployment
+    from genrec.serving.autoscaling import WORK_POLICY, WorkPolicy
+
+    (app,) = yaml.safe_load(path.read_text())["applications"]
+    args = AppArgs.model_validate(app["args"])
+    for section in args.engines().values():
+        deployed = AutoscalingConfig(**engine_deployment(args, section)["autoscaling_config"])
+        assert deployed.policy.policy_function == WORK_POLICY
+        loaded = deployed.policy.get_policy()  # what the controller unpickles and builds with the kwargs
+        assert loaded.__qualname__ == WorkPolicy.__qualname__
+        assert loaded(**deployed.policy.policy_kwargs).target > 0
+
+
+def test_the_config_check_refuses_a_policy_the_controller_could_not_load_or_build(tmp_path, capsys):
+    """Serve imports the policy and builds it with its kwargs in its controller, after the config was sent: a bad
+    path or a kwarg the policy does not take is refused before anything is sent, naming where."""
+    config = yaml.safe_load((DEPLOYMENTS / "gpu.yaml").read_text())
+    policy = config["applications"][0]["args"]["retriever"]["deployment"]["autoscaling_config"]["policy"]
+    where = "applications[0].args.retriever.deployment"
+    for bad, says in (
+        ({"policy_function": "genrec.serving.autoscaling:WorkPolicyy"}, "autoscaling_config.policy.policy_function"),
+        ({"policy_function": "genrec.serving.no_such_module:WorkPolicy"}, "cannot import"),
+        ({"policy_kwargs": {"target_work": 64000}}, "autoscaling_config.policy.policy_kwargs"),
+        ({"policy_kwargs": {"target_work_per_replica": 0}}, "must be positive"),
+    ):
+        broken = {**policy, **bad}
+        config["applications"][0]["args"]["retriever"]["deployment"]["autoscaling_config"]["policy"] = broken
+        (problem,) = problems(config)
+        assert problem.startswith(f"{where}: ") and says in problem, problem
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main([str(path)]) == 2
+    assert "policy_kwargs" in capsys.readouterr().err
+
+
+def test_the_rayservice_upgrade_strategy_is_one_kuberay_knows():
+    spec = yaml.safe_load((DEPLOYMENTS / "rayservice.yaml").read_text())["spec"]
+    strategy = spec["upgradeStrategy"]
+    assert strategy["type"] in ("NewCluster", "NewClusterWithIncrementalUpgrade")
+    if strategy["type"] == "NewClusterWithIncrementalUpgrade":  # its required options (KubeRay 1.5.1+)
+        options = strategy["clusterUpgradeOptions"]
+        assert {"gatewayClassName", "stepSizePercent", "intervalSeconds"} <= set(options)
+        assert options["stepSizePercent"] <= options.get("maxSurgePercent", 100)
+        assert spec["rayClusterConfig"]["enableInTreeAutoscaling"] is True

@@ -109,6 +109,8 @@ class RecordingEngine:
     def metrics(self):
         return {}
 
+    work_in_flight = 0  # what the replica reports to Serve's autoscaler: nothing runs in a recording
+
     def shutdown(self, **_):
         pass
 

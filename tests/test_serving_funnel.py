@@ -396,6 +396,32 @@ def test_without_an_embedding_cache_a_user_id_alone_is_a_scope_and_routing_key(u
     assert needs.status_code == 422 and needs.json()["details"][0]["field"] == "user_embedding", needs.text
 
 
+def test_every_series_the_grafana_dashboard_queries_is_exported(urls, client):
+    """deployments/grafana/genrec.json against this module's apps: every series a panel queries is on the node's
+    metrics endpoint, with the labels the panel filters on (tests/test_grafana_dashboard.py reads the dashboard).
+    The funnel app has every engine series and the degraded ones; an embedding cache's shard, the cache's."""
+    import ray
+
+    from genrec.cache.actor import EmbeddingCache
+    from genrec.cache.config import CacheConfig
+    from tests.test_grafana_dashboard import dashboard_series, missing_series
+
+    cache = EmbeddingCache.connect(CacheConfig(name="dashboard-users", dim=TINY.user_dim, capacity=16, store="none"))
+    try:
+        cache.get(["u-1"])  # a miss
+        body = {"prompt": PROMPT, "user_embedding": vector(4), "beam_width": 8, "history": history(4)}
+        answer = client.post(f"{urls['funnel']}/v1/recommend", json=body)  # latency: a retrieval and a ranking
+        assert answer.status_code == 200, answer.text
+        port, wanted = ray.nodes()[0]["MetricsExportPort"], dashboard_series()
+        deadline = time.monotonic() + 60
+        while gaps := missing_series(wanted, client.get(f"http://127.0.0.1:{port}/metrics").text):
+            assert time.monotonic() < deadline, gaps
+            time.sleep(0.5)  # the session's Ray exports every second (tests/conftest.py)
+    finally:
+        for actor in cache.actors:
+            ray.kill(actor)
+
+
 def test_both_stages_share_one_deadline(urls, client, funnel_args):
     """A deadline too short for the two stages is a 504; the deadline changes live (the Ingress's user_config)."""
     before = replica_actor_names("funnel", "RankerServer")

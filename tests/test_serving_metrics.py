@@ -1,5 +1,6 @@
 """The prefix cache's stats reach the Prometheus exporter: the engine's cumulative totals become counter
-increments (a counter only goes up), bytes held and entries gauges. No Ray cluster: the metric classes are fakes."""
+increments (a counter only goes up), bytes held and entries gauges; so do the work in flight, the catalog version
+served and the embedding cache's lookups. No Ray cluster: the metric classes are fakes."""
 
 import asyncio
 import concurrent.futures
@@ -26,6 +27,7 @@ class Recorded:
 
     def set(self, value, tags=None):
         self.value = value
+        self.series[tuple(sorted((tags or {}).items()))] = value
 
 
 def test_prefix_cache_totals_become_counter_increments_and_gauges(monkeypatch):
@@ -76,21 +78,76 @@ def test_the_engine_snapshot_feeds_the_prefix_cache_exporter(monkeypatch, tiny_d
     assert exporter.prefix_cache.gauges["genrec_prefix_cache_bytes_held"].value > 0
 
 
-def test_the_step_in_flight_is_exported(monkeypatch):
+def recorded_exporter(monkeypatch) -> metrics.EngineMetricsExporter:
     for name in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(metrics, name, Recorded)
-    exporter = metrics.EngineMetricsExporter()
-    snapshot = {
-        "queue_depth": 0,
-        "running": 1,
-        "kv_bytes_reserved": 0,
-        "batch_rows_per_step": {"p50": None},
-        "prefill_tokens_per_step": {"p50": None},
-        "step_in_flight_s": 42.5,
-        "requests": {},
-    }
-    exporter.update(snapshot)
+    return metrics.EngineMetricsExporter()
+
+
+def engine_snapshot(**fields) -> dict:
+    """An engine metrics snapshot of an idle engine, with `fields` set."""
+    quiet = {"p50": None}
+    idle = {"queue_depth": 0, "running": 0, "kv_bytes_reserved": 0, "requests": {}}
+    return idle | {"batch_rows_per_step": quiet, "prefill_tokens_per_step": quiet} | fields
+
+
+def test_the_step_in_flight_is_exported(monkeypatch):
+    exporter = recorded_exporter(monkeypatch)
+    exporter.update(engine_snapshot(running=1, step_in_flight_s=42.5))
     assert exporter.step_in_flight.value == 42.5
+
+
+def test_the_work_in_flight_and_the_catalog_served_are_exported(monkeypatch):
+    """Beam rows and context tokens as the engine's snapshot has them, the work the autoscaling policy reads; the
+    served catalog version as a tag, and none while a retriever refuses (its old version then stops being set, and
+    Ray's agent drops it)."""
+    exporter = recorded_exporter(monkeypatch)
+    snapshot = engine_snapshot(running=2, beam_rows=24, context_tokens=300)
+    exporter.update(snapshot, catalog="declared", catalog_version="c-1", work_in_flight=5000)
+    assert (exporter.beam_rows.value, exporter.context_tokens.value, exporter.work.value) == (24, 300, 5000)
+    assert exporter.catalog_version.series == {(("catalog_version", "c-1"),): 1}
+    exporter.catalog_version.series.clear()
+    exporter.update(snapshot, catalog="refusing", catalog_version=None)
+    assert exporter.catalog_version.series == {}
+
+
+def test_the_engine_counts_the_beam_rows_and_context_tokens_in_flight(engine):
+    """Of the running requests, after each step: the rows of those decoding, the context tokens of all; 0 once
+    they are done."""
+    from genrec.api import RetrieveRequest
+    from genrec.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(engine.family, engine.runner)
+    prompt = [3 + i % 150 for i in range(40)]
+    futures = [scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=prompt, beam_width=4)))]
+    futures.append(scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=prompt[:10], beam_width=2))))
+    seen = []
+    while not scheduler.idle:
+        scheduler.step()
+        snapshot = scheduler.snapshot()
+        seen.append((snapshot["running"], snapshot["beam_rows"], snapshot["context_tokens"]))
+    assert all(f.done() for f in futures)
+    assert (2, 6, 50) in seen  # both decoding, 4 and 2 beams wide: 6 rows, over 40 + 10 context tokens
+    assert seen[-1] == (0, 0, 0)
+
+
+def test_the_embedding_caches_lookups_become_counter_increments(monkeypatch):
+    """Each shard's cumulative table stats, tagged with the cache's name and the shard; at 0 before any lookup."""
+    from genrec.cache import metrics as cache_metrics
+    from genrec.cache.table import TableStats
+
+    monkeypatch.setattr(cache_metrics, "Counter", Recorded)
+    exporter = cache_metrics.CacheMetrics("users", 1)
+    tags = (("cache", "users"), ("shard", "1"))
+    assert {name: c.series for name, c in exporter.counters.items()} == dict.fromkeys(exporter.counters, {tags: 0})
+    exporter.update(TableStats(hits=3, misses=2, store_hits=1))
+    exporter.update(TableStats(hits=3, misses=5, store_hits=1))  # what did not move adds nothing
+    values = {name: c.series[tags] for name, c in exporter.counters.items()}
+    assert values == {
+        "genrec_embedding_cache_hits": 3,
+        "genrec_embedding_cache_misses": 5,
+        "genrec_embedding_cache_store_hits": 1,
+    }
 
 
 def test_the_engines_counters_start_at_zero(monkeypatch):

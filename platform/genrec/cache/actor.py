@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from genrec.cache.config import CacheConfig
 from genrec.cache.keys import checked_batch, mix64, normalize_keys
+from genrec.cache.metrics import CacheMetrics
 from genrec.cache.table import EmbeddingTable
 from genrec.errors import CacheError, GenrecError, StoreError
 
@@ -44,12 +45,18 @@ class EmbeddingCacheActor:
         self.table: EmbeddingTable | None = None
         with contextlib.suppress(GenrecError):
             self._table()
+        CacheMetrics(config.name, shard).export_every(self._table_stats)
 
     def _table(self) -> EmbeddingTable:
         if self.table is None:
             c = self.config
             self.table = EmbeddingTable(c.dim, c.capacity, c.policy, c.admit_after, store=open_store(c, self.shard))
         return self.table
+
+    def _table_stats(self):
+        """The lookups counted so far (None: no table, its store has not opened). Never opens one: it is read from
+        the metrics thread."""
+        return None if self.table is None else self.table.stats
 
     def describe(self) -> dict:
         """The configuration this shard serves (raises if its store does not open)."""

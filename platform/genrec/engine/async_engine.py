@@ -160,6 +160,11 @@ class AsyncEngine:
     def kv_bytes_reserved(self) -> int:
         return self.scheduler.kv_bytes_reserved
 
+    @property
+    def work_in_flight(self) -> int:
+        """`Scheduler.work_in_flight`: read from any thread, no lock, no device sync."""
+        return self.scheduler.work_in_flight
+
     def shutdown(self, timeout_s: float = 10.0, drain: bool = False) -> None:
         """Stop admitting; settle every held request (EngineStopped now, or with `drain` after up to `timeout_s`)."""
         deadline = time.monotonic() + timeout_s

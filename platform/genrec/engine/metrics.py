@@ -67,6 +67,10 @@ class EngineMetrics:
         self.clock = clock  # the scheduler's
         self.queue_depth = 0
         self.running = 0
+        # Of the running requests, after the last step: the beam rows decoding and the context tokens (prompt tokens,
+        # history events) admitted. The work a step carries, which request counts alone do not show.
+        self.beam_rows = 0
+        self.context_tokens = 0
         self.kv_bytes_reserved = 0
         self.steps = 0
         self.step_started: float | None = None  # clock time the step in flight began; None between steps
@@ -93,6 +97,8 @@ class EngineMetrics:
                 "step_in_flight_s": self.step_in_flight_s(),
                 "queue_depth": self.queue_depth,
                 "running": self.running,
+                "beam_rows": self.beam_rows,
+                "context_tokens": self.context_tokens,
                 "kv_bytes_reserved": self.kv_bytes_reserved,
                 "steps": self.steps,
                 "batch_rows_per_step": self.batch_rows_per_step.snapshot(),

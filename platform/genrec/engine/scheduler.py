@@ -108,6 +108,9 @@ class Scheduler:
         self.inbox: deque[Job] = deque()  # appended by submitters, drained by the loop (deque ops are atomic)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # admitted, in admission order; their state says what they need next
+        # The work of every request taken and of every one settled (`work_of`): each written by one thread (the
+        # submitter, the loop), so no update is lost and `work_in_flight` needs no lock.
+        self.work_submitted = self.work_finished = 0
 
     # -- submission (any thread; the AsyncEngine serialises submitters) ---------------------------
 
@@ -131,8 +134,24 @@ class Scheduler:
             raise Overloaded(f"engine queue is full ({self.config.max_queue} waiting requests)")
         now = self.clock()
         job = Job(prepared, Future(), now, now + timeout_s, tokens)
+        self.work_submitted += self.work_of(prepared)
         self.inbox.append(job)
         return job.future
+
+    def work_of(self, prepared: Prepared) -> int:
+        """What a request asks of the engine, in the token-equivalents of its pass budgets (pass_cost.py): every token
+        it holds in the pool (its context, beam suffixes, candidate rows) computed once, each attending to its
+        context. Rows x context makes a wide beam over a long prompt weigh what it costs; the per-token term keeps a
+        narrow request from weighing nothing. From the host-side request alone: no device work, no sync."""
+        context = len(prepared.token_ids)
+        return round(prepared.kv_tokens * (1 + context / self.family.cost.context_span))
+
+    @property
+    def work_in_flight(self) -> int:
+        """The work (`work_of`) of the requests queued and running now: what an engine replica reports to Serve's
+        autoscaler (genrec.serving.autoscaling). A running sum, added at submit and taken off when a request is
+        settled, so reading it walks no queue."""
+        return self.work_submitted - self.work_finished
 
     def forget_counts(self) -> None:
         """Metrics and cache statistics from zero: the engine's own warm-up requests are not its callers'."""
@@ -187,6 +206,8 @@ class Scheduler:
         scored = self._score()
         m = self.metrics
         m.queue_depth, m.running = len(self.waiting), len(self.running)
+        m.beam_rows = sum(j.cohort.rows for j in self.in_state(DECODING))
+        m.context_tokens = sum(len(j.prepared.token_ids) for j in self.running)
         m.kv_bytes_reserved = self.budget.reserved
         if prefill_tokens or rows or ready or scored:
             m.steps += 1
@@ -349,6 +370,7 @@ class Scheduler:
         """Settle the job's future and give its KV back (from any state)."""
         (self.running if job in self.running else self.waiting).remove(job)
         job.move(FINISHED)
+        self.work_finished += self.work_of(job.prepared)
         if job.holding is not None:
             self.budget.release(job.holding)
             job.holding = None

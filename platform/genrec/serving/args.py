@@ -69,9 +69,14 @@ def deployment_problems(options: dict) -> list[str]:
     from ray.serve.schema import DeploymentSchema
 
     found = [f"{where}: not an option of a Serve deployment" for where in unknown_keys(options, DeploymentSchema)]
+    scaling = options.get("autoscaling_config")
+    if isinstance(scaling, dict) and isinstance(scaling.get("policy"), dict):
+        policy = _policy_problems(scaling["policy"])
+        if policy:  # Serve's schemas would raise the import error itself, not a validation error
+            return found + policy
     checks = [(DeploymentSchema, {"name": "check", **options})]
-    if isinstance(options.get("autoscaling_config"), dict):
-        checks.append((AutoscalingConfig, options["autoscaling_config"]))
+    if isinstance(scaling, dict):
+        checks.append((AutoscalingConfig, scaling))
     for model, value in checks:
         try:
             model.model_validate(value)
@@ -79,6 +84,30 @@ def deployment_problems(options: dict) -> list[str]:
             prefix = "autoscaling_config." if model is AutoscalingConfig else ""
             found += [f"{prefix}{'.'.join(map(str, e['loc'])) or '(options)'}: {e['msg']}" for e in err.errors()]
     return found
+
+
+def _policy_problems(policy: dict) -> list[str]:
+    """An autoscaling policy Serve's controller could not load or build: its import path must import here, and a
+    policy class must take its `policy_kwargs` (Serve builds it with them in its controller, after the deploy was
+    sent)."""
+    import inspect
+
+    from ray.serve.config import AutoscalingPolicy
+
+    where = "autoscaling_config.policy"
+    try:
+        loaded = AutoscalingPolicy.model_validate(policy)
+    except ValidationError as err:
+        return [f"{where}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+    except (ImportError, AttributeError, ValueError) as err:
+        return [f"{where}.policy_function: cannot import {policy.get('policy_function')!r} ({err})"]
+    function = loaded.get_policy()
+    if inspect.isclass(function):
+        try:
+            function(**loaded.policy_kwargs)
+        except (TypeError, ValueError) as err:
+            return [f"{where}.policy_kwargs: {function.__name__} refuses {loaded.policy_kwargs} ({err})"]
+    return []
 
 
 # A rolling restart (any change to `args`) starts each replacement before it stops the replica it replaces, up to

@@ -14,6 +14,7 @@ from ray.serve.exceptions import RayServeException
 
 from genrec.engine import AsyncEngine, Engine
 from genrec.serving.args import EngineLimits, ReplicaOptions, RetrieverLive, live_limits
+from genrec.serving.autoscaling import WORK_METRIC
 from genrec.serving.declared_catalog import DeclaredCatalog
 from genrec.serving.http_errors import CatalogNotServed
 from genrec.serving.metrics import EngineMetricsExporter
@@ -111,9 +112,21 @@ class EngineServer:
                 state |= {"catalog_version": None, "previous_catalog_version": None, "catalog_items": 0}
         return state
 
+    def _served_catalog_version(self) -> str | None:
+        """The catalog version requests are answered from: a ranker's never changes; a retriever's may change live,
+        and while it refuses for want of its declared catalog it serves none (None)."""
+        if self.catalog is None:
+            return self.info.catalog_version
+        return None if self.catalog.refusing else self.driver.catalog_state()["catalog_version"]
+
     def record_routing_stats(self) -> dict:
         """Serve's routing stats, read by router.py: a replica refusing for want of its catalog is tried last."""
         return {"catalog_served": self.catalog is None or not self.catalog.refusing}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling stats: the work queued and running in this replica's engine, which genrec's policy
+        scales on (genrec.serving.autoscaling). A running sum: cheap on the replica's event loop."""
+        return {WORK_METRIC: float(self.driver.work_in_flight)}
 
     def _report(self) -> None:
         """This replica's catalog state to the app's board (GET /v1/model); no board outside Serve."""
@@ -134,6 +147,7 @@ class EngineServer:
         return {
             "replica": self.replica,
             "metrics": self.driver.metrics(),
+            "work_in_flight": self.driver.work_in_flight,
             "limits": self.limits.model_dump(),
             "user_config_refused": self.config_refused,
             "threads": self.threads.as_dict(),
@@ -167,7 +181,14 @@ class EngineServer:
         while not self._stopped.wait(period_s):
             since = None if self.catalog is None else self.catalog.not_declared_since
             status, refused = self.catalog_status, self.config_refused is not None
-            self.metrics.update(self.driver.metrics(), config_refused=refused, catalog=status, not_declared_since=since)
+            self.metrics.update(
+                self.driver.metrics(),
+                config_refused=refused,
+                catalog=status,
+                not_declared_since=since,
+                catalog_version=self._served_catalog_version(),
+                work_in_flight=self.driver.work_in_flight,
+            )
             if ticks % int(REPORT_EVERY_S / period_s) == 0:
                 self._report()
             ticks += 1

@@ -42,7 +42,17 @@ class EngineMetricsExporter:
         )
         self.queue_depth = Gauge("genrec_queue_depth", description="requests waiting for admission")
         self.running = Gauge("genrec_running_requests", description="requests in prefill or decode")
+        self.beam_rows = Gauge("genrec_beam_rows_in_flight", description="beam rows of the requests decoding")
+        self.context_tokens = Gauge(
+            "genrec_context_tokens_in_flight",
+            description="context tokens (prompt tokens, history events) of the running requests",
+        )
         self.kv_bytes = Gauge("genrec_kv_bytes_reserved", description="KV memory reserved by running requests")
+        self.work = Gauge(
+            "genrec_work_in_flight",
+            description="the work of the requests queued and running (token-equivalents): what genrec's autoscaling "
+            "policy scales on (genrec.serving.autoscaling)",
+        )
         self.rows_per_step = Gauge("genrec_rows_per_step_p50", description="median decode rows per step (recent)")
         self.prefill_per_step = Gauge(
             "genrec_prefill_tokens_per_step_p50", description="median prefill tokens per step (recent)"
@@ -64,6 +74,12 @@ class EngineMetricsExporter:
             description="how long this retriever replica has not served the catalog its config declares, seconds (0: "
             "it serves it); it converges within a check period plus a load once the file is readable and valid",
         )
+        self.catalog_version = Gauge(
+            "genrec_catalog_version",
+            description="1, tagged with the catalog version this replica serves (none while it refuses for want of "
+            "its declared catalog); count by catalog_version shows a rollout's progress",
+            tag_keys=("catalog_version",),
+        )
         self.prefix_cache = PrefixCacheExporter()
 
     def answered(self, kind: str, seconds: float) -> None:
@@ -84,9 +100,12 @@ class EngineMetricsExporter:
         config_refused: bool = False,
         catalog: str | None = None,
         not_declared_since: float | None = None,
+        catalog_version: str | None = None,
+        work_in_flight: int = 0,
     ) -> None:
         """`catalog`: the replica's catalog status (declared, kept_running, refusing; None: a ranker's), not the
-        declared one since `not_declared_since` (wall clock; None: it is)."""
+        declared one since `not_declared_since` (wall clock; None: it is). `catalog_version`: the one it serves (None:
+        none). Only the served version is set: the one before stops being set, and Ray's agent drops it."""
         self.model_load_seconds.set(self.load_s)
         self.user_config_refused.set(int(config_refused))
         for state in UNDECLARED:
@@ -94,10 +113,15 @@ class EngineMetricsExporter:
         if catalog is not None:
             since = not_declared_since
             self.catalog_not_declared_s.set(0.0 if since is None else max(0.0, time.time() - since))
+        if catalog_version is not None:
+            self.catalog_version.set(1, tags={"catalog_version": catalog_version})
         self.export_outcomes(snapshot["requests"])
         self.queue_depth.set(snapshot["queue_depth"])
         self.running.set(snapshot["running"])
+        self.beam_rows.set(snapshot.get("beam_rows", 0))
+        self.context_tokens.set(snapshot.get("context_tokens", 0))
         self.kv_bytes.set(snapshot["kv_bytes_reserved"])
+        self.work.set(work_in_flight)
         self.step_in_flight.set(snapshot.get("step_in_flight_s", 0.0))
         self.rows_per_step.set(snapshot["batch_rows_per_step"]["p50"] or 0)
         self.prefill_per_step.set(snapshot["prefill_tokens_per_step"]["p50"] or 0)

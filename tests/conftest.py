@@ -168,7 +168,10 @@ def ray_cluster():
     # Metrics reach the node's Prometheus endpoint every second, not every 10 s (Ray's default): the tests that read
     # a counter or gauge there wait for it.
     system = {"metrics_report_interval_ms": 1000}
-    ray.init(num_cpus=2, include_dashboard=False, namespace="genrec-tests", log_to_driver=False, _system_config=system)
+    # address="local": a Ray of this worker's own, even while a test of the other worker runs a `ray start` cluster
+    # (ray.init() with no address joins any local cluster it finds running).
+    options = dict(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system)
+    ray.init(address="local", namespace="genrec-tests", **options)
     yield ray
     ray.shutdown()
 

@@ -124,7 +124,9 @@ def _actor_throughput(vectors, all_keys, workload, inline_bytes) -> float:
     started = not ray.is_initialized()
     if started:
         system_config = {"max_direct_call_object_size": inline_bytes} if inline_bytes else None
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system_config)
+        # A Ray of the bench's own, never a `ray start` cluster running beside it (ray.init() would join that).
+        options = dict(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system_config)
+        ray.init(address="local", **options)
     try:
         config = CacheConfig(name=f"bench-{os.getpid()}", dim=vectors.shape[1], capacity=len(all_keys), store="none")
         cache = EmbeddingCache.connect(config, namespace=None)

@@ -43,6 +43,8 @@ def test_a_dataset_without_a_column_the_stage_reads_fails_in_one_line_naming_it(
         _users(pa.table({"user_id": [1.5], "prompt": ["x"]}), layout)
     kept = _users(pa.table({"user_id": [1], "prompt": ["x"], "mine": [2]}), layout)
     assert kept.column_names == ["user_id", "prompt"]
+    unnamed = pa.table({"user_id": pa.nulls(2), "prompt": ["x", "y"]})  # no user_id in a batch: its rows' errors
+    assert _users(unnamed, layout).num_rows == 2
 
 
 def test_results_and_error_rows_share_one_schema_in_every_batch():

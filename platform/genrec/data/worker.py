@@ -78,7 +78,8 @@ def _users(batch: pa.Table, layout: InputLayout) -> pa.Table:
     if "user_id" not in names:
         raise GenrecError(f"genrec.data: the dataset has no column 'user_id' (it has {names})")
     kind = batch.schema.field("user_id").type
-    if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    usable = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string, pa.types.is_null)  # null: none given
+    if not any(is_kind(kind) for is_kind in usable):
         raise GenrecError(f"genrec.data: column 'user_id' must hold integers or strings, not {kind}")
     missing = layout.missing(names)
     if missing:

@@ -18,10 +18,9 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # Two workers (pytest-xdist), each module whole on one (loadfile: its module fixtures, e.g. a Serve app, made once);
-# each worker starts the session's Ray cluster once if its tests need it; the longest modules are handed out first
-# (tests/conftest.py: SLOWEST_FIRST, kept in that order by --no-loadscope-reorder).
+# each worker starts the session's Ray cluster once if its tests need it (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The unit tier only (no Ray, Serve, jobs, redis-server or demo, nor the slow CPU checks of the GPU path): the inner loop.
 test-fast: $(STAMP)

@@ -22,28 +22,11 @@ INTEGRATION_MODULES = {"test_serving", "test_batch_jobs", "test_demo_e2e"}
 # tests would take longer: on 2026-12-06 they took 1,056 s of the suite's 1,801 test-seconds.)
 
 
-# The longest modules first, longest first (`make test` keeps this order: --no-loadscope-reorder). xdist would queue
-# modules by their number of tests, so the demo's end-to-end run (a third of a worker's time, 3 tests) started last,
-# alone, while the other worker idled: 172 s of idle worker on 2026-12-06.
-SLOWEST_FIRST = (
-    "test_demo_e2e",
-    "test_serving",
-    "test_batch_jobs",
-    "test_serving_funnel",
-    "test_deploy",
-    "test_serving_drain",
-    "test_node_loss",
-    "test_bench_commands",
-)
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         on_session_cluster = bool(INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())))
         if on_session_cluster or _module(item) in INTEGRATION_MODULES:
             item.add_marker(pytest.mark.integration)
-    rank = {name: k for k, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: every other module as collected
 
 
 def _module(item) -> str:

@@ -121,6 +121,8 @@ def test_bench_serve(tiny_dir, tmp_path):
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     report = json.loads(out.read_text())
     assert report["ratios"]["saturation_serve_over_in_process"] > 0 and report["one_at_a_time"]["pairs"] == 3
+    hops = report["one_at_a_time"]
+    assert hops["in_process_median_ms"] > 0 and hops["handle_median_ms"] > 0 and "proxy_and_ingress_added_ms" in hops
     assert report["serve"]["rates"][0]["completed"] > 0 and report["serve"]["rates"][0]["errors"] == 0
     assert plot.stat().st_size > 0
 

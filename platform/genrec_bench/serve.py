@@ -30,6 +30,7 @@ from genrec_bench.common import described, machine, model_dir_for, parse_rates, 
 from genrec_bench.load import RequestMaker, burst_throughput, open_loop, serving
 
 FUNNEL_GOAL = 1.5
+APP = "bench"  # the app's name on the bench's own Serve
 
 
 def serve(o: ServeOptions) -> dict:
@@ -41,7 +42,7 @@ def serve(o: ServeOptions) -> dict:
     args = app_args(model_dir, threads=torch.get_num_threads(), queue=4096, in_flight=4096)
     with serving(engine) as (_, in_process_call):
         in_process = asyncio.run(_measure(in_process_call, maker, rates, o.duration, o.burst))
-        with local_app("bench", args) as url:
+        with local_app(APP, args) as url:
             measured = _measure_http(url, in_process_call, maker, rates, o.duration, o.burst, o.pairs)
             through, added = asyncio.run(measured)
     report = {
@@ -87,8 +88,24 @@ async def _measure_http(url, in_process_call, maker, rates, duration, burst, pai
                 raise GenrecError(f"HTTP {response.status_code}: {response.text[:200]}")
             return response.json()
 
-        added = await _added_latency(in_process_call, http_call, maker, pairs)
+        added = await _added_latency(in_process_call, http_call, _handle_call(), maker, pairs)
         return await _measure(http_call, maker, rates, duration, burst), added
+
+
+def _handle_call():
+    """The engine deployment called through a Serve handle from here: Serve's replica hop without its HTTP proxy
+    and the ingress (where the added latency goes, split: docs/benchmarks.md, "bench serve")."""
+    from ray import serve
+
+    from genrec.serving.args import DEPLOYMENTS
+
+    handle = serve.get_deployment_handle(DEPLOYMENTS["retriever"], app_name=APP)
+
+    async def call(request):
+        method = "retrieve" if request.__class__.__name__ == "RetrieveRequest" else "score"
+        return await getattr(handle, method).remote(request, 600.0)
+
+    return call
 
 
 async def _measure(call, maker, rates, duration, burst) -> dict:
@@ -96,26 +113,32 @@ async def _measure(call, maker, rates, duration, burst) -> dict:
     return {"saturation": saturation, "rates": [await open_loop(call, maker, rate, duration) for rate in rates]}
 
 
-async def _added_latency(in_process_call, http_call, maker, pairs: int) -> dict:
-    """One request at a time (no queueing), the same request on both paths back to back, alternating which
-    goes first: the median of the per-pair differences is what Serve adds, whatever the machine's drift."""
-    await in_process_call(maker())
-    await http_call(maker())
-    local, http = [], []
+async def _added_latency(in_process_call, http_call, handle_call, maker, pairs: int) -> dict:
+    """One request at a time (no queueing), the same request on each path back to back (in-process, through a Serve
+    handle to the engine replica, over HTTP through the proxy and the ingress), the order alternating: the median of
+    the per-request differences is what each hop adds, whatever the machine's drift."""
+    paths = {"local": in_process_call, "handle": handle_call, "http": http_call}
+    for call in paths.values():
+        await call(maker())
+    timed = {name: [] for name in paths}
     for i in range(pairs):
         request = maker()
-        timed = {}
-        for name, call in (("local", in_process_call), ("http", http_call))[:: 1 if i % 2 else -1]:
+        for name, call in list(paths.items())[:: 1 if i % 2 else -1]:
             start = time.perf_counter()
             await call(request)
-            timed[name] = time.perf_counter() - start
-        local.append(timed["local"])
-        http.append(timed["http"])
+            timed[name].append(time.perf_counter() - start)
+
+    def added_ms(slow: str, fast: str) -> float:
+        return 1000 * statistics.median(s - f for s, f in zip(timed[slow], timed[fast], strict=True))
+
     return {
         "pairs": pairs,
-        "in_process_median_ms": 1000 * statistics.median(local),
-        "serve_median_ms": 1000 * statistics.median(http),
-        "median_added_ms": 1000 * statistics.median(h - lo for h, lo in zip(http, local, strict=True)),
+        "in_process_median_ms": 1000 * statistics.median(timed["local"]),
+        "handle_median_ms": 1000 * statistics.median(timed["handle"]),
+        "serve_median_ms": 1000 * statistics.median(timed["http"]),
+        "median_added_ms": added_ms("http", "local"),
+        "replica_hop_added_ms": added_ms("handle", "local"),  # the engine replica: Serve's call, pickling
+        "proxy_and_ingress_added_ms": added_ms("http", "handle"),  # HTTP, the proxy, the ingress and its hop
     }
 
 

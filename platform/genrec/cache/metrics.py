@@ -21,30 +21,41 @@ CACHE_COUNTERS = {
     "genrec_embedding_cache_misses": ("misses", "keys not in the shard's table (read through to its store, if any)"),
     "genrec_embedding_cache_store_hits": ("store_hits", "missed keys the shard's store had"),
 }
-TAG_KEYS = ("cache", "shard")
 
 
-class CacheMetrics:
+class TotalsCounters:
+    """Counters that follow cumulative totals (name -> (the total's key, description)): each update advances a
+    counter by what its total grew since the last one, as a counter only increments. `counter_type`: Ray's
+    `ray.util.metrics.Counter`, or Serve's, which adds the replica's tags; `tags`: this source's own."""
+
+    def __init__(self, specs: dict[str, tuple[str, str]], counter_type=None, tags: dict[str, str] | None = None):
+        self.specs, self.tags = specs, tags or {}
+        counter_type = counter_type or Counter  # looked up now: a test may stand in for it
+        self.counters = {
+            name: counter_type(name, description=text, tag_keys=tuple(self.tags)) for name, (_, text) in specs.items()
+        }
+        for counter in self.counters.values():
+            # At 0 before the first count, so rate() counts the first ones too (a series that appears at N counts
+            # from N). Counter.inc refuses 0; the recording it wraps does not (Ray 2.60 exports the series at 0).
+            counter._record(0, self.tags)
+        self.last = dict.fromkeys(specs, 0)
+
+    def update(self, totals: dict) -> None:
+        for name, (key, _) in self.specs.items():
+            grown = totals.get(key, 0) - self.last[name]
+            if grown > 0:
+                self.counters[name].inc(grown, tags=self.tags)
+                self.last[name] = totals[key]
+
+
+class CacheMetrics(TotalsCounters):
     """One shard's counters, tagged with the cache's name and the shard's number."""
 
     def __init__(self, cache: str, shard: int):
-        self.tags = {"cache": cache, "shard": str(shard)}
-        self.counters = {
-            name: Counter(name, description=text, tag_keys=TAG_KEYS) for name, (_, text) in CACHE_COUNTERS.items()
-        }
-        for counter in self.counters.values():
-            # At 0 before the first lookup, so rate() counts the first lookups too (a series that appears at N counts
-            # from N). As serving.metrics.start_at_zero: Counter.inc refuses 0, the recording it wraps does not.
-            counter._record(0, self.tags)
-        self.last = dict.fromkeys(CACHE_COUNTERS, 0)
+        super().__init__(CACHE_COUNTERS, tags={"cache": cache, "shard": str(shard)})
 
     def update(self, stats: TableStats) -> None:
-        """Advance each counter by what its field grew since the last update (a counter only increments)."""
-        for name, (field, _) in CACHE_COUNTERS.items():
-            now = getattr(stats, field)
-            if now > self.last[name]:
-                self.counters[name].inc(now - self.last[name], tags=self.tags)
-            self.last[name] = now
+        super().update(vars(stats))
 
     def export_every(self, stats: Callable[[], TableStats | None], period_s: float = 1.0) -> None:
         """Update from `stats()` every period in a daemon thread, for the life of the process (None: no table yet,

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from genrec.cache.metrics import TotalsCounters
 from genrec.engine.metrics import LATENCY_BUCKETS, OUTCOMES
 from genrec.serving.funnel import REASONS
 
@@ -177,21 +178,14 @@ PREFIX_GAUGES = {
 }
 
 
-class PrefixCacheExporter:
-    """Counters advance by what the engine's totals grew since the last update (a counter only increments)."""
+class PrefixCacheExporter(TotalsCounters):
+    """The engine's prefix-cache totals as counters, and its holdings as gauges."""
 
     def __init__(self):
-        self.counters = {name: Counter(name, description=text) for name, (_, text) in PREFIX_COUNTERS.items()}
-        for counter in self.counters.values():
-            start_at_zero(counter)
+        super().__init__(PREFIX_COUNTERS, counter_type=Counter)
         self.gauges = {name: Gauge(name, description=text) for name, (_, text) in PREFIX_GAUGES.items()}
-        self.last = dict.fromkeys(PREFIX_COUNTERS, 0)
 
     def update(self, stats: dict) -> None:
-        for name, (key, _) in PREFIX_COUNTERS.items():
-            grown = stats.get(key, 0) - self.last[name]
-            if grown > 0:
-                self.counters[name].inc(grown)
-                self.last[name] = stats[key]
+        super().update(stats)
         for name, (key, _) in PREFIX_GAUGES.items():
             self.gauges[name].set(stats.get(key, 0))

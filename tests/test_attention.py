@@ -136,7 +136,7 @@ def test_the_suffix_scores_are_float32_products_in_a_half_precision_pass():
     q = (torch.randn(R, S, KV * G, D, generator=g) * 4).bfloat16()
     k, v = (torch.randn(R, U, KV, D, generator=g) * 4).bfloat16(), torch.randn(R, U, KV, D, generator=g).bfloat16()
     no_context = (torch.zeros(R * S, KV * G, D).bfloat16(), torch.full((KV * G, R * S), float("-inf")))
-    got = suffix_merge(q, k, v, None, *no_context, 0.125).float()
+    got = suffix_merge(q, k, v, None, None, None, None, *no_context, 0.125).float()
     qf, kf = q.float().view(R, S, KV, G, D), k.float()
     p = torch.softmax(torch.einsum("rskgd,rukd->rkgsu", qf, kf) * 0.125, -1)
     want = torch.einsum("rkgsu,rukd->rskgd", p, v.float()).reshape(R, S, KV * G, D)

@@ -65,7 +65,8 @@ def test_rows_with_past_suffix_equal_transformers(ours, arch_hf_model, rng):
     rows = torch.randint(0, ours.config.vocab_size, (3, 3), generator=rng)
     groups = [ContextGroup(0, 3, ctx)]
     _, k1, v1 = ours.forward_rows(ours.embed(rows[:, :2]), torch.arange(12, 14).expand(3, 2), ContextRows(groups, 3, 2))
-    hidden, _, _ = ours.forward_rows(ours.embed(rows[:, 2:]), torch.full((3, 1), 14), ContextRows(groups, 3), k1, v1)
+    past = (k1.flatten(1, 2), v1.flatten(1, 2), torch.arange(6).view(3, 2))  # read where they lie, as a pool's
+    hidden, _, _ = ours.forward_rows(ours.embed(rows[:, 2:]), torch.full((3, 1), 14), ContextRows(groups, 3), past)
     with torch.no_grad():
         ref = arch_hf_model(torch.cat([prompt.expand(3, 12), rows], dim=1)).logits[:, -1]
     assert (ours.logits(hidden[:, -1]) - ref).abs().max().item() <= TOL

@@ -21,41 +21,65 @@ def shared_context_attention(
     suffix_mask: torch.Tensor | None,
     scale: float,
     merge=None,
+    past: tuple | None = None,
 ) -> torch.Tensor:
     """R rows over their context plus their own suffix, merged exactly -> [R, S, H, D] in q's dtype.
 
-    q [R, S, H, D]; suffix_k/v [R, U, KV, D]; suffix_mask [R or 1, S, U] bool (True = may attend) or None (all
-    visible); every query must see one suffix key. `merge`: `suffix_merge`, or it compiled (genrec.model.fused)."""
+    q [R, S, H, D]; suffix_k/v [R, U, KV, D]: each row's own keys after `past`'s (the keys before them, read where
+    they lie: (k, v [T, KV, D], at [R, P]); None: no past); suffix_mask [R or 1, S, P + U] bool (True = may attend)
+    or None (all visible); every query must see one suffix key. `merge`: `suffix_merge`, or it compiled
+    (genrec.model.fused)."""
     R, S, H, D = q.shape
     out, lse = context.attend(q.reshape(R * S, H, D), scale)  # [R*S, H, D], [H, R*S]
-    return (merge or suffix_merge)(q, suffix_k, suffix_v, suffix_mask, out, lse, scale)
+    past_k, past_v, past_at = past or (None, None, None)
+    return (merge or suffix_merge)(q, suffix_k, suffix_v, past_k, past_v, past_at, suffix_mask, out, lse, scale)
 
 
-def suffix_merge(q, suffix_k, suffix_v, suffix_mask, out_ctx, lse_ctx, scale: float) -> torch.Tensor:
-    """Everything after the context call: the suffix part, merged with out_ctx [R*S, H, D], lse_ctx [H, R*S] f32."""
+def suffix_merge(q, k, v, past_k, past_v, past_at, mask, out_ctx, lse_ctx, scale: float) -> torch.Tensor:
+    """Everything after the context call: the suffix part, merged with out_ctx [R*S, H, D], lse_ctx [H, R*S] f32.
+    The suffix is the past keys gathered where they lie (past_k/v [T, KV, D] at past_at [R, P]; no concatenation
+    with the new ones: each part is weighed on its own) and the rows' own k/v [R, U, KV, D]."""
     R, S, H, D = q.shape
-    KV = suffix_k.shape[2]
-    G = H // KV
-    qg = q.view(R, S, KV, G, D)
-
-    # Suffix part, all rows at once: scores [R, KV, G, S, U], in float32 as the context part's kernel keeps them (a
-    # product in bf16 would round each score before the softmax).
-    s_suf = torch.einsum("rskgd,rukd->rkgsu", qg.float(), suffix_k.float()) * scale
-    if suffix_mask is not None:
-        s_suf = torch.where(suffix_mask[:, None, None], s_suf, float("-inf"))
-        # Hidden keys may be padding gathered from anywhere in the pool (another request's NaN, say): their
-        # weight is 0, but 0 * NaN is NaN, so their values are zeroed too.
-        suffix_v = torch.where(suffix_mask.any(dim=1)[:, :, None, None], suffix_v, 0)
-    lse_suf = torch.logsumexp(s_suf, dim=-1)  # [R, KV, G, S]
-    p_suf = torch.softmax(s_suf, dim=-1)
-    out_suf = torch.einsum("rkgsu,rukd->rkgsd", p_suf.to(suffix_v.dtype), suffix_v).float()
-
-    out_ctx = out_ctx.view(R, S, KV, G, D).permute(0, 2, 3, 1, 4).float()
-    lse_ctx = lse_ctx.view(KV, G, R, S).permute(2, 0, 1, 3)
-    # The context part's share, exp(lse_ctx) / (exp(lse_ctx) + exp(lse_suf)): 0 for a row without a context.
-    share = torch.sigmoid(lse_ctx - lse_suf)[..., None]
-    out = torch.lerp(out_suf, out_ctx, share)
+    KV = k.shape[2]
+    qg = q.view(R, S, KV, H // KV, D).float() * scale
+    parts = [(k, v, False)] if past_at is None else [(past_k[past_at], past_v[past_at], True), (k, v, False)]
+    scores, values, start = [], [], 0
+    for keys, vals, gathered in parts:
+        s = _suffix_scores(qg, keys)  # [R, KV, G, S, U]
+        if mask is not None:
+            seen = mask[..., start : start + keys.shape[1]]  # [R or 1, S, U]
+            s = torch.where(seen[:, None, None], s, float("-inf"))
+            if gathered:  # hidden keys may be padding read from anywhere in the pool (another request's NaN, say):
+                vals = torch.where(seen.any(dim=1)[:, :, None, None], vals, 0)  # weight 0, but 0 * NaN is NaN
+        scores.append(s)
+        values.append(vals)
+        start += keys.shape[1]
+    lse_ctx = lse_ctx.view(KV, H // KV, R, S).permute(2, 0, 1, 3)  # [R, KV, G, S]
+    lse = lse_ctx  # the log of every part's sum of exp(score): each part's share is exp(its lse - lse)
+    for s in scores:
+        lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+    out = out_ctx.view(R, S, KV, H // KV, D).permute(0, 2, 3, 1, 4).float() * torch.exp(lse_ctx - lse)[..., None]
+    for s, vals in zip(scores, values, strict=True):
+        out = out + _weighted(torch.exp(s - lse[..., None]), vals)
     return out.permute(0, 3, 1, 2, 4).reshape(R, S, H, D).to(q.dtype)
+
+
+def _suffix_scores(qg: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """qg [R, S, KV, G, D] f32 against each row's keys [R, U, KV, D] -> [R, KV, G, S, U] f32 (float32 operands, as
+    the context part's kernel keeps its scores: a bf16 product would round each score before the softmax). A decode
+    row (S == 1) over its few keys as products and a sum (compiled: elementwise, no matrix-product kernel)."""
+    keys = keys.float()
+    if qg.shape[1] == 1:
+        return (qg.permute(0, 2, 3, 1, 4)[..., None, :] * keys.permute(0, 2, 1, 3)[:, :, None, None]).sum(-1)
+    return torch.einsum("rskgd,rukd->rkgsu", qg, keys)
+
+
+def _weighted(p: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """Weights p [R, KV, G, S, U] of values [R, U, KV, D] -> [R, KV, G, S, D] f32 (S == 1: products and a sum)."""
+    vals = vals.float()
+    if p.shape[3] == 1:
+        return (p[..., None] * vals.permute(0, 2, 1, 3)[:, :, None, None]).sum(-2)
+    return torch.einsum("rkgsu,rukd->rkgsd", p, vals)
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):

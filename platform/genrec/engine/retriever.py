@@ -264,11 +264,10 @@ class Retriever:
         """One decode pass over a filled DecodeBatch: (gains [B, C]: the log-probabilities at its `columns`, new_k,
         new_v [layers, B, 1, KV, D])."""
         model, pool = self.model, batch.pool
-        past_k = pool.k[:, batch.ancestors] if batch.past else None  # [layers, B, P, KV, D]: one gather
-        past_v = pool.v[:, batch.ancestors] if batch.past else None
+        past = (pool.k, pool.v, batch.ancestors) if batch.past else None  # each row's ancestors, read in the pool
         embeds = model.embed(batch.tokens[:, None])
         hidden, new_k, new_v = model.forward_rows(
-            embeds, batch.positions[:, None], batch.context, past_k, past_v, mask=batch.mask, ops=self.ops
+            embeds, batch.positions[:, None], batch.context, past, mask=batch.mask, ops=self.ops
         )
         return model.column_logprobs(hidden[:, -1], batch.columns, self.ops), new_k, new_v
 

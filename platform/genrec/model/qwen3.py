@@ -250,20 +250,20 @@ class Qwen3(nn.Module):
         embeds: torch.Tensor,
         positions: torch.Tensor,
         context,
-        past_k: torch.Tensor | None = None,
-        past_v: torch.Tensor | None = None,
+        past: tuple | None = None,
         causal: bool = True,
         mask: torch.Tensor | None = None,
         ops: ModelOps = PLAIN_OPS,
     ):
         """R rows of S new tokens: embeds [R, S, hidden], positions [R, S]. `context` (anything with `at_layer(i)`:
-        `ContextRows`, a static pass's `StaticContext`) says which ContextKV each row reads; then its own suffix,
-        past_k/past_v [layers, R, P, kv_heads, hd] (e.g. a beam's ancestors) and its S new tokens, causal when
-        `causal`. An explicit `mask` [R or 1, S, P+S] (True = may attend) replaces that rule (e.g. padded past).
+        `ContextRows`, a static pass's `StaticContext`) says which ContextKV each row reads; then its own suffix:
+        `past` (k, v [layers, T, kv_heads, hd], at [R, P]: the K/V of each row's P earlier tokens, e.g. a beam's
+        ancestors in the pool, read where they lie) and its S new tokens, causal when `causal`. An explicit `mask`
+        [R or 1, S, P+S] (True = may attend) replaces that rule (e.g. padded past).
         Returns (hidden [R, S, hidden] before the final norm, new_k, new_v [layers, R, S, kv_heads, hd])."""
         R, S = positions.shape
         cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
-        P = 0 if past_k is None else past_k.shape[2]
+        P = 0 if past is None else past[2].shape[1]
         if mask is None and causal and S > 1:
             u = torch.arange(P + S, device=embeds.device)
             mask = (u[None, :] <= (torch.arange(S, device=embeds.device)[:, None] + P))[None]
@@ -274,11 +274,9 @@ class Qwen3(nn.Module):
             q, k, v = layer.self_attn.qkv_heads(normed, cos, sin, pieces)
             new_k.append(k)
             new_v.append(v)
-            if P:
-                k = torch.cat((past_k[i], k), dim=1)
-                v = torch.cat((past_v[i], v), dim=1)
+            layer_past = None if past is None else (past[0][i], past[1][i], past[2])
             return shared_context_attention(
-                q, context.at_layer(i), k, v, mask, layer.self_attn.scale, pieces.suffix_merge
+                q, context.at_layer(i), k, v, mask, layer.self_attn.scale, pieces.suffix_merge, layer_past
             )
 
         x = self._layers(embeds, attend, pieces)

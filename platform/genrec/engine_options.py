@@ -63,6 +63,13 @@ class EngineOptions(BaseModel):
         "idle (auto, the default), always (on) or never (off); the results are the same (genrec.engine.plan)",
     )
 
+    fp8: bool = Field(
+        False,
+        description="the decoder's linear layers in FP8 (e4m3 weights scaled per output channel at load, inputs per "
+        "token; torch._scaled_mm): a GPU of compute capability 8.9 or later (H100, H200, L4); opt-in, its speed not "
+        "yet measured; the LM head stays in the model's dtype (genrec.model.fp8)",
+    )
+
     def engine_kwargs(self) -> dict:
         """`Engine.from_pretrained`'s kwargs; a derived default is left out, so a batch run's identity stays."""
         kwargs = self.model_dump(include=set(EngineOptions.model_fields))
@@ -70,4 +77,6 @@ class EngineOptions(BaseModel):
         for name in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows", "split_kv"):
             if kwargs[name] is None:
                 del kwargs[name]
+        if not kwargs["fp8"]:  # off, the default: runs from before the option keep their identity
+            del kwargs["fp8"]
         return kwargs

@@ -38,6 +38,7 @@ from genrec.engine.served_catalog import CatalogVersions
 from genrec.engine_options import EngineOptions
 from genrec.errors import CatalogError, InvalidRequestError
 from genrec.model.directory import ModelDir
+from genrec.model.fp8 import quantize_linears
 from genrec.staging import host_side
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,13 @@ class Engine:
             options.split_kv,
             selects_in_graph,
             repr(directory.config),
+            options.fp8,
         )
+        if plan.fp8 and directory.family != "qwen3":
+            raise ValueError(f"fp8: only a Qwen3 decoder's linear layers run in FP8, not a {directory.family} model's")
         family = FAMILIES[directory.family].from_dir(directory, device, dtype, ops=plan.ops, **limits)
+        if plan.fp8:
+            quantize_linears(family.model)
         return cls(family, scheduler, directory.version, plan=plan, graph_max_rows=options.cuda_graph_max_rows)
 
     def describe(self) -> dict:

@@ -38,6 +38,7 @@ class ExecutionPlan:
     split_kv: SplitKV = "auto"
     sms: int = 0  # the SMs a decode pass's context call should fill (auto); 0: unknown, never split
     selects_in_graph: bool = False  # a captured decode pass selects its beams itself (one sort in the graph)
+    fp8: bool = False  # the decoder's linear layers in FP8 (genrec.model.fp8), quantized as the engine loads
 
     @classmethod
     def build(
@@ -48,18 +49,23 @@ class ExecutionPlan:
         split_kv: SplitKV | None = None,
         selects_in_graph: bool = False,
         model_key: str = "",
+        fp8: bool = False,
     ) -> ExecutionPlan:
         """The plan for an engine on `device` in `dtype`. `fast` (default: on with CUDA): the compiled pieces,
         FlashAttention-2 and graphs where the dtype allows them; no effect on the CPU. `split_kv`: default auto.
-        `model_key`: the model's shape (its config): engines of one key share their compiled pieces."""
+        `model_key`: the model's shape (its config): engines of one key share their compiled pieces. `fp8`: the
+        linear layers in FP8, where the device multiplies FP8 (the CPU does, slowly: for tests)."""
         device, split_kv = torch.device(device), split_kv or "auto"
+        if fp8 and device.type == "cuda":
+            check_fp8(torch.cuda.get_device_capability(device))
         fast = device.type == "cuda" and (fast is None or fast)
         if not fast:
-            return cls(device, split_kv=split_kv)
+            return cls(device, split_kv=split_kv, fp8=fp8)
         graphs = dtype in (torch.float16, torch.bfloat16)  # FlashAttention-2 runs in half precision only
         ops = ModelOps(fused.compiled(key=f"{dtype} {model_key}"), FLASH if graphs else REFERENCE)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if graphs else 0
-        return cls(device, ops, graphs, CudaCapture if graphs else None, split_kv, sms, selects_in_graph and graphs)
+        capture = CudaCapture if graphs else None
+        return cls(device, ops, graphs, capture, split_kv, sms, selects_in_graph and graphs, fp8)
 
     @property
     def compiles(self) -> bool:
@@ -107,7 +113,17 @@ class ExecutionPlan:
             "cuda_graphs": self.graphs,
             "split_kv": self.split_kv,
             "selects_in_graph": self.selects_in_graph,
+            "fp8_linears": self.fp8,
         }
+
+
+def check_fp8(capability: tuple[int, int]) -> None:
+    """FP8 products (torch._scaled_mm) need compute capability 8.9 or later: refused before any weight is read."""
+    if capability < (8, 9):
+        raise ValueError(
+            f"fp8: this GPU (compute capability {capability[0]}.{capability[1]}) has no FP8 matrix products; they need"
+            " 8.9 or later (H100, H200, L4); leave fp8 out"
+        )
 
 
 class CudaCapture:

@@ -52,14 +52,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden] after fuse()
+        self.gate_up: nn.Module | None = None  # [hidden] -> [2 * intermediate] after fuse()
 
     def fuse(self) -> None:
         """One matrix product for gate and up; the original weights become views of the fused one."""
-        self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)[0]
+        self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, ops: Pieces = PLAIN) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(F.linear(x, self.gate_up)))
+        return self.down_proj(ops.silu_mul(self.gate_up(x)))
 
 
 class Attention(nn.Module):
@@ -74,7 +74,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.arch.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.eps = c.rms_norm_eps
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after fuse()
+        self.qkv: nn.Module | None = None  # [hidden] -> [(heads + 2 * kv_heads) * head_dim] after fuse()
         self.qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim] after fuse(), with q/k norm
 
     def fuse(self) -> None:
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         """x: [..., hidden] -> q [..., heads, hd], k/v [..., kv_heads, hd] with q/k norm (if any) and RoPE applied."""
         lead = x.shape[:-1]
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        projected = F.linear(x, *self.qkv)
+        projected = self.qkv(x)
         qk = projected[..., : (H + KV) * D].view(*lead, H + KV, D)
         v = projected[..., (H + KV) * D :].view(*lead, KV, D)
         if self.qk_norm is None:
@@ -100,7 +100,19 @@ class Attention(nn.Module):
         return qk[..., :H, :], qk[..., H:, :], v
 
 
-def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+class FusedLinear(nn.Module):
+    """The product of several linears fused into one weight (theirs become views of it). Its tensors are plain
+    attributes, not parameters: the projections it fuses own them (a checkpoint names those)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fuse_linears(*linears: nn.Linear) -> FusedLinear:
     weight = torch.cat([lin.weight for lin in linears])
     bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
     start = 0
@@ -110,7 +122,7 @@ def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
         if bias is not None:
             lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
         start += rows
-    return weight, bias
+    return FusedLinear(weight, bias)
 
 
 class DecoderLayer(nn.Module):

@@ -101,18 +101,27 @@ def test_the_profiles_count_each_mode_and_split_kv_off(dry_run):
 
 def test_correctness_and_the_timed_arms(dry_run):
     judged = dry_run["judged tiny 256/3"]
-    assert judged["ok"] and {"fast", "fast_whole", "eager", "fast_selecting"} <= set(judged[str(CONTEXTS[0])])
+    assert judged["ok"] and {"fast", "fast_whole", "eager", "fast_selecting", "fast_fp8"} <= set(
+        judged[str(CONTEXTS[0])]
+    )
     for architecture in ("qwen3", "qwen2"):
         part = dry_run[f"judged tiny {architecture}"]
         assert part["ok"] and not part["plans"]["float32"]["compiled_pieces"]
     for n in CONTEXTS:
         timed = dry_run[f"sid-gr {n}/256/3"]
         assert timed["repeats"] == 1  # a CPU dry run
-        assert {"fast", "fast_whole", "fast_selecting", "eager", "one_prefill"} == set(timed["one_request_s"])
-        assert {"fast", "fast_whole", "fast_selecting", "eager", "one_prefill_each"} == set(timed["batch_8_s"])
+        arms = {"fast", "fast_whole", "fast_selecting", "fast_fp8", "eager"}
+        assert arms | {"one_prefill"} == set(timed["one_request_s"])
+        assert arms | {"one_prefill_each"} == set(timed["batch_8_s"])
         assert {"fast", "fast_whole", "eager"} == set(timed["concurrent_4"])
-        assert {"one_whole_over_split", "batch_whole_over_split", "concurrent_split_over_whole_rate"} <= set(
-            timed["ratios"]
-        )
+        assert {
+            "one_whole_over_split",
+            "batch_whole_over_split",
+            "concurrent_split_over_whole_rate",
+            "one_fp8_over_fast",
+        } <= set(timed["ratios"])
     assert dry_run["load pattern (fast)"]["ok"]
+    wide = dry_run["4 callers of beam 64 at 64 (fast)"]  # the dry run's shape of 32 callers of beam 1,024
+    assert wide["ok"] and wide["requests"] == 4 and wide["requests_per_s"] > 0, wide
+    assert wide["pool_tokens"] == 4 * (64 + 64 * wide["levels"]) and "graph_max_rows" in wide["execution"]
     assert {"bench_rank", "returning 200/50", "returning 400/50"} <= set(dry_run["hstu 200/50"])

@@ -16,8 +16,9 @@ and the trailing parts, never the profiles. Parts, in order:
 3. load: the preset's engines (Qwen3-1.7B's dimensions, bf16, random weights, prefix cache off), built and started
    one at a time before any other model compiles: `fast` (`cuda_fast=True`), `fast_whole` (fast, built with
    `split_kv="off"`), `eager` (`cuda_fast=False`), `float32` (the reference the rule re-scores with, eager: nothing
-   compiled for it) and `fast_selecting` (decode graphs that select the beams themselves, `selects_in_graph`;
-   last: a capture it cannot make costs the others nothing). Each one's `plan.describe()`, start and warm-up
+   compiled for it), `fast_selecting` (decode graphs that select the beams themselves, `selects_in_graph`) and
+   `fast_fp8` (the linear layers in FP8, `fp8`; these two last: a start they cannot make costs the others
+   nothing). Each one's `plan.describe()`, start and warm-up
    seconds, `runner.graph_bytes`, the device memory it holds once started and its compiled pieces' fallbacks; the
    device's memory after all started; the fast engine's first request beside its second;
 4. launches per decode pass and its selection (torch.profiler, 4 requests of beam 30 after 2,000 tokens): eager, FA2
@@ -27,15 +28,17 @@ and the trailing parts, never the profiles. Parts, in order:
    one with split-KV off: wall time, GPU busy time and idle gaps, kernel time by kind (compiled pieces = Triton
    kernels, attention, matrix products, selection, copies, other) and the kernels that took longest;
 6. correctness at the preset's size, SID-GR's shape (beam 256, 3 levels, each context): every bf16 engine judged on
-   its own against float32 (`judge`, below);
+   its own against float32 (`judge`, below; the FP8 engine with a wider allowance, FP8_NOISE_SHARE);
 7. SID-GR's shapes timed in-process from submission to result, prompt tokens given, at each context: one request, a
    batch of 8 and 4 concurrent callers (threads over an AsyncEngine), fast beside split-KV off and eager; one
    request and the batch also beside `fast_selecting` (with its beams beside the fast engine's,
-   `selecting_beside_fast`) and one plain prefill of the same prompts (the floor);
+   `selecting_beside_fast`) and `fast_fp8`, and one plain prefill of the same prompts (the floor);
 8. `bench load --cuda-fast`'s pattern in-process, the other engines freed first: a thread making prompts (reading the
    trie on the device) and submitting requests of many widths to a fresh engine over the fast one's weights and
-   plan (its own pool and captures); its errors; then the fast engine is freed too (del, gc, the CUDA cache emptied)
-   and Dynamo's caches reset;
+   plan (its own pool and captures); its errors; then 32 concurrent callers of beam 1,024 at context 1,000
+   (FlashRec's shape) on another fresh engine whose pool holds them all and whose decode graphs are derived from it
+   as it starts: requests per second, latency, start-up, memory, or the error (out of memory) it met; then the fast
+   engine is freed too (del, gc, the CUDA cache emptied) and Dynamo's caches reset;
 9. correctness of the tiny preset, qwen3 then qwen2, fast and eager each judged against float32 (eager), Dynamo's
    caches reset after each;
 10. HSTU (tiny preset) at 2,000 events / 500 candidates: `genrec bench rank` in-process, and a returning user cold,
@@ -182,13 +185,19 @@ def cold(device, kv_bytes: int = KV_BUDGET) -> SchedulerConfig:
 # -- the correctness rule (parts 6 and 9) ----------------------------------------------------------------------------
 
 NOISE_SHARE = 1 / 32  # ν = NOISE_SHARE * |t_k|, at least NOISE_FLOOR (the module's docstring says why)
+# An FP8 engine's share: e4m3 rounds at 2^-4 where bf16 rounds at 2^-8. On a CPU (tiny model) its errors were ~1/32
+# of |t_k|, as the bf16 allowance; 1/8 keeps bf16's margin of about four.
+FP8_NOISE_SHARE = 1 / 8
 NOISE_FLOOR = 1 / 16
 
 
-def judge(returned: list[tuple[str, float]], exact: dict[str, float], kth_best: float) -> dict:
+def judge(
+    returned: list[tuple[str, float]], exact: dict[str, float], kth_best: float, share: float = NOISE_SHARE
+) -> dict:
     """The rule (module docstring): `returned` (item, its own log-probability) by the engine judged, `exact` those
-    items' float32 log-probabilities (restricted, exhaustive), `kth_best` the float32 beam search's k-th best."""
-    noise = max(abs(kth_best) * NOISE_SHARE, NOISE_FLOOR)
+    items' float32 log-probabilities (restricted, exhaustive), `kth_best` the float32 beam search's k-th best;
+    `share` of |kth_best| the noise allowed (an FP8 engine's: FP8_NOISE_SHARE)."""
+    noise = max(abs(kth_best) * share, NOISE_FLOOR)
     missing = [item for item, _ in returned if item not in exact]
     found = [(item, logprob) for item, logprob in returned if item in exact]
     error = max((abs(logprob - exact[item]) for item, logprob in found), default=0.0)
@@ -220,7 +229,9 @@ def judged(engines: dict[str, Engine], reference: Engine, request: RetrieveReque
     for name, engine in engines.items():
         (result,) = engine.retrieve([request])
         returned = [(i.item_id, i.logprob) for i in result.items]
-        verdict = judge(returned, exact_logprobs(reference, request, [item for item, _ in returned]), kth_best)
+        exact = exact_logprobs(reference, request, [item for item, _ in returned])
+        share = FP8_NOISE_SHARE if engine.plan.fp8 else NOISE_SHARE
+        verdict = judge(returned, exact, kth_best, share)
         verdict["overlap_with_float32"] = len(best & {item for item, _ in returned}) / max(len(best), 1)
         out[name] = verdict
     out["ok"] = all(out[name]["ok"] for name in engines)
@@ -283,6 +294,7 @@ ENGINE_OPTIONS = {
     "eager": {"cuda_fast": False},
     "float32": {"cuda_fast": False, "dtype": torch.float32},
     "fast_selecting": {"cuda_fast": True, "selects_in_graph": True, **WIDEST},
+    "fast_fp8": {"cuda_fast": True, "fp8": True, **WIDEST},
 }
 QUICK_ENGINES = ("fast", "eager", "float32")  # --quick's; also the ones every later part of the preset needs
 # --quick times one request of beam 256: its fast engine captures the decode passes of up to 256 rows only.
@@ -578,13 +590,17 @@ def big_judged(big: dict[str, Engine], contexts: list[int]) -> dict:
 # -- 7: SID-GR's shapes, timed -----------------------------------------------------------------------------------
 
 
+# The arms timed beside the fast engine, and the name of their ratio over it.
+ARMS = {"fast_whole": "whole_over_split", "fast_selecting": "selecting_over_fast", "fast_fp8": "fp8_over_fast"}
+
+
 def sid_gr_timed(big: dict[str, Engine], context: int, device, repeats: int = 5, full: bool = True) -> dict:
     """One request, a batch of 8 and 4 concurrent callers: fast beside split-KV off (`fast_whole`) and eager, one
     plain prefill of the same prompts (the floor); one request and the batch also beside the fast engine that selects
     inside its graphs, where they started. `full=False` (--quick): one request only. Seconds are medians of
     `repeats` (the batch: 2 fewer), from submission to result."""
     fast, eager = big["fast"], big["eager"]
-    arms = {name: big[name] for name in ("fast_whole", "fast_selecting") if name in big}
+    arms = {name: big[name] for name in ARMS if name in big}
     requests = sid_gr_requests(fast, context)
     prepared = [fast.prepare(r) for r in (requests if full else requests[:1])]
     one = interleaved_medians(
@@ -602,10 +618,7 @@ def sid_gr_timed(big: dict[str, Engine], context: int, device, repeats: int = 5,
         "one_fast_over_prefill": one["fast"] / one["one_prefill"],
         "one_eager_over_fast": one["eager"] / one["fast"],
     }
-    if "fast_whole" in arms:
-        ratios["one_whole_over_split"] = one["fast_whole"] / one["fast"]
-    if "fast_selecting" in arms:
-        ratios["one_selecting_over_fast"] = one["fast_selecting"] / one["fast"]
+    ratios |= beside_fast("one", one)
     if not full:
         return report
     batch = report["batch_8_s"] = interleaved_medians(
@@ -627,15 +640,19 @@ def sid_gr_timed(big: dict[str, Engine], context: int, device, repeats: int = 5,
     ratios["concurrent_fast_over_eager_rate"] = (
         concurrent["fast"]["requests_per_s"] / concurrent["eager"]["requests_per_s"]
     )
+    ratios |= beside_fast("batch", batch)
     if "fast_whole" in arms:
-        ratios["batch_whole_over_split"] = batch["fast_whole"] / batch["fast"]
         ratios["concurrent_split_over_whole_rate"] = (
             concurrent["fast"]["requests_per_s"] / concurrent["fast_whole"]["requests_per_s"]
         )
     if "fast_selecting" in arms:
-        ratios["batch_selecting_over_fast"] = batch["fast_selecting"] / batch["fast"]
         report["selecting_beside_fast"] = same_beams(fast, arms["fast_selecting"], requests)
     return report
+
+
+def beside_fast(shape: str, seconds: dict) -> dict:
+    """Each arm that ran at `shape` ("one", "batch") over the fast engine's seconds: `{shape}_{ARMS[arm]}`."""
+    return {f"{shape}_{label}": seconds[arm] / seconds["fast"] for arm, label in ARMS.items() if arm in seconds}
 
 
 def same_beams(a: Engine, b: Engine, requests: list[RetrieveRequest]) -> dict:
@@ -719,6 +736,47 @@ def load_pattern(engine: Engine, device, seconds: float = 6.0, timeout_s: float 
         "first_errors": errors[:3],
         "ok": not errors,
     }
+
+
+# -- 8: many wide requests at once ------------------------------------------------------------------------------
+
+WIDE_CALLERS = {"callers": 32, "beam": 1024, "context": 1000}  # FlashRec's shape (RTX 5090, beam 1,000): 24.6 req/s
+WIDE_CALLERS_DRY = {"callers": 4, "beam": 64, "context": 64}  # a CPU dry run's
+
+
+def wide_callers(engine: Engine, device, callers: int, beam: int, context: int) -> dict:
+    """`callers` concurrent callers of beam `beam` at context `context` (peers fail at beam >= 512 with 8 or more
+    callers; SID-GR ran out of memory at beam 1,024 until it shared its graphs' pool): a fresh engine over the fast
+    one's weights and plan, its KV pool sized for every caller's context and beams at once and its decode graphs
+    derived from that pool and the memory left (genrec.engine.capture_size) as it starts. Requests per second and
+    latency, its start (captures, warm-up) and memory; an error (out of memory included) is recorded, not raised."""
+    levels = engine.family.levels
+    tokens = callers * (context + beam * levels)
+    config = SchedulerConfig(
+        max_running=callers,
+        max_queue=4 * callers,
+        request_timeout_s=600,
+        prefix_cache_bytes=0,
+        kv_budget_bytes=tokens * engine.runner.new_pool(1).bytes_per_token,
+    )
+    g = torch.Generator().manual_seed(11)
+    requests = [RetrieveRequest(prompt_token_ids=random_prompt(engine, context, g), beam_width=beam) for _ in range(8)]
+    report = {"callers": callers, "beam": beam, "context": context, "levels": levels, "pool_tokens": tokens}
+    started = time.perf_counter()
+    try:
+        serving = Engine(engine.family, config, engine.model_version, plan=engine.plan)
+        serving.start()
+        report |= {"start_s": round(time.perf_counter() - started, 2), "execution": serving.describe_execution()}
+        report["gpu_memory_after_start"] = gpu_memory(device)
+        report |= callers_rate(serving, requests, callers=callers, each=1)
+        report["gpu_memory_after"] = gpu_memory(device)
+    except Exception as err:  # noqa: BLE001 - recorded: whether it fits is what this part is for
+        report["error"] = f"{type(err).__name__}: {err}"[:2000]
+    finally:
+        serving = None
+        release({}, device, reset=False)
+    report["ok"] = "error" not in report
+    return report
 
 
 # -- 10: HSTU ----------------------------------------------------------------------------------------------------
@@ -853,6 +911,12 @@ def steps(args: argparse.Namespace, report: Report, big: dict[str, Engine]):
             "note",
         )
         yield "load pattern (fast)", lambda: load_pattern(big["fast"], device, 6.0 if cuda else 1.0), missing
+        shape = WIDE_CALLERS if cuda else WIDE_CALLERS_DRY
+        yield (
+            "{callers} callers of beam {beam} at {context} (fast)".format(**shape),
+            lambda: wide_callers(big["fast"], device, **shape),
+            missing,
+        )
     yield f"released {args.preset}", lambda: release(big, device), "note"
 
     # Then the other models, Dynamo's caches reset after each.

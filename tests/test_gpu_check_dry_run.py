@@ -29,7 +29,9 @@ def test_the_profiles_run_before_the_timings_and_the_preset_before_other_models(
     assert names[:3] == ["versions", "kernels", "load tiny"]
     profiles = [i for i, n in enumerate(names) if n.startswith(("launches", "where the time goes"))]
     timings = [i for i, n in enumerate(names) if n.startswith("sid-gr")]
-    assert len(profiles) == 1 + 2 * len(CONTEXTS) and max(profiles) < names.index("judged tiny 256/3") < min(timings)
+    assert len(profiles) == 1 + 2 * len(CONTEXTS) + 2 and max(profiles) < names.index("judged tiny 256/3") < min(
+        timings
+    )
     assert "where the time goes 128/256/3 split-KV off" in names
     assert names[-3:] == ["judged tiny qwen3", "judged tiny qwen2", "hstu 200/50"]
 
@@ -97,6 +99,9 @@ def test_the_profiles_count_each_mode_and_split_kv_off(dry_run):
         assert dry_run[f"where the time goes {n}/256/3"]["plan"]["split_kv"] == "auto"
         whole = dry_run[f"where the time goes {n}/256/3 split-KV off"]
         assert whole["plan"]["split_kv"] == "off" and {"wall_ms", "kernel_ms_by_kind", "launch_calls"} <= set(whole)
+    for workload in ("batch_8", "callers_4"):  # the gaps to SID-GR at the longest context, by profile
+        part = dry_run[f"where the time goes {CONTEXTS[-1]}/256/3 {workload}"]
+        assert part["workload"] == workload and part["wall_ms"] > 0 and "gpu_idle_ms" in part
 
 
 def test_correctness_and_the_timed_arms(dry_run):

@@ -25,7 +25,8 @@ and the trailing parts, never the profiles. Parts, in order:
    varlen, replayed as a CUDA graph (split-KV as the plan decides: `split` says which), replayed with split-KV off,
    replayed by the graphs that select; launch calls counted by kind (cudaLaunchKernel, cuLaunchKernel(Ex), ...);
 5. where one request's time goes at each context (beam 256 / 3 levels; torch.profiler), the fast engine, then the
-   one with split-KV off: wall time, GPU busy time and idle gaps, kernel time by kind (compiled pieces = Triton
+   one with split-KV off, then the fast engine's batch of 8 and 4 callers (2 requests each, one after the other) at
+   the longest context: wall time, GPU busy time and idle gaps, kernel time by kind (compiled pieces = Triton
    kernels, attention, matrix products, selection, copies, other) and the kernels that took longest;
 6. correctness at the preset's size, SID-GR's shape (beam 256, 3 levels, each context): every bf16 engine judged on
    its own against float32 (`judge`, below; the FP8 engine with a wider allowance, FP8_NOISE_SHARE);
@@ -540,20 +541,26 @@ def sid_gr_requests(engine: Engine, context: int, count: int = 8) -> list[Retrie
     return [RetrieveRequest(prompt_token_ids=random_prompt(engine, context, g), beam_width=width) for _ in range(count)]
 
 
-def where_time_goes(engine: Engine, context: int, device) -> dict:
-    """One request at `context`/256/3 under torch.profiler, after a warm-up: wall time, the GPU's busy time (the
-    union of its kernels' intervals) and idle gaps, kernel time by kind, and the ten kernels that took longest."""
+WORKLOADS = ("one", "batch_8", "callers_4")  # where_time_goes's: SID-GR's three shapes
+
+
+def where_time_goes(engine: Engine, context: int, device, workload: str = "one") -> dict:
+    """A workload at `context`/256/3 under torch.profiler, after a warm-up: one request, a batch of 8, or 4 callers
+    each submitting 2 requests one after the other over an AsyncEngine (so requests arrive while others decode).
+    Wall time, the GPU's busy time (the union of its kernels' intervals) and idle gaps (host work between passes),
+    kernel time by kind, and the ten kernels that took longest."""
     from torch.profiler import ProfilerActivity, profile
 
-    (request,) = sid_gr_requests(engine, context, count=1)
-    engine.retrieve([request])
-    synchronize(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(device) else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        engine.retrieve([request])
+    with contextlib.ExitStack() as stack:
+        run = _workload(engine, context, workload, stack)
+        run()
         synchronize(device)
-        wall_ms = (time.perf_counter() - start) * 1e3
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(device) else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            wall_ms = (time.perf_counter() - start) * 1e3
     kernels = device_kernels(prof)
     busy_us, end = 0.0, float("-inf")
     for interval in sorted((e.time_range.start, e.time_range.end) for e in kernels):
@@ -566,6 +573,7 @@ def where_time_goes(engine: Engine, context: int, device) -> dict:
         by_name[e.name[:120]] = by_name.get(e.name[:120], 0.0) + us / 1e3
     return {
         "plan": engine.plan.describe(),
+        "workload": workload,
         "wall_ms": wall_ms,
         "gpu_busy_ms": busy_us / 1e3,
         "gpu_idle_ms": wall_ms - busy_us / 1e3,
@@ -573,6 +581,21 @@ def where_time_goes(engine: Engine, context: int, device) -> dict:
         "kernel_ms_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "longest_kernels_ms": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]},
     }
+
+
+def _workload(engine: Engine, context: int, workload: str, stack: contextlib.ExitStack):
+    """A call that runs `workload` (WORKLOADS) on `engine` to its end."""
+    requests = sid_gr_requests(engine, context, count={"one": 1, "batch_8": 8, "callers_4": 8}[workload])
+    if workload != "callers_4":
+        return lambda: engine.retrieve(requests)
+    driver = stack.enter_context(driven(engine))
+    callers = stack.enter_context(ThreadPoolExecutor(4))
+
+    def caller(first: int) -> None:
+        for request in requests[first::4]:
+            driver.submit(request, kind="retrieve").result()
+
+    return lambda: list(callers.map(caller, range(4)))
 
 
 # -- 6: correctness at the preset's size -------------------------------------------------------------------------
@@ -896,6 +919,12 @@ def steps(args: argparse.Namespace, report: Report, big: dict[str, Engine]):
                     lambda n=context, e=name: where_time_goes(big[e], n, device),
                     missing or (None if name in big else f"{name} did not start"),
                 )
+        for workload in WORKLOADS[1:]:  # the batch's and the callers' gaps to SID-GR, by profile
+            yield (
+                f"where the time goes {contexts[-1]}/256/3 {workload}",
+                lambda w=workload: where_time_goes(big["fast"], contexts[-1], device, w),
+                missing,
+            )
     yield f"judged {args.preset} 256/3", lambda: big_judged(big, contexts), missing
     for context in contexts:
         yield (

@@ -161,3 +161,15 @@ def test_the_funnel_flags_make_a_funnel_spec_and_its_ranking_pool(hstu_dir):
                                              "--rank-actors", "2", "--num-gpus", "1", "--no-progress"])  # fmt: skip
     assert isinstance(spec, FunnelSpec) and spec.rank_task == "click" and spec.device == "cuda"
     assert (run.num_gpus, run.progress, ranking.rank_actors) == (1.0, False, 2)
+
+
+def test_fp8_runs_a_funnels_retriever_and_a_rank_job_refuses_it(tiny_dir, hstu_dir, capsys):
+    from genrec.batch.stages import RankRetrieved, Recommend
+
+    funnel = FunnelSpec(model=str(tiny_dir), ranker=str(hstu_dir), users="u", out="o", fp8=True)
+    assert Recommend(funnel).engine_kwargs()["fp8"] is True
+    assert "fp8" not in RankRetrieved(funnel).engine_kwargs()  # the HSTU ranker has no FP8 path
+    with pytest.raises(SystemExit) as exited:
+        run_job(lambda: parse(((RankSpec, Execution),), ["--model", "m", "--users", "u", "--out", "o", "--fp8"]) and 0)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "FP8 runs a Qwen3 decoder's linear layers" in err, err

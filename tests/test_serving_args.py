@@ -71,6 +71,12 @@ def test_a_bad_engine_option_is_refused_by_name(field, value):
         AppArgs(retriever={"model_dir": "/m", field: value})
 
 
+def test_fp8_is_a_retrievers_option_and_a_ranker_refuses_it():
+    assert AppArgs(retriever={"model_dir": "/m", "fp8": True}).retriever.replica_options().engine_kwargs()["fp8"]
+    with pytest.raises(ValidationError, match=r"ranker\n.*fp8: FP8 runs a Qwen3 decoder's linear layers"):
+        AppArgs(retriever={"model_dir": "/m"}, ranker={"model_dir": "/r", "fp8": True})
+
+
 def test_a_cache_without_dim_is_refused():
     with pytest.raises(ValidationError, match="cache.dim is required"):
         AppArgs(retriever={"model_dir": "/m"}, ingress={"cache": {"name": "users"}})

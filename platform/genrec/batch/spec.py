@@ -214,6 +214,13 @@ class RankStage(StageSpec):
         None, min_length=1, description="a task of the model: the order, ties in the candidates' (default: theirs)"
     )
 
+    @field_validator("fp8")
+    @classmethod
+    def _not_in_fp8(cls, fp8: bool) -> bool:
+        if fp8:
+            raise ValueError("FP8 runs a Qwen3 decoder's linear layers, and a ranking model is HSTU; leave it out")
+        return fp8
+
     def check_models(self) -> None:
         directory = model_dir(self.model, "hstu")
         directory.check()

@@ -76,6 +76,10 @@ class Stage:
     def connect(self) -> None:
         """Once Ray is up, on the driver: what the job needs of it (e.g. an actor's client)."""
 
+    def engine_kwargs(self) -> dict:
+        """`Engine.from_pretrained`'s options for its model: the spec's."""
+        return self.spec.engine_kwargs()
+
 
 class Retrieve(Stage):
     """Constrained beam search for each user's prompt (and user embedding: the row's, or the cache's)."""
@@ -191,6 +195,10 @@ class RankRetrieved(Stage):
 
     def __init__(self, spec: FunnelStage):
         self.spec, self.model, self.tasks = spec, spec.ranker, tuple(ranking_config(spec.ranker).tasks)
+
+    def engine_kwargs(self) -> dict:
+        """The spec's, but FP8: the funnel's `fp8` is its retriever's (an HSTU ranker has no FP8 path)."""
+        return {name: value for name, value in self.spec.engine_kwargs().items() if name != "fp8"}
 
     def parse(self, rows: Rows) -> Parsed:
         """A RankRequest per user stage 1 has items for: the user's history and those items."""

@@ -39,7 +39,7 @@ class StageEngine:
         # No prefix cache: a shard's results must depend on its rows alone, not on the shards before it.
         scheduler = SchedulerConfig(kv_budget_bytes=execution.kv_budget_bytes, prefix_cache_bytes=0)
         self.engine = Engine.from_pretrained(
-            stage.model, device=spec.device, scheduler=scheduler, **spec.engine_kwargs()
+            stage.model, device=spec.device, scheduler=scheduler, **stage.engine_kwargs()
         )
         if catalog_version is not None and self.engine.catalog.version != catalog_version:
             raise GenrecError(

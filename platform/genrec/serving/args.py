@@ -357,6 +357,15 @@ class AppArgs(_Args):
     )
     ingress: IngressSection = IngressSection()
 
+    @field_validator("ranker")
+    @classmethod
+    def _ranker_not_in_fp8(cls, section: EngineSection | None) -> EngineSection | None:
+        if section is not None and section.fp8:
+            raise ValueError(
+                "fp8: FP8 runs a Qwen3 decoder's linear layers, and a ranker is an HSTU model; leave it out"
+            )
+        return section
+
     @model_validator(mode="after")
     def _a_model(self):
         if self.retriever is None and self.ranker is None:

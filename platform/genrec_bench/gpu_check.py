@@ -906,25 +906,7 @@ def steps(args: argparse.Namespace, report: Report, big: dict[str, Engine]):
     yield f"load {args.preset}", lambda: loaded(big, device, args.preset, names, overrides), None
     missing = None if set(QUICK_ENGINES) <= set(big) else "the preset's engines did not start"
     if not quick:  # the profiles, before any timing: they explain it
-        n = 2000 if cuda else contexts[-1]
-        yield (
-            f"launches per decode pass 4 x {n}/30",
-            lambda: launches_per_decode_pass(big, n, [30] * 4, device),
-            missing,
-        )
-        for name, label in (("fast", ""), ("fast_whole", " split-KV off")):
-            for context in contexts:
-                yield (
-                    f"where the time goes {context}/256/3{label}",
-                    lambda n=context, e=name: where_time_goes(big[e], n, device),
-                    missing or (None if name in big else f"{name} did not start"),
-                )
-        for workload in WORKLOADS[1:]:  # the batch's and the callers' gaps to SID-GR, by profile
-            yield (
-                f"where the time goes {contexts[-1]}/256/3 {workload}",
-                lambda w=workload: where_time_goes(big["fast"], contexts[-1], device, w),
-                missing,
-            )
+        yield from profile_steps(big, contexts, device, missing)
     yield f"judged {args.preset} 256/3", lambda: big_judged(big, contexts), missing
     for context in contexts:
         yield (
@@ -955,6 +937,26 @@ def steps(args: argparse.Namespace, report: Report, big: dict[str, Engine]):
     if not quick:
         events, candidates = (2000, 500) if cuda else (200, 50)
         yield f"hstu {events}/{candidates}", lambda: hstu(device, events, candidates, report.repeats(5)), None
+
+
+def profile_steps(big: dict[str, Engine], contexts: list[int], device, missing: str | None):
+    """The profile parts (`steps`): launches per decode pass; where one request's time goes at each context, fast
+    and split-KV off; then a batch of 8's and 4 callers' at the longest context (their gaps to SID-GR)."""
+    n = 2000 if on_cuda(device) else contexts[-1]
+    yield f"launches per decode pass 4 x {n}/30", lambda: launches_per_decode_pass(big, n, [30] * 4, device), missing
+    for name, label in (("fast", ""), ("fast_whole", " split-KV off")):
+        for context in contexts:
+            yield (
+                f"where the time goes {context}/256/3{label}",
+                lambda n=context, e=name: where_time_goes(big[e], n, device),
+                missing or (None if name in big else f"{name} did not start"),
+            )
+    for workload in WORKLOADS[1:]:
+        yield (
+            f"where the time goes {contexts[-1]}/256/3 {workload}",
+            lambda w=workload: where_time_goes(big["fast"], contexts[-1], device, w),
+            missing,
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:

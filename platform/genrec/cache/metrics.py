@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ray.util.metrics import Counter
 
@@ -21,6 +21,14 @@ CACHE_COUNTERS = {
     "genrec_embedding_cache_misses": ("misses", "keys not in the shard's table (read through to its store, if any)"),
     "genrec_embedding_cache_store_hits": ("store_hits", "missed keys the shard's store had"),
 }
+
+
+def start_at_zero(counter: Counter, tag_sets: Iterable[dict[str, str]] = ({},)) -> None:
+    """Publish each series at 0 before it first moves, so rate() counts the first increments too (a series that
+    appears at N counts from N). Counter.inc refuses 0; the recording it wraps does not, and Ray's agent exports the
+    series at 0 (checked on Ray 2.60). A Serve counter adds the replica's default tags alike."""
+    for tags in tag_sets:
+        counter._record(0, tags)
 
 
 class TotalsCounters:
@@ -35,9 +43,7 @@ class TotalsCounters:
             name: counter_type(name, description=text, tag_keys=tuple(self.tags)) for name, (_, text) in specs.items()
         }
         for counter in self.counters.values():
-            # At 0 before the first count, so rate() counts the first ones too (a series that appears at N counts
-            # from N). Counter.inc refuses 0; the recording it wraps does not (Ray 2.60 exports the series at 0).
-            counter._record(0, self.tags)
+            start_at_zero(counter, (self.tags,))
         self.last = dict.fromkeys(specs, 0)
 
     def update(self, totals: dict) -> None:

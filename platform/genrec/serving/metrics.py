@@ -14,19 +14,12 @@ from collections.abc import Iterable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from genrec.cache.metrics import TotalsCounters
+from genrec.cache.metrics import TotalsCounters, start_at_zero
 from genrec.engine.metrics import LATENCY_BUCKETS, OUTCOMES
 from genrec.serving.funnel import REASONS
 
 # A retriever replica not serving the catalog its config declares (schemas.CatalogStatus): the states of the gauge.
 UNDECLARED = ("kept_running", "refusing")
-
-
-def start_at_zero(counter: Counter, tag_sets: Iterable[dict[str, str]] = ({},)) -> None:
-    """Publish each series at 0 before it first moves. Counter.inc refuses 0; the recording it wraps does not,
-    and Ray's agent exports the series at 0 (checked on Ray 2.60). The replica's default tags are added alike."""
-    for tags in tag_sets:
-        counter._record(0, tags)
 
 
 class EngineMetricsExporter:

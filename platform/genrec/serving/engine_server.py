@@ -49,7 +49,6 @@ class EngineServer:
         live = self.driver.live_catalog
         self.catalog = DeclaredCatalog(model_dir, self.driver.load_catalog, self._report) if live else None
         self.replica = _replica_id()
-        self._board = None
         self.metrics = EngineMetricsExporter(self.info.serves)
         self.metrics.load_s = time.perf_counter() - started
         self._stopped = threading.Event()
@@ -134,13 +133,10 @@ class EngineServer:
             context = serve.get_replica_context()
         except RayServeException:
             return
-        try:
-            if self._board is None:
-                self._board = board(context.app_name)
-            self._board.report.remote(context.deployment, self.replica, self._catalog_state())
+        try:  # looked up each time: a board left idle ends itself (replicas.py) and a new one takes its name
+            board(context.app_name).report.remote(context.deployment, self.replica, self._catalog_state())
         except Exception as err:  # noqa: BLE001 - the board is a view: never fail the replica for it
             log.warning("genrec: the replica board is unreachable (%s)", err)
-            self._board = None
 
     def stats(self, routing_key: str | None = None) -> dict:
         """For benches and tests, through a handle (a random routing key reaches each replica)."""

@@ -116,3 +116,40 @@ def test_a_buffer_rebound_after_capture_is_caught_by_replaying_the_record(tiny_d
     RecordedGraph.made = []
     rerun = planted(replaying(tiny_dir, RecordedGraph)).retrieve(asked)  # the Python rerun reads the new buffer
     same(rerun, want)  # the old stand-in's blind spot
+
+
+def test_a_replayed_prefill_writes_its_k_v_in_the_graph_at_its_own_slots_and_padding_only_to_scratch(traced, eager):
+    """The prefill's stages write each layer's K/V inside the record, at slots the pass fills in before its first
+    replay: a pass of 11 tokens in the 16-token bucket writes its 11 slots (equal to the eager prefill's K/V) and its
+    5 padding rows the graphs' scratch slot, no other slot of the pool."""
+    graphs = traced.runner.prefill_graphs
+    pool, scratch = graphs.pool, graphs.scratch.start
+    prompt = random_prompt(traced, 11, torch.Generator().manual_seed(5))
+    want = eager.runner.prefill_alone(eager.prepare(RetrieveRequest(prompt_token_ids=prompt))).ctx
+    bucket = graphs.graphs[16]
+    replays = sum(g.replays for g in bucket)
+    pool.k.fill_(7.0)
+    pool.v.fill_(7.0)
+    ctx = pool.context(11)
+    try:
+        start = ctx.extent.start
+        traced.runner.prefill([(traced.prepare(RetrieveRequest(prompt_token_ids=prompt)), ctx, 0, 11)])
+        assert sum(g.replays for g in bucket) == replays + graphs.layers + 1  # every stage replayed, none eager
+        assert torch.allclose(ctx.k, want.k, atol=1e-5) and torch.allclose(ctx.v, want.v, atol=1e-5)
+        for kv in (pool.k, pool.v):
+            written = (kv != 7.0).flatten(2).any(-1).any(0).nonzero().flatten().tolist()  # slots any layer wrote
+            assert written == sorted([*range(start, start + 11), scratch])
+    finally:
+        ctx.release()
+
+
+def test_a_prefill_alone_with_graphs_runs_in_the_engines_pool_and_gives_its_tokens_back(traced, eager):
+    prompt = random_prompt(traced, 13, torch.Generator().manual_seed(6))
+    want = eager.runner.prefill_alone(eager.prepare(RetrieveRequest(prompt_token_ids=prompt)))
+    pool = traced.runner.prefill_graphs.pool
+    used, bucket = pool.used, traced.runner.prefill_graphs.graphs[16]
+    replays = sum(g.replays for g in bucket)
+    got = traced.runner.prefill_alone(traced.prepare(RetrieveRequest(prompt_token_ids=prompt)))
+    assert sum(g.replays for g in bucket) > replays and pool.used == used and got.ctx.pool is not pool
+    assert torch.allclose(got.ctx.k, want.ctx.k, atol=1e-5) and torch.allclose(got.ctx.v, want.ctx.v, atol=1e-5)
+    assert torch.allclose(got.last_logits, want.last_logits, atol=1e-4)

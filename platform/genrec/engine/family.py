@@ -75,9 +75,9 @@ class Family(Protocol):
         """Each (embeds, ctx) at the positions after ctx.length, its K/V written into ctx, all in one pass: the output
         at each segment's last position, or None. `graphs`: `capture_prefill`'s, replayed where they hold the pass."""
 
-    def capture_prefill(self, session, max_tokens: int) -> PrefillGraphs | None:
-        """The prefill captured as graphs up to `max_tokens` per pass (genrec.engine.prefill_graphs) in the start-up
-        capture session (genrec.engine.plan.CudaCapture), or None."""
+    def capture_prefill(self, session, max_tokens: int, pool) -> PrefillGraphs | None:
+        """The prefill captured as graphs up to `max_tokens` per pass (genrec.engine.prefill_graphs), writing the K/V
+        of `pool` (the engine's), in the start-up capture session (genrec.engine.plan.CudaCapture), or None."""
 
     def start(self, job: Job) -> JobState:
         """A prefilled job's next state: DECODING (its beam cohort started; Generating only) or SCORING."""

@@ -133,7 +133,7 @@ class Ranker:
         self.model.prefill_contexts(segments, self.ops)
         return [None] * len(segments)
 
-    def capture_prefill(self, session, max_tokens: int) -> None:
+    def capture_prefill(self, session, max_tokens: int, pool) -> None:
         """HSTU's prefill runs eagerly (its layers are few and short: launches cost little there)."""
         return None
 

@@ -248,9 +248,9 @@ class Retriever:
         """The logits at each segment's last position [segments, vocab]."""
         return self.model.prefill_packed(segments, self.ops, graphs=graphs)
 
-    def capture_prefill(self, session, max_tokens: int) -> PrefillGraphs:
-        """The prefill's stages captured per token bucket up to `max_tokens` (genrec.engine.prefill_graphs)."""
-        return PrefillGraphs(self.model, self.ops.pieces, max_tokens, session)
+    def capture_prefill(self, session, max_tokens: int, pool) -> PrefillGraphs:
+        """The prefill's stages captured per token bucket up to `max_tokens`, writing `pool` (prefill_graphs)."""
+        return PrefillGraphs(self.model, self.ops.pieces, max_tokens, session, pool)
 
     def start(self, job) -> JobState:
         """A beam request starts its cohort (first level from the prompt's last logits); a score goes to its rows."""

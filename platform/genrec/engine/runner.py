@@ -58,9 +58,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_alone(self, prepared: Prepared) -> Prefilled:
-        """One context in one pass, into a pool of its own: the plain prefill benchmarks take as their floor."""
-        ctx = ContextKV.allocate(self.model.config, len(prepared.token_ids), self.device, self.model.dtype)
-        (logits,) = self.prefill([(prepared, ctx, 0, len(prepared.token_ids))])
+        """One context in one pass, into a pool of its own: the plain prefill benchmarks take as their floor. With
+        prefill graphs (which write the engine's pool), the pass runs in the engine's pool where it has room, its K/V
+        then copied to the context's own pool and the engine's tokens given back. Not while the engine runs."""
+        n = len(prepared.token_ids)
+        ctx = ContextKV.allocate(self.model.config, n, self.device, self.model.dtype)
+        staged = None if self.prefill_graphs is None else self.prefill_graphs.pool.context(n)
+        if staged is None:
+            (logits,) = self.prefill([(prepared, ctx, 0, n)])
+            return Prefilled(ctx, logits)
+        try:
+            (logits,) = self.prefill([(prepared, staged, 0, n)])
+            ctx.k.copy_(staged.k)
+            ctx.v.copy_(staged.v)
+            ctx.length = n
+        finally:
+            staged.release()
         return Prefilled(ctx, logits)
 
     @torch.inference_mode()
@@ -89,7 +102,7 @@ class ModelRunner:
         with _on(self.device):
             session = self.plan.capture(self.device)
             self._capture_decode(pool, session)
-            self.prefill_graphs = self.family.capture_prefill(session, prefill_tokens)
+            self.prefill_graphs = self.family.capture_prefill(session, prefill_tokens, pool)
         self.graph_bytes = _device_bytes(self.device) - before
         self.warmup_s = time.perf_counter() - started
         return self.warmup_s

@@ -205,8 +205,8 @@ class Qwen3(nn.Module):
         return self.logits(hidden[ends])
 
     def _prefill_hidden(self, segments: list[tuple[torch.Tensor, ContextKV]], ops: ModelOps, graphs=None):
-        """The layers over the segments' tokens, stage by stage (`prefill_stage`), eager or replayed from `graphs` (a
-        bucket of at least as many tokens); the K/V writes and the attention run eagerly between the stages."""
+        """The layers over the segments' tokens, stage by stage (`prefill_stage`, then its layer's K/V writes), eager
+        or replayed from `graphs` (a bucket of at least as many tokens); the attention runs eagerly between them."""
         device = segments[0][0].device
         positions = np.concatenate([np.arange(ctx.length, ctx.length + len(e)) for e, ctx in segments])
         writes = _kv_writes(segments, device)
@@ -217,13 +217,11 @@ class Qwen3(nn.Module):
         cos, sin = self.rotary.cos_sin(to_device(positions, device), x.dtype)
         cu_q = [0, *np.cumsum([len(e) for e, _ in segments]).tolist()]
         rows = PrefillRows([ctx for _, ctx in segments], cu_q, ops.attention)
-        stages = graphs.stages(n) if graphs is not None and graphs.holds(n) else EagerStages(self, ops.pieces)
-        x, q, k, v = stages.first(x, cos, sin)
+        stages = None if graphs is None else graphs.stages(n, writes)
+        stages = stages or EagerStages(self, ops.pieces, writes)
+        x, q = stages.first(x, cos, sin)
         for i, layer in enumerate(self.model.layers):
-            for pool, slots, tokens in writes:
-                pool.k[i].index_copy_(0, slots, k[:n] if tokens is None else k[tokens])
-                pool.v[i].index_copy_(0, slots, v[:n] if tokens is None else v[tokens])
-            x, q, k, v = stages.next(i + 1, rows.attend(q[:n], i, layer.self_attn.scale))
+            x, q = stages.next(i + 1, rows.attend(q[:n], i, layer.self_attn.scale))
         return x[:n]
 
     def prefill_stage(self, i: int, x, attn, cos, sin, ops: Pieces):
@@ -296,10 +294,11 @@ class Qwen3(nn.Module):
 
 
 class EagerStages:
-    """A prefill's stages run as they come (the CPU, or a pass no captured bucket holds)."""
+    """A prefill's stages run as they come (the CPU, or a pass no captured bucket holds): each stage below the last
+    writes its layer's K/V where `writes` (`_kv_writes`) say, as a captured stage does."""
 
-    def __init__(self, model: Qwen3, ops: Pieces):
-        self.model, self.ops = model, ops
+    def __init__(self, model: Qwen3, ops: Pieces, writes: list):
+        self.model, self.ops, self.writes = model, ops, writes
 
     def first(self, x, cos, sin):
         self.x, self.cos, self.sin = x, cos, sin
@@ -307,7 +306,11 @@ class EagerStages:
 
     def next(self, i: int, attn):
         self.x, q, k, v = self.model.prefill_stage(i, self.x, attn, self.cos, self.sin, self.ops)
-        return self.x, q, k, v
+        if q is not None:
+            for pool, slots, tokens in self.writes:
+                pool.k[i].index_copy_(0, slots, k if tokens is None else k[tokens])
+                pool.v[i].index_copy_(0, slots, v if tokens is None else v[tokens])
+        return self.x, q
 
 
 def _kv_writes(segments: list[tuple[torch.Tensor, ContextKV]], device) -> list:

@@ -121,13 +121,14 @@ def test_a_buffer_rebound_after_capture_is_caught_by_replaying_the_record(tiny_d
 def test_a_replayed_prefill_writes_its_k_v_in_the_graph_at_its_own_slots_and_padding_only_to_scratch(traced, eager):
     """The prefill's stages write each layer's K/V inside the record, at slots the pass fills in before its first
     replay: a pass of 11 tokens in the 16-token bucket writes its 11 slots (equal to the eager prefill's K/V) and its
-    5 padding rows the graphs' scratch slot, no other slot of the pool."""
+    5 padding rows the pool's scratch slot (outside its budget), no other slot of the pool."""
     graphs = traced.runner.prefill_graphs
-    pool, scratch = graphs.pool, graphs.scratch.start
+    pool, scratch = graphs.pool, graphs.pool.scratch
     prompt = random_prompt(traced, 11, torch.Generator().manual_seed(5))
     want = eager.runner.prefill_alone(eager.prepare(RetrieveRequest(prompt_token_ids=prompt))).ctx
     bucket = graphs.graphs[16]
     replays = sum(g.replays for g in bucket)
+    assert pool.used == 0 and pool._extents.largest == pool.tokens  # the captures took none of the KV budget
     pool.k.fill_(7.0)
     pool.v.fill_(7.0)
     ctx = pool.context(11)

@@ -157,7 +157,7 @@ def test_prefill_writes_into_a_kv_pool_extent():
     config = make_config()
     model = random_hstu(config, 12)
     pool = KVPool(config, 40, "cpu", torch.float32)
-    assert pool.k.shape == (2, 40, 2, 8)
+    assert pool.k.shape == (2, 41, 2, 8) and pool.scratch == 40  # 40 to give out, then the scratch slot
     extent = pool.reserve(20)
     pool.reserve(20).k().fill_(float("nan"))  # a neighbour's garbage must never leak in
     items, actions, buckets = random_events(config, 15, random.Random(12))

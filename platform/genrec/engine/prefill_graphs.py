@@ -3,7 +3,7 @@ is one graph per token bucket (docs/engine.md, 'KV memory and the execution plan
 token count varies and its attention reads index tables the host builds per pass. A pass replays the smallest bucket
 holding it: 29 graph launches and 28 attention calls for 28 layers, not ~400 kernels. Each stage writes its layer's
 K/V into the engine's pool inside the graph, at the slots the pass fills in before its first replay; the rows past
-the pass (zeroed) write one scratch slot the graphs hold for good, never a context's. Captured at engine start only;
+the pass (zeroed) write the pool's scratch slot, never a context's. Captured at engine start only;
 a pass larger than every bucket, or writing another pool, runs eagerly (`qwen3.EagerStages`: the same stages).
 """
 
@@ -41,8 +41,7 @@ class PrefillGraphs:
         zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         self.x, self.attn, self.cos, self.sin = zeros(T, c.hidden_size), zeros(T, H, D), zeros(T, D), zeros(T, D)
         self.q = zeros(T, H, D)
-        self.scratch = pool.reserve(1)  # held as long as the graphs: where padding rows write
-        self.slots = torch.full((T,), self.scratch.start, dtype=torch.int64, device=device)
+        self.slots = torch.full((T,), pool.scratch, dtype=torch.int64, device=device)
         self.graphs = {}
         for bucket in reversed(self.buckets):  # largest first: the session's one memory pool serves all
             stages = range(self.layers + 1)
@@ -84,7 +83,7 @@ class BucketStages:
         g.slots[:n].copy_(self.slots)
         if n < self.bucket:
             g.x[n : self.bucket].zero_()  # padding rows: finite, their K/V to the scratch slot, never attended
-            g.slots[n : self.bucket].fill_(g.scratch.start)
+            g.slots[n : self.bucket].fill_(g.pool.scratch)
         return self.next(0, None)
 
     def next(self, i: int, attn):

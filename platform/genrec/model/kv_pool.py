@@ -80,9 +80,11 @@ def kv_storage(shape, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 class KVPool:
     def __init__(self, config: KVShape, tokens: int, device, dtype):
-        shape = (config.num_hidden_layers, tokens, config.num_key_value_heads, config.head_dim)
+        """`tokens` slots to give out, and one more past them, `scratch`: where a captured pass's padding rows write
+        their K/V (genrec.engine.prefill_graphs), never a context's and outside the budget."""
+        shape = (config.num_hidden_layers, tokens + 1, config.num_key_value_heads, config.head_dim)
         self.k, self.v = kv_storage(shape, device, dtype)
-        self.tokens = tokens
+        self.tokens, self.scratch = tokens, tokens
         self.bytes_per_token = 2 * shape[0] * shape[2] * shape[3] * self.k.element_size()
         self._extents = ExtentAllocator(tokens)
 

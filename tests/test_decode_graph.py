@@ -73,23 +73,26 @@ def test_two_request_mixes_in_one_bucket_run_the_same_op_shapes(engine, rng):
     assert rows_a != rows_b and first == second  # a different mix, the same ops on the same shapes: replayable
 
 
-def test_a_pass_records_every_cohorts_new_kv_with_one_scatter_into_their_own_slots(engine, rng):
+def test_a_pass_writes_every_cohorts_new_kv_with_one_scatter_into_their_own_slots_and_padding_to_scratch(engine, rng):
     pool, cohorts = pooled_cohorts(engine, rng, [(9, 3), (31, 4), (12, 2)])
     engine.runner.decode(cohorts[:1], bucketed=True)  # mixed levels: the cohorts' slots of different passes
-    _, _, rows, buf = recorded_pass(engine, pool, cohorts, 32)
-    new_k, new_v = torch.randn(2, *pool.k.shape[:1], 32, 1, *pool.k.shape[2:])
+    _, _, rows, buf = recorded_pass(engine, pool, cohorts, 64)
+    new_k, new_v = torch.randn(2, *pool.k.shape[:1], 64, 1, *pool.k.shape[2:])
+    before_k = pool.k.clone()
     with OpShapes() as rec:
-        buf.record_kv(new_k, new_v, rows)
+        buf.write_kv(new_k, new_v)  # the whole bucket: what a captured pass writes inside its graph
     assert [op for op, _ in rec.ops if "copy" in op or "index_put" in op or "scatter" in op] == [
         "aten.index_copy_.default"
     ] * 2
-    row = 0
+    row, written = 0, []
     for c in cohorts:  # a cohort's rows of pass `level` own its BeamKV slots base[level - 1] on, in order
         at = c.slot_offset + c.base[c.level - 1] + torch.arange(c.rows)
         assert torch.equal(pool.k[:, at], new_k[:, row : row + c.rows, 0])
         assert torch.equal(pool.v[:, at], new_v[:, row : row + c.rows, 0])
-        row += c.rows
-    assert row == rows
+        row, written = row + c.rows, written + at.tolist()
+    assert row == rows < 64  # padding rows: their K/V went to the scratch slot alone
+    changed = (pool.k != before_k).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
+    assert changed == sorted([*written, pool.scratch])
 
 
 def test_padding_a_bucket_never_changes_real_rows(engine, rng):

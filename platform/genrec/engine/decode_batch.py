@@ -82,7 +82,7 @@ class DecodeBatch:
         self.columns = torch.zeros(bucket, columns, **i64)  # the tokens whose log-probabilities the pass returns
         self.positions = torch.zeros(bucket, **i64)
         self.ancestors = torch.zeros(bucket, past, **i64)
-        self.own_slots = torch.zeros(bucket, **i64)  # where each row's new token's K/V goes (record_kv)
+        self.own_slots = torch.zeros(bucket, **i64)  # where each row's new token's K/V goes (write_kv)
         self.mask = torch.ones(bucket, 1, past + 1, dtype=torch.bool, device=device)
         sequences = spans * (self.sequences + 1)  # per span: its capacity, plus the padding's
         self.context = StaticContext(
@@ -97,7 +97,7 @@ class DecodeBatch:
             merge=self.pieces.merge_spans,
         )
         self.selection = InGraphSelection(bucket, columns, device) if selects else None  # the pass ranks too
-        self.outputs = None  # (gains, new_k, new_v[, order]) of a captured graph
+        self.outputs = None  # (gains[, order]) of a captured graph
 
     def fill(self, selections: list[Choices]) -> int:
         """Copy the pass's inputs in (device to device, and host index tables staged); returns the real rows."""
@@ -122,7 +122,8 @@ class DecodeBatch:
         mask = np.arange(self.past + 1)[None, :] < np.asarray(pasts + [0] * pad)[:, None]
         mask[:, self.past] = True  # every row sees its own new token
         copies = [(self.mask, mask[:, None], torch.bool), *self._span_tables(spans, counts, pad)]
-        copies.append((self.own_slots, np.concatenate([*own, np.zeros(pad, dtype=np.int64)]), torch.int64))
+        padding = np.full(pad, self.pool.scratch, dtype=np.int64)  # padding rows' K/V: the pool's scratch slot
+        copies.append((self.own_slots, np.concatenate([*own, padding]), torch.int64))
         if self.selection is not None:
             copies.append(self.selection.fill(selections, counts, pad))
         device = self.tokens.device
@@ -133,12 +134,11 @@ class DecodeBatch:
             self.positions[rows:] = 0
         return rows
 
-    def record_kv(self, new_k: torch.Tensor, new_v: torch.Tensor, rows: int) -> None:
-        """The pass's new K/V [layers, >= rows, 1, kv_heads, hd] into its real rows' own slots: one scatter each for
-        every cohort of the pass (the padding rows' are dropped)."""
-        at = self.own_slots[:rows]
-        self.pool.k.index_copy_(1, at, new_k[:, :rows, 0])
-        self.pool.v.index_copy_(1, at, new_v[:, :rows, 0])
+    def write_kv(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        """The pass's new K/V [layers, B, 1, kv_heads, hd] into each row's own slot, inside the pass (a captured
+        graph writes them itself): one scatter each for every cohort and layer; padding rows write the scratch slot."""
+        self.pool.k.index_copy_(1, self.own_slots, new_k[:, :, 0])
+        self.pool.v.index_copy_(1, self.own_slots, new_v[:, :, 0])
 
     def _fill_columns(self, selections: list[Choices]) -> None:
         """Each row's children's tokens, left-aligned (the columns past a row's own count are never read)."""

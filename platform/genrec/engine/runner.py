@@ -163,8 +163,7 @@ class ModelRunner:
         selections = choices(sorted(cohorts, key=lambda c: (c.level, id(c.trie))))
         batch, graph = self._pass_for(cohorts, selections, self.graphs if bucketed is None else bucketed)
         rows = batch.fill(selections)
-        gains, new_k, new_v, order = self._run(batch, graph)
-        batch.record_kv(new_k, new_v, rows)
+        gains, order = self._run(batch, graph)
         advance_all(selections, gains[:rows], None if order is None else order[:rows])
 
     def _pass_for(self, cohorts: list[BeamCohort], selections, bucketed: bool) -> tuple[DecodeBatch, object]:
@@ -186,13 +185,13 @@ class ModelRunner:
         return self._batch(rows, pool, spans, columns), None
 
     def _run(self, batch: DecodeBatch, graph) -> tuple:
-        """The filled pass: (gains, new_k, new_v, order), `order` the ranking where the pass selected itself (then
-        the gains are its candidates' scores), else None."""
+        """The filled pass, its new K/V written: (gains, order), `order` the ranking where the pass selected itself
+        (then the gains are its candidates' scores), else None."""
         if graph is None:
-            return *self.decode_forward(batch), None
+            return self._forward_writing(batch), None
         graph.replay()  # on the device it was captured on (a graph's replay guards it)
-        gains, new_k, new_v, *order = batch.outputs
-        return gains, new_k, new_v, order[0] if order else None
+        gains, *order = batch.outputs
+        return gains, order[0] if order else None
 
     def _splits(self, cohorts: list[BeamCohort]) -> bool:
         """Whether one-span contexts run split in the multi-span bucket (split-KV: the plan's policy)."""
@@ -207,13 +206,18 @@ class ModelRunner:
         """The pass over a filled batch: (gains [B, columns], new_k, new_v [layers, B, 1, kv_heads, hd])."""
         return self.family.decode_forward(batch)
 
-    def _captured_forward(self, batch: DecodeBatch):
-        """A captured pass: (gains, new_k, new_v), or where it selects itself (candidates, new_k, new_v, order)."""
+    def _forward_writing(self, batch: DecodeBatch) -> torch.Tensor:
+        """The pass's gains, its new K/V written into the pool inside the pass (in a captured graph too)."""
         gains, new_k, new_v = self.decode_forward(batch)
+        batch.write_kv(new_k, new_v)
+        return gains
+
+    def _captured_forward(self, batch: DecodeBatch):
+        """A captured pass: (gains,), or where it selects itself (candidates, order); its K/V written inside."""
+        gains = self._forward_writing(batch)
         if batch.selection is None:
-            return gains, new_k, new_v
-        candidates, order = batch.selection.ranked(batch.pieces, gains)
-        return candidates, new_k, new_v, order
+            return (gains,)
+        return batch.selection.ranked(batch.pieces, gains)
 
     def _bucket(self, key: tuple, pool: KVPool) -> DecodeBatch:
         """A bucketed pass's inputs without a graph (the CPU runs the padded pass eagerly): kept per key."""
@@ -228,10 +232,9 @@ class ModelRunner:
 
 
 def _rows_of(outputs: list[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
-    """The first `rows` rows of a decode pass's outputs (gains [B, columns]; new_k, new_v [layers, B, ...]; where
-    the pass selects itself, order [B, columns])."""
-    gains, new_k, new_v, *order = outputs
-    return gains[:rows], new_k[:, :rows], new_v[:, :rows], *(o[:rows] for o in order)
+    """The first `rows` rows of a decode pass's outputs (gains [B, columns]; where the pass selects itself, order
+    [B, columns])."""
+    return tuple(o[:rows] for o in outputs)
 
 
 def _copy_into(targets, values) -> None:

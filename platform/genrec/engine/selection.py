@@ -73,7 +73,7 @@ def _choices(cohorts: list) -> Choices:
 
 
 def advance_all(selections: list[Choices], gains: torch.Tensor, order=None) -> None:
-    """After one decode pass over the selections' rows (in this order; its K/V recorded: DecodeBatch.record_kv): run
+    """After one decode pass over the selections' rows (in this order; its K/V written: DecodeBatch.write_kv): run
     each selection. gains [rows, >= C]: each row's log-probabilities at its children's tokens (`Choices.token`);
     or, with `order` (the selection ran inside the pass: `InGraphSelection.ranked`), its children's scores, ranked.
     Every selection is made before any cohort moves: one that fails leaves them all as they were, so the retry of

@@ -19,11 +19,13 @@ MEMORY_SHARE = 4  # the captured passes may take 1 / MEMORY_SHARE of the memory 
 def decode_bytes_per_row(config, itemsize: int, columns: int) -> int:
     """An upper estimate of the device memory one row of a decode pass holds at once: its logits over the whole
     vocabulary (the head's output, which the column log-probabilities read), one layer's activations (the residual
-    and its norm, the attention's projections and output, the MLP's gate, up and their product) and the float32
-    per-column buffers (gains, candidates, sort keys)."""
+    and its norm, the attention's projections and output, the MLP's gate, up and their product), its new K/V of every
+    layer (stacked, then written into the pool inside the pass) and the float32 per-column buffers (gains,
+    candidates, sort keys)."""
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     layer = 4 * config.hidden_size + 2 * heads * head_dim + 2 * kv_heads * head_dim + 3 * config.intermediate_size
-    return itemsize * (config.vocab_size + layer) + 3 * 8 * columns
+    new_kv = 2 * config.num_hidden_layers * kv_heads * head_dim
+    return itemsize * (config.vocab_size + layer + new_kv) + 3 * 8 * columns
 
 
 def rows_to_capture(max_requests: int, levels: int, pool_tokens: int, bytes_per_row: int, free_bytes: int) -> int:

@@ -206,6 +206,30 @@ def test_an_evicted_prefix_spills_to_the_host_tier_and_comes_back_on_a_hit(engin
     assert SchedulerConfig().host_cache_bytes == 0  # off unless sized
 
 
+@pytest.mark.timeout(60)  # the defect this guards against spun inside one step, forever
+def test_a_prefix_back_from_the_host_waits_beside_a_running_request_instead_of_cycling(engine, rng):
+    """A returning user's prefix, spilled to the host tier, comes back while another request holds the rest of the
+    pool: the user waits for that request, then reuses the prefix. (Admission used to copy the entry back, fail,
+    evict that same entry to the host again and retry, forever.)"""
+    per_token = Scheduler(engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=0)).per_token
+    pool = per_token * 400
+    config = SchedulerConfig(kv_budget_bytes=pool, prefix_cache_bytes=pool, host_cache_bytes=per_token * 1000)
+    scheduler = Scheduler(engine.family, engine.runner, config)
+    first = random_prompt(engine, 200, rng)
+    run(scheduler, engine, RetrieveRequest(prompt_token_ids=first, beam_width=1, cache_scope=USER))
+    run(scheduler, engine, RetrieveRequest(prompt_token_ids=random_prompt(engine, 300, rng), beam_width=1))
+    assert scheduler.cache.stats.spills == 1  # the user's prefix is on the host now
+    holding = RetrieveRequest(prompt_token_ids=random_prompt(engine, 160, rng), beam_width=5)  # 190 of the 400
+    returning = RetrieveRequest(prompt_token_ids=first + random_prompt(engine, 10, rng), beam_width=1, cache_scope=USER)
+    futures = [scheduler.submit(engine.prepare(r)) for r in (holding, returning)]
+    while not scheduler.idle:
+        scheduler.step()
+    for future, request in zip(futures, (holding, returning), strict=True):
+        assert_equal(future.result(), cold(engine, request))
+    snapshot = scheduler.cache.snapshot()
+    assert snapshot["restores"] == 1 and scheduler.cache.stats.tokens_reused == 192  # its 12 whole blocks, once
+
+
 def test_warm_and_cold_prompts_prefilled_in_one_pass_equal_their_cold_runs(engine, rng):
     """One packed prefill pass mixing a chunk with a reused prefix and chunks without: each equals a cold run."""
     scheduler = Scheduler(engine.family, engine.runner)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Self
 
@@ -127,20 +127,21 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.capacity_bytes > 0
 
-    def lookup(self, keys: list[bytes], max_blocks: int) -> list[Piece]:
+    def lookup(self, keys: list[bytes], max_blocks: int, restore: bool = True) -> list[Piece]:
         """The cached prefix of at most `max_blocks` blocks that gains most, as at most MAX_SPANS - 1 pool pieces
-        (adjacent blocks of one entry merge), each extent retained for the caller."""
-        runs = self._runs(keys[:max_blocks])
+        (adjacent blocks of one entry merge), each extent retained for the caller. `restore`: blocks found only in
+        the host tier are copied back into the pool (else they end the prefix)."""
+        runs = self._runs(keys[:max_blocks], restore)
         runs = runs[: self._paying(runs)]
         for entry, _, _ in runs:
             self._touch(entry)
         return [Piece(entry.extent.retain(), start, length) for entry, start, length in runs]  # held from here
 
-    def _runs(self, keys: list[bytes]) -> list[tuple[_Entry, int, int]]:
+    def _runs(self, keys: list[bytes], restore: bool) -> list[tuple[_Entry, int, int]]:
         """The longest cached prefix of these keys as (entry, pool offset, tokens) runs, at most MAX_SPANS - 1."""
         runs: list[tuple[_Entry, int, int]] = []
         for key in keys:
-            found = self._blocks.get(key) or self._restore(key)
+            found = self._blocks.get(key) or (self._restore(key) if restore else None)
             if found is None:
                 break
             entry, start = found
@@ -193,11 +194,12 @@ class PrefixCache:
         self._probation[entry] = None
         self.bytes += entry.extent.nbytes
 
-    def evict_one(self) -> bool:
-        """Give back the least recently used entry no running request reads (probation first). False if none."""
+    def evict_one(self, keep: Collection[Extent] = ()) -> bool:
+        """Give back the least recently used entry no running request reads (probation first), none whose extent
+        is in `keep`. False if none."""
         for segment in (self._probation, self._protected):
             for entry in segment:
-                if entry.extent.holders == 1:  # the cache's own hold only
+                if entry.extent.holders == 1 and entry.extent not in keep:  # the cache's own hold only
                     self._drop(entry, segment)
                     return True
         return False

@@ -246,18 +246,24 @@ class Scheduler:
             stats.hits += job.ctx.prefix_length > 0
 
     def _hold(self, job: Job) -> Holding | None:
-        """The job's pool extents after its longest cached prefix (never the whole prompt), evicting until it fits."""
+        """The job's pool extents after its longest cached prefix (never the whole prompt), evicting until it fits.
+
+        Blocks come back from the host tier on the first lookup only, and the prefix the job would read is evicted
+        last, only when no running job will free memory: otherwise an entry copied back, then evicted to the host
+        again to make room beside a running job, would come back on the next lookup, round after round."""
         prompt = len(job.prepared.token_ids)
+        restore = True
         while True:
-            prefix = self.cache.lookup(job.block_keys, (prompt - 1) // BLOCK) if self.cache.enabled else []
+            prefix = self.cache.lookup(job.block_keys, (prompt - 1) // BLOCK, restore) if self.cache.enabled else []
+            restore = False
             reused = sum(p.length for p in prefix)
             holding = self.budget.admit(prompt - reused, job.kv_tokens - prompt, prefix)
             if holding is not None:
                 return holding
             for piece in prefix:
                 piece.extent.release()
-            if not self.cache.evict_one():
-                return None
+            if not self.cache.evict_one(keep={p.extent for p in prefix} if self.running else ()):
+                return None  # it waits for a running job's memory, its prefix kept in the pool
 
     def _prefill(self) -> tuple[int, list[Job]]:
         """This iteration's prefill chunks, in arrival order under the token budget, in one packed pass costing at

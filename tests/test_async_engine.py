@@ -162,7 +162,8 @@ def test_a_request_that_does_not_fit_waits_for_memory(engine, rng):
     while not scheduler.idle:
         scheduler.step()
     assert first.result().items == second.result().items
-    with pytest.raises(InvalidRequestError, match="bytes of KV"):
+    tokens = request.kv_tokens
+    with pytest.raises(InvalidRequestError, match=f"needs {tokens} tokens of KV .* pool holds {tokens - 1} "):
         Scheduler(engine.family, engine.runner, SchedulerConfig(kv_budget_bytes=one - 1)).submit(request)
 
 

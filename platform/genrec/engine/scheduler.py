@@ -128,7 +128,9 @@ class Scheduler:
         if tokens * self.per_token > self.budget.capacity:
             raise InvalidRequestError(
                 "request",
-                f"needs {tokens * self.per_token} bytes of KV; this engine's budget is {self.budget.capacity}",
+                f"needs {tokens} tokens of KV ({tokens * self.per_token} bytes: its prompt and its beams' codes);"
+                f" this engine's pool holds {self.budget.capacity // self.per_token} ({self.budget.capacity} bytes):"
+                " send a shorter prompt or a narrower beam",
             )
         if not self.has_room:
             raise Overloaded(f"engine queue is full ({self.config.max_queue} waiting requests)")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from genrec.api import Candidate, RecommendRequest, RetrieveRequest, ScoreRequest
-from genrec.engine.prefix_cache import BLOCK, PrefixCache, block_keys
+from genrec.engine.prefix_cache import BLOCK, HostTier, PrefixCache, block_keys
 from genrec.engine.scheduler import Scheduler, SchedulerConfig
 from genrec.model.kv_pool import MAX_SPANS, ContextKV
 from genrec.model.tokenizer import USER_TOKEN
@@ -228,6 +228,49 @@ def test_a_prefix_back_from_the_host_waits_beside_a_running_request_instead_of_c
         assert_equal(future.result(), cold(engine, request))
     snapshot = scheduler.cache.snapshot()
     assert snapshot["restores"] == 1 and scheduler.cache.stats.tokens_reused == 192  # its 12 whole blocks, once
+
+
+def test_a_waiting_users_blocks_beyond_its_readable_pieces_stay_on_the_host(engine, rng):
+    """A user with four cached pieces returns while another request holds the pool (which sent all four to the
+    host): a prefix reads three pieces at most, so those three come back once, when there is room, and the fourth
+    stays on the host."""
+    per_token = Scheduler(engine.family, engine.runner, SchedulerConfig(prefix_cache_bytes=0)).per_token
+    config = SchedulerConfig(kv_budget_bytes=per_token * 500, prefix_cache_bytes=per_token * 200,
+                             host_cache_bytes=per_token * 4000, prefill_tokens_per_step=4)  # fmt: skip
+    scheduler = Scheduler(engine.family, engine.runner, config)
+    prompt = random_prompt(engine, 32, rng)
+    for visit in range(4):  # each visit adds two blocks: four entries
+        run(scheduler, engine, RetrieveRequest(prompt_token_ids=prompt, beam_width=1, cache_scope=USER))
+        prompt = prompt + random_prompt(engine, 32, rng) if visit < 3 else prompt
+    other = RetrieveRequest(prompt_token_ids=random_prompt(engine, 100, rng), beam_width=1, cache_scope="user-2")
+    run(scheduler, engine, other)  # its entry pushes the fourth piece out, to the host
+    holding = scheduler.submit(engine.prepare(RetrieveRequest(prompt_token_ids=random_prompt(engine, 300, rng))))
+    scheduler.step()  # it holds most of the pool, prefilled 4 tokens a step
+    returning = RetrieveRequest(
+        prompt_token_ids=prompt + random_prompt(engine, 32, rng), beam_width=6, cache_scope=USER
+    )
+    future = scheduler.submit(engine.prepare(returning))
+    while not scheduler.idle:
+        scheduler.step()
+    assert holding.result() and scheduler.cache.snapshot()["restores"] == MAX_SPANS - 1
+    assert_equal(future.result(), cold(engine, returning))
+
+
+def test_host_memory_refused_drops_the_evicted_entry_and_gives_its_tokens_back(engine):
+    """Pinned memory beyond what the machine gives (host_cache_bytes set too high) fails the spill: the evicted
+    entry is dropped as by a full tier, never leaked, and the eviction goes on."""
+
+    class RefusingHost(HostTier):
+        def spill(self, keys, extent, tokens):
+            raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+
+    pool = engine.runner.new_pool(4096)
+    cache = PrefixCache(64 * pool.bytes_per_token, host=RefusingHost(1 << 30, pool))
+    ctx = ContextKV(pool.reserve(32))
+    ctx.length = 32
+    cache.insert(block_keys(np.full(32, 7), b"", None, None), ctx)
+    ctx.release()
+    assert cache.evict_one() and pool.used == 0 and cache.bytes == 0 and cache.stats.spills == 0
 
 
 def test_warm_and_cold_prompts_prefilled_in_one_pass_equal_their_cold_runs(engine, rng):

@@ -88,6 +88,27 @@ def test_requests_batched_and_chunked_equal_each_alone(hstu_dir, ranker):
         assert np.abs(probs(got, SPEC.tasks) - probs(alone, SPEC.tasks)).max() <= 1e-6
 
 
+def test_a_ranking_holds_its_history_in_the_pool_not_its_candidates(hstu_dir, ranker):
+    """Candidate rows attend to the history and write nothing: many candidates fit a pool sized for the history, and
+    two such rankings run side by side there."""
+    rng = random.Random(8)
+    requests = [RankRequest(history=history(rng, 100), candidates=candidates(rng, 1500)) for _ in range(2)]
+    per_token = Scheduler(ranker.family, ranker.runner).per_token
+    small = Engine.from_pretrained(
+        hstu_dir, score_max_tokens=200, scheduler=SchedulerConfig(kv_budget_bytes=220 * per_token, prefix_cache_bytes=0)
+    )
+    scheduler = small.scheduler
+    futures = [scheduler.submit(small.prepare(r)) for r in requests]
+    scheduler.step()
+    assert len(scheduler.running) == 2 and scheduler.budget.reserved == 200 * per_token
+    while not scheduler.idle:
+        scheduler.step()
+    for future, request in zip(futures, requests, strict=True):
+        (alone,) = ranker.rank([request])
+        assert np.abs(probs(future.result(), SPEC.tasks) - probs(alone, SPEC.tasks)).max() <= 1e-6
+    assert scheduler.budget.reserved == 0
+
+
 def test_a_returning_users_history_is_reused_and_equals_a_cold_run(ranker, hstu_dir):
     scheduler = Scheduler(ranker.family, ranker.runner)  # prefix cache on
     rng = random.Random(5)
@@ -139,6 +160,9 @@ def test_rank_requests_are_validated_naming_the_field(ranker):
     for field, request in cases.items():
         with pytest.raises(InvalidRequestError, match=field.replace("[", r"\[").replace("]", r"\]")):
             ranker.rank([request])
+    unchecked = Event.model_construct(item_id="item-000001", action=-1)  # a caller that skipped the schema
+    with pytest.raises(InvalidRequestError, match=r"history\[0\]\.action: -1 is not an action"):
+        ranker.rank([good.model_copy(update={"history": [unchecked]})])
     with pytest.raises(ValueError, match="timestamp"):
         Event(item_id="item-000001", timestamp=float("nan"))
     with pytest.raises(InvalidRequestError, match="serves rank, not retrieve"):

@@ -23,7 +23,8 @@ class Prepared:
     kind: str
     # The context on the host, what the prefix cache keys: a prompt's token IDs [T] or events [T, 3], int64.
     token_ids: torch.Tensor
-    kv_tokens: int = 0  # pool tokens it holds at its peak: its context, beam suffixes, candidate rows
+    kv_tokens: int = 0  # pool tokens it holds at its peak: its context, beam suffixes, candidate rows it writes
+    scored_rows: int = 0  # rows computed over its context that write no pool token (a ranker's candidates)
 
 
 class JobState(Enum):

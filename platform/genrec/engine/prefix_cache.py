@@ -12,6 +12,7 @@ reused at once); it buys nothing on the CPU and is off unless `host_cache_bytes`
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Collection
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 
 from genrec.model.kv_pool import MAX_SPANS, ContextKV, Extent, KVPool, Piece
+
+log = logging.getLogger(__name__)
 
 BLOCK = 16  # tokens per block: the unit of reuse
 
@@ -141,7 +144,9 @@ class PrefixCache:
         """The longest cached prefix of these keys as (entry, pool offset, tokens) runs, at most MAX_SPANS - 1."""
         runs: list[tuple[_Entry, int, int]] = []
         for key in keys:
-            found = self._blocks.get(key) or (self._restore(key) if restore else None)
+            found = self._blocks.get(key)
+            if found is None and restore and len(runs) < MAX_SPANS - 1:  # a restored entry starts a run
+                found = self._restore(key)
             if found is None:
                 break
             entry, start = found
@@ -194,6 +199,10 @@ class PrefixCache:
         self._probation[entry] = None
         self.bytes += entry.extent.nbytes
 
+    def extents_of(self, keys: list[bytes]) -> set[Extent]:
+        """The pool extents of the cached entries holding any of these blocks."""
+        return {self._blocks[key][0].extent for key in keys if key in self._blocks}
+
     def evict_one(self, keep: Collection[Extent] = ()) -> bool:
         """Give back the least recently used entry no running request reads (probation first), none whose extent
         is in `keep`. False if none."""
@@ -214,9 +223,18 @@ class PrefixCache:
             self.protected_bytes -= entry.extent.nbytes
         self.stats.evictions += 1
         self.stats.evicted_bytes += entry.extent.nbytes
-        if self.host is not None and self.host.spill(entry.keys, entry.extent, len(entry.keys) * BLOCK):
+        if self.host is not None and self._spill(entry):
             self.stats.spills += 1
         entry.extent.release()
+
+    def _spill(self, entry: _Entry) -> bool:
+        """The entry kept by the host tier; False where it does not fit, or where host memory is refused (pinned
+        memory beyond what the machine gives: `host_cache_bytes` set too high), which drops it like a full tier."""
+        try:
+            return self.host.spill(entry.keys, entry.extent, len(entry.keys) * BLOCK)
+        except (RuntimeError, MemoryError) as error:
+            log.warning("prefix cache: an evicted entry is dropped, not kept in host memory: %s", error)
+            return False
 
     def _touch(self, entry: _Entry) -> None:
         """A reuse: most recently used, and protected (demoting the oldest protected past their share)."""

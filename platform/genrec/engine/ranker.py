@@ -73,7 +73,7 @@ class Ranker:
             row = items.row_of(event.item_id)
             if row is None:
                 raise InvalidRequestError(f"history[{i}].item_id", f"unknown item {event.item_id!r}")
-            if event.action is not None and event.action >= config.num_actions:
+            if event.action is not None and not 0 <= event.action < config.num_actions:  # the schema may be bypassed
                 raise InvalidRequestError(
                     f"history[{i}].action",
                     f"{event.action} is not an action of this model (0..{config.num_actions - 1})",
@@ -93,10 +93,10 @@ class Ranker:
                 raise InvalidRequestError(f"tasks[{i}]", f"{task!r} is not a task of this model {list(config.tasks)}")
             tasks = [config.tasks.index(t) for t in req.tasks]
         events = torch.tensor(np.stack([rows, actions, buckets], axis=1), dtype=torch.int64)
-        kv_tokens = len(events) + len(candidate_rows)
-        return PreparedHistory(
-            req, kind, events, kv_tokens, candidate_rows=candidate_rows, candidate_ids=candidate_ids, tasks=tasks
-        )
+        return PreparedHistory(  # the pool holds the history alone: candidate rows attend to it, never written
+            req, kind, events, len(events), scored_rows=len(candidate_rows), candidate_rows=candidate_rows,
+            candidate_ids=candidate_ids, tasks=tasks,
+        )  # fmt: skip
 
     def _candidates(self, req: RankRequest) -> tuple[list[str], np.ndarray]:
         """The candidates to rank and their rows, in order; an unknown one is refused, or left out with

@@ -128,9 +128,9 @@ class Scheduler:
         if tokens * self.per_token > self.budget.capacity:
             raise InvalidRequestError(
                 "request",
-                f"needs {tokens} tokens of KV ({tokens * self.per_token} bytes: its prompt and its beams' codes);"
+                f"needs {tokens} tokens of KV ({tokens * self.per_token} bytes: its context and what it generates);"
                 f" this engine's pool holds {self.budget.capacity // self.per_token} ({self.budget.capacity} bytes):"
-                " send a shorter prompt or a narrower beam",
+                " send a shorter prompt or history, or a narrower beam",
             )
         if not self.has_room:
             raise Overloaded(f"engine queue is full ({self.config.max_queue} waiting requests)")
@@ -142,11 +142,12 @@ class Scheduler:
 
     def work_of(self, prepared: Prepared) -> int:
         """What a request asks of the engine, in the token-equivalents of its pass budgets (pass_cost.py): every token
-        it holds in the pool (its context, beam suffixes, candidate rows) computed once, each attending to its
-        context. Rows x context makes a wide beam over a long prompt weigh what it costs; the per-token term keeps a
-        narrow request from weighing nothing. From the host-side request alone: no device work, no sync."""
+        it holds in the pool (its context, beam suffixes, candidate rows) and every row it scores without one,
+        computed once, each attending to its context. Rows x context makes a wide beam over a long prompt weigh what
+        it costs; the per-token term keeps a narrow request from weighing nothing. From the host-side request alone:
+        no device work, no sync."""
         context = len(prepared.token_ids)
-        return round(prepared.kv_tokens * (1 + context / self.family.cost.context_span))
+        return round((prepared.kv_tokens + prepared.scored_rows) * (1 + context / self.family.cost.context_span))
 
     @property
     def work_in_flight(self) -> int:
@@ -250,7 +251,7 @@ class Scheduler:
     def _hold(self, job: Job) -> Holding | None:
         """The job's pool extents after its longest cached prefix (never the whole prompt), evicting until it fits.
 
-        Blocks come back from the host tier on the first lookup only, and the prefix the job would read is evicted
+        Blocks come back from the host tier on the first lookup only, and the job's own cached blocks are evicted
         last, only when no running job will free memory: otherwise an entry copied back, then evicted to the host
         again to make room beside a running job, would come back on the next lookup, round after round."""
         prompt = len(job.prepared.token_ids)
@@ -264,7 +265,7 @@ class Scheduler:
                 return holding
             for piece in prefix:
                 piece.extent.release()
-            if not self.cache.evict_one(keep={p.extent for p in prefix} if self.running else ()):
+            if not self.cache.evict_one(keep=self.cache.extents_of(job.block_keys or []) if self.running else ()):
                 return None  # it waits for a running job's memory, its prefix kept in the pool
 
     def _prefill(self) -> tuple[int, list[Job]]:

@@ -48,7 +48,7 @@ def test_the_documented_figures_are_the_engines():
     assert 100 < WIDE / NARROW < 150  # a hundred narrow requests' worth, where the request count says one
     assert round(24 * TYPICAL, -3) == 64_000
     # funnel-gpu.yaml's ranker: 32 rankings of 2,000 events and 500 candidates on an HSTU of hidden 256 (the
-    # `tiny` preset's shape); a ranking holds its events and a row per candidate
+    # `tiny` preset's shape); a ranking holds its events and scores a row per candidate
     hstu = SimpleNamespace(family=SimpleNamespace(cost=PassCost.hstu(SimpleNamespace(**HSTU_256))))
     ranking = SimpleNamespace(token_ids=torch.zeros(2000, 3), kv_tokens=2000, scored_rows=500)
     assert 32 * Scheduler.work_of(hstu, ranking) == 580_000

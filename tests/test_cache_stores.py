@@ -187,6 +187,68 @@ def test_an_unopenable_sqlite_file_is_a_store_error(tmp_path):
         SQLiteStore(tmp_path / "not.sqlite", DIM)
 
 
+def test_an_empty_sqlite_file_is_refused_not_taken_for_a_new_store(tmp_path):
+    """A 0-byte file (a truncated copy, a `touch`) would open as an empty store and lose every row silently."""
+    (tmp_path / "emb.sqlite").touch()
+    with pytest.raises(StoreError, match="emb.sqlite is empty"):
+        SQLiteStore(tmp_path / "emb.sqlite", DIM)
+
+
+def test_a_store_opened_for_another_cache_or_shard_count_is_refused(tmp_path):
+    """Two caches on one default path would read each other's users; a cache reopened with more shards would route
+    half its users to a new, empty file. The first opener's name and shard are recorded and checked."""
+    path = tmp_path / "emb.sqlite"
+    store = SQLiteStore(path, DIM, owner="cache 'a' shard 0 of 1")
+    store.put_many([1], data(1))
+    store.close()
+    for other in ("cache 'b' shard 0 of 1", "cache 'a' shard 0 of 2"):
+        with pytest.raises(StoreError, match=f"holds cache 'a' shard 0 of 1, not {other}: .*own store_path.*shards"):
+            SQLiteStore(path, DIM, owner=other)
+    again = SQLiteStore(path, DIM, owner="cache 'a' shard 0 of 1")
+    assert again.get_many([1])[1].all()
+    again.close()
+
+
+@pytest.mark.integration
+def test_a_redis_prefix_is_one_caches(redis_url):
+    prefix = f"test:{uuid.uuid4().hex}:"
+    RedisStore(redis_url, DIM, prefix=prefix, owner="a").close()
+    with pytest.raises(StoreError, match="holds cache 'a', not 'b': give each cache its own redis_url database"):
+        RedisStore(redis_url, DIM, prefix=prefix, owner="b")
+
+
+@pytest.mark.integration
+def test_a_redis_server_that_does_not_log_writes_is_refused(redis_url, tmp_path):
+    """A stock redis-server keeps writes in memory only: a crash loses acknowledged puts, which the store promises
+    to keep. (The suite's own server logs every write: genrec_bench.cache.LocalRedis.)"""
+    import shutil
+    import subprocess
+
+    from genrec_bench.cache import _wait_for
+    from genrec_bench.common import free_port
+
+    port = free_port()
+    command = [
+        shutil.which("redis-server"),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--dir",
+        tmp_path,
+    ]
+    server = subprocess.Popen([*map(str, command), "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        _wait_for(port)
+        with pytest.raises(StoreError, match=r"does not log writes \(appendonly no\)"):
+            RedisStore(f"redis://127.0.0.1:{port}/0", DIM)
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
 def _write(path, **columns):
     pq.write_table(pa.table(columns), path)
     return path

@@ -164,7 +164,8 @@ class LocalRedis:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.workdir = tempfile.mkdtemp(prefix="genrec-redis-")
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes"]
+        args += ["--appendfsync", "always"]  # what genrec's RedisStore promises: a put durable when it returns
         self.server = subprocess.Popen(
             [*args, "--dir", self.workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

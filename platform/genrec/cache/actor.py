@@ -28,9 +28,10 @@ def open_store(config: CacheConfig, shard: int):
     from genrec.cache.stores import RedisStore, SQLiteStore
 
     if config.store == "sqlite":
-        return SQLiteStore(f"{config.store_path}.{shard}" if shard else config.store_path, config.dim)
-    if config.store == "redis":
-        return RedisStore(config.redis_url, config.dim)
+        path = f"{config.store_path}.{shard}" if shard else config.store_path
+        return SQLiteStore(path, config.dim, owner=f"cache {config.name!r} shard {shard} of {config.shards}")
+    if config.store == "redis":  # every shard reads and writes the one keyspace
+        return RedisStore(config.redis_url, config.dim, owner=config.name)
     return None
 
 

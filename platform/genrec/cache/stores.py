@@ -35,9 +35,12 @@ class Store(Protocol):
 class SQLiteStore:
     _CHUNK = 900  # SQLite's bound-parameter limit is 999 on older builds
 
-    def __init__(self, path: str | Path, dim: int):
+    def __init__(self, path: str | Path, dim: int, owner: str | None = None):
+        """`owner`: whose file it is (a cache's name and shard), recorded by the first opener and checked after."""
         self.path, self.dim = str(path), check_dim(dim)
         self._lock = threading.Lock()  # one connection, one statement or transaction at a time
+        if Path(self.path).is_file() and Path(self.path).stat().st_size == 0:  # SQLite would take it for a new store
+            raise StoreError(f"{self.path} is empty (0 bytes), not a store: restore it, or remove it to start anew")
         try:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -52,8 +55,14 @@ class SQLiteStore:
                 with db:
                     db.execute("BEGIN IMMEDIATE")
                     stored = self._recorded_dim(db)
+                    holder = _recorded_once(db, "owner", owner) if owner is not None else None
             if stored != self.dim:
                 raise StoreError(f"{self.path} holds {stored}-d vectors; it cannot be opened with dim={self.dim}")
+            if holder != owner:
+                raise StoreError(
+                    f"{self.path} holds {holder}, not {owner}: give each cache its own store_path, and open a cache"
+                    " with the shards its store was written with (or load it anew)"
+                )
         except StoreError:
             self._db.close()
             raise
@@ -112,7 +121,11 @@ class SQLiteStore:
 
 
 class RedisStore:
-    def __init__(self, url: str, dim: int, prefix: str = "genrec:emb:", connect_timeout_s: float = 5.0):
+    def __init__(
+        self, url: str, dim: int, prefix: str = "genrec:emb:", connect_timeout_s: float = 5.0, owner: str | None = None
+    ):
+        """`owner`: whose keys these are (a cache's name), recorded by the first opener and checked after. The
+        server must log every write (appendonly yes): a put is durable when it returns, or refused at open."""
         import redis
 
         self.url, self.dim, self.prefix = url, check_dim(dim), prefix
@@ -122,10 +135,19 @@ class RedisStore:
             raise CacheError(f"redis_url {url!r}: {e}") from None
         try:
             with self._using() as r:  # also the reachability check: fail at open, not at the first get
+                _check_logs_writes(r, url)
                 r.set(f"{prefix}dim", self.dim, nx=True)  # the first opener records the width
                 stored = int(r.get(f"{prefix}dim"))
+                if owner is not None:
+                    r.set(f"{prefix}owner", owner, nx=True)
+                holder = None if owner is None else r.get(f"{prefix}owner").decode()
             if stored != self.dim:
                 raise StoreError(f"{url} prefix {prefix!r} holds {stored}-d vectors; cannot open it with dim={dim}")
+            if holder != owner:
+                raise StoreError(
+                    f"{url} prefix {prefix!r} holds cache {holder!r}, not {owner!r}: give each cache its own redis_url"
+                    " database (redis://host:port/N)"
+                )
         except StoreError:
             self._redis.close()
             raise
@@ -162,6 +184,22 @@ class RedisStore:
 
     def close(self):
         self._redis.close()
+
+
+def _recorded_once(db, name: str, value: str) -> str:
+    """The file's record of `name`: `value` if it had none (the first opener's), else what it holds."""
+    db.execute("INSERT OR IGNORE INTO meta (name, value) VALUES (?, ?)", (name, value))
+    return db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()[0]
+
+
+def _check_logs_writes(r, url: str) -> None:
+    """Refuse a server that keeps writes in memory only (no append-only file): a crash would lose acknowledged puts.
+    With `appendfsync everysec` (Redis' default once the log is on) a crash of the machine loses up to a second."""
+    if not int(r.info("persistence").get("aof_enabled", 0)):
+        raise StoreError(
+            f"redis at {url} does not log writes (appendonly no): a crash would lose acknowledged puts; set"
+            " `appendonly yes` (and `appendfsync always` for no loss even on a crash of the machine)"
+        )
 
 
 def _rows_of(buffer: bytes, rows: int, dim: int, where: str) -> np.ndarray:

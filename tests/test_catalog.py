@@ -1,5 +1,9 @@
 """The flat prefix trie and semantic-ID building."""
 
+import itertools
+import threading
+import time
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -8,9 +12,11 @@ import torch
 from typer.testing import CliRunner
 
 from genrec.catalog import Catalog, CodeTrie
+from genrec.catalog.catalog import catalog_version
 from genrec.catalog_tools.build_ids import codes_and_codebooks
 from genrec.cli import app
 from genrec.errors import CatalogError
+from genrec.files import write_atomically
 from genrec.model.sid_layout import SidLayout
 from genrec.model.tokenizer import load_tokenizer
 from genrec_bench.reference import allowed_tokens_fn
@@ -112,6 +118,56 @@ def test_catalog_of_any_integer_list_type_loads(engine, tmp_path):
     column = pa.array(codes.tolist(), pa.list_(pa.uint16(), 3))  # fixed-size list of unsigned ints
     catalog = Catalog.load(write_catalog(tmp_path / "catalog.parquet", column), engine.family.layout)
     assert catalog.codes.dtype == np.int64 and (catalog.codes == codes).all()
+
+
+def test_a_catalog_is_labelled_with_the_version_of_the_bytes_it_parsed_while_the_file_is_replaced(engine, tmp_path):
+    """An operator's atomic rewrites race the loads: each loaded catalog holds exactly the items of the version it
+    names (it hashed one file's bytes and parsed another's before)."""
+    codes = engine.catalog.codes[:60].tolist()
+    versions = {}
+    for k, (lo, hi) in enumerate([(0, 40), (20, 60), (10, 50)]):
+        draft = write_catalog(tmp_path / f"draft-{k}.parquet", pa.array(codes[lo:hi]), pa.array(
+            [f"i{n}" for n in range(lo, hi)]))  # fmt: skip
+        versions[catalog_version(draft)] = ({f"i{n}" for n in range(lo, hi)}, draft.read_bytes())
+    live, stop = tmp_path / "catalog.parquet", threading.Event()
+    write_atomically(live, next(iter(versions.values()))[1])
+
+    def operator():
+        for k in itertools.cycle(range(3)):
+            if stop.is_set():
+                return
+            write_atomically(live, list(versions.values())[k][1])
+
+    rewriting = threading.Thread(target=operator)
+    rewriting.start()
+    try:
+        deadline, loads = time.monotonic() + 2.0, 0
+        while time.monotonic() < deadline:
+            catalog = Catalog.load(live, engine.family.layout)
+            assert set(catalog.item_ids) == versions[catalog.version][0]
+            loads += 1
+    finally:
+        stop.set()
+        rewriting.join()
+    assert loads > 50
+
+
+@pytest.mark.parametrize("column", ["item_id", "genre"])
+def test_text_that_is_not_utf8_is_refused_at_load(engine, tmp_path, column):
+    """A flipped byte in a text column (an item ID, an attribute's value) is refused when the file is loaded, not by
+    each later request that reads it (a filter on the attribute answered a bare UnicodeDecodeError, a 500)."""
+    codes = engine.catalog.codes[:4].tolist()
+    table = pa.table({"item_id": ["i0", "i1", "i2", "i3"], "semantic_id": codes, "genre": ["drama"] * 4})
+    pq.write_table(table, tmp_path / "good.parquet", compression="none", use_dictionary=False)
+    data = bytearray((tmp_path / "good.parquet").read_bytes())
+    text = b"drama" if column == "genre" else b"i2"
+    at = data.find(text)
+    while at >= 0:  # in the values and the column's statistics alike
+        data[at + 1] = 0xC3  # the start of a two-byte sequence, followed by an ASCII byte: not UTF-8
+        at = data.find(text, at + 1)
+    (tmp_path / "bad.parquet").write_bytes(bytes(data))
+    with pytest.raises(CatalogError, match=r"bad\.parquet: not a readable Parquet file .*UTF8"):
+        Catalog.load(tmp_path / "bad.parquet", engine.family.layout)
 
 
 def test_catalog_path_that_is_a_directory(tmp_path):

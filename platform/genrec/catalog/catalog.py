@@ -68,16 +68,15 @@ class Catalog:
         return self._index.get(item_id)
 
     @classmethod
-    def load(cls, path: str | Path, layout=None, version: str | None = None) -> Catalog:
-        """`layout`: the model's SidLayout (genrec.model.sid_layout), every code checked against it. `version`: the
-        file's `catalog_version` when the caller has hashed it already."""
+    def load(cls, path: str | Path, layout=None, data: bytes | None = None) -> Catalog:
+        """`layout`: the model's SidLayout (genrec.model.sid_layout), every code checked against it. `data`: the
+        file's bytes when the caller has read them (`read_catalog_file`). Its version is the hash of the very bytes
+        parsed: a file replaced meanwhile is never served under the other file's version."""
         path = Path(path)
-        if path.is_dir():
-            raise CatalogError(path, "is a directory; the catalog must be one Parquet file")
-        if not path.exists():
-            raise CatalogError(path, "catalog file is missing")
+        data = read_catalog_file(path) if data is None else data
         try:
-            table = pq.read_table(path)
+            table = pq.read_table(pa.BufferReader(data))
+            table.validate(full=True)  # text that is not UTF-8, say: refused here, not by each request that reads it
         except (pa.ArrowException, OSError) as err:
             raise CatalogError(path, f"not a readable Parquet file ({err})") from None
         for column in ("item_id", "semantic_id"):
@@ -87,7 +86,7 @@ class Catalog:
         popularity = _popularity(table, item_ids, path) if "popularity" in table.column_names else None
         attributes = table.drop_columns([c for c in CATALOG_COLUMNS if c in table.column_names])
         catalog = cls.validated(item_ids, _codes(table, path), layout, path, popularity, attributes)
-        catalog.version = version or catalog_version(path)
+        catalog.version = version_of(data, path)
         return catalog
 
     @classmethod
@@ -136,6 +135,18 @@ def bytes_version(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+def read_catalog_file(path: Path) -> bytes:
+    """A catalog file's bytes, read once (hashed and parsed from the same bytes); CatalogError if it is not a file."""
+    if path.is_dir():
+        raise CatalogError(path, "is a directory; the catalog must be one Parquet file")
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise CatalogError(path, "catalog file is missing") from None
+    except OSError as err:
+        raise CatalogError(path, f"cannot be read ({err})") from None
+
+
 def catalog_version(path: Path) -> str:
     """A catalog file's content hash, its `catalog_version`; CatalogError when its name carries another hash
     (`versioned_name`): it was changed after it was written."""
@@ -143,7 +154,15 @@ def catalog_version(path: Path) -> str:
     with Path(path).open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    version = digest.hexdigest()[:16]
+    return _named_as(digest.hexdigest()[:16], path)
+
+
+def version_of(data: bytes, path: Path) -> str:
+    """`catalog_version` of a file's bytes already read."""
+    return _named_as(hashlib.sha256(data).hexdigest()[:16], path)
+
+
+def _named_as(version: str, path: Path) -> str:
     named = named_hash(path)
     if named is not None and not version.startswith(named):
         raise CatalogError(

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from genrec.catalog import Catalog, CodeTrie
-from genrec.catalog.catalog import catalog_version
+from genrec.catalog.catalog import read_catalog_file, version_of
 from genrec.catalog.filters import Attributes, allowed_items
 from genrec.errors import CatalogError
 
@@ -172,11 +172,12 @@ class CatalogVersions:
 
     def load(self, path: str | Path) -> ServedCatalog:
         """The catalog file checked against the model's SID layout and built, not yet served. Raises CatalogError."""
-        version = catalog_version(path) if Path(path).is_file() else None
+        data = read_catalog_file(Path(path))  # hashed and parsed from these bytes: one version, whatever the file does
+        version = version_of(data, Path(path))
         for known in (self.current, self.previous):  # a version already built (a rollback): found by its hash alone
-            if known is not None and version is not None and known.version == version:
+            if known is not None and known.version == version:
                 return known
-        catalog = Catalog.load(Path(path), self.layout, version)  # the file hashed once
+        catalog = Catalog.load(Path(path), self.layout, data)
         served = ServedCatalog.build(catalog, self.layout, self.device, self.filter_cache_bytes)
         if served.trie.levels > self.max_steps:
             raise CatalogError(

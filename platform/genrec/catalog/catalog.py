@@ -154,15 +154,15 @@ def catalog_version(path: Path) -> str:
     with Path(path).open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return _named_as(digest.hexdigest()[:16], path)
+    return _checked_against_name(digest.hexdigest()[:16], path)
 
 
 def version_of(data: bytes, path: Path) -> str:
     """`catalog_version` of a file's bytes already read."""
-    return _named_as(hashlib.sha256(data).hexdigest()[:16], path)
+    return _checked_against_name(bytes_version(data), path)
 
 
-def _named_as(version: str, path: Path) -> str:
+def _checked_against_name(version: str, path: Path) -> str:
     named = named_hash(path)
     if named is not None and not version.startswith(named):
         raise CatalogError(

@@ -179,7 +179,11 @@ class LocalRedis:
     def __exit__(self, *exc) -> None:
         if self.server is not None:
             self.server.terminate()
-            self.server.wait(10)
+            try:
+                self.server.wait(10)
+            except subprocess.TimeoutExpired:  # busy (an append-only-file rewrite, say): never left running
+                self.server.kill()
+                self.server.wait(10)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

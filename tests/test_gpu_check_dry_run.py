@@ -16,7 +16,7 @@ from genrec_bench.gpu_check import ENGINE_OPTIONS, QUICK_ENGINES, RECOMPILE_LIMI
 pytestmark = pytest.mark.slow  # make test runs it; make test-fast skips it
 
 CONTEXTS = (64, 128)
-CUDA_ONLY = {"kernels"}  # the parts that need CUDA: "skipped": "no CUDA" on a CPU, never an error
+CUDA_ONLY = {"kernels", "attention choice"}  # the parts that need CUDA: "skipped": "no CUDA" on a CPU, never an error
 
 
 def order(*argv: str) -> list[str]:
@@ -26,7 +26,7 @@ def order(*argv: str) -> list[str]:
 
 def test_the_profiles_run_before_the_timings_and_the_preset_before_other_models():
     names = order()
-    assert names[:3] == ["versions", "kernels", "load tiny"]
+    assert names[:4] == ["versions", "kernels", "attention choice", "load tiny"]
     profiles = [i for i, n in enumerate(names) if n.startswith(("launches", "where the time goes"))]
     timings = [i for i, n in enumerate(names) if n.startswith("sid-gr")]
     assert len(profiles) == 1 + 2 * len(CONTEXTS) + 2 and max(profiles) < names.index("judged tiny 256/3") < min(
@@ -40,6 +40,7 @@ def test_quick_keeps_versions_kernels_correctness_and_one_request_timed():
     assert order("--quick") == [
         "versions",
         "kernels",
+        "attention choice",
         "load tiny",
         "judged tiny 256/3",
         "sid-gr 64/256/3",

@@ -62,7 +62,13 @@ class EngineOptions(BaseModel):
         description="CUDA decode: cut each long context into chunks read in parallel when a pass would leave most SMs "
         "idle (auto, the default), always (on) or never (off); the results are the same (genrec.engine.plan)",
     )
-
+    attention: Literal["auto", "flash_attention_2", "cudnn_attention", "flash_attention_3"] | None = Field(
+        None,
+        description="CUDA, half precision: a decoder's prefill attention kernel, measured at start on the device's "
+        "own shapes and the fastest kept (auto, the default; cached per device and model shape), or the one named, "
+        "refused where it does not run; decode's stays FlashAttention-2's; no effect on the CPU "
+        "(genrec.attention.choice)",
+    )
     fp8: bool = Field(
         False,
         description="the decoder's linear layers in FP8 (e4m3 weights scaled per output channel at load, inputs per "
@@ -74,7 +80,7 @@ class EngineOptions(BaseModel):
         """`Engine.from_pretrained`'s kwargs; a derived default is left out, so a batch run's identity stays."""
         kwargs = self.model_dump(include=set(EngineOptions.model_fields))
         # Derived (by the other options or the device), or off: an unset one is not part of the identity.
-        for name in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows", "split_kv"):
+        for name in ("max_candidate_len", "cuda_fast", "cuda_graph_max_rows", "split_kv", "attention"):
             if kwargs[name] is None:
                 del kwargs[name]
         if not kwargs["fp8"]:  # off, the default: runs from before the option keep their identity

@@ -12,7 +12,9 @@ and the trailing parts, never the profiles. Parts, in order:
 1. versions, and the schema of the FlashAttention-2 varlen aten op (seqused_k present?);
 2. kernels: the CUDA varlen path against the plain-torch float32 reference (decode-like spans with gaps, a sequence
    without keys, GQA; causal prefill-like spans), bf16 and fp16, and the float32 reference on CUDA against the CPU
-   ("skipped": "no CUDA" on a CPU);
+   ("skipped": "no CUDA" on a CPU); then the prefill attention kernel chosen by measurement for the preset's heads
+   (FlashAttention-2, cuDNN attention, FlashAttention-3 where installed: each one's checks against the reference and
+   its time per call at 1 x 1,000, 1 x 5,000 and 8 x 1,000 tokens; genrec.attention.choice), measured afresh;
 3. load: the preset's engines (Qwen3-1.7B's dimensions, bf16, random weights, prefix cache off), built and started
    one at a time before any other model compiles: `fast` (`cuda_fast=True`), `fast_whole` (fast, built with
    `split_kv="off"`), `eager` (`cuda_fast=False`), `float32` (the reference the rule re-scores with, eager: nothing
@@ -88,6 +90,8 @@ import torch
 
 from genrec.api import Candidate, RetrieveRequest, ScoreRequest
 from genrec.attention import Spans, flash_varlen, varlen_reference
+from genrec.attention.choice import ChoiceCache, HeadShape, choose
+from genrec.attention.kernels import prefill_kernels
 from genrec.engine import AsyncEngine, Engine, SchedulerConfig
 from genrec.testing.tiny import ModelSpec, preset, write_model_dir
 from genrec_bench.cli import LoadOptions, RankOptions, RetrieveOptions, ScoreOptions, SuiteOptions
@@ -160,6 +164,16 @@ def varlen_checks(device) -> dict:
     want, want_lse = varlen_reference(q.cpu(), k.cpu(), v.cpu(), spans, 0.088)
     out["float32_cuda_reference_vs_cpu"] = (got.cpu() - want).abs().max().item()
     return out
+
+
+def attention_choice(device, preset_name: str) -> dict:
+    """The prefill kernel `auto` chooses for the preset's heads in bfloat16, measured afresh (a cache of its own):
+    each candidate's checks and times per call (genrec.attention.choice), as an engine's start measures them."""
+    spec = preset(preset_name)
+    shape, device = HeadShape(spec.heads, spec.kv_heads, spec.head_dim), torch.device(device)
+    with tempfile.TemporaryDirectory() as folder:
+        choice = choose(prefill_kernels(device), shape, device, torch.bfloat16, ChoiceCache(Path(folder) / "c.json"))
+    return {"heads": dataclasses.asdict(shape)} | choice.describe()
 
 
 KV_BUDGET = 8 << 30  # bytes of KV pool per bf16 engine: 8 contexts of 5,000 tokens and their beams fit
@@ -900,6 +914,7 @@ def steps(args: argparse.Namespace, report: Report, big: dict[str, Engine]):
     cuda = on_cuda(device)
     yield "versions", versions, None
     yield "kernels", lambda: varlen_checks(device), None if cuda else "no CUDA"
+    yield "attention choice", lambda: attention_choice(device, args.preset), None if cuda else "no CUDA"
 
     # The preset's engines first, each started before any other model compiles.
     names, overrides = (QUICK_ENGINES, QUICK_OPTIONS) if quick else (tuple(ENGINE_OPTIONS), None)

@@ -1,5 +1,7 @@
-"""The attention kernels an execution plan runs (genrec.engine.plan): the reference everywhere, FlashAttention-2 on
-CUDA in half precision. Model and attention code call a plan's kernels and never ask which device they are on.
+"""The attention kernels an execution plan runs (genrec.engine.plan): the reference everywhere; on CUDA in half
+precision FlashAttention-2, or for prefill a kernel chosen by measurement (`PREFILL_KERNELS`, genrec.attention.choice),
+decode's static call staying FlashAttention-2's. Model and attention code call a plan's kernels and never ask which
+device they are on.
 
 `varlen` serves passes whose index tables the host builds per pass (prefill, scoring): `(q, k, v, spans, scale,
 causal=False, need_lse=True) -> (out, lse)`. `static` serves a decode pass replayed as a CUDA graph, its index tables
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from genrec.attention.prefill_kernels import cudnn_available, cudnn_varlen, flash3_available, flash3_varlen
 from genrec.attention.static import FLASH_MAX_SEQUENCES, FLASH_QUERY_BLOCK, static_flash, static_reference
 from genrec.attention.varlen import flash_varlen, varlen_reference
 
@@ -31,3 +34,15 @@ class AttentionKernels:
 
 REFERENCE = AttentionKernels("reference", varlen_reference, static_reference, None)
 FLASH = AttentionKernels("flash_attention_2", flash_varlen, static_flash, FLASH_QUERY_BLOCK, FLASH_MAX_SEQUENCES)
+CUDNN = AttentionKernels("cudnn_attention", cudnn_varlen, static_flash, FLASH_QUERY_BLOCK, FLASH_MAX_SEQUENCES)
+FLASH3 = AttentionKernels("flash_attention_3", flash3_varlen, static_flash, FLASH_QUERY_BLOCK, FLASH_MAX_SEQUENCES)
+
+
+def prefill_kernels(device) -> dict[str, AttentionKernels]:
+    """The CUDA plan's candidates on this device, by name: FlashAttention-2 first (kept on a tie), then cuDNN
+    attention and FlashAttention-3 where they run."""
+    available = {FLASH.name: True, CUDNN.name: cudnn_available(device), FLASH3.name: flash3_available(device)}
+    return {k.name: k for k in (FLASH, CUDNN, FLASH3) if available[k.name]}
+
+
+PREFILL_KERNEL_NAMES = (FLASH.name, CUDNN.name, FLASH3.name)  # what the option `attention` may name

@@ -27,6 +27,7 @@ from genrec.api import (
     ScoreRequest,
     ScoreResult,
 )
+from genrec.attention.choice import HeadShape
 from genrec.engine.family import Family, request_kind
 from genrec.engine.job import Prepared
 from genrec.engine.plan import ExecutionPlan
@@ -104,6 +105,8 @@ class Engine:
             selects_in_graph,
             repr(directory.config),
             options.fp8,
+            options.attention,
+            heads_of(directory),
         )
         if plan.fp8 and directory.family != "qwen3":
             raise ValueError(f"fp8: only a Qwen3 decoder's linear layers run in FP8, not a {directory.family} model's")
@@ -282,6 +285,14 @@ def _listed(requests) -> list:
     if not isinstance(requests, list | tuple):
         raise InvalidRequestError("requests", f"expected a list of requests, got {type(requests).__name__}")
     return requests
+
+
+def heads_of(directory: ModelDir) -> HeadShape | None:
+    """A decoder's attention shape, which its plan's prefill kernel is measured on (an HSTU has no such call)."""
+    if directory.family != "qwen3":
+        return None
+    c = directory.config
+    return HeadShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
 
 
 def _dtype(name: str | None, device: str) -> torch.dtype:

@@ -5,19 +5,22 @@ decode pass selects its beams. The model, the attention and the runner take the 
 device they are on; tests build a plan (`ExecutionPlan.build`, `dataclasses.replace`) instead of patching attributes.
 
 The CPU plan: plain pieces, the reference kernels, no graphs, no split. The CUDA plan (half precision): compiled
-pieces, FlashAttention-2, graphs captured in one session (one side stream, one memory pool), split-KV by the blocks
+pieces, FlashAttention-2 (for a decoder's prefill, the kernel measured fastest on the device, or the option's:
+genrec.attention.choice), graphs captured in one session (one side stream, one memory pool), split-KV by the blocks
 with work against the SMs. A float32 CUDA engine compiles its pieces but runs the reference attention, whose index
 tables are read on the host, so it captures no graph.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
 from genrec.attention import FLASH, REFERENCE
+from genrec.attention.choice import HeadShape, prefill_choice
+from genrec.attention.kernels import prefill_kernels
 from genrec.engine.decode_batch import bucket_of, capacity_of, sequences_of
 from genrec.model import fused
 from genrec.model.kv_pool import MAX_SPANS
@@ -39,6 +42,7 @@ class ExecutionPlan:
     sms: int = 0  # the SMs a decode pass's context call should fill (auto); 0: unknown, never split
     selects_in_graph: bool = False  # a captured decode pass selects its beams itself (one sort in the graph)
     fp8: bool = False  # the decoder's linear layers in FP8 (genrec.model.fp8), quantized as the engine loads
+    attention_choice: dict | None = None  # how the prefill kernel was chosen (genrec.attention.choice.Choice)
 
     @classmethod
     def build(
@@ -50,11 +54,15 @@ class ExecutionPlan:
         selects_in_graph: bool = False,
         model_key: str = "",
         fp8: bool = False,
+        attention: str | None = None,
+        heads: HeadShape | None = None,
     ) -> ExecutionPlan:
         """The plan for an engine on `device` in `dtype`. `fast` (default: on with CUDA): the compiled pieces,
         FlashAttention-2 and graphs where the dtype allows them; no effect on the CPU. `split_kv`: default auto.
         `model_key`: the model's shape (its config): engines of one key share their compiled pieces. `fp8`: the
-        linear layers in FP8, where the device multiplies FP8 (the CPU does, slowly: for tests)."""
+        linear layers in FP8, where the device multiplies FP8 (the CPU does, slowly: for tests). `attention`: the
+        prefill kernel of a fast plan, `auto` (default: measured) or one of `PREFILL_KERNEL_NAMES`; `heads`: a
+        decoder's attention shape, which the measurement runs (None: FlashAttention-2, unmeasured)."""
         device, split_kv = torch.device(device), split_kv or "auto"
         if fp8 and device.type == "cuda":
             check_fp8(torch.cuda.get_device_capability(device))
@@ -65,7 +73,12 @@ class ExecutionPlan:
         ops = ModelOps(fused.compiled(key=f"{dtype} {model_key}"), FLASH if graphs else REFERENCE)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if graphs else 0
         capture = CudaCapture if graphs else None
-        return cls(device, ops, graphs, capture, split_kv, sms, selects_in_graph and graphs, fp8)
+        choice = None
+        if graphs and heads is not None:
+            choice = prefill_choice(attention, heads, device, dtype, prefill_kernels(device))
+            ops = replace(ops, attention=choice.kernels)
+        described = choice.describe() if choice else None
+        return cls(device, ops, graphs, capture, split_kv, sms, selects_in_graph and graphs, fp8, described)
 
     @property
     def compiles(self) -> bool:
@@ -114,6 +127,7 @@ class ExecutionPlan:
             "split_kv": self.split_kv,
             "selects_in_graph": self.selects_in_graph,
             "fp8_linears": self.fp8,
+            "attention_choice": self.attention_choice,
         }
 
 

@@ -205,3 +205,73 @@ def test_an_engine_prefilling_through_the_cudnn_candidate_answers_as_the_referen
         torch.tensor([c.logprob for c in got.scores]), torch.tensor([c.logprob for c in want.scores])
     )
     assert calls.dense > 0 and calls.handed_on > 0
+
+
+def test_a_kernel_that_fails_at_prefill_size_or_answers_oddly_is_left_out_not_raised():
+    """Found by a hostile probe: a kernel raising on a timed call (a shape the checks did not reach, memory), one
+    answering in another shape or without the log-sum-exp asked for, and a time that is not a number each stopped
+    the engine's start; now each is left out with its reason."""
+
+    def short(*args, **kwargs):
+        out, lse = varlen_reference(*args, **kwargs)
+        return out[1:], lse
+
+    def no_lse(*args, **kwargs):
+        return varlen_reference(*args, **kwargs)[0], None
+
+    candidates = {
+        "flash_attention_2": reference_named("flash_attention_2"),
+        "big": reference_named("big"),
+        "short": AttentionKernels("short", short, static_reference, None),
+        "no_lse": AttentionKernels("no_lse", no_lse, static_reference, None),
+        "nan": reference_named("nan"),
+    }
+
+    def timer(name, fn):
+        if name == "big":
+            raise RuntimeError("cuDNN Frontend error: no valid execution plans built")
+        return {"flash_attention_2": 2.0, "nan": float("nan")}.get(name, 0.5)
+
+    choice = choose(candidates, SHAPE, CPU, torch.float32, None, timer, SMALL)
+    assert choice.kernels.name == "flash_attention_2"
+    left_out = {name: t for name, t in choice.timings_ms.items() if isinstance(t, str)}
+    assert left_out == {
+        "big": "left out: 1 x 64 tokens: RuntimeError: cuDNN Frontend error: no valid execution plans built",
+        "short": "left out: answers in another shape (causal=True, lse=False)",
+        "no_lse": "left out: AttributeError: 'NoneType' object has no attribute 'shape'",
+        "nan": "left out: 1 x 64 tokens timed nan",
+    }
+    with pytest.raises(ValueError, match="attention: no prefill kernel to choose from"):
+        choose({}, SHAPE, CPU, torch.float32, None, timer, SMALL)
+
+
+def test_a_cached_choice_is_checked_again_and_odd_entries_are_measured_again(tmp_path):
+    cache = ChoiceCache(tmp_path / "c.json")
+    candidates = {"flash_attention_2": reference_named("flash_attention_2"), "other": reference_named("other")}
+    choose(candidates, SHAPE, CPU, torch.float32, cache, SetTimes(flash_attention_2=2.0, other=1.0), SMALL)
+    upgraded = candidates | {"other": shifted("other", 0.5)}  # the same name, a kernel that now disagrees
+    again = choose(upgraded, SHAPE, CPU, torch.float32, cache, SetTimes(flash_attention_2=2.0), SMALL)
+    assert (again.kernels.name, again.by) == ("flash_attention_2", "measured")
+    (key,) = json.loads(cache.path.read_text())
+    for odd in (["other"], {"name": "other"}, 3, None):
+        cache.path.write_text(json.dumps({key: {"kernel": odd, "timings_ms": {}}}))
+        timer = SetTimes(flash_attention_2=2.0, other=1.0)
+        assert choose(candidates, SHAPE, CPU, torch.float32, cache, timer, SMALL).by == "measured" and timer.asked
+
+
+def test_engines_starting_at_once_keep_every_choice_in_one_valid_file(tmp_path):
+    """Threads of one process (as several engines of one replica) writing at once: each write whole, under the
+    lock; no entry lost, no temporary file left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = ChoiceCache(tmp_path / "c.json")
+    candidates = {"flash_attention_2": reference_named("flash_attention_2")}
+
+    def start(heads: int):
+        return choose(candidates, HeadShape(heads, 1, 8), CPU, torch.float32, cache, SetTimes(flash_attention_2=1.0),
+                      ((1, 8),))  # fmt: skip
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(c.by == "measured" for c in pool.map(start, range(1, 41)))
+    assert len(json.loads(cache.path.read_text())) == 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".c.json.lock", "c.json"]

@@ -7,9 +7,12 @@ JSON file, so the engines and replicas that start after the first measure nothin
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import math
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,29 +88,48 @@ def choose(
     timed: tuple = TIMED,
 ) -> Choice:
     """The fastest candidate that agrees with the reference (the first, FlashAttention-2, on a tie or if none
-    does); `timer(name, fn) -> ms` (default: CUDA events)."""
+    does); `timer(name, fn) -> ms` (default: CUDA events). A cached choice is checked again (cheap), not timed."""
+    if not candidates:
+        raise ValueError("attention: no prefill kernel to choose from")
     key = cache_key(device, dtype, shape, candidates)
     cached = cache.get(key) if cache else None
-    if cached and cached.get("kernel") in candidates:
-        return Choice(candidates[cached["kernel"]], "cached", cached["timings_ms"])
+    kept = candidates.get(cached["kernel"]) if cached else None
+    if kept is not None and not disagreement(kept, shape, device, dtype):  # an upgraded kernel is checked again
+        return Choice(kept, "cached", cached["timings_ms"])
     timer = timer or (lambda name, fn: cuda_time_ms(fn))
-    timings, fastest = {}, None
-    for name, kernels in candidates.items():
-        problem = disagreement(kernels, shape, device, dtype)
-        if problem:
-            timings[name] = f"left out: {problem}"
-            continue
-        each = {f"{n}x{t}": round(timer(name, call(kernels, *prompts(shape, device, dtype, n, t))), 4)
-                for n, t in timed}  # fmt: skip
-        timings[name] = each | {"total": round(sum(each.values()), 4)}
-        if fastest is None or timings[name]["total"] < timings[fastest]["total"]:
-            fastest = name
-    if fastest is None:
+    timings = {name: measured(name, k, shape, device, dtype, timer, timed) for name, k in candidates.items()}
+    agreeing = [name for name, t in timings.items() if isinstance(t, dict)]
+    if agreeing:  # the first of the fastest: FlashAttention-2 on a tie
+        fastest = min(agreeing, key=lambda name: timings[name]["total"])
+    else:
         log.warning("no prefill attention kernel agreed with the reference (%s); keeping the first", timings)
         fastest = next(iter(candidates))
     if cache:
         cache.put(key, {"kernel": fastest, "timings_ms": timings})
     return Choice(candidates[fastest], "measured", timings)
+
+
+def measured(name: str, kernels: AttentionKernels, shape, device, dtype, timer, timed) -> dict | str:
+    """Its time per timed call and in all (ms), or why it is left out: it disagrees with the reference, or a timed
+    call raised (a shape the checks did not reach, memory) or gave no finite, non-negative time."""
+    problem = disagreement(kernels, shape, device, dtype)
+    if problem:
+        return f"left out: {problem}"
+    each = {}
+    for n, t in timed:
+        try:
+            ms = float(timer(name, call(kernels, *prompts(shape, device, dtype, n, t))))
+        except Exception as err:  # a kernel that cannot run a prefill of this size is not a candidate
+            return f"left out: {n} x {t} tokens: {one_line(err)}"
+        if not (math.isfinite(ms) and ms >= 0):
+            return f"left out: {n} x {t} tokens timed {ms}"
+        each[f"{n}x{t}"] = round(ms, 4)
+    return each | {"total": round(sum(each.values()), 4)}
+
+
+def one_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:200]
 
 
 def cache_key(device: torch.device, dtype: torch.dtype, shape: HeadShape, candidates: dict) -> str:
@@ -150,53 +172,68 @@ def checks(shape: HeadShape, device, dtype):
 
 
 def disagreement(kernels: AttentionKernels, shape: HeadShape, device, dtype) -> str | None:
-    """Why `kernels` must not be used here (it raises, or differs from the float32 reference beyond half precision's
-    rounding), or None."""
+    """Why `kernels` must not be used here (it raises, answers in another shape, or differs from the float32
+    reference beyond half precision's rounding), or None."""
     for q, k, v, spans, scale, causal, need_lse in checks(shape, device, dtype):
+        want, want_lse = varlen_reference(q.float(), k.float(), v.float(), spans, scale, causal, need_lse)
         try:
             out, lse = kernels.varlen(q, k, v, spans, scale, causal, need_lse)
+            if tuple(out.shape) != tuple(want.shape) or (need_lse and tuple(lse.shape) != tuple(want_lse.shape)):
+                return f"answers in another shape (causal={causal}, lse={need_lse})"
+            error = (out.float() - want).abs().max().item()
+            lse_agrees = not need_lse or torch.allclose(lse.float(), want_lse, atol=0.02, rtol=0)
         except Exception as err:  # a kernel that cannot run these shapes on this device is not a candidate
-            return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
-        want, want_lse = varlen_reference(q.float(), k.float(), v.float(), spans, scale, causal, need_lse)
-        error = (out.float() - want).abs().max().item()
+            return one_line(err)
         if not error <= 0.02:
             return f"differs from the reference by {error:.3g} (causal={causal}, lse={need_lse})"
-        if need_lse and not torch.allclose(lse.float(), want_lse, atol=0.02, rtol=0):
+        if not lse_agrees:
             return f"its log-sum-exp differs from the reference's (causal={causal})"
     return None
 
 
 class ChoiceCache:
-    """The measured choices, by key, in one JSON file (written whole, atomically; unreadable: measured again)."""
+    """The measured choices, by key, in one JSON file: read, merged and written whole under a lock (several engines
+    and replicas may start at once), replaced atomically; an unreadable one is measured again and rewritten."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
 
     @classmethod
     def default(cls) -> ChoiceCache:
-        """`$GENREC_CACHE` (default ~/.cache/genrec)/attention-choice.json."""
-        return cls(Path(os.environ.get("GENREC_CACHE", "~/.cache/genrec")).expanduser() / CACHE_FILE)
+        """`$GENREC_CACHE` (unset or empty: ~/.cache/genrec)/attention-choice.json."""
+        return cls(Path(os.environ.get("GENREC_CACHE") or "~/.cache/genrec").expanduser() / CACHE_FILE)
 
     def read(self) -> dict:
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as err:
-            log.warning("ignoring the attention choices in %s (%s): measuring again", self.path, err)
+        except (OSError, ValueError, RecursionError) as err:
+            log.warning("ignoring the attention choices in %s (%s): measuring again", self.path, one_line(err))
             return {}
         return data if isinstance(data, dict) else {}
 
     def get(self, key: str) -> dict | None:
+        """The entry of `key` if it has the shape `put` writes."""
         entry = self.read().get(key)
-        return entry if isinstance(entry, dict) and isinstance(entry.get("timings_ms"), dict) else None
+        shaped = isinstance(entry, dict) and isinstance(entry.get("kernel"), str)
+        return entry if shaped and isinstance(entry.get("timings_ms"), dict) else None
 
     def put(self, key: str, entry: dict) -> None:
-        data = self.read() | {key: entry}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
+            with open(self.path.with_name(f".{self.path.name}.lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+                self._write(self.read() | {key: entry})
         except OSError as err:  # the choice stands; the next start measures again
-            log.warning("could not keep the attention choice in %s: %s", self.path, err)
+            log.warning("could not keep the attention choice in %s: %s", self.path, one_line(err))
+
+    def _write(self, data: dict) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

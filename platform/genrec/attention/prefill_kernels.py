@@ -14,6 +14,7 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from genrec.attention.varlen import Spans, flash_varlen
 
@@ -45,19 +46,19 @@ def sdpa_causal(q, keys, values, scale, backends=None):
     if backends is None:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale)
     else:
-        with torch.nn.attention.sdpa_kernel(backends):
+        with sdpa_kernel(backends):
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale)
     return out[0].transpose(0, 1)
 
 
 def cudnn_available(device: torch.device) -> bool:
-    return device.type == "cuda" and hasattr(torch.nn.attention.SDPBackend, "CUDNN_ATTENTION")
+    return device.type == "cuda" and hasattr(SDPBackend, "CUDNN_ATTENTION")
 
 
 cudnn_varlen = functools.partial(
     dense_causal_varlen,
-    dense=functools.partial(sdpa_causal, backends=[torch.nn.attention.SDPBackend.CUDNN_ATTENTION])
-    if hasattr(torch.nn.attention.SDPBackend, "CUDNN_ATTENTION")
+    dense=functools.partial(sdpa_causal, backends=[SDPBackend.CUDNN_ATTENTION])
+    if hasattr(SDPBackend, "CUDNN_ATTENTION")
     else None,
     fallback=flash_varlen,
 )

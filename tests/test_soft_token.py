@@ -153,3 +153,41 @@ def test_a_projector_with_non_finite_values_is_refused_at_load(engine, tmp_path)
     save_file({"weight": weight, "bias": engine.family.projector.bias.detach().clone()}, str(path))
     with pytest.raises(ModelDirectoryError, match="non-finite"):
         SoftTokenProjector.load(path, engine.model.config.hidden_size)
+
+
+@pytest.mark.parametrize("kind", ["score", "recommend"])
+def test_a_candidate_holding_the_placeholder_is_refused_at_its_field(engine, rng, kind):
+    """Found by a hostile probe: a candidate's rows never take the user embedding, so a placeholder there was scored
+    on its raw, untrained embedding (and without any user_embedding): the same tokens split another way between
+    prompt and candidate scored differently."""
+    from genrec.api import RecommendRequest
+
+    user = engine.family.tokenizer.convert_tokens_to_ids(USER_TOKEN)
+    vector = torch.randn(engine.family.projector.in_features, generator=rng).tolist()
+    prompt = random_prompt(engine, 12, rng) + [user]
+    for candidate, field in (
+        (Candidate(token_ids=[user, 7]), "token_ids"),
+        (Candidate(text=f"{USER_TOKEN} yes"), "text"),
+    ):
+        fields = dict(prompt_token_ids=prompt, user_embedding=vector, candidates=[Candidate(token_ids=[5]), candidate])
+        request = ScoreRequest(**fields) if kind == "score" else RecommendRequest(**fields, beam_width=4)
+        with pytest.raises(InvalidRequestError, match=rf"candidates\[1\]\.{field}: holds the <\|user\|> placeholder"):
+            (engine.score if kind == "score" else engine.recommend)([request])
+
+
+def test_an_integer_too_large_for_a_float_is_told_so():
+    """Found by a hostile probe: JSON's integers are taken for numbers, but one past a float's range was told
+    'must be a number; got a number'."""
+    from pydantic import ValidationError
+
+    from genrec.api import located_error
+
+    with pytest.raises(ValidationError) as caught:
+        ScoreRequest.model_validate_json(
+            '{"prompt": "a", "user_embedding": [1' + "0" * 400 + ', 1], "candidates": [{"token_ids": [1]}]}'
+        )
+    (error,) = caught.value.errors()
+    assert located_error(error, ScoreRequest) == (
+        "user_embedding[0]",
+        "must be a number; got a number too large for a float",
+    )

@@ -126,8 +126,18 @@ def described_value(value) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, int) and not _fits_a_float(value):  # JSON allows it; no float holds it
+        return "a number too large for a float"
     kinds = ((int | float, "a number"), (str, "a string"), (list | tuple, "a list"), (dict, "an object"))
     return next((name for kind, name in kinds if isinstance(value, kind)), f"a value of type {type(value).__name__}")
+
+
+def _fits_a_float(value: int) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def expected_value(model: type[BaseModel], name: str) -> str | None:

@@ -111,6 +111,11 @@ def candidate_token_lists(
             bad = [t for t in tokens if t >= vocab]
             if bad:
                 raise InvalidRequestError(f"{field}.token_ids", f"token IDs {bad[:5]} are outside the vocabulary")
+        if cand.item_id is None and decoder.placeholder_id in tokens:  # candidate rows take no user embedding
+            raise InvalidRequestError(
+                f"{field}.{'text' if cand.text is not None else 'token_ids'}",
+                "holds the <|user|> placeholder: a user embedding goes in the prompt, a candidate is an item's tokens",
+            )
         if len(tokens) > room:
             raise InvalidRequestError(
                 field, f"prompt plus candidate exceed the model's {room + prompt_tokens} positions"

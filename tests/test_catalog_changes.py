@@ -129,7 +129,7 @@ def test_retired_items_added_back_get_build_ids_codes(built, tmp_path):
     assert catalog.item_ids.tolist() == ids  # existing rows first and unchanged, new rows appended
     assert (catalog.codes[:BUILT] == original.codes[:BUILT]).all()
     assert len(np.unique(catalog.codes, axis=0)) == len(catalog)
-    codebooks = Codebooks.load(model / "genrec/codebooks.safetensors")
+    codebooks, _ = Codebooks.load(model / "genrec/codebooks.safetensors")
     layout = ModelDir.open(model).load_sid_layout()
     nearest = np.stack(
         [layout.level_ids[level][_nearest_codes(codebooks, vectors)[:, level]] for level in range(2)], axis=1
@@ -263,7 +263,7 @@ def test_the_engine_retrieves_added_items(built, tmp_path):
     returned = [item.item_id for item in found.items]
     assert sorted(returned) == sorted(ids[:BUILT] + fresh)
     assert len(np.unique(engine.catalog.codes, axis=0)) == len(engine.catalog)
-    nearest = _nearest_codes(Codebooks.load(model / "genrec/codebooks.safetensors"), moved)
+    nearest = _nearest_codes(Codebooks.load(model / "genrec/codebooks.safetensors")[0], moved)
     layout = ModelDir.open(model).load_sid_layout()
     prefixes = np.stack([layout.level_ids[level][nearest[:, level]] for level in range(2)], axis=1)
     assert (engine.catalog.codes[BUILT:, :2] == prefixes).all()  # each on its nearest prefix (room everywhere)
@@ -384,7 +384,7 @@ def test_build_ids_writes_the_codebooks_beside_the_catalog_never_in_the_model_ro
     out = tmp_path / "elsewhere" / "catalog.parquet"
     root_before = sorted(p.name for p in tiny_dir.iterdir())
     assert _run("build-ids", source, "--model", tiny_dir, "--out", out).exit_code == 0
-    codebooks = Codebooks.load(out.parent / "codebooks.safetensors")
+    codebooks, _ = Codebooks.load(out.parent / "codebooks.safetensors")
     assert codebooks.dim == 3 and len(codebooks.centers) == 2 and codebooks.last_size == 8
     assert sorted(p.name for p in tiny_dir.iterdir()) == root_before
 
@@ -414,3 +414,59 @@ def test_versions_kept_apart_from_the_models_catalog(built, tmp_path):
     assert result.exit_code != 0 and f"{hashed}: its name carries the hash {hashed.name[8:20]}" in str(
         result.exception
     )  # a hash-named version is never rewritten: its name would lie
+
+
+def test_build_ids_writes_over_no_file_and_no_other_catalogs_codebooks(built, tmp_path):
+    """Found by a careless-operator probe: --out replaced the model's weights, its own input or a catalog version,
+    and --out into MODEL/genrec/ replaced the model catalog's codebooks (every later `catalog add` then coded
+    wrongly). Each is refused before anything is built, and nothing is touched."""
+    model, ids, vectors = built
+    embeddings = _items(tmp_path / "e.parquet", ids, vectors)
+    watched = [model / "model.safetensors", embeddings, model / "genrec/catalog.parquet"]
+    watched.append(model / "genrec/codebooks.safetensors")
+    (tmp_path / "apart").mkdir()
+    assert _run("build-ids", embeddings, "--model", model, "--out", tmp_path / "apart/c.parquet").exit_code == 0
+    before = [path.read_bytes() for path in watched]
+    for out, fragment in (
+        (model / "model.safetensors", "exists; build-ids writes a new catalog file"),
+        (embeddings, "exists; build-ids writes a new catalog file"),
+        (model / "genrec/trial.parquet", "its codebooks would replace those of the model's catalog"),
+        (tmp_path / "apart/d.parquet", "codebooks.safetensors is beside it, another catalog's codebooks"),
+    ):
+        result = _run("build-ids", embeddings, "--model", model, "--out", out)
+        assert result.exit_code != 0 and fragment in str(result.exception), (out, result.exception)
+    assert [path.read_bytes() for path in watched] == before
+    rebuilt = _run("build-ids", embeddings, "--model", model)  # the model's own catalog is rebuilt, as ever
+    assert rebuilt.exit_code == 0 and (model / "genrec/catalog.parquet").read_bytes() == before[2]
+
+
+def test_codebooks_that_did_not_build_a_catalog_code_nothing_into_it(built, tmp_path):
+    """Found by the same probe: a build cut between its two writes (or another build's codebooks since) left the
+    catalog beside codebooks that did not code it, and `catalog add` coded with them, exit 0. A catalog records its
+    codebooks' hash (its versions keep it), and `catalog add` refuses others; a catalog from before is taken."""
+    model, ids, vectors = built
+    retired = retire_items(model, ids[:3])  # a version keeps the record
+    codebooks_file = model / "genrec/codebooks.safetensors"
+    codebooks, version = Codebooks.load(codebooks_file)
+    assert pq.read_schema(retired.catalog).metadata[b"genrec.codebooks"].decode() == version
+    assert add_items(model, _items(tmp_path / "back.parquet", ids[:3], vectors[:3]), base=retired.catalog).added == 3
+    other = Codebooks(codebooks.scale * 2, codebooks.centers, codebooks.last_size)
+    other.save(codebooks_file)  # as an interrupted or a concurrent build leaves them
+    new = _items(tmp_path / "n.parquet", ["n"], vectors[:1])
+    for base in (None, retired.catalog):
+        with pytest.raises(CatalogError, match=r"was built with other codebooks than .*codebooks.safetensors"):
+            add_items(model, new, base=base)
+    legacy = pq.read_table(model / "genrec/catalog.parquet")
+    pq.write_table(legacy.replace_schema_metadata({}), model / "genrec/catalog.parquet")  # written before the record
+    assert add_items(model, new).added == 1
+
+
+def test_in_place_rewrites_a_catalog_only(built, tmp_path):
+    """Found by the same probe: `--in-place --out FILE` replaced any file, the model's config.json or the input."""
+    model, ids, vectors = built
+    items = _items(tmp_path / "n.parquet", ["n"], vectors[:1])
+    for out, args in ((model / "config.json", ("retire", model, "--items", ids[0])), (items, ("add", model, items))):
+        before = out.read_bytes()
+        result = _run("catalog", *args, "--out", out, "--in-place")
+        assert result.exit_code != 0 and "is not a catalog (Parquet with item_id, semantic_id)" in str(result.exception)
+        assert out.read_bytes() == before

@@ -163,3 +163,33 @@ def test_import_refuses_to_replace_a_trained_catalog_in_one_line(own_model, monk
     err = run_main(monkeypatch, capsys, "catalog", "import", own_model, catalog, "--in-place")
     assert err.startswith(f"error: {catalog}: a trained catalog") and "--force" in err and err.count("\n") == 1
     assert catalog.read_bytes() == before and (own_model / "genrec" / "codebooks.safetensors").is_file()
+
+
+def test_bad_files_for_build_ids_and_prompt_are_one_line_naming_the_file(own_model, tmp_path, monkeypatch, capsys):
+    """Found by a careless-operator probe: an embedding column of scalars or strings, item IDs that are not UTF-8, a
+    folder or broken JSON as --messages, and messages missing a field each gave a traceback or a line naming
+    nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    scalars, strings, not_utf8 = (tmp_path / f"{n}.parquet" for n in ("scalars", "strings", "not_utf8"))
+    pq.write_table(pa.table({"item_id": ["a", "b"], "embedding": [0.5, 1.5]}), scalars)
+    pq.write_table(pa.table({"item_id": ["a", "b"], "embedding": ["x", "y"]}), strings)
+    pq.write_table(pa.table({"item_id": pa.array([b"\xff", b"b"], pa.binary()).cast(pa.string(), safe=False),
+                             "embedding": [[1.0, 2.0], [3.0, 4.0]]}), not_utf8)  # fmt: skip
+    broken, missing = tmp_path / "broken.json", tmp_path / "missing.json"
+    broken.write_text("[{role")
+    missing.write_text('[{"role": "user"}]')
+    out = tmp_path / "apart" / "c.parquet"
+    cases = [
+        (["build-ids", scalars, "--model", own_model, "--out", out], "column 'embedding' must be a list of numbers"),
+        (["build-ids", strings, "--model", own_model, "--out", out], "per item, not string"),
+        (["build-ids", not_utf8, "--model", own_model, "--out", out], "column 'item_id' holds text that is not UTF-8"),
+        (["prompt", own_model, "--messages", own_model], f"--messages {own_model}: not a JSON file"),
+        (["prompt", own_model, "--messages", broken], f"--messages {broken}: not a JSON file"),
+        (["prompt", own_model, "--messages", missing], "messages[0].content: is required"),
+    ]
+    for argv, fragment in cases:
+        err = run_main(monkeypatch, capsys, *argv)
+        assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, (argv, err)
+    assert not out.parent.exists()

@@ -43,7 +43,7 @@ def test_files_and_folders_get_the_modes_the_umask_gives(tmp_path, umask_027):
     assert {name: oct(_mode(path)) for name, path in written.items()} == dict.fromkeys(written, oct(0o640))
     assert _mode(folder) == _mode(folder.parent) == 0o750
     assert Catalog.load(written["catalog"]).item_ids.tolist() == ["i0", "i1", "i2", "i3"]
-    assert Codebooks.load(written["codebooks"]).last_size == 5
+    assert Codebooks.load(written["codebooks"])[0].last_size == 5
 
 
 def test_a_catalog_version_written_by_the_cli_has_the_umask_modes(tiny_dir, tmp_path, umask_027):

@@ -15,11 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from genrec.catalog import Catalog
-from genrec.catalog.catalog import parquet_bytes
-from genrec.catalog_tools.build_ids import catalog_and_codebooks
+from genrec.catalog_tools.build_ids import catalog_and_codebooks, write_built
 from genrec.catalog_tools.codebooks import Codebooks
 from genrec.errors import GenrecError
-from genrec.files import write_atomically
 from genrec.model.directory import ModelDir
 from genrec_demo.data import MovieLens
 from genrec_demo.factors import Factors
@@ -32,13 +30,11 @@ def build_catalog(data: MovieLens, factors: Factors, layout, seed: int) -> tuple
 
 
 def write_catalog(path: Path, catalog: Catalog, codebooks: Codebooks, data: MovieLens) -> None:
-    """The catalog with the movies' attributes, atomically, and the codebooks beside it."""
-    catalog.save(path)
-    table = pq.read_table(path)
+    """The catalog with the movies' attributes, atomically, and the codebooks beside it (as build-ids writes them)."""
+    table = catalog.to_table()
     for name, column in item_attributes(data, catalog.item_ids.tolist()).items():
         table = table.append_column(name, column)
-    write_atomically(path, parquet_bytes(table))
-    codebooks.save(Codebooks.path_beside(path))
+    write_built(path, table, codebooks)
 
 
 def item_attributes(data: MovieLens, item_ids: list[str]) -> dict[str, pa.Array]:

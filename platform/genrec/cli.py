@@ -118,20 +118,19 @@ def build_ids(
     embeddings: Path = typer.Argument(..., help="Parquet with columns item_id, embedding (list<float>)"),
     model: Path = typer.Option(..., help="model directory whose tokenizer defines the semantic-ID tokens"),
     out: Path = typer.Option(None, help="catalog to write (default: MODEL/genrec/catalog.parquet)"),
-    iters: int = 20,
-    seed: int = 0,
+    iters: int = typer.Option(20, min=1, help="k-means iterations per level"),
+    seed: int = typer.Option(0, min=0),
 ):
     """Semantic IDs by residual k-means per level plus a last, disambiguating level; the codebooks that code a new
-    item later (`genrec catalog add`) are written beside the catalog, as codebooks.safetensors."""
-    from genrec.catalog_tools.build_ids import build_catalog_and_codebooks
-    from genrec.catalog_tools.codebooks import Codebooks
+    item later (`genrec catalog add`) are written beside the catalog, as codebooks.safetensors. --out names a new
+    file in a folder of its own (no other catalog's codebooks there); without it the model's catalog is rebuilt."""
+    from genrec.catalog_tools.build_ids import build_catalog_and_codebooks, build_target, write_built
     from genrec.model.directory import ModelDir
 
     directory = ModelDir.open(model, family="qwen3")
+    target = build_target(out, directory.catalog_path)
     catalog, codebooks = build_catalog_and_codebooks(embeddings, directory.load_sid_layout(), iters=iters, seed=seed)
-    target = out or directory.catalog_path
-    catalog.save(target)
-    codebooks.save(Codebooks.path_beside(target))
+    write_built(target, catalog.to_table(), codebooks)
     typer.echo(json.dumps({"items": len(catalog), "levels": catalog.levels, "catalog": str(target)}))
 
 
@@ -227,7 +226,9 @@ def prompt(
 ):
     """Print the prompt as the engine would run it, as JSON (what POST /v1/prompt answers): its text (chat messages
     rendered by the model's template and genrec/prompt.json), token IDs, soft-token placeholders. Reads no weights."""
-    from genrec.api import PromptRequest
+    from pydantic import ValidationError
+
+    from genrec.api import PromptRequest, located_error
     from genrec.engine.request_tokens import render_prompt
     from genrec.model.directory import ModelDir
     from genrec.model.tokenizer import USER_TOKEN
@@ -235,8 +236,13 @@ def prompt(
     given = {"messages": messages, "prompt": text, "prompt_token_ids": token_ids}
     if sum(value is not None for value in given.values()) != 1:
         raise typer.BadParameter("give exactly one of --messages, --text, --token-ids")
-    fields = {name: _json_file(value) if isinstance(value, Path) else value for name, value in given.items()}
-    request = PromptRequest(**{name: value for name, value in fields.items() if value is not None})
+    options = {"messages": "--messages", "prompt_token_ids": "--token-ids"}
+    fields = {k: _json_file(v, options[k]) if isinstance(v, Path) else v for k, v in given.items() if v is not None}
+    try:
+        request = PromptRequest(**fields)
+    except ValidationError as err:  # one line, genrec's words, the field named
+        problems = (": ".join(filter(None, located_error(e, PromptRequest))) for e in err.errors())
+        raise GenrecError("; ".join(problems)) from None
     directory = ModelDir.open(model, family="qwen3")
     tokenizer = directory.load_tokenizer()
     layout = directory.load_sid_layout(tokenizer)
@@ -253,9 +259,12 @@ def prompt(
     typer.echo("{\n" + ",\n".join(lines) + "\n}")
 
 
-def _json_file(path: Path):
-    """A JSON value from a file, or from stdin for '-'."""
-    return json.loads(sys.stdin.read() if str(path) == "-" else path.read_text())
+def _json_file(path: Path, option: str):
+    """A JSON value from a file, or from stdin for '-'; a file that is not one is refused naming `option`."""
+    try:
+        return json.loads(sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # missing, a directory, unreadable, not UTF-8, not JSON
+        raise GenrecError(f"{option} {path}: not a JSON file ({err})") from None
 
 
 @app.command("deploy")

@@ -3,8 +3,6 @@ directory, a URI), the driver gathers one float32 matrix and runs build-ids' alg
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -15,16 +13,14 @@ from genrec.errors import GenrecError
 
 def build_semantic_ids(embeddings: str, model: str, out: str | None = None, iters: int = 20, seed: int = 0) -> dict:
     from genrec.batch.spec import model_dir
-    from genrec.catalog_tools.build_ids import catalog_and_codebooks
-    from genrec.catalog_tools.codebooks import Codebooks
+    from genrec.catalog_tools.build_ids import build_target, catalog_and_codebooks, write_built
 
     directory = model_dir(model, "qwen3")  # a bad model directory fails before any reading
     layout = directory.load_sid_layout()
+    target = build_target(out, directory.catalog_path)
     item_ids, matrix = read_embeddings(embeddings)
     catalog, codebooks = catalog_and_codebooks(item_ids, matrix, layout, iters=iters, seed=seed, source=embeddings)
-    target = Path(out) if out else directory.catalog_path
-    catalog.save(target)
-    codebooks.save(Codebooks.path_beside(target))  # for `genrec catalog add`
+    write_built(target, catalog.to_table(), codebooks)  # the codebooks beside it, for `genrec catalog add`
     return {"items": len(catalog), "levels": catalog.levels, "dim": matrix.shape[1], "catalog": str(target)}
 
 

@@ -110,6 +110,10 @@ class Catalog:
 
     def save(self, path: Path) -> None:
         """Written atomically (genrec.files): a reader of `path` sees the old catalog or this one."""
+        write_atomically(path, parquet_bytes(self.to_table()))
+
+    def to_table(self) -> pa.Table:
+        """The catalog file's table: item_id, semantic_id, popularity and the attributes, where it has them."""
         offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
         tokens = pa.array(self.codes[self.codes != PAD].astype(np.int32))  # row-major: each code, then the next
         columns = {
@@ -120,7 +124,7 @@ class Catalog:
             columns["popularity"] = pa.array(self.popularity, pa.float64())
         for name in self.attributes.column_names if self.attributes is not None else ():
             columns[name] = self.attributes.column(name)
-        write_atomically(path, parquet_bytes(pa.table(columns)))
+        return pa.table(columns)
 
 
 def parquet_bytes(table: pa.Table) -> bytes:

@@ -11,12 +11,15 @@ from math import prod
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from genrec.catalog.catalog import Catalog
-from genrec.catalog_tools.codebooks import Codebooks
+from genrec.catalog.catalog import Catalog, bytes_version, parquet_bytes
+from genrec.catalog_tools.codebooks import BUILT_WITH_KEY, Codebooks
+from genrec.catalog_tools.lock import catalog_lock
 from genrec.errors import GenrecError
+from genrec.files import write_atomically
 
 
 def kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> torch.Tensor:
@@ -129,6 +132,37 @@ def catalog_and_codebooks(
     return Catalog.validated(np.asarray(item_ids, dtype=object), token_ids, layout, source), codebooks
 
 
+def build_target(out: str | Path | None, model_catalog: Path) -> Path:
+    """Where build-ids writes: the model's catalog (rebuilt), or a new file `out` whose folder holds no other
+    catalog's codebooks (they are written beside it); checked before anything is built."""
+    if out is None or Path(out).resolve() == model_catalog.resolve():
+        return model_catalog
+    out, beside = Path(out), Codebooks.path_beside(Path(out))
+    if out.is_dir():
+        raise GenrecError(f"--out {out}: is a directory; name the catalog file to write")
+    if out.exists():
+        raise GenrecError(f"--out {out}: exists; build-ids writes a new catalog file (remove it, or name another)")
+    if beside.resolve() == Codebooks.path_beside(model_catalog).resolve():
+        raise GenrecError(
+            f"--out {out}: its codebooks would replace those of the model's catalog ({beside}); write it in a folder "
+            "of its own"
+        )
+    if beside.exists():
+        raise GenrecError(f"--out {out}: {beside} is beside it, another catalog's codebooks; write it elsewhere")
+    return out
+
+
+def write_built(target: Path, table: pa.Table, codebooks: Codebooks) -> None:
+    """A built catalog (`table`) and its codebooks, under the catalog's lock (two builds at once land one after the
+    other): the codebooks first, then the catalog recording their hash, so a run cut between the two leaves a
+    catalog naming codebooks other than those beside it, which `catalog add` refuses instead of coding with them."""
+    data = codebooks.to_bytes()
+    with catalog_lock(target):
+        write_atomically(Codebooks.path_beside(target), data)
+        metadata = (table.schema.metadata or {}) | {BUILT_WITH_KEY: bytes_version(data).encode()}
+        write_atomically(target, parquet_bytes(table.replace_schema_metadata(metadata)))
+
+
 def build_catalog_and_codebooks(embeddings_path: Path, layout, iters=20, seed=0) -> tuple[Catalog, Codebooks]:
     item_ids, vectors = read_item_embeddings(embeddings_path)
     return catalog_and_codebooks(item_ids, vectors, layout, iters, seed, str(embeddings_path))
@@ -142,7 +176,15 @@ def read_item_embeddings(embeddings_path: Path) -> tuple[np.ndarray, list]:
     for column in ("item_id", "embedding"):
         if column not in table.column_names:
             raise GenrecError(f"{embeddings_path}: column {column!r} is missing (have {table.column_names})")
-    item_ids = np.array(table.column("item_id").to_pylist(), dtype=object)
+    kind = table.schema.field("embedding").type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) or not (
+        pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
+    ):
+        raise GenrecError(f"{embeddings_path}: column 'embedding' must be a list of numbers per item, not {kind}")
+    try:
+        item_ids = np.array(table.column("item_id").to_pylist(), dtype=object)
+    except UnicodeDecodeError as err:
+        raise GenrecError(f"{embeddings_path}: column 'item_id' holds text that is not UTF-8 ({err})") from None
     vectors = table.column("embedding").to_pylist()
     lengths = [len(v) if v is not None else 0 for v in vectors]
     if len(set(lengths)) > 1 or 0 in lengths:

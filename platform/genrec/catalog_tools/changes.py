@@ -48,11 +48,13 @@ def add_items(
     """Code `items_path`'s items (Parquet: item_id, embedding) and write the catalog `base` (default the model's) with
     them appended (`write_version`). A catalog imported from another project is refused (its codes are not theirs)."""
     with _opened(model_dir, base, out, in_place) as (directory, layout, catalog, base):
-        codebooks = Codebooks.load(Codebooks.path_beside(directory.catalog_path))
-        codebooks.check_layout(layout, Codebooks.path_beside(directory.catalog_path))
+        beside = Codebooks.path_beside(directory.catalog_path)
+        codebooks, version = Codebooks.load(beside)
+        codebooks.check_layout(layout, beside)
         table = pq.read_table(base)
         if IMPORTED_KEY in (table.schema.metadata or {}):
             raise CatalogError(base, f"was imported (`genrec catalog import`): {NO_CODEBOOKS_OF_IMPORT}")
+        Codebooks.check_built_with(version, table.schema.metadata, base, beside)
         item_ids, vectors = read_item_embeddings(Path(items_path))
         _check_new_ids(item_ids, catalog, items_path)
         embeddings = _checked_embeddings(vectors, codebooks.dim, item_ids, items_path)
@@ -109,8 +111,19 @@ def write_version(table: pa.Table, folder: Path, out: str | Path | None, rewrite
             f"{target}: exists; a catalog is rewritten in place only with --in-place (replicas serving it load the new "
             "content): leave --out out to write a new version, catalog-<hash>.parquet"
         )
+    if target.exists() and not reads_as_catalog(target):
+        raise GenrecError(f"{target}: exists and is not a catalog (Parquet with item_id, semantic_id): never replaced")
     write_atomically(target, data)
     return target, version
+
+
+def reads_as_catalog(path: Path) -> bool:
+    """Whether `path` is Parquet with a catalog's columns (what --in-place may rewrite)."""
+    try:
+        names = pq.read_schema(path).names
+    except (pa.ArrowException, OSError):
+        return False
+    return {"item_id", "semantic_id"} <= set(names)
 
 
 def read_item_list(items: str | None, items_file: str | Path | None = None) -> list[str]:

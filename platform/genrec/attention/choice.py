@@ -1,8 +1,9 @@
-"""The prefill attention kernel chosen by measurement, on the device it runs on (docs/engine.md, 'The attention
-kernel'): each candidate (`kernels.prefill_kernels`) runs the model's own head shape on a few checks against the
-reference, is left out if it fails or raises, and is timed on prefill-sized calls; the fastest is kept
+"""The prefill attention kernel chosen by measurement, on the device it runs on (docs/engine.md, 'KV memory and the
+execution plan'): each candidate (`kernels.prefill_kernels`) runs the model's own head shape on a few checks against
+the reference, is left out if it fails or raises, and is timed on prefill-sized calls; the fastest is kept
 (FlashAttention-2 on a tie). The choice is cached per device, torch version, dtype, head shape and candidates in a
-JSON file, so the engines and replicas that start after the first measure nothing. An option names one instead.
+JSON file, so the engines and replicas that start after the first time nothing (the kept kernel is checked again).
+An option names one instead.
 """
 
 from __future__ import annotations

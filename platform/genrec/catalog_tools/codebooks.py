@@ -44,7 +44,7 @@ class Codebooks:
         return Path(catalog_path).parent / CODEBOOKS_FILE
 
     def to_bytes(self) -> bytes:
-        """The safetensors file (its hash is the codebooks' `version_of`)."""
+        """The safetensors file (its hash is the version `load` returns, which a built catalog records)."""
         tensors = {f"level_{level}": c.contiguous().float() for level, c in enumerate(self.centers)}
         tensors["scale"] = torch.tensor([self.scale], dtype=torch.float32)
         tensors["last_size"] = torch.tensor([self.last_size], dtype=torch.int64)

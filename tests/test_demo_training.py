@@ -144,3 +144,36 @@ def test_training_scores_equal_the_engine_scores(served):
         (result,) = engine.score([request])
         trained = logits[b, batch.candidate_last[b], vocab.yes]  # the target's last token, then each negative's
         assert [s.logprob for s in result.scores] == pytest.approx(trained.tolist(), abs=1e-4)
+
+
+def test_the_demo_refuses_folders_it_would_damage_before_training(tmp_path, monkeypatch, capsys):
+    """Found by a careless-operator probe: an --out holding other files lost its batch/ folder, one folder for
+    both models was trained into by both (then the deploy hung), a file where a folder goes, a port past 65,535 and
+    an infinite --budget-s failed only after training, with a traceback, or never ended. Each is now one line at
+    once, and nothing is written."""
+    import sys
+
+    from genrec_demo.cli import main
+
+    theirs = tmp_path / "theirs"
+    (theirs / "batch").mkdir(parents=True)
+    (theirs / "batch" / "thesis.txt").write_text("keep")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    folders = {"--out": tmp_path / "out", "--model-dir": tmp_path / "m", "--ranker-dir": tmp_path / "r"}
+    cases = [
+        ({"--out": theirs}, "--out", "holds files the demo did not write"),
+        ({"--ranker-dir": tmp_path / "m"}, "--ranker-dir", "the same folder as --model-dir"),
+        ({"--ranker-dir": a_file}, "--ranker-dir", "is a file"),
+        ({"--port": 70000}, "--port", "65535"),
+        ({"--budget-s": "inf"}, "--budget-s", "finite"),
+    ]
+    for given, option, fragment in cases:
+        argv = [str(x) for k, v in (folders | given).items() for x in (k, v)]
+        monkeypatch.setattr(sys, "argv", ["genrec_demo", *argv])
+        with pytest.raises(SystemExit) as ended:
+            main()
+        err = capsys.readouterr().err
+        assert ended.value.code == 2 and option in err and fragment in err and "Traceback" not in err, err
+    assert (theirs / "batch" / "thesis.txt").read_text() == "keep"
+    assert not any(path.exists() for path in folders.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -30,13 +31,19 @@ def demo(
     users: int = typer.Option(None, min=1, help="only the first N users (a quick look; figures are noisier)"),
     steps: int = typer.Option(DEMO_STEPS, min=1, help="training steps (the same model on any machine)"),
     ranker_steps: int = typer.Option(RANKER_STEPS, min=1, help="the HSTU ranker's training steps"),
-    port: int = typer.Option(None, min=0, help="HTTP port (default: the Serve config's, or a free one if taken)"),
+    port: int = typer.Option(
+        None, min=0, max=65535, help="HTTP port (default: the Serve config's, or a free one if taken)"
+    ),
 ):
     """MovieLens-100k on the whole platform: train (or reuse) a model, load user embeddings into the cache,
     serve it on a local Ray and query it over HTTP, run the batch job over all users, measure it against
     most-popular."""
+    from genrec_demo.pipeline.folders import checked_folders
     from genrec_demo.pipeline.run import run_demo
 
+    if budget_s is not None and not math.isfinite(budget_s):
+        raise typer.BadParameter("give a finite number of CPU-seconds", param_hint="--budget-s")
+    checked_folders(out, model_dir, ranker_dir)
     by_budget = {"max_steps": None, "budget_cpu_s": budget_s} if budget_s is not None else {"max_steps": steps}
     cfg = DemoConfig(seed=seed, users=users, **by_budget)
     try:
@@ -50,6 +57,6 @@ def demo(
 def main() -> None:
     try:
         app(prog_name="python -m genrec_demo")
-    except (GenrecError, ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
+    except (GenrecError, ValueError, OSError) as err:  # bad input: one clear line, no traceback
         typer.echo(f"error: {err}", err=True)
         sys.exit(2)

@@ -9,6 +9,7 @@ keeps `varlen_reference`'s contract, so any of them can stand in for FlashAttent
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 
@@ -43,11 +44,8 @@ def sdpa_causal(q, keys, values, scale, backends=None):
     to the query heads (grouped-query attention), since not every backend takes them grouped."""
     groups = q.shape[1] // keys.shape[1]
     k, v = (x.transpose(0, 1).repeat_interleave(groups, 0)[None] for x in (keys, values))
-    if backends is None:
+    with sdpa_kernel(backends) if backends is not None else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale)
-    else:
-        with sdpa_kernel(backends):
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale)
     return out[0].transpose(0, 1)
 
 

@@ -236,3 +236,20 @@ def test_save_then_load_keeps_codes_of_every_length_and_popularity(tmp_path):
     again = Catalog.load(tmp_path / "c.parquet")
     assert [again.code(i) for i in range(4)] == codes and again.item_ids.tolist() == ["a", "b", "c", "d"]
     assert again.popularity.tolist() == [1.0, 3.0, 2.0, 0.5]
+
+
+def test_the_bytes_a_catalog_parses_are_handed_to_arrow_as_its_own_memory(engine, tiny_dir, tmp_path, monkeypatch):
+    """Arrow may free the buffer it parsed on one of its threads, late: a buffer over Python bytes then takes the GIL
+    while the interpreter exits, and the process aborts ("terminate called without an active exception": `genrec
+    deploy` refusing a truncated catalog exited -6 about once in 30 runs on a loaded machine)."""
+    handed = []
+    reader = pa.BufferReader
+    monkeypatch.setattr(pa, "BufferReader", lambda buffer: handed.append(buffer) or reader(buffer))
+    good = (tiny_dir / "genrec/catalog.parquet").read_bytes()
+    Catalog.load(tmp_path / "good.parquet", engine.family.layout, data=good)
+    with pytest.raises(CatalogError, match="not a readable Parquet file"):
+        Catalog.load(tmp_path / "cut.parquet", data=good[:100])
+    assert [len(buffer) for buffer in handed] == [len(good), 100]
+    for buffer, data in zip(handed, [good, good[:100]], strict=True):
+        assert isinstance(buffer, pa.Buffer) and buffer.to_pybytes() == data
+        assert buffer.address != pa.py_buffer(data).address  # a copy, not a view of the Python object

@@ -75,7 +75,7 @@ class Catalog:
         path = Path(path)
         data = read_catalog_file(path) if data is None else data
         try:
-            table = pq.read_table(pa.BufferReader(data))
+            table = pq.read_table(pa.BufferReader(arrow_owned(data)))
             table.validate(full=True)  # text that is not UTF-8, say: refused here, not by each request that reads it
         except (pa.ArrowException, OSError) as err:
             raise CatalogError(path, f"not a readable Parquet file ({err})") from None
@@ -137,6 +137,16 @@ def parquet_bytes(table: pa.Table) -> bytes:
 def bytes_version(data: bytes) -> str:
     """The `catalog_version` of a catalog file's bytes."""
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def arrow_owned(data: bytes) -> pa.Buffer:
+    """A copy of `data` in memory Arrow owns. Arrow may drop its last reference to the buffer it reads on one of its
+    own threads, late; a buffer wrapping Python bytes then takes the GIL to free them, which aborts the process if
+    the interpreter is exiting ("terminate called without an active exception", apache/arrow#34314)."""
+    buffer = pa.allocate_buffer(len(data))
+    with pa.FixedSizeBufferWriter(buffer) as writer:
+        writer.write(data)
+    return buffer
 
 
 def read_catalog_file(path: Path) -> bytes:

@@ -127,3 +127,23 @@ def test_recommends_ranking_is_the_best_weight_on_validation_items_and_is_kept(t
     lines.clear()
     again = prepare(model_dir, SLICE, retrain=False, say=lines.append, progress=False)
     assert again.recipe["ranking"] == ranking and not any("choosing" in line for line in lines)  # kept
+
+
+def test_a_deploy_serve_gave_up_on_is_told_by_its_exception():
+    """The demo waited for /healthz alone: a failed deploy (a replica's constructor raising) looked like a slow
+    start until its 300 s timeout, with no reason. Serve's status now ends the wait with the exception's line."""
+    from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, ServeStatus
+
+    from genrec_demo.pipeline.cluster import deploy_failure
+
+    def status(state: ApplicationStatus, message: str = "") -> ServeStatus:
+        app = ApplicationStatusOverview(status=state, message=message, last_deployed_time_s=0.0, deployments={})
+        return ServeStatus(applications={"genrec": app})
+
+    traceback = "Deploying app 'genrec' failed with exception:\nTraceback (most recent call last):\n  File ...\n"
+    failed = status(ApplicationStatus.DEPLOY_FAILED, traceback + "GenrecError: model.safetensors: truncated\n\n")
+    assert deploy_failure("genrec", failed) == "GenrecError: model.safetensors: truncated"
+    assert deploy_failure("genrec", status(ApplicationStatus.DEPLOY_FAILED)) == "no message"
+    for state in (ApplicationStatus.DEPLOYING, ApplicationStatus.RUNNING, ApplicationStatus.UNHEALTHY):
+        assert deploy_failure("genrec", status(state, "replicas starting")) is None
+    assert deploy_failure("another", failed) is None

@@ -1,5 +1,7 @@
 """Demo training rows: layout, attention mask, and agreement with what the engine computes when serving."""
 
+import socket
+
 import numpy as np
 import pytest
 import torch
@@ -147,10 +149,11 @@ def test_training_scores_equal_the_engine_scores(served):
 
 
 def test_the_demo_refuses_folders_it_would_damage_before_training(tmp_path, monkeypatch, capsys):
-    """Found by a careless-operator probe: an --out holding other files lost its batch/ folder, one folder for
+    """Found by careless-operator probes: an --out holding other files lost its batch/ folder, one folder for
     both models was trained into by both (then the deploy hung), a file where a folder goes, a port past 65,535 and
-    an infinite --budget-s failed only after training, with a traceback, or never ended. Each is now one line at
-    once, and nothing is written."""
+    an infinite --budget-s failed only after training, with a traceback, or never ended; a taken --port moved to
+    another silently, and --users past MovieLens's 943 was taken as 943. Each is now one line at once, and nothing
+    is written."""
     import sys
 
     from genrec_demo.cli import main
@@ -160,20 +163,29 @@ def test_the_demo_refuses_folders_it_would_damage_before_training(tmp_path, monk
     (theirs / "batch" / "thesis.txt").write_text("keep")
     a_file = tmp_path / "a-file"
     a_file.write_text("")
+    taken = socket.create_server(("127.0.0.1", 0))  # a chosen --port that is taken was moved without a word
     folders = {"--out": tmp_path / "out", "--model-dir": tmp_path / "m", "--ranker-dir": tmp_path / "r"}
     cases = [
+        ({"--port": taken.getsockname()[1]}, "--port", "cannot listen there"),
         ({"--out": theirs}, "--out", "holds files the demo did not write"),
         ({"--ranker-dir": tmp_path / "m"}, "--ranker-dir", "the same folder as --model-dir"),
         ({"--ranker-dir": a_file}, "--ranker-dir", "is a file"),
         ({"--port": 70000}, "--port", "65535"),
         ({"--budget-s": "inf"}, "--budget-s", "finite"),
     ]
-    for given, option, fragment in cases:
+
+    def refused(given: dict, option: str, fragment: str) -> None:
         argv = [str(x) for k, v in (folders | given).items() for x in (k, v)]
         monkeypatch.setattr(sys, "argv", ["genrec_demo", *argv])
         with pytest.raises(SystemExit) as ended:
             main()
         err = capsys.readouterr().err
         assert ended.value.code == 2 and option in err and fragment in err and "Traceback" not in err, err
+
+    for case in cases:
+        refused(*case)
+    taken.close()
     assert (theirs / "batch" / "thesis.txt").read_text() == "keep"
-    assert not any(path.exists() for path in folders.values())
+    assert not [path for path in folders.values() if path.exists()]
+    refused({"--users": 944}, "--users 944", "MovieLens-100k has 943 users")  # once the data is read: no training
+    assert [p.name for path in folders.values() for p in path.iterdir()] == [".genrec-demo"]  # --out's mark only

@@ -38,11 +38,14 @@ def demo(
     """MovieLens-100k on the whole platform: train (or reuse) a model, load user embeddings into the cache,
     serve it on a local Ray and query it over HTTP, run the batch job over all users, measure it against
     most-popular."""
+    from genrec_demo.pipeline.cluster import port_or_free
     from genrec_demo.pipeline.folders import checked_folders
     from genrec_demo.pipeline.run import run_demo
 
     if budget_s is not None and not math.isfinite(budget_s):
         raise typer.BadParameter("give a finite number of CPU-seconds", param_hint="--budget-s")
+    if port:
+        port_or_free(port, chosen=True)  # taken now: refused before training (and again when Serve starts)
     checked_folders(out, model_dir, ranker_dir)
     by_budget = {"max_steps": None, "budget_cpu_s": budget_s} if budget_s is not None else {"max_steps": steps}
     cfg = DemoConfig(seed=seed, users=users, **by_budget)

@@ -46,15 +46,19 @@ def app_config(config_path: Path) -> dict:
     return {**app, "http_options": config.get("http_options") or {}, "proxy_location": config.get("proxy_location")}
 
 
-def port_or_free(port: int) -> int:
-    """`port` if nothing listens on it, else (or for 0) a free one: the demo never fights another server."""
+def port_or_free(port: int, chosen: bool = False) -> int:
+    """`port` if nothing listens on it, else (or for 0) a free one: the demo never fights another server. A port the
+    user `chosen` (--port) that is taken is refused instead: moving it would send their requests elsewhere."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
             if port == 0:
                 return s.getsockname()[1]
             return port
-        except OSError:
+        except OSError as err:
+            if chosen:
+                raise GenrecError(f"--port {port}: cannot listen there ({err.strerror}); choose another, or leave "
+                                  "--port out for the Serve config's (or a free one)") from None  # fmt: skip
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
@@ -81,7 +85,7 @@ class ServeApp:
 
         serve.start(http_options=self.http, **({"proxy_location": self.proxy_location} if self.proxy_location else {}))
         self._deploy(self.app)
-        _wait_healthy(f"{self.url}/healthz", timeout_s)
+        _wait_healthy(f"{self.url}/healthz", timeout_s, self.app.get("name", "default"))
         return self.url
 
     def deploy_catalog(self, catalog: Path | None) -> None:
@@ -112,7 +116,9 @@ def start_serve_app(config_path: Path, overrides: dict, port: int, timeout_s: fl
     return app
 
 
-def _wait_healthy(url: str, timeout_s: float) -> None:
+def _wait_healthy(url: str, timeout_s: float, name: str) -> None:
+    """Until `url` answers ok; a deploy Serve gave up on (a replica's constructor raised, say) ends it at once, with
+    Serve's reason, rather than after `timeout_s` with none."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -121,6 +127,22 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
                     return
         except OSError:
             pass
+        failed = deploy_failure(name)
+        if failed:
+            raise GenrecError(f"the Serve app {name!r} failed to deploy: {failed}")
         if time.monotonic() > deadline:
             raise GenrecError(f"the Serve app did not become healthy within {timeout_s:.0f} s ({url})")
         time.sleep(0.5)
+
+
+def deploy_failure(name: str, status=None) -> str | None:
+    """Serve's reason when application `name`'s deploy failed (the last line of its message: a traceback's
+    exception); None while it deploys or runs. `status`: a `serve.status()` already taken."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    app = (status or serve.status()).applications.get(name)
+    if app is None or app.status != ApplicationStatus.DEPLOY_FAILED:
+        return None
+    lines = [line.strip() for line in app.message.splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"

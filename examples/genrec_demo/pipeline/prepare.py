@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
+from genrec.errors import GenrecError
 from genrec.model.directory import GENREC_SUBDIR
 from genrec_demo.build import build_model
 from genrec_demo.calibrate import choose_ranking, is_current
@@ -86,6 +87,8 @@ def demo_inputs(cfg: DemoConfig) -> tuple[MovieLens, Factors]:
     """MovieLens (its first `cfg.users` users when set) and the SVD factors of its training items."""
     data = load_movielens()
     if cfg.users is not None:
+        if cfg.users > len(data.user_ids):
+            raise GenrecError(f"--users {cfg.users}: MovieLens-100k has {len(data.user_ids)} users")
         data = data.head(cfg.users)
     return data, demo_factors(data, cfg.rank)
 

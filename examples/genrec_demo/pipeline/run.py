@@ -69,10 +69,10 @@ def run_demo(
     ranker_cfg = ranker_cfg or RankerConfig(seed=cfg.seed)
     prepared = prepare_models(model_dir, ranker_dir, cfg, ranker_cfg, retrain, say, progress, beam)
     data = prepared.data
-    if port is None:
-        port = app_config(serve_config)["http_options"].get("port", 8000)
+    chosen = port is not None  # --port: refused if taken; the config's moves to a free one
+    port = port if chosen else app_config(serve_config)["http_options"].get("port", 8000)
     models = Models(model_dir, ranker_dir, ranker_cfg.window)
-    run = run_platform(out, models, prepared, cfg, serve_config, port_or_free(port), beam, say)
+    run = run_platform(out, models, prepared, cfg, serve_config, port_or_free(port, chosen), beam, say)
     evaluation = measure(rankings_from_rows(pq.read_table(run.recommendations), data, beam), data, beam)
     table = evaluation.table(10)
     title = f"MovieLens-100k, {len(data.user_ids)} users, held-out last item, seed {cfg.seed}"

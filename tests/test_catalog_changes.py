@@ -333,8 +333,11 @@ def test_retire_errors_name_the_items(built, tmp_path):
     model, ids, _ = built
     with pytest.raises(GenrecError, match=r"--items: item 'nope' is not in the catalog \(1 of 2\)"):
         retire_items(model, ["x1", "nope"])
-    with pytest.raises(GenrecError, match=r"retiring all 150 items would leave the catalog empty"):
+    with pytest.raises(GenrecError, match=r"^--items: retiring all 150 items would leave the catalog empty"):
         retire_items(model, ids)
+    (tmp_path / "all.txt").write_text("\n".join(ids))
+    result = _run("catalog", "retire", model, "--items-file", tmp_path / "all.txt")
+    assert f"--items-file {tmp_path / 'all.txt'}: retiring all 150 items" in str(result.exception)  # was "--items:"
     assert len(_catalog(model)) == BUILT + ADDED
 
 

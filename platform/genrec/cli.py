@@ -203,7 +203,8 @@ def catalog_retire(
 ):
     from genrec.catalog_tools.changes import read_item_list, retire_items
 
-    retired = retire_items(model_dir, read_item_list(items, items_file), out, catalog, in_place)
+    given = "--items" if items_file is None else f"--items-file {items_file}"
+    retired = retire_items(model_dir, read_item_list(items, items_file), out, catalog, in_place, given)
     typer.echo(json.dumps(retired.as_dict()))
 
 

@@ -70,15 +70,17 @@ def retire_items(
     out: str | Path | None = None,
     base: str | Path | None = None,
     in_place: bool = False,
+    given: str = "--items",
 ) -> CatalogChange:
-    """Remove `item_ids` from the catalog `base` (their codes become free) and write a new version (as add_items)."""
+    """Remove `item_ids` from the catalog `base` (their codes become free) and write a new version (as add_items).
+    `given`: where the IDs came from, as errors name it."""
     with _opened(model_dir, base, out, in_place) as (directory, layout, catalog, base):
         retired = list(dict.fromkeys(item_ids))
         unknown = [item for item in retired if catalog.index_of(item) is None]
         if unknown:
-            raise GenrecError(f"--items: item {unknown[0]!r} is not in the catalog ({len(unknown)} of {len(retired)})")
+            raise GenrecError(f"{given}: item {unknown[0]!r} is not in the catalog ({len(unknown)} of {len(retired)})")
         if len(retired) == len(catalog):
-            raise GenrecError(f"--items: retiring all {len(catalog)} items would leave the catalog empty")
+            raise GenrecError(f"{given}: retiring all {len(catalog)} items would leave the catalog empty")
         keep = np.ones(len(catalog), dtype=bool)
         keep[[catalog.index_of(item) for item in retired]] = False
         table = pq.read_table(base).filter(pa.array(keep))

@@ -166,10 +166,13 @@ def test_the_funnel_flags_make_a_funnel_spec_and_its_ranking_pool(hstu_dir):
 def test_fp8_runs_a_funnels_retriever_and_a_rank_job_refuses_it(tiny_dir, hstu_dir, capsys):
     from genrec.batch.stages import RankRetrieved, Recommend
 
-    funnel = FunnelSpec(model=str(tiny_dir), ranker=str(hstu_dir), users="u", out="o", fp8=True)
-    assert Recommend(funnel).engine_kwargs()["fp8"] is True
-    assert "fp8" not in RankRetrieved(funnel).engine_kwargs()  # the HSTU ranker has no FP8 path
-    with pytest.raises(SystemExit) as exited:
-        run_job(lambda: parse(((RankSpec, Execution),), ["--model", "m", "--users", "u", "--out", "o", "--fp8"]) and 0)
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.count("\n") == 1 and "FP8 runs a Qwen3 decoder's linear layers" in err, err
+    decoder = {"fp8": True, "split_kv": "on", "attention": "flash_attention_2"}
+    funnel = FunnelSpec(model=str(tiny_dir), ranker=str(hstu_dir), users="u", out="o", **decoder)
+    assert {name: Recommend(funnel).engine_kwargs()[name] for name in decoder} == decoder
+    assert not set(decoder) & set(RankRetrieved(funnel).engine_kwargs())  # the HSTU ranker has no such paths
+    for flags in (["--fp8"], ["--split-kv", "on"], ["--attention", "auto"]):  # taken with no effect until refused
+        with pytest.raises(SystemExit) as exited:
+            run_job(lambda f=flags: parse(((RankSpec, Execution),), ["--model", "m", "--users", "u", "--out", "o", *f]))
+        err = capsys.readouterr().err
+        name = flags[0][2:].replace("-", "_")
+        assert exited.value.code == 2 and err.count("\n") == 1 and f"{name} is a Qwen3 decoder's option" in err, err

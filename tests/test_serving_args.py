@@ -73,8 +73,9 @@ def test_a_bad_engine_option_is_refused_by_name(field, value):
 
 def test_fp8_is_a_retrievers_option_and_a_ranker_refuses_it():
     assert AppArgs(retriever={"model_dir": "/m", "fp8": True}).retriever.replica_options().engine_kwargs()["fp8"]
-    with pytest.raises(ValidationError, match=r"ranker\n.*fp8: FP8 runs a Qwen3 decoder's linear layers"):
-        AppArgs(retriever={"model_dir": "/m"}, ranker={"model_dir": "/r", "fp8": True})
+    for name, value in {"fp8": True, "split_kv": "auto", "attention": "cudnn_attention"}.items():
+        with pytest.raises(ValidationError, match=rf"ranker\n.*{name} is a Qwen3 decoder's option, and a ranker is"):
+            AppArgs(retriever={"model_dir": "/m"}, ranker={"model_dir": "/r", name: value})
 
 
 def test_a_cache_without_dim_is_refused():

@@ -12,6 +12,10 @@ REMOVED = {
     "fast_selecting); leave it out",
 }
 
+# A decoder's own options (its FP8 linear layers, decode's split-KV, prefill's attention kernel): HSTU has none.
+DECODER_OPTIONS = ("fp8", "split_kv", "attention")
+ON_HSTU = "is a Qwen3 decoder's option, and {model} is an HSTU model; leave it out"
+
 
 class EngineOptions(BaseModel):
     """`Engine.from_pretrained`'s options. They can change results (numerics, which requests are refused), so
@@ -75,6 +79,11 @@ class EngineOptions(BaseModel):
         "token; torch._scaled_mm): a GPU of compute capability 8.9 or later (H100, H200, L4); opt-in, its speed not "
         "yet measured; the LM head stays in the model's dtype (genrec.model.fp8)",
     )
+
+    def decoder_option_set(self) -> str | None:
+        """The first option set here that only a Qwen3 decoder takes (`DECODER_OPTIONS`), or None. On an HSTU model
+        it would be taken and do nothing: a ranker's sections refuse it."""
+        return next((name for name in DECODER_OPTIONS if getattr(self, name)), None)
 
     def engine_kwargs(self) -> dict:
         """`Engine.from_pretrained`'s kwargs; a derived default is left out, so a batch run's identity stays."""

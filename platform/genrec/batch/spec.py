@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from genrec.api import MAX_BEAM_WIDTH, MAX_SCORE_WEIGHT
 from genrec.cache.config import CacheConfig
 from genrec.catalog.catalog import catalog_version
-from genrec.engine_options import EngineOptions
+from genrec.engine_options import ON_HSTU, EngineOptions
 from genrec.errors import GenrecError, ModelDirectoryError
 from genrec.model.config import HSTU_MODEL_TYPE, HSTUConfig
 from genrec.model.directory import GENREC_SUBDIR, ModelDir
@@ -214,12 +214,12 @@ class RankStage(StageSpec):
         None, min_length=1, description="a task of the model: the order, ties in the candidates' (default: theirs)"
     )
 
-    @field_validator("fp8")
-    @classmethod
-    def _not_in_fp8(cls, fp8: bool) -> bool:
-        if fp8:
-            raise ValueError("FP8 runs a Qwen3 decoder's linear layers, and a ranking model is HSTU; leave it out")
-        return fp8
+    @model_validator(mode="after")
+    def _no_decoder_option(self):
+        name = self.decoder_option_set()
+        if name:
+            raise ValueError(f"{name} {ON_HSTU.format(model='a ranking model')}")
+        return self
 
     def check_models(self) -> None:
         directory = model_dir(self.model, "hstu")

@@ -42,6 +42,7 @@ from genrec.batch.tables import (
     user_spans,
 )
 from genrec.batch.user_embeddings import lookup
+from genrec.engine_options import DECODER_OPTIONS
 from genrec.errors import GenrecError, InvalidRequestError
 from genrec.model.directory import ModelDir
 
@@ -197,8 +198,9 @@ class RankRetrieved(Stage):
         self.spec, self.model, self.tasks = spec, spec.ranker, tuple(ranking_config(spec.ranker).tasks)
 
     def engine_kwargs(self) -> dict:
-        """The spec's, but FP8: the funnel's `fp8` is its retriever's (an HSTU ranker has no FP8 path)."""
-        return {name: value for name, value in self.spec.engine_kwargs().items() if name != "fp8"}
+        """The spec's, less the decoder's own options (`fp8`, `split_kv`, `attention`): the funnel's are its
+        retriever's, and an HSTU ranker has no such paths."""
+        return {name: value for name, value in self.spec.engine_kwargs().items() if name not in DECODER_OPTIONS}
 
     def parse(self, rows: Rows) -> Parsed:
         """A RankRequest per user stage 1 has items for: the user's history and those items."""

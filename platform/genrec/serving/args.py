@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from genrec.cache.config import CacheConfig
-from genrec.engine_options import EngineOptions
+from genrec.engine_options import ON_HSTU, EngineOptions
 from genrec.threads import ThreadSettings
 
 if TYPE_CHECKING:
@@ -359,11 +359,10 @@ class AppArgs(_Args):
 
     @field_validator("ranker")
     @classmethod
-    def _ranker_not_in_fp8(cls, section: EngineSection | None) -> EngineSection | None:
-        if section is not None and section.fp8:
-            raise ValueError(
-                "fp8: FP8 runs a Qwen3 decoder's linear layers, and a ranker is an HSTU model; leave it out"
-            )
+    def _no_decoder_option(cls, section: EngineSection | None) -> EngineSection | None:
+        name = section and section.decoder_option_set()
+        if name:
+            raise ValueError(f"{name} {ON_HSTU.format(model='a ranker')}")
         return section
 
     @model_validator(mode="after")

@@ -317,3 +317,47 @@ def test_the_rayservice_upgrade_strategy_is_one_kuberay_knows():
         assert {"gatewayClassName", "stepSizePercent", "intervalSeconds"} <= set(options)
         assert options["stepSizePercent"] <= options.get("maxSurgePercent", 100)
         assert spec["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+
+
+def test_what_a_careless_operator_wrote_is_refused_by_field_without_a_traceback(tmp_path):
+    """Found by a careless-operator probe of `genrec deploy` (each passed, or raised a traceback, before):"""
+    from genrec.serving.check import dashboard_silence, file_problems
+
+    def local(edit) -> list[str]:
+        config = yaml.safe_load((DEPLOYMENTS / "local.yaml").read_text())
+        edit(config["applications"][0])
+        return problems(config)
+
+    def dotted(app):  # Serve imports `module.attr` as `module:attr`: genrec's checks were all skipped
+        app["import_path"] = "genrec.serving.app.build_app"
+        app["args"]["bogus"] = 1
+
+    assert any(p.startswith("applications[0].args.bogus:") for p in local(dotted))
+    typo = local(lambda app: app.update(import_path="genrec.serving.app:build_ap"))
+    assert typo == ["applications[0].import_path: 'genrec.serving.app:build_ap' is not genrec's app builder "
+                    "(genrec.serving.app:build_app)"]  # fmt: skip
+    assert problems({"applications": []}) == [
+        "applications: empty: serve deploy would delete every app running on the cluster"
+    ]
+    # A live deadline past the ingress's drain: every replica refused it and kept its own.
+    late = local(lambda app: app["deployments"].append({"name": "Ingress", "user_config": {"request_timeout_s": 1000}}))
+    assert any(p.startswith("applications[0].deployments[1].user_config.request_timeout_s: request_timeout_s 1000 "
+                            "needs the ingress's graceful_shutdown_timeout_s") for p in late), late  # fmt: skip
+    for field in ("request_timeout_s", "body_timeout_s", "funnel_reserve_s"):  # NaN was refused, infinity not
+        section = "limits" if field == "request_timeout_s" else None
+        edit = {field: float("inf")} if section is None else {section: {field: float("inf")}}
+        found = local(lambda app, e=edit: app["args"].setdefault("ingress", {}).update(e))
+        assert any(f"ingress.{section + '.' if section else ''}{field}:" in p for p in found), found
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    found = local(lambda app: app["args"]["retriever"].update(model_dir=str(loop)))
+    assert any(p.startswith("applications[0].args.retriever.model_dir:") and "cannot be resolved" in p for p in found)
+    router = {"name": "EngineServer", "request_router_config": {"request_router_class": "nope:Nope"}}
+    found = local(lambda app: app["deployments"].append(router))
+    assert any("cannot be imported here (ModuleNotFoundError" in p for p in found), found
+    service = tmp_path / "service.yaml"
+    service.write_text(yaml.safe_dump({"kind": "RayService", "spec": {"serveConfigV2": {"applications": []}}}))
+    assert any("spec.serveConfigV2: a RayService carries its Serve config as a YAML string" in p
+               for p in file_problems(service))  # fmt: skip
+    assert "serve deploy sends the config to the Ray dashboard" in dashboard_silence("ray://127.0.0.1:10001")
+    assert "does not answer" in dashboard_silence("http://127.0.0.1:1 x", timeout_s=1)

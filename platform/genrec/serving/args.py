@@ -223,7 +223,10 @@ class EngineSection(ReplicaOptions, _Deployed):
     @classmethod
     def _absolute(cls, value: str) -> str:
         """Relative to where the app is built (`serve run`'s directory), so every replica finds it."""
-        return str(Path(value).expanduser().resolve())
+        try:
+            return str(Path(value).expanduser().resolve())
+        except RuntimeError as err:  # a symlink loop; `~user` of no such user
+            raise ValueError(f"{value!r} cannot be resolved here ({err})") from None
 
     def replica_options(self) -> ReplicaOptions:
         return ReplicaOptions.model_validate(self.model_dump(include=set(ReplicaOptions.model_fields)))
@@ -264,7 +267,7 @@ DRAIN_MARGIN_S = 5.0
 class IngressLimits(_Args):
     """What may change live in the ingress (`user_config` -> `reconfigure`)."""
 
-    request_timeout_s: float = Field(30.0, gt=0, description="deadline of a request (504 past it)")
+    request_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False, description="deadline of a request (504 past it)")
 
 
 class IngressSection(_Deployed):
@@ -276,7 +279,10 @@ class IngressSection(_Deployed):
     cache: CacheConfig | None = Field(None, description="resolve user_id -> user_embedding through this cache")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of every 503 when the app is overloaded")
     body_timeout_s: float = Field(
-        10.0, gt=0, description="a request's whole body must arrive within this; 408 past it (frees the slot)"
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a request's whole body must arrive within this; 408 past it (frees the slot)",
     )
     routing_prefix_blocks: int = Field(
         1,
@@ -288,6 +294,7 @@ class IngressSection(_Deployed):
     funnel_reserve_s: float = Field(
         1.0,
         ge=0,
+        allow_inf_nan=False,
         description="a two-stage recommend: the part of the deadline the retrieval leaves to the ranking (at most "
         "half the deadline)",
     )

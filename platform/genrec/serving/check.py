@@ -7,6 +7,7 @@ validate; a catalog file a replica cannot load leaves every replica that starts 
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
@@ -34,6 +35,11 @@ class Findings:
 
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+
+
+def is_builder(import_path) -> bool:
+    """genrec's app builder, in either of the spellings Serve imports (`module:attr` or `module.attr`)."""
+    return isinstance(import_path, str) and import_path.replace(":", ".") == BUILDER.replace(":", ".")
 
 
 def problems(config: dict, check_model: bool = False, catalog_arrives: bool = False) -> list[str]:
@@ -69,9 +75,24 @@ def _config_problems(config: dict, check_model: bool) -> list[str]:
         ServeDeploySchema.model_validate(config)
     except ValidationError as err:
         found += [f"{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
+    except (ImportError, AttributeError) as err:  # a class it names (a request router, say) that does not import
+        found.append(f"applications: names a class that cannot be imported here ({type(err).__name__}: {err})")
+    if config.get("applications") == []:
+        found.append("applications: empty: serve deploy would delete every app running on the cluster")
+    found += _not_builder_problems(config)
     for where, app in _builder_apps(config):
         found += _app_problems(app, where, check_model)
     return found
+
+
+def _not_builder_problems(config: dict) -> list[str]:
+    """An import path into genrec that is not its builder (a typo: every replica would fail to import it)."""
+    return [
+        f"applications[{i}].import_path: {app['import_path']!r} is not genrec's app builder ({BUILDER})"
+        for i, app in enumerate(_list(config.get("applications")))
+        if isinstance(app, dict) and isinstance(app.get("import_path"), str)
+        and app["import_path"].startswith("genrec.") and not is_builder(app["import_path"])
+    ]  # fmt: skip
 
 
 def _builder_apps(config: dict) -> list[tuple[str, dict]]:
@@ -80,7 +101,7 @@ def _builder_apps(config: dict) -> list[tuple[str, dict]]:
     return [
         (f"applications[{i}]", app)
         for i, app in enumerate(apps)
-        if isinstance(app, dict) and app.get("import_path") == BUILDER
+        if isinstance(app, dict) and is_builder(app.get("import_path"))
     ]
 
 
@@ -99,13 +120,21 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
         if name not in live:
             found.append(f"{at}.name: no deployment {name!r} in the app (it has {', '.join(live)})")
         elif "user_config" in deployment:
-            try:
-                live[name].model_validate(deployment["user_config"])
-            except ValidationError as err:
-                found += [f"{at}.user_config.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
+            found += _user_config_problems(live[name], deployment["user_config"], at, args)
     if check_model and args is not None:
         found += _model_problems(args, where)
     return found
+
+
+def _user_config_problems(model: type[BaseModel], user_config, at: str, args: AppArgs | None) -> list[str]:
+    """What a deployment's replicas would refuse of its `user_config`: the Ingress's also a deadline longer than its
+    drain (`IngressSection.drain_problem`)."""
+    try:
+        limits = model.model_validate(user_config)
+    except ValidationError as err:
+        return [f"{at}.user_config.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
+    drained = args is not None and isinstance(limits, IngressLimits) and args.ingress.drain_problem(limits)
+    return [f"{at}.user_config.request_timeout_s: {drained}"] if drained else []
 
 
 # -- the catalogs a retriever's replicas load ---------------------------------------------------------------------
@@ -250,7 +279,10 @@ def load(path: Path) -> dict:
     """A Serve config file; a KubeRay RayService file yields the Serve config it carries."""
     document = yaml.safe_load(path.read_text())
     if is_rayservice(document):
-        return yaml.safe_load(document["spec"]["serveConfigV2"])
+        inner = (document.get("spec") or {}).get("serveConfigV2")
+        if not isinstance(inner, str):
+            raise ValueError("spec.serveConfigV2: a RayService carries its Serve config as a YAML string (`|`)")
+        return yaml.safe_load(inner)
     return document
 
 
@@ -302,7 +334,7 @@ def deploy(
     sent = subprocess.run(command + (["--address", address] if address else [])).returncode
     if sent != 0:
         return sent
-    return wait_and_report(load(path), dashboard_url(address), BUILDER, str(path))
+    return wait_and_report(load(path), dashboard_url(address), is_builder, str(path))
 
 
 def dashboard_url(address: str | None) -> str:
@@ -313,16 +345,16 @@ def dashboard_url(address: str | None) -> str:
 
 def dashboard_silence(address: str | None, timeout_s: float = DASHBOARD_TIMEOUT_S) -> str | None:
     """Why the dashboard (`dashboard_url`) does not answer; None when it answers (any HTTP status: that is `serve
-    deploy`'s to report) or the address is not an HTTP one."""
+    deploy`'s to report)."""
     address = address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD
     url = dashboard_url(address)
     if not url.startswith(("http://", "https://")):
-        return None
+        return f"--address {address}: serve deploy sends the config to the Ray dashboard, http://<head>:8265"
     try:
         urllib.request.urlopen(f"{url.rstrip('/')}/api/version", timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return None
-    except (OSError, ValueError) as err:  # URLError, a timeout, a malformed address
+    except (OSError, ValueError, http.client.HTTPException) as err:  # URLError, a timeout, a malformed address
         reason = getattr(err, "reason", None) or err
         return (
             f"the Ray dashboard at {address} does not answer ({reason}; waited up to {timeout_s:g} s): start the "

@@ -26,15 +26,16 @@ CONVERGED_WITHIN_S = 30.0  # a replica's check period, its load of the catalog a
 HTTP_TIMEOUT_S = 10.0
 
 
-def wait_and_report(config: dict, dashboard: str, builder: str, where: str) -> int:
-    """0: every app runs and every retriever replica serves its declared catalog; else 1, a stderr line each."""
+def wait_and_report(config: dict, dashboard: str, is_builder, where: str) -> int:
+    """0: every app runs and every retriever replica serves its declared catalog; else 1, a stderr line each.
+    `is_builder`: whether an import path is genrec's app builder."""
     apps = [a for a in config.get("applications", []) if isinstance(a, dict)]
     try:
         details, problems = _running(dashboard, [a["name"] for a in apps])
     except (OSError, ValueError) as err:  # the dashboard stopped answering
         details, problems = {}, [("error", f"deployed, but the dashboard at {dashboard} did not say how ({err})")]
     for app in apps if not problems else []:
-        if app.get("import_path") == builder:
+        if is_builder(app.get("import_path")):
             problems += _catalog_problems(app, details, dashboard)
     for problem in problems:
         print(f"{problem[0]}: {where}: {problem[1]}", file=sys.stderr)

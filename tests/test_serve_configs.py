@@ -355,6 +355,12 @@ def test_what_a_careless_operator_wrote_is_refused_by_field_without_a_traceback(
     router = {"name": "EngineServer", "request_router_config": {"request_router_class": "nope:Nope"}}
     found = local(lambda app: app["deployments"].append(router))
     assert any("cannot be imported here (ModuleNotFoundError" in p for p in found), found
+    gpu = local(lambda app: app["args"]["retriever"].update(device="cuda", deployment={"ray_actor_options": {
+        "num_gpus": 0}}))  # fmt: skip
+    assert any(p.startswith("applications[0].args.retriever:") and "num_gpus > 0" in p for p in gpu), gpu
+    for name in ("", "A=B"):  # no variable can have such a name: every ingress replica failed to start
+        found = local(lambda app, n=name: app["args"].setdefault("ingress", {}).update(auth_token_env=n))
+        assert any(p.startswith("applications[0].args.ingress.auth_token_env:") for p in found), found
     service = tmp_path / "service.yaml"
     service.write_text(yaml.safe_dump({"kind": "RayService", "spec": {"serveConfigV2": {"applications": []}}}))
     assert any("spec.serveConfigV2: a RayService carries its Serve config as a YAML string" in p

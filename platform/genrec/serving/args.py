@@ -228,6 +228,12 @@ class EngineSection(ReplicaOptions, _Deployed):
         except RuntimeError as err:  # a symlink loop; `~user` of no such user
             raise ValueError(f"{value!r} cannot be resolved here ({err})") from None
 
+    @model_validator(mode="after")
+    def _a_gpu_for_cuda(self):
+        if self.device == "cuda" and not self.resources()[1] > 0:
+            raise ValueError("device cuda needs a GPU in each replica: deployment.ray_actor_options.num_gpus > 0")
+        return self
+
     def replica_options(self) -> ReplicaOptions:
         return ReplicaOptions.model_validate(self.model_dump(include=set(ReplicaOptions.model_fields)))
 
@@ -274,7 +280,9 @@ class IngressSection(_Deployed):
     """The HTTP front (Ingress); a change replaces its replicas, but for its live `limits`."""
 
     auth_token_env: str | None = Field(
-        None, description="name of the environment variable holding the bearer token; unset: no auth"
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",  # a name no variable can have: every replica would fail to start
+        description="name of the environment variable holding the bearer token; unset: no auth",
     )
     cache: CacheConfig | None = Field(None, description="resolve user_id -> user_embedding through this cache")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of every 503 when the app is overloaded")

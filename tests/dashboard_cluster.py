@@ -36,7 +36,7 @@ def dashboard_cluster(num_cpus: int = 2):
     )
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180  # a readiness bound: a loaded 2-core machine once took over 90 s
         while True:
             assert head.poll() is None, "ray start --head exited"
             try:

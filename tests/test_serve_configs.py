@@ -11,6 +11,7 @@ from genrec.serving.app import application
 from genrec.serving.args import DEPLOYMENTS as ENGINE_DEPLOYMENTS
 from genrec.serving.args import AppArgs, EngineLimits, IngressLimits, unknown_keys
 from genrec.serving.check import deployments_of, main, problems
+from genrec.serving.config_yaml import read_yaml
 
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
 FUNNELS = [DEPLOYMENTS / "funnel-local.yaml", DEPLOYMENTS / "funnel-gpu.yaml"]
@@ -367,3 +368,23 @@ def test_what_a_careless_operator_wrote_is_refused_by_field_without_a_traceback(
                for p in file_problems(service))  # fmt: skip
     assert "serve deploy sends the config to the Ray dashboard" in dashboard_silence("ray://127.0.0.1:10001")
     assert "does not answer" in dashboard_silence("http://127.0.0.1:1 x", timeout_s=1)
+
+
+def test_a_key_or_a_deployment_given_twice_is_refused_with_where(tmp_path):
+    """YAML keeps a repeated key's last value, and Serve applies a deployment listed twice field over field, both
+    without a word: an operator's second `num_replicas` replaced the first. Each is refused, naming where."""
+    from genrec.serving.check import file_problems
+
+    text = (DEPLOYMENTS / "local.yaml").read_text()
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(text + "\nproxy_location: Disabled\n")  # local.yaml sets it at its top
+    (refusal,) = file_problems(twice)
+    assert "key 'proxy_location' given twice, on lines 3 and " in refusal and "\n" not in refusal, refusal
+    anchors = tmp_path / "anchors.yaml"  # merge keys repeat by design: not a duplicate
+    anchors.write_text("base: &b {x: 1}\nother: &o {y: 2}\nmerged:\n  <<: *b\n  <<: *o\n")
+    assert read_yaml(anchors.read_text())["merged"] == {"x": 1, "y": 2}
+    config = yaml.safe_load(text)
+    app = config["applications"][0]
+    app["deployments"] = [{"name": "Ingress", "num_replicas": 2}, {"name": "Ingress", "num_replicas": 1}]
+    assert problems(config) == ["applications[0].deployments[1].name: 'Ingress' is listed twice (also "
+                                "applications[0].deployments[0]): merge them"]  # fmt: skip

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from genrec.errors import GenrecError
 from genrec.serving.args import DEPLOYMENTS, LIVE, AppArgs, IngressLimits, catalog_file, unknown_keys
+from genrec.serving.config_yaml import read_yaml
 from genrec.serving.rollout import wait_and_report
 
 BUILDER = "genrec.serving.app:build_app"
@@ -112,15 +113,19 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
     except ValidationError as err:
         args = None
         found += [f"{where}.args.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
-    live = deployments_of(app.get("args") or {})
+    live, listed = deployments_of(app.get("args") or {}), {}
     for j, deployment in enumerate(_list(app.get("deployments"))):
         if not isinstance(deployment, dict):
             continue  # Serve's schema has said what it is instead
         name, at = deployment.get("name"), f"{where}.deployments[{j}]"
         if name not in live:
             found.append(f"{at}.name: no deployment {name!r} in the app (it has {', '.join(live)})")
-        elif "user_config" in deployment:
+            continue
+        if name in listed:  # Serve applies both, the later's fields over the earlier's, without a word
+            found.append(f"{at}.name: {name!r} is listed twice (also {where}.deployments[{listed[name]}]): merge them")
+        if "user_config" in deployment:
             found += _user_config_problems(live[name], deployment["user_config"], at, args)
+        listed.setdefault(name, j)
     if check_model and args is not None:
         found += _model_problems(args, where)
     return found
@@ -277,12 +282,12 @@ def _where(loc) -> str:
 
 def load(path: Path) -> dict:
     """A Serve config file; a KubeRay RayService file yields the Serve config it carries."""
-    document = yaml.safe_load(path.read_text())
+    document = read_yaml(path.read_text())
     if is_rayservice(document):
         inner = (document.get("spec") or {}).get("serveConfigV2")
         if not isinstance(inner, str):
             raise ValueError("spec.serveConfigV2: a RayService carries its Serve config as a YAML string (`|`)")
-        return yaml.safe_load(inner)
+        return read_yaml(inner)
     return document
 
 
@@ -320,7 +325,7 @@ def deploy(
 ) -> int:
     """The exit status: 2 when the config was refused here (nothing sent), else `serve deploy`'s."""
     found = file_findings(path, check_model, catalog_arrives)
-    if not found.problems and is_rayservice(yaml.safe_load(path.read_text())):
+    if not found.problems and is_rayservice(read_yaml(path.read_text())):
         found.problems = ["a KubeRay RayService: apply it with kubectl (it is checked, not deployed, here)"]
     report(path, found)
     if found.problems:

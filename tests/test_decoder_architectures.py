@@ -16,8 +16,9 @@ from genrec.api import RetrieveRequest
 from genrec.cli import app
 from genrec.engine import Engine
 from genrec.errors import ModelDirectoryError
-from genrec.model import ContextKV, ModelDir, Qwen3Config
-from genrec.model.qwen3 import checkpoint_layout, meta_qwen3
+from genrec.model.config import Qwen3Config
+from genrec.model.directory import ModelDir
+from genrec.model.qwen3 import ContextKV, checkpoint_layout, meta_qwen3
 from genrec.testing.tiny import ModelSpec, write_model_dir
 
 # The keys a Qwen2.5-0.5B config.json carries, with its shapes (head_dim left out: hidden / heads).

@@ -6,9 +6,11 @@ import torch
 
 from genrec.api import RetrieveRequest
 from genrec.engine import Engine, SchedulerConfig
-from genrec.model import ContextKV, ModelDir, fused
+from genrec.model import fused
+from genrec.model.directory import ModelDir
 from genrec.model.kv_pool import KVPool
 from genrec.model.ops import PLAIN_OPS
+from genrec.model.qwen3 import ContextKV
 from genrec_bench import kernels
 from tests.conftest import random_prompt
 

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genrec.attention import ContextGroup, ContextRows
-from genrec.model import ContextKV, ModelDir
+from genrec.model.directory import ModelDir
+from genrec.model.qwen3 import ContextKV
 from genrec.testing.tiny import ModelSpec, write_model_dir
 
 TOL = 1e-4

@@ -388,3 +388,31 @@ def test_a_key_or_a_deployment_given_twice_is_refused_with_where(tmp_path):
     app["deployments"] = [{"name": "Ingress", "num_replicas": 2}, {"name": "Ingress", "num_replicas": 1}]
     assert problems(config) == ["applications[0].deployments[1].name: 'Ingress' is listed twice (also "
                                 "applications[0].deployments[0]): merge them"]  # fmt: skip
+
+
+def test_without_the_model_a_directory_of_the_other_family_or_a_bad_config_json_is_refused(
+    tiny_dir, hstu_dir, tmp_path
+):
+    """Without `--model` (no torch on the deploying machine), each engine section's config.json is still read where
+    its directory is readable here: a ranker's directory under `retriever` was sent, and every replica failed."""
+    config = yaml.safe_load((DEPLOYMENTS / "local.yaml").read_text())
+    retriever = config["applications"][0]["args"]["retriever"]
+
+    def found(model_dir) -> list[str]:
+        retriever["model_dir"] = str(model_dir)
+        return [p for p in problems(config) if ".model_dir:" in p]
+
+    assert found(tiny_dir) == [] and found(tmp_path / "not-here") == []  # absent here: left to the builder
+    assert found(hstu_dir) == [f"applications[0].args.retriever.model_dir: {hstu_dir} is an HSTU ranking model, not a "
+                               "Qwen3 semantic-ID model: put it under `ranker`"]  # fmt: skip
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    assert found(broken) == [f"applications[0].args.retriever.model_dir: {broken}: config.json is missing"]
+    (broken / "config.json").write_text("{")
+    (problem,) = found(broken)
+    assert (
+        problem.startswith("applications[0].args.retriever.model_dir:") and "config.json is not valid JSON" in problem
+    )
+    (broken / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 64}')  # validated as its family's
+    (problem,) = found(broken)
+    assert problem.startswith("applications[0].args.retriever.model_dir:") and "lacks vocab_size" in problem, problem

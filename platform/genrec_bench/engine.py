@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from genrec.api import Candidate, Event, RankRequest, RetrieveRequest, ScoreRequest
 from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.scheduler import Scheduler
-from genrec.model import ContextKV
+from genrec.model.qwen3 import ContextKV
 from genrec_bench import peer_vllm
 from genrec_bench.cli import RankOptions, RetrieveOptions, ScoreOptions
 from genrec_bench.common import (

@@ -34,7 +34,7 @@ from genrec.engine import Engine, SchedulerConfig
 from genrec.engine.decode_batch import DecodeBatch
 from genrec.engine.plan import ExecutionPlan
 from genrec.engine.selection import choices
-from genrec.model import ModelDir
+from genrec.model.directory import ModelDir
 from genrec.model.fused import Pieces
 from genrec.model.hstu import HistoryRows, HistorySegment
 from genrec.model.ops import ModelOps

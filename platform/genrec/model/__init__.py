@@ -1,5 +1,2 @@
-from genrec.model.config import Qwen3Config
-from genrec.model.directory import HSTUDir, ModelDir, Qwen3Dir
-from genrec.model.qwen3 import ContextKV, Qwen3
-
-__all__ = ["ContextKV", "HSTUDir", "ModelDir", "Qwen3", "Qwen3Config", "Qwen3Dir"]
+"""The model families (qwen3.py, hstu.py), their directories (directory.py) and configs (config.py). Nothing is
+re-exported here: importing config.py must not import torch (`genrec deploy` checks a config.json without it)."""

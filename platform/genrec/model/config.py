@@ -10,6 +10,7 @@ History event j (0-based over the whole history) is position j; every candidate 
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Sequence
@@ -311,3 +312,33 @@ def _problems(c: HSTUConfig):
         yield f"tasks must be one or more non-empty names, not {list(c.tasks)!r}"
     elif len(set(c.tasks)) != len(c.tasks):
         yield f"tasks must be distinct, not {list(c.tasks)!r}"
+
+
+CONFIG_FILE = "config.json"
+FAMILY_NAMES = {"qwen3": "a Qwen3 semantic-ID model", "hstu": "an HSTU ranking model"}
+
+
+def read_config(path: Path):
+    """config.json's JSON; ModelDirectoryError names the file when it is missing, unreadable or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelDirectoryError(path.parent, "config.json is missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelDirectoryError(path, f"config.json cannot be read ({err})") from None
+    except json.JSONDecodeError as err:
+        raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
+
+
+def family_of(raw) -> str:
+    """The family a config.json names: an HSTU ranker by its model_type, else a Qwen3 decoder."""
+    return "hstu" if isinstance(raw, dict) and raw.get("model_type") == HSTU_MODEL_TYPE else "qwen3"
+
+
+def checked_family(directory: Path) -> str:
+    """The family of the model in `directory`, its config.json validated as that family's (ModelDirectoryError names
+    the file). Without torch: `genrec deploy` checks a directory on a machine that may not have it."""
+    raw = read_config(directory / CONFIG_FILE)
+    family = family_of(raw)
+    (HSTUConfig if family == "hstu" else Qwen3Config).from_dict(raw, directory / CONFIG_FILE)
+    return family

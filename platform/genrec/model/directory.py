@@ -25,14 +25,12 @@ import torch
 from genrec.catalog.catalog import Catalog, ItemIndex
 from genrec.errors import ModelDirectoryError
 from genrec.files import write_atomically
-from genrec.model.config import HSTU_MODEL_TYPE, HSTUConfig, Qwen3Config
+from genrec.model.config import CONFIG_FILE, FAMILY_NAMES, HSTUConfig, Qwen3Config, family_of, read_config
 from genrec.model.sid_layout import LAYOUT_FILE, SidLayout
 from genrec.model.tokenizer import PROMPT_FILE, ChatOptions, ChatTemplate, check_token_ids, load_tokenizer
 from genrec.model.weights import Layout, load_state_dict, read_headers, weight_files
 
 GENREC_SUBDIR = "genrec"
-FAMILY_NAMES = {"qwen3": "a Qwen3 semantic-ID model", "hstu": "an HSTU ranking model"}
-CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's: it names the shards
 # What transformers' AutoTokenizer may read of a directory (transformers.tokenization_utils_base): the files every
@@ -59,8 +57,8 @@ class ModelDir:
         path = Path(path)
         if not path.is_dir():
             raise ModelDirectoryError(path, "model directory does not exist")
-        raw = _read_config(path / CONFIG_FILE)
-        kind = HSTUDir if isinstance(raw, dict) and raw.get("model_type") == HSTU_MODEL_TYPE else Qwen3Dir
+        raw = read_config(path / CONFIG_FILE)
+        kind = HSTUDir if family_of(raw) == "hstu" else Qwen3Dir
         if family is not None and kind.family != family:
             raise ModelDirectoryError(path, f"{FAMILY_NAMES[kind.family]}, not {FAMILY_NAMES[family]}")
         return kind(path, raw)
@@ -259,17 +257,6 @@ class HSTUDir(ModelDir):
 
         self.check_weights()  # a mismatch names its file, as the preflight does
         return load_hstu(self.config, self.load_weights(), self.path, device, dtype)
-
-
-def _read_config(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelDirectoryError(path.parent, "config.json is missing") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ModelDirectoryError(path, f"config.json cannot be read ({err})") from None
-    except json.JSONDecodeError as err:
-        raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
 
 
 def model_version(path: str | Path) -> str:

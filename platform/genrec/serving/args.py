@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from genrec.cache.config import CacheConfig
 from genrec.engine_options import ON_HSTU, EngineOptions
+from genrec.model.config import FAMILY_NAMES
 from genrec.threads import ThreadSettings
 
 if TYPE_CHECKING:
@@ -25,6 +26,20 @@ log = logging.getLogger(__name__)
 # The model family each engine section holds, and its deployment's name (what a config's `deployments` overrides).
 FAMILY = {"retriever": "qwen3", "ranker": "hstu"}
 DEPLOYMENTS = {"retriever": "EngineServer", "ranker": "RankerServer"}
+
+
+def family_problem(section: str, model_dir, family: str) -> str | None:
+    """Why `section` cannot hold the model in `model_dir`, of `family`: a retriever holds a Qwen3 model, a ranker an
+    HSTU one. None when it can."""
+    if family == FAMILY[section]:
+        return None
+    other = next(name for name, f in FAMILY.items() if f == family)
+    return (
+        f"{section}.model_dir: {model_dir} is {FAMILY_NAMES[family]}, not {FAMILY_NAMES[FAMILY[section]]}: put it "
+        f"under `{other}`"
+    )
+
+
 # Keys of a section's `deployment` that genrec sets from the section itself.
 OWNED = {
     "name": "the deployment's name is genrec's (Ingress, EngineServer, RankerServer)",

@@ -20,7 +20,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from genrec.errors import GenrecError
-from genrec.serving.args import DEPLOYMENTS, LIVE, AppArgs, IngressLimits, catalog_file, unknown_keys
+from genrec.model.config import checked_family
+from genrec.serving.args import DEPLOYMENTS, LIVE, AppArgs, IngressLimits, catalog_file, family_problem, unknown_keys
 from genrec.serving.config_yaml import read_yaml
 from genrec.serving.rollout import wait_and_report
 
@@ -128,6 +129,22 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
         listed.setdefault(name, j)
     if check_model and args is not None:
         found += _model_problems(args, where)
+    elif args is not None:
+        found += _family_problems(args, where)
+    return found
+
+
+def _family_problems(args: AppArgs, where: str) -> list[str]:
+    """Without `--model`: each engine section's config.json read here (no torch, no weights), its family against the
+    section's. A directory not readable here is left to the builder's preflight (it may exist only on the nodes)."""
+    found = []
+    for name, section in args.engines().items():
+        if _readable_dir(section.model_dir):
+            try:
+                problem = family_problem(name, section.model_dir, checked_family(Path(section.model_dir)))
+            except GenrecError as err:
+                problem = f"{name}.model_dir: {err}"
+            found += [f"{where}.args.{problem}"] if problem else []
     return found
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from ray.serve.exceptions import RayServeException
 
 from genrec.errors import GenrecError
-from genrec.model.directory import FAMILY_NAMES, GENREC_SUBDIR, ModelDir
-from genrec.serving.args import FAMILY, AppArgs, EngineSection
+from genrec.model.directory import GENREC_SUBDIR, ModelDir
+from genrec.serving.args import AppArgs, EngineSection, family_problem
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,9 @@ def check_cache(cache, retriever: ModelDir | None) -> None:
 
 def check_family(section: str, directory: ModelDir) -> None:
     """A retriever holds a Qwen3 model, a ranker an HSTU one."""
-    family = FAMILY[section]
-    other = next(name for name, f in FAMILY.items() if f == directory.family)
-    if directory.family != family:
-        raise DeployRefused(
-            f"{section}.model_dir: {directory.path} is {FAMILY_NAMES[directory.family]}, not "
-            f"{FAMILY_NAMES[family]}: put it under `{other}`"
-        )
+    problem = family_problem(section, directory.path, directory.family)
+    if problem:
+        raise DeployRefused(problem)
 
 
 def preflight(args: AppArgs) -> dict[str, ModelDir]:

@@ -1,6 +1,9 @@
 """The Serve config files: every key is one Serve's schema defines (Serve drops unknown keys silently, so a
 typo would deploy and do nothing), `args` validate into AppArgs, and every named deployment exists."""
 
+import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -383,6 +386,12 @@ def test_a_key_or_a_deployment_given_twice_is_refused_with_where(tmp_path):
     anchors = tmp_path / "anchors.yaml"  # merge keys repeat by design: not a duplicate
     anchors.write_text("base: &b {x: 1}\nother: &o {y: 2}\nmerged:\n  <<: *b\n  <<: *o\n")
     assert read_yaml(anchors.read_text())["merged"] == {"x": 1, "y": 2}
+    # A mapping that overrides a key it merged, reached again through an alias (merging rewrote it in place).
+    assert read_yaml("a: &a {x: 1}\nc: {<<: &b {<<: *a, x: 2}}\nd: *b\n")["d"] == {"x": 2}
+    service = tmp_path / "service.yaml"  # the inner config's lines count from its string: say where they are
+    service.write_text(yaml.safe_dump({"kind": "RayService", "spec": {"serveConfigV2": "a: 1\na: 2\n"}}))
+    (refusal,) = file_problems(service)
+    assert "spec.serveConfigV2: key 'a' given twice, on lines 1 and 2" in refusal, refusal
     config = yaml.safe_load(text)
     app = config["applications"][0]
     app["deployments"] = [{"name": "Ingress", "num_replicas": 2}, {"name": "Ingress", "num_replicas": 1}]
@@ -416,3 +425,21 @@ def test_without_the_model_a_directory_of_the_other_family_or_a_bad_config_json_
     (broken / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 64}')  # validated as its family's
     (problem,) = found(broken)
     assert problem.startswith("applications[0].args.retriever.model_dir:") and "lacks vocab_size" in problem, problem
+    (broken / "config.json").write_text("[" * 100_000)  # nested past Python's recursion limit
+    assert "config.json is not valid JSON (RecursionError" in found(broken)[0]
+    (broken / "config.json").unlink()
+    os.mkfifo(broken / "config.json")  # read, it would hang the check
+    assert found(broken) == [f"applications[0].args.retriever.model_dir: {broken}: config.json is not a file"]
+    assert found(broken / "config.json") == [f"applications[0].args.retriever.model_dir: {broken / 'config.json'} is "
+                                             "not a directory"]  # fmt: skip
+    funnel = yaml.safe_load((DEPLOYMENTS / "funnel-local.yaml").read_text())
+    funnel["applications"][0]["args"]["retriever"]["model_dir"] = str(tiny_dir)
+    hstu = json.loads((hstu_dir / "config.json").read_text()) | {"model_type": "GENREC_HSTU"}
+    near = tmp_path / "near"
+    shutil.copytree(hstu_dir, near)
+    (near / "config.json").write_text(json.dumps(hstu))
+    funnel["applications"][0]["args"]["ranker"]["model_dir"] = str(near)
+    assert [p for p in problems(funnel) if ".model_dir:" in p] == [
+        f"applications[0].args.ranker.model_dir: {near} is a Qwen3 semantic-ID model, not an HSTU ranking model: put "
+        "it under `retriever` (its config.json's model_type is 'GENREC_HSTU'; an HSTU ranker's is 'genrec_hstu')"
+    ]

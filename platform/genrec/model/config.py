@@ -315,19 +315,23 @@ def _problems(c: HSTUConfig):
 
 
 CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 16 << 20  # a Hugging Face config.json is a few KB
 FAMILY_NAMES = {"qwen3": "a Qwen3 semantic-ID model", "hstu": "an HSTU ranking model"}
 
 
 def read_config(path: Path):
-    """config.json's JSON; ModelDirectoryError names the file when it is missing, unreadable or not JSON."""
+    """config.json's JSON; ModelDirectoryError names the file when it is missing, not a regular file (a FIFO would
+    hang the reader), over MAX_CONFIG_BYTES, unreadable or not JSON."""
     try:
+        if not path.is_file():
+            raise ModelDirectoryError(path.parent, f"config.json is {'not a file' if path.exists() else 'missing'}")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ModelDirectoryError(path, f"config.json is over {MAX_CONFIG_BYTES >> 20} MiB: not a model's config")
         return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelDirectoryError(path.parent, "config.json is missing") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ModelDirectoryError(path, f"config.json cannot be read ({err})") from None
-    except json.JSONDecodeError as err:
-        raise ModelDirectoryError(path, f"config.json is not valid JSON ({err})") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, an integer too long, nesting too deep
+        raise ModelDirectoryError(path, f"config.json is not valid JSON ({type(err).__name__}: {err})") from None
 
 
 def family_of(raw) -> str:
@@ -335,10 +339,7 @@ def family_of(raw) -> str:
     return "hstu" if isinstance(raw, dict) and raw.get("model_type") == HSTU_MODEL_TYPE else "qwen3"
 
 
-def checked_family(directory: Path) -> str:
-    """The family of the model in `directory`, its config.json validated as that family's (ModelDirectoryError names
-    the file). Without torch: `genrec deploy` checks a directory on a machine that may not have it."""
-    raw = read_config(directory / CONFIG_FILE)
-    family = family_of(raw)
-    (HSTUConfig if family == "hstu" else Qwen3Config).from_dict(raw, directory / CONFIG_FILE)
-    return family
+def validated_config(raw, family: str, path: Path) -> Qwen3Config | HSTUConfig:
+    """`raw` validated as `family`'s config (ModelDirectoryError names `path`). Without torch: `genrec deploy` checks a
+    directory on a machine that may not have it."""
+    return (HSTUConfig if family == "hstu" else Qwen3Config).from_dict(raw, path)

@@ -20,8 +20,17 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from genrec.errors import GenrecError
-from genrec.model.config import checked_family
-from genrec.serving.args import DEPLOYMENTS, LIVE, AppArgs, IngressLimits, catalog_file, family_problem, unknown_keys
+from genrec.model.config import CONFIG_FILE, HSTU_MODEL_TYPE, family_of, read_config, validated_config
+from genrec.serving.args import (
+    DEPLOYMENTS,
+    FAMILY,
+    LIVE,
+    AppArgs,
+    IngressLimits,
+    catalog_file,
+    family_problem,
+    unknown_keys,
+)
 from genrec.serving.config_yaml import read_yaml
 from genrec.serving.rollout import wait_and_report
 
@@ -135,17 +144,34 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
 
 
 def _family_problems(args: AppArgs, where: str) -> list[str]:
-    """Without `--model`: each engine section's config.json read here (no torch, no weights), its family against the
-    section's. A directory not readable here is left to the builder's preflight (it may exist only on the nodes)."""
+    """Without `--model`: each engine section's config.json read here (no torch, no weights), the family it names
+    against the section's, then its fields. A directory not here is left to the builder's preflight (it may exist
+    only on the engine nodes); a path here that is not a directory is refused."""
     found = []
     for name, section in args.engines().items():
-        if _readable_dir(section.model_dir):
-            try:
-                problem = family_problem(name, section.model_dir, checked_family(Path(section.model_dir)))
-            except GenrecError as err:
-                problem = f"{name}.model_dir: {err}"
+        path = Path(section.model_dir)
+        if path.exists() and not path.is_dir():
+            found.append(f"{where}.args.{name}.model_dir: {path} is not a directory")
+        elif _readable_dir(section.model_dir):
+            problem = _family_problem(name, path)
             found += [f"{where}.args.{problem}"] if problem else []
     return found
+
+
+def _family_problem(section: str, path: Path) -> str | None:
+    try:
+        raw = read_config(path / CONFIG_FILE)
+        family = family_of(raw)
+        wrong = family_problem(section, path, family)
+        if wrong and FAMILY[section] == "hstu":  # a near-miss model_type reads as a Qwen3 decoder's
+            model_type = raw.get("model_type") if isinstance(raw, dict) else None
+            return f"{wrong} (its config.json's model_type is {model_type!r}; an HSTU ranker's is {HSTU_MODEL_TYPE!r})"
+        if wrong:
+            return wrong
+        validated_config(raw, family, path / CONFIG_FILE)
+    except GenrecError as err:
+        return f"{section}.model_dir: {err}"
+    return None
 
 
 def _user_config_problems(model: type[BaseModel], user_config, at: str, args: AppArgs | None) -> list[str]:
@@ -304,7 +330,10 @@ def load(path: Path) -> dict:
         inner = (document.get("spec") or {}).get("serveConfigV2")
         if not isinstance(inner, str):
             raise ValueError("spec.serveConfigV2: a RayService carries its Serve config as a YAML string (`|`)")
-        return read_yaml(inner)
+        try:
+            return read_yaml(inner)
+        except yaml.YAMLError as err:  # its lines count from the string's first
+            raise ValueError(f"spec.serveConfigV2: {err}") from None
     return document
 
 
@@ -321,7 +350,7 @@ def file_findings(path: Path, check_model: bool = False, catalog_arrives: bool =
     """`findings` of a config file, or why it cannot be read."""
     try:
         return findings(load(path), check_model, catalog_arrives)
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, yaml.YAMLError) as err:
         return Findings([f"cannot read it ({type(err).__name__}: {err})"])
 
 

@@ -5,26 +5,37 @@ from __future__ import annotations
 
 import yaml
 
-MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *anchor` may repeat; it merges, it does not replace
+# `<<: *anchor` may repeat and merges rather than replaces; `=` is YAML's default-value key
+NOT_KEYS = {"tag:yaml.org,2002:merge", "tag:yaml.org,2002:value"}
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses a mapping holding one key twice."""
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            lines = {}  # each key's first line
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep) if key_node.tag != MERGE_TAG else None
-                if isinstance(key, (str, int, float, bool)):
-                    line = key_node.start_mark.line + 1
-                    if key in lines:  # one line, no YAML marks: the check prints one line per problem
-                        raise yaml.constructor.ConstructorError(
-                            problem=f"key {key!r} given twice, on lines {lines[key]} and {line} (YAML would keep "
-                            "the last one silently)"
-                        )
-                    lines[key] = line
-        return super().construct_mapping(node, deep=deep)
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node):
+        """Each mapping is checked once, as written: merging rewrites a merged mapping's keys in place, and a
+        mapping that overrides a key it merged would read as a duplicate when an alias reaches it later."""
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            self._refuse_a_key_given_twice(node)
+        super().flatten_mapping(node)
+
+    def _refuse_a_key_given_twice(self, node) -> None:
+        lines = {}  # each key's first line
+        for key_node, _ in node.value:
+            key = None if key_node.tag in NOT_KEYS else self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool):
+                line = key_node.start_mark.line + 1
+                if key in lines:  # one line, no YAML marks: the check prints one line per problem
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"key {key!r} given twice, on lines {lines[key]} and {line} (YAML would keep the "
+                        "last one silently)"
+                    )
+                lines[key] = line
 
 
 def read_yaml(text: str):

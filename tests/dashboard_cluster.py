@@ -18,6 +18,9 @@ import httpx
 RAY_BIN = str(Path(sys.executable).parent / "ray")
 
 
+READY_PATHS = ("/api/version", "/api/serve/applications/")
+
+
 @contextlib.contextmanager
 def dashboard_cluster(num_cpus: int = 2):
     """Yields (dashboard address, the environment its clients run with)."""
@@ -40,7 +43,9 @@ def dashboard_cluster(num_cpus: int = 2):
         while True:
             assert head.poll() is None, "ray start --head exited"
             try:
-                if httpx.get(f"{address}/api/version", timeout=2).status_code == 200:
+                # Its Serve API too: a loaded machine's dashboard answered /api/version, then dropped `serve deploy`'s
+                # first request to it (RemoteDisconnected, CI-like clean clone 2026-12-07)
+                if all(httpx.get(f"{address}{path}", timeout=30).status_code == 200 for path in READY_PATHS):
                     break
             except httpx.HTTPError:
                 pass

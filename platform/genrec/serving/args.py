@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 # The model family each engine section holds, and its deployment's name (what a config's `deployments` overrides).
 FAMILY = {"retriever": "qwen3", "ranker": "hstu"}
 DEPLOYMENTS = {"retriever": "EngineServer", "ranker": "RankerServer"}
+# Keys of a section's `deployment` that genrec sets from the section itself.
+OWNED = {
+    "name": "the deployment's name is genrec's (Ingress, EngineServer, RankerServer)",
+    "user_config": "it is the section's `limits`",
+    "request_router_config": "choose it with the section's `router` (or override it in the config's `deployments`)",
+}
+FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
 
 
 def family_problem(section: str, model_dir, family: str) -> str | None:
@@ -38,15 +45,6 @@ def family_problem(section: str, model_dir, family: str) -> str | None:
         f"{section}.model_dir: {model_dir} is {FAMILY_NAMES[family]}, not {FAMILY_NAMES[FAMILY[section]]}: put it "
         f"under `{other}`"
     )
-
-
-# Keys of a section's `deployment` that genrec sets from the section itself.
-OWNED = {
-    "name": "the deployment's name is genrec's (Ingress, EngineServer, RankerServer)",
-    "user_config": "it is the section's `limits`",
-    "request_router_config": "choose it with the section's `router` (or override it in the config's `deployments`)",
-}
-FREE_FORM = {"args", "user_config", "runtime_env", "env_vars", "resources"}  # dicts Serve passes through
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:

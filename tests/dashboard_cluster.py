@@ -61,7 +61,7 @@ def job_submit(address: str, env: dict, job: list[str], working_dir: Path, timeo
     """`ray job submit` of `job`, finished. The dashboard answers before its agent can take jobs ("No available
     agent to submit job, please try again later" on a loaded machine): the submission is tried again then."""
     command = [RAY_BIN, "job", "submit", "--address", address, "--working-dir", str(working_dir), "--", *job]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while True:
         done = subprocess.run(command, env=env, cwd=working_dir, capture_output=True, text=True, timeout=timeout_s)
         if "No available agent to submit job" not in done.stderr + done.stdout or time.monotonic() > deadline:

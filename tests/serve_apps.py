@@ -15,10 +15,10 @@ def deploy(name: str, deployments: list[dict] | None = None, **args) -> None:
     deploy_many({name: (deployments, args)})
 
 
-def deploy_many(apps: dict[str, tuple[list[dict] | None, dict]], timeout_s: float = 200) -> None:
+def deploy_many(apps: dict[str, tuple[list[dict] | None, dict]], timeout_s: float = 400) -> None:
     """Several apps in one config: Serve starts them side by side. Waits up to `timeout_s` for them to run (not
     Serve's own 60 s: on a loaded 2-core machine apps of several replicas take longer; under pytest-timeout's
-    300 s, so a slow start fails with this message) and for the proxy actors to answer."""
+    600 s, so a slow start fails with this message) and for the proxy actors to answer."""
     from ray.serve.context import _get_global_client
 
     for name, (deployments, args) in apps.items():

@@ -156,7 +156,7 @@ def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_pat
             [*GENREC, str(later), "-a", address, "--catalog-arrives"], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while "kept_running" not in httpx.get(f"{url}/v1/model", timeout=30).text:  # the replica has it, without it
             assert time.monotonic() < deadline and deploying.poll() is None, deploying.communicate()
             time.sleep(0.5)

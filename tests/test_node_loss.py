@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]  # a scenario may take up to 300 s
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a scenario may take up to 600 s
 MARKER = "GENREC_NODE_LOSS_SCENARIO"
 
 
-def run_scenario(name: str, work: Path, timeout: float = 300) -> str:
+def run_scenario(name: str, work: Path, timeout: float = 600) -> str:
     marker = uuid.uuid4().hex  # in the environment of every process of the scenario: its Ray nodes and workers
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO), MARKER: marker}
     env.pop("RAY_ADDRESS", None)  # its own cluster, never the session's

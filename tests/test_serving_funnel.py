@@ -573,7 +573,7 @@ def without_a_ranker(tiny_dir, hstu_dir, on_failure: str) -> None:
     answering = ("Ingress", "EngineServer")
     before = {name for deployment in answering for name in replica_actor_names("frail", deployment)}
     deploy_started("frail", **frail_args(tiny_dir, hstu_dir, ranker_gone=True, on_failure=on_failure))
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 420
     while True:
         states = deployment_states("frail")
         now = {name for deployment in answering for name in replica_actor_names("frail", deployment)}
@@ -611,7 +611,7 @@ def killed_ranker_answers(url: str, body: dict) -> tuple[list[float], list[tuple
     try:
         (name,) = replica_actor_names("frail", "RankerServer")
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not (
             answers and any(r.json().get("degraded") for r, _ in answers) and not answers[-1][0].json()["degraded"]
         ):

@@ -408,7 +408,7 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     for t in threads:
         t.start()
     while sum(1 for o in outcomes if o[2] == 200) < 8:
-        assert time.monotonic() - t0 < 30, f"no answers under load: {outcomes[-5:]}"
+        assert time.monotonic() - t0 < 90, f"no answers under load: {outcomes[-5:]}"
         time.sleep(0.05)
     steady = time.monotonic() - t0  # from here on every request must end by its deadline (see `late` below)
     # The node of an engine replica, not the ingress's: losing the ingress is another failure (the requests in
@@ -437,7 +437,7 @@ def _serve_checks(cluster: Cluster, model: Path) -> dict:
     replaced_s = time.monotonic() - t0 - killed_at
     served_from = len(outcomes)
     while not any(o[2] == 200 for o in outcomes[served_from:]):
-        assert time.monotonic() - t0 < killed_at + replaced_s + 20, f"no answer after the replacement: {outcomes[-5:]}"
+        assert time.monotonic() - t0 < killed_at + replaced_s + 60, f"no answer after the replacement: {outcomes[-5:]}"
         time.sleep(0.05)
     stop.set()
     for t in threads:

@@ -185,8 +185,8 @@ def batch_scenario(work: Path) -> dict:
         victim = cluster.node_of(sorted(busy)[0])
         killed_processes = cluster.kill(victim)
         killed_at = time.monotonic() - start
-        thread.join(timeout=90)
-        assert not thread.is_alive(), "the job did not end within 90 s of the node loss"
+        thread.join(timeout=240)
+        assert not thread.is_alive(), "the job did not end within 240 s of the node loss"
         first_run = outcome.get("error") or "finished"
         summary = outcome.get("summary")
         if summary is None:  # the run failed: its rerun must complete the same output

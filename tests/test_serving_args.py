@@ -6,10 +6,11 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
+from genrec.cache.config import CacheConfig
 from genrec.engine import AsyncEngine, SchedulerConfig
 from genrec.model.directory import model_version
 from genrec.serving import engine_server
-from genrec.serving.args import AppArgs, EngineLimits
+from genrec.serving.args import AppArgs, EngineLimits, IngressLimits, live_limits
 
 OPTIONS = {
     "dtype": "bfloat16",
@@ -81,6 +82,43 @@ def test_fp8_is_a_retrievers_option_and_a_ranker_refuses_it():
 def test_a_cache_without_dim_is_refused():
     with pytest.raises(ValidationError, match="cache.dim is required"):
         AppArgs(retriever={"model_dir": "/m"}, ingress={"cache": {"name": "users"}})
+
+
+@pytest.mark.parametrize(
+    "section, field, value",
+    [
+        ("retriever", "max_candidates", True),  # lax pydantic took it as 1: every score request refused
+        ("retriever", "kv_budget_bytes", "1048576"),
+        ("retriever", "cuda_graph_max_rows", 64.0),
+        ("retriever", "fp8", 1),
+        ("retriever", "cuda_fast", "yes"),
+        ("ingress", "retry_after_s", True),
+        ("ingress", "body_timeout_s", False),
+        ("ingress", "funnel_reserve_s", "1.5"),
+    ],
+)
+def test_a_number_or_a_switch_of_another_type_is_refused_by_name(section, field, value):
+    """As a request's fields are: no bool where a number is, no number or text where a bool is (YAML's `true` and
+    `256` are native; a quoted one was a slip)."""
+    args = {"retriever": {"model_dir": "/m"}}
+    args[section] = args.get(section, {}) | {field: value}
+    with pytest.raises(ValidationError, match=field):
+        AppArgs(**args)
+    assert AppArgs(ingress={"body_timeout_s": 5, "funnel_reserve_s": 1}, retriever={"model_dir": "/m"})  # int: a float
+
+
+def test_a_cache_count_of_another_type_is_refused_by_name():
+    with pytest.raises(ValidationError, match="capacity"):
+        CacheConfig(name="users", dim=4, capacity=True)
+    assert CacheConfig(name="users", dim=4, capacity=10).capacity == 10
+
+
+@pytest.mark.parametrize("model, field", [(EngineLimits, "max_queue"), (IngressLimits, "request_timeout_s")])
+def test_a_live_limit_of_another_type_is_refused_and_the_running_ones_stay(model, field):
+    running = model()
+    for value in (True, "8"):
+        kept, refused = live_limits(model, {field: value}, running)
+        assert kept is running and field in refused
 
 
 class RecordingEngine:

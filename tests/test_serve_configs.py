@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 from genrec.serving.app import application
 from genrec.serving.args import DEPLOYMENTS as ENGINE_DEPLOYMENTS
 from genrec.serving.args import AppArgs, EngineLimits, IngressLimits, unknown_keys
-from genrec.serving.check import deployments_of, main, problems
+from genrec.serving.check import Findings, deployments_of, findings, main, problems
 from genrec.serving.config_yaml import read_yaml
 
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
@@ -443,3 +443,17 @@ def test_without_the_model_a_directory_of_the_other_family_or_a_bad_config_json_
         f"applications[0].args.ranker.model_dir: {near} is a Qwen3 semantic-ID model, not an HSTU ranking model: put "
         "it under `retriever` (its config.json's model_type is 'GENREC_HSTU'; an HSTU ranker's is 'genrec_hstu')"
     ]
+
+
+def test_a_ranker_directory_not_readable_here_is_a_partial_check_with_a_warning(tiny_dir, hstu_dir, tmp_path):
+    """As a retriever's: its config.json is left to the builder's preflight, and the operator is told so."""
+    funnel = yaml.safe_load((DEPLOYMENTS / "funnel-local.yaml").read_text())
+    args = funnel["applications"][0]["args"]
+    args["retriever"]["model_dir"], args["ranker"]["model_dir"] = str(tiny_dir), str(hstu_dir)
+    assert findings(funnel) == Findings()
+    elsewhere = tmp_path / "on-the-gpu-nodes-only"
+    args["ranker"]["model_dir"] = str(elsewhere)
+    assert findings(funnel) == Findings(warnings=[
+        f"applications[0].args.ranker.model_dir: {elsewhere} is not readable here (it may exist only on the engine "
+        "nodes): a partial check, its config.json was not checked"
+    ])  # fmt: skip

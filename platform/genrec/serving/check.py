@@ -66,12 +66,17 @@ def findings(config: dict, check_model: bool = False, catalog_arrives: bool = Fa
     if found.problems:
         return found
     for where, app in _builder_apps(config):
-        retriever = AppArgs.model_validate(app.get("args") or {}).retriever
-        if retriever is not None:
-            files = catalog_files(app, where, retriever.model_dir, check_model)
+        args = AppArgs.model_validate(app.get("args") or {})
+        if args.retriever is not None:
+            files = catalog_files(app, where, args.retriever.model_dir, check_model)
             checked = _catalog_findings(where, files, check_model, catalog_arrives)
             found.problems += checked.problems
             found.warnings += checked.warnings
+        if args.ranker is not None and not check_model and not _readable_dir(args.ranker.model_dir):
+            found.warnings.append(
+                f"{where}.args.ranker.model_dir: {args.ranker.model_dir} is not readable here (it may exist only on "
+                f"the engine nodes): a partial check, its {CONFIG_FILE} was not checked"
+            )
     return found
 
 

@@ -397,6 +397,11 @@ def test_a_key_or_a_deployment_given_twice_is_refused_with_where(tmp_path):
     app["deployments"] = [{"name": "Ingress", "num_replicas": 2}, {"name": "Ingress", "num_replicas": 1}]
     assert problems(config) == ["applications[0].deployments[1].name: 'Ingress' is listed twice (also "
                                 "applications[0].deployments[0]): merge them"]  # fmt: skip
+    app["deployments"] = ["Ingress", {"name": "Ingress"}, None]  # Serve's own schema raised an AttributeError on them
+    assert problems(config) == [
+        "applications[0].deployments[0]: a deployment is a mapping (name, num_replicas, ...), not str",
+        "applications[0].deployments[2]: a deployment is a mapping (name, num_replicas, ...), not null",
+    ]
 
 
 def test_without_the_model_a_directory_of_the_other_family_or_a_bad_config_json_is_refused(

@@ -87,6 +87,8 @@ def _config_problems(config: dict, check_model: bool) -> list[str]:
         return [f"(top): a Serve config is a mapping (applications, http_options, ...), not {type(config).__name__}"]
     dropped = unknown_keys(config, ServeDeploySchema)
     found = [f"{where}: not a field of Serve's config (it would be dropped)" for where in dropped]
+    if entries := _deployment_entry_problems(config):
+        return found + entries  # Serve's schema would fail on them with an AttributeError of its own
     try:
         ServeDeploySchema.model_validate(config)
     except ValidationError as err:
@@ -99,6 +101,18 @@ def _config_problems(config: dict, check_model: bool) -> list[str]:
     for where, app in _builder_apps(config):
         found += _app_problems(app, where, check_model)
     return found
+
+
+def _deployment_entry_problems(config: dict) -> list[str]:
+    """Each entry of an app's `deployments` that is not a mapping."""
+    return [
+        f"applications[{i}].deployments[{j}]: a deployment is a mapping (name, num_replicas, ...), not "
+        f"{'null' if entry is None else type(entry).__name__}"
+        for i, app in enumerate(_list(config.get("applications")))
+        if isinstance(app, dict)
+        for j, entry in enumerate(_list(app.get("deployments")))
+        if not isinstance(entry, dict)
+    ]
 
 
 def _not_builder_problems(config: dict) -> list[str]:

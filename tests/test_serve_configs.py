@@ -388,6 +388,10 @@ def test_a_key_or_a_deployment_given_twice_is_refused_with_where(tmp_path):
     assert read_yaml(anchors.read_text())["merged"] == {"x": 1, "y": 2}
     # A mapping that overrides a key it merged, reached again through an alias (merging rewrote it in place).
     assert read_yaml("a: &a {x: 1}\nc: {<<: &b {<<: *a, x: 2}}\nd: *b\n")["d"] == {"x": 2}
+    colliding = {"~: 1\nnull: 2\n": "null", "2026-12-07: a\n2026-12-07: b\n": "2026-12-07", "1: a\n1.0: b\n": "1.0"}
+    for document, key in colliding.items():
+        with pytest.raises(yaml.YAMLError, match=f"key '{key}' given twice, on lines 1 and 2"):
+            read_yaml(document)  # keys that are not strings collide too (the second as written)
     service = tmp_path / "service.yaml"  # the inner config's lines count from its string: say where they are
     service.write_text(yaml.safe_dump({"kind": "RayService", "spec": {"serveConfigV2": "a: 1\na: 2\n"}}))
     (refusal,) = file_problems(service)

@@ -27,15 +27,20 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def _refuse_a_key_given_twice(self, node) -> None:
         lines = {}  # each key's first line
         for key_node, _ in node.value:
-            key = None if key_node.tag in NOT_KEYS else self.construct_object(key_node, deep=True)
-            if isinstance(key, str | int | float | bool):
-                line = key_node.start_mark.line + 1
-                if key in lines:  # one line, no YAML marks: the check prints one line per problem
-                    raise yaml.constructor.ConstructorError(
-                        problem=f"key {key!r} given twice, on lines {lines[key]} and {line} (YAML would keep the "
-                        "last one silently)"
-                    )
-                lines[key] = line
+            if key_node.tag in NOT_KEYS:
+                continue
+            key = self.construct_object(key_node, deep=True)  # any scalar: null and dates collide as well
+            try:
+                hash(key)
+            except TypeError:  # a list or mapping as a key: PyYAML refuses it itself
+                continue
+            line = key_node.start_mark.line + 1
+            if key in lines:  # one line, no YAML marks: the check prints one line per problem
+                raise yaml.constructor.ConstructorError(
+                    problem=f"key {key_node.value!r} given twice, on lines {lines[key]} and {line} (YAML would keep "
+                    "the last one silently)"
+                )
+            lines[key] = line
 
 
 def read_yaml(text: str):

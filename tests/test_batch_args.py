@@ -176,3 +176,24 @@ def test_fp8_runs_a_funnels_retriever_and_a_rank_job_refuses_it(tiny_dir, hstu_d
         err = capsys.readouterr().err
         name = flags[0][2:].replace("-", "_")
         assert exited.value.code == 2 and err.count("\n") == 1 and f"{name} is a Qwen3 decoder's option" in err, err
+
+
+@pytest.mark.parametrize(
+    "model, field, value",
+    [
+        (RecommendSpec, "beam_width", True),
+        (RecommendSpec, "batch_size", "64"),
+        (RecommendSpec, "score", 1),
+        (RecommendSpec, "max_candidates", False),
+        (Execution, "actors", True),
+        (Execution, "cpus_per_actor", "0.5"),
+        (Execution, "progress", "no"),
+        (RankingExecution, "rank_actors", 2.0),
+    ],
+)
+def test_a_spec_from_python_takes_numbers_and_switches_only_as_such(model, field, value):
+    """The flags parse to their types; a Python caller's `beam_width=True` was taken as 1 without a word."""
+    required = {"model": "/m", "users": "/u.parquet", "out": "/o"} if model is RecommendSpec else {}
+    with pytest.raises(ValueError, match=field):
+        model(**required, **{field: value})
+    assert Execution(num_gpus=1, cpus_per_actor=1).num_gpus == 1.0  # an integer where a decimal is asked: taken

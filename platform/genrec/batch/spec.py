@@ -61,7 +61,7 @@ class JobSpec(StageSpec):
 
     users: str = Field(min_length=1, description="users Parquet file or directory (local path or URI)")
     out: str = Field(min_length=1, description="output directory (local path or URI)")
-    batch_size: int = Field(64, ge=1, description="users per engine call = per shard = per output file")
+    batch_size: int = Field(64, strict=True, ge=1, description="users per engine call = per shard = per output file")
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         """The settings a rerun must share with the first run for its output to be the same run's."""
@@ -85,22 +85,32 @@ class RecommendStage(StageSpec):
     """Retrieve (or with `score` recommend) for every user: the settings of the recommend job and of
     genrec.data.Recommend."""
 
-    beam_width: int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search")
+    beam_width: int = Field(
+        30, strict=True, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search"
+    )
     beam_widths: list[Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
         None, min_length=1, description="a beam width per code level, e.g. 32,128,256 (beam_width is the last)"
     )
     num_results: int | None = Field(
         None,
+        strict=True,
         ge=1,
         description="codes per user, all their items (default: beam_width); with --ranker, the items per user kept "
         "after ranking every beam, as online (default: all)",
     )
-    score: bool = Field(False, description="recommend: label-score the retrieved and the given items, one prefill")
+    score: bool = Field(
+        False, strict=True, description="recommend: label-score the retrieved and the given items, one prefill"
+    )
     order_by: Literal["score", "joint"] = Field(
         "score", description="with score: by the label's logprob, or by the item's + score_weight * the label's"
     )
     score_weight: float = Field(
-        1.0, ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False, description="with order_by joint: the label's weight"
+        1.0,
+        strict=True,
+        ge=0,
+        le=MAX_SCORE_WEIGHT,
+        allow_inf_nan=False,
+        description="with order_by joint: the label's weight",
     )
     cache: CacheConfig | None = Field(None, description="user embeddings by user_id when the input has none")
 
@@ -265,18 +275,25 @@ class Execution(ThreadSettings):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    actors: int = Field(1, ge=1, description="engine actors in the pool (one model copy each)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0: the CPU engine)")
+    actors: int = Field(1, strict=True, ge=1, description="engine actors in the pool (one model copy each)")
+    num_gpus: float = Field(0.0, strict=True, ge=0, description="GPUs per actor (0: the CPU engine)")
     gpu_wait_s: float = Field(
         0.0,
+        strict=True,
         ge=0,
         description="when no node has the GPUs, nor a node type of the autoscaler (ray up): ask it for one, "
         "wait this long (0: refuse at once)",
     )
-    cpus_per_actor: float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
-    kv_budget_bytes: int | None = Field(None, ge=1, description="each actor's KV pool (default: by device)")
-    max_error_fraction: float = Field(0.01, ge=0, le=1, description="exit 1 above this fraction of bad rows")
-    progress: bool = Field(True, description="Ray Data progress bars")
+    cpus_per_actor: float = Field(
+        0.5, strict=True, gt=0, description="fractional: Ray Data's own helper tasks need room too"
+    )
+    kv_budget_bytes: int | None = Field(
+        None, strict=True, ge=1, description="each actor's KV pool (default: by device)"
+    )
+    max_error_fraction: float = Field(
+        0.01, strict=True, ge=0, le=1, description="exit 1 above this fraction of bad rows"
+    )
+    progress: bool = Field(True, strict=True, description="Ray Data progress bars")
 
 
 class RankingExecution(BaseModel):
@@ -284,8 +301,10 @@ class RankingExecution(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rank_actors: int = Field(1, ge=1, description="ranking actors (one ranker copy each)")
-    rank_cpus_per_actor: float = Field(0.5, gt=0, description="CPUs each ranking actor reserves (fractional)")
+    rank_actors: int = Field(1, strict=True, ge=1, description="ranking actors (one ranker copy each)")
+    rank_cpus_per_actor: float = Field(
+        0.5, strict=True, gt=0, description="CPUs each ranking actor reserves (fractional)"
+    )
 
     def over(self, run: Execution) -> Execution:
         """The ranking stage's Execution: the run's, with this pool."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from genrec.batch import CacheConfig, Execution, FunnelSpec, RankingExecution, RankSpec, RecommendSpec
@@ -189,11 +190,25 @@ def test_fp8_runs_a_funnels_retriever_and_a_rank_job_refuses_it(tiny_dir, hstu_d
         (Execution, "cpus_per_actor", "0.5"),
         (Execution, "progress", "no"),
         (RankingExecution, "rank_actors", 2.0),
+        (RecommendSpec, "beam_widths.0", [True, 2]),
+        (RecommendSpec, "beam_widths.1", [8, "16"]),  # named by itself, not as beam_width
+        (Execution, "num_gpus", float("inf")),
+        (Execution, "gpu_wait_s", float("nan")),
     ],
 )
 def test_a_spec_from_python_takes_numbers_and_switches_only_as_such(model, field, value):
     """The flags parse to their types; a Python caller's `beam_width=True` was taken as 1 without a word."""
     required = {"model": "/m", "users": "/u.parquet", "out": "/o"} if model is RecommendSpec else {}
-    with pytest.raises(ValueError, match=field):
-        model(**required, **{field: value})
+    with pytest.raises(ValueError, match=rf"{field}\n"):
+        model(**required, **{field.split(".")[0]: value})
     assert Execution(num_gpus=1, cpus_per_actor=1).num_gpus == 1.0  # an integer where a decimal is asked: taken
+
+
+def test_numpy_scalars_are_taken_by_their_values():
+    """As a request's fields are: a pipeline's settings often come out of an array."""
+    spec = RecommendSpec(model="/m", users="/u", out="/o", beam_widths=list(np.array([8, 16])), score=np.bool_(True))
+    assert (spec.beam_widths, spec.beam_width, spec.score) == ([8, 16], 16, True)
+    assert type(spec.beam_width) is int
+    execution = Execution(actors=np.int64(2), num_gpus=np.float32(0.5))
+    assert (execution.actors, execution.num_gpus) == (2, 0.5)
+    assert CacheConfig(name="users").with_dim(np.int64(8)).dim == 8

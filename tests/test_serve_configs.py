@@ -401,6 +401,8 @@ def test_a_key_or_a_deployment_given_twice_is_refused_with_where(tmp_path):
     app["deployments"] = [{"name": "Ingress", "num_replicas": 2}, {"name": "Ingress", "num_replicas": 1}]
     assert problems(config) == ["applications[0].deployments[1].name: 'Ingress' is listed twice (also "
                                 "applications[0].deployments[0]): merge them"]  # fmt: skip
+    app["deployments"] = [{"name": ["Ingress"]}]  # a name that is not a string: a TypeError (unhashable) before
+    assert problems(config) == ["applications.0.deployments.0.name: Input should be a valid string"]
     app["deployments"] = ["Ingress", {"name": "Ingress"}, None]  # Serve's own schema raised an AttributeError on them
     assert problems(config) == [
         "applications[0].deployments[0]: a deployment is a mapping (name, num_replicas, ...), not str",

@@ -3,6 +3,7 @@ limits through `reconfigure` (a limit the config no longer names reverts to its 
 
 import asyncio
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -95,6 +96,8 @@ def test_a_cache_without_dim_is_refused():
         ("ingress", "retry_after_s", True),
         ("ingress", "body_timeout_s", False),
         ("ingress", "funnel_reserve_s", "1.5"),
+        ("ingress", "deployment", {"graceful_shutdown_timeout_s": "40"}),  # compared with the deadline: a TypeError
+        ("ingress", "deployment", {"graceful_shutdown_timeout_s": True}),
     ],
 )
 def test_a_number_or_a_switch_of_another_type_is_refused_by_name(section, field, value):
@@ -102,7 +105,7 @@ def test_a_number_or_a_switch_of_another_type_is_refused_by_name(section, field,
     `256` are native; a quoted one was a slip)."""
     args = {"retriever": {"model_dir": "/m"}}
     args[section] = args.get(section, {}) | {field: value}
-    with pytest.raises(ValidationError, match=field):
+    with pytest.raises(ValidationError, match=field if field != "deployment" else "graceful_shutdown_timeout_s: a num"):
         AppArgs(**args)
     assert AppArgs(ingress={"body_timeout_s": 5, "funnel_reserve_s": 1}, retriever={"model_dir": "/m"})  # int: a float
 
@@ -111,6 +114,12 @@ def test_a_cache_count_of_another_type_is_refused_by_name():
     with pytest.raises(ValidationError, match="capacity"):
         CacheConfig(name="users", dim=4, capacity=True)
     assert CacheConfig(name="users", dim=4, capacity=10).capacity == 10
+
+
+def test_numpy_scalars_are_taken_by_their_values():
+    args = AppArgs(retriever={"model_dir": "/m", "max_candidates": np.int64(64), "fp8": np.bool_(False)})
+    assert (args.retriever.max_candidates, args.retriever.fp8) == (64, False)
+    assert EngineLimits(max_queue=np.int32(5)).max_queue == 5
 
 
 @pytest.mark.parametrize("model, field", [(EngineLimits, "max_queue"), (IngressLimits, "request_timeout_s")])

@@ -16,10 +16,12 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import (
     AfterValidator,
+    AllowInfNan,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -52,6 +54,8 @@ def _unicode(value: str) -> str:
 
 Text = Annotated[StrictStr, AfterValidator(_unicode)]
 Int = Annotated[StrictInt, BeforeValidator(_plain)]
+Float = Annotated[StrictFloat, AllowInfNan(False), BeforeValidator(_plain)]  # finite; an integer is taken too
+Switch = Annotated[StrictBool, BeforeValidator(_plain)]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], BeforeValidator(_plain)]
 Vector = Annotated[list[StrictFloat], BeforeValidator(_plain)]
 # Prefix-cache isolation (genrec.engine.prefix_cache): who may reuse a request's cached context, and how much of

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from genrec.api import Int, Switch
+
 # Options no longer taken, and what a config that names one does instead.
 REMOVED = {
     "cuda_graph_selection": "the decode graphs' own selection is internal until a GPU has timed it (gpu_check's "
@@ -35,33 +37,27 @@ class EngineOptions(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="default: bfloat16 on CUDA, float32 on the CPU"
     )
-    max_candidates: int = Field(2048, strict=True, ge=1, description="candidates per score or recommend request")
-    score_max_tokens: int = Field(
+    max_candidates: Int = Field(2048, ge=1, description="candidates per score or recommend request")
+    score_max_tokens: Int = Field(
         16384,
-        strict=True,
         ge=1,
         description="one scoring or ranking pass's estimated cost, in token-equivalents (padded tokens plus their "
         "attention; docs/engine.md)",
     )
-    max_candidate_tokens: int = Field(
-        65536, strict=True, ge=1, description="candidate tokens of one request in all; beyond: 4xx"
-    )
-    max_candidate_len: int | None = Field(
+    max_candidate_tokens: Int = Field(65536, ge=1, description="candidate tokens of one request in all; beyond: 4xx")
+    max_candidate_len: Int | None = Field(
         None,
-        strict=True,
         ge=1,
         description="tokens of one score or recommend candidate; beyond: 4xx (default: the longest candidate one "
         "scoring pass holds)",
     )
-    cuda_fast: bool | None = Field(
+    cuda_fast: Switch | None = Field(
         None,
-        strict=True,
         description="the CUDA fast path (FlashAttention-2 varlen, decode passes replayed as CUDA graphs captured at "
         "start); default: on with CUDA, false opts out; no effect on the CPU",
     )
-    cuda_graph_max_rows: int | None = Field(
+    cuda_graph_max_rows: Int | None = Field(
         None,
-        strict=True,
         ge=16,
         le=16384,
         description="rows of the largest decode pass captured as a CUDA graph at start (default: worked out at start "
@@ -79,9 +75,8 @@ class EngineOptions(BaseModel):
         "refused where it does not run; decode's stays FlashAttention-2's; no effect on the CPU "
         "(genrec.attention.choice)",
     )
-    fp8: bool = Field(
+    fp8: Switch = Field(
         False,
-        strict=True,
         description="the decoder's linear layers in FP8 (e4m3 weights scaled per output channel at load, inputs per "
         "token; torch._scaled_mm): a GPU of compute capability 8.9 or later (H100, H200, L4); opt-in, its speed not "
         "yet measured; the LM head stays in the model's dtype (genrec.model.fp8)",

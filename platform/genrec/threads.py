@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field, field_validator
 
+from genrec.api import Int, Switch
+
 log = logging.getLogger(__name__)
 
 
@@ -30,11 +32,11 @@ class Applied:
 class ThreadSettings(BaseModel):
     """An engine process's CPU threads, as a Serve engine replica's config and a batch job's flags state them."""
 
-    threads: int | None = Field(
-        None, ge=1, strict=True, description="torch intra-op threads (default: torch's; under Ray, one per CPU)"
+    threads: Int | None = Field(
+        None, ge=1, description="torch intra-op threads (default: torch's; under Ray, one per CPU)"
     )
-    pin_threads: bool = Field(
-        False, strict=True, description="bind the threads to `threads` cores of the node (genrec.threads; Linux)"
+    pin_threads: Switch = Field(
+        False, description="bind the threads to `threads` cores of the node (genrec.threads; Linux)"
     )
 
     @field_validator("pin_threads")

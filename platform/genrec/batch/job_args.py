@@ -131,6 +131,8 @@ def _kind(field) -> dict:
     annotation = field.annotation
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    while typing.get_origin(annotation) is typing.Annotated:  # genrec.api's Int, Float, Switch
+        annotation = typing.get_args(annotation)[0]
     if annotation is bool:
         if field.default is None:  # on, off, or derived (e.g. --cuda-fast / --no-cuda-fast, default: by the device)
             return {"action": argparse.BooleanOptionalAction}

@@ -9,9 +9,10 @@ import json
 import os
 from typing import Annotated, ClassVar, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from genrec.api import MAX_BEAM_WIDTH, MAX_SCORE_WEIGHT
+from genrec.api import MAX_BEAM_WIDTH, MAX_SCORE_WEIGHT, Float, Int, Switch
 from genrec.cache.config import CacheConfig
 from genrec.catalog.catalog import catalog_version
 from genrec.engine_options import ON_HSTU, EngineOptions
@@ -61,7 +62,7 @@ class JobSpec(StageSpec):
 
     users: str = Field(min_length=1, description="users Parquet file or directory (local path or URI)")
     out: str = Field(min_length=1, description="output directory (local path or URI)")
-    batch_size: int = Field(64, strict=True, ge=1, description="users per engine call = per shard = per output file")
+    batch_size: Int = Field(64, ge=1, description="users per engine call = per shard = per output file")
 
     def identity(self, model_version: str, input_fingerprint: str) -> dict:
         """The settings a rerun must share with the first run for its output to be the same run's."""
@@ -85,28 +86,22 @@ class RecommendStage(StageSpec):
     """Retrieve (or with `score` recommend) for every user: the settings of the recommend job and of
     genrec.data.Recommend."""
 
-    beam_width: int = Field(
-        30, strict=True, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search"
-    )
-    beam_widths: list[Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
+    beam_width: Int = Field(30, ge=1, le=MAX_BEAM_WIDTH, description="beams of the constrained beam search")
+    beam_widths: list[Annotated[Int, Field(ge=1, le=MAX_BEAM_WIDTH)]] | None = Field(
         None, min_length=1, description="a beam width per code level, e.g. 32,128,256 (beam_width is the last)"
     )
-    num_results: int | None = Field(
+    num_results: Int | None = Field(
         None,
-        strict=True,
         ge=1,
         description="codes per user, all their items (default: beam_width); with --ranker, the items per user kept "
         "after ranking every beam, as online (default: all)",
     )
-    score: bool = Field(
-        False, strict=True, description="recommend: label-score the retrieved and the given items, one prefill"
-    )
+    score: Switch = Field(False, description="recommend: label-score the retrieved and the given items, one prefill")
     order_by: Literal["score", "joint"] = Field(
         "score", description="with score: by the label's logprob, or by the item's + score_weight * the label's"
     )
-    score_weight: float = Field(
+    score_weight: Float = Field(
         1.0,
-        strict=True,
         ge=0,
         le=MAX_SCORE_WEIGHT,
         allow_inf_nan=False,
@@ -125,7 +120,9 @@ class RecommendStage(StageSpec):
         """beam_width, when not given, is the schedule's last width."""
         widths = data.get("beam_widths") if isinstance(data, dict) else None
         if isinstance(widths, list) and widths and "beam_width" not in data:
-            return {**data, "beam_width": widths[-1]}
+            last = widths[-1].item() if isinstance(widths[-1], np.generic) else widths[-1]
+            if isinstance(last, int) and not isinstance(last, bool):  # else beam_widths' own error names it
+                return {**data, "beam_width": last}
         return data
 
     @model_validator(mode="after")
@@ -275,25 +272,18 @@ class Execution(ThreadSettings):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    actors: int = Field(1, strict=True, ge=1, description="engine actors in the pool (one model copy each)")
-    num_gpus: float = Field(0.0, strict=True, ge=0, description="GPUs per actor (0: the CPU engine)")
-    gpu_wait_s: float = Field(
+    actors: Int = Field(1, ge=1, description="engine actors in the pool (one model copy each)")
+    num_gpus: Float = Field(0.0, ge=0, description="GPUs per actor (0: the CPU engine)")
+    gpu_wait_s: Float = Field(
         0.0,
-        strict=True,
         ge=0,
         description="when no node has the GPUs, nor a node type of the autoscaler (ray up): ask it for one, "
         "wait this long (0: refuse at once)",
     )
-    cpus_per_actor: float = Field(
-        0.5, strict=True, gt=0, description="fractional: Ray Data's own helper tasks need room too"
-    )
-    kv_budget_bytes: int | None = Field(
-        None, strict=True, ge=1, description="each actor's KV pool (default: by device)"
-    )
-    max_error_fraction: float = Field(
-        0.01, strict=True, ge=0, le=1, description="exit 1 above this fraction of bad rows"
-    )
-    progress: bool = Field(True, strict=True, description="Ray Data progress bars")
+    cpus_per_actor: Float = Field(0.5, gt=0, description="fractional: Ray Data's own helper tasks need room too")
+    kv_budget_bytes: Int | None = Field(None, ge=1, description="each actor's KV pool (default: by device)")
+    max_error_fraction: Float = Field(0.01, ge=0, le=1, description="exit 1 above this fraction of bad rows")
+    progress: Switch = Field(True, description="Ray Data progress bars")
 
 
 class RankingExecution(BaseModel):
@@ -301,10 +291,8 @@ class RankingExecution(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rank_actors: int = Field(1, strict=True, ge=1, description="ranking actors (one ranker copy each)")
-    rank_cpus_per_actor: float = Field(
-        0.5, strict=True, gt=0, description="CPUs each ranking actor reserves (fractional)"
-    )
+    rank_actors: Int = Field(1, ge=1, description="ranking actors (one ranker copy each)")
+    rank_cpus_per_actor: Float = Field(0.5, gt=0, description="CPUs each ranking actor reserves (fractional)")
 
     def over(self, run: Execution) -> Execution:
         """The ranking stage's Execution: the run's, with this pool."""

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from genrec.api import Int
 from genrec.cache.policies import POLICIES
 from genrec.errors import CacheError
 
@@ -18,18 +19,15 @@ class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
-    dim: int | None = Field(
+    dim: Int | None = Field(
         None,
-        strict=True,
         gt=0,
         description="the user vectors' width (the model's soft-token input size); jobs fill it in",
     )
-    shards: int = Field(1, strict=True, ge=1)
-    capacity: int = Field(1_000_000, strict=True, gt=0, description="vectors resident per shard")
+    shards: Int = Field(1, ge=1)
+    capacity: Int = Field(1_000_000, gt=0, description="vectors resident per shard")
     policy: str = Field("lru", description=f"eviction policy: one of {sorted(POLICIES)}")
-    admit_after: int = Field(
-        1, strict=True, ge=1, description="read-through misses of a key before it enters the table"
-    )
+    admit_after: Int = Field(1, ge=1, description="read-through misses of a key before it enters the table")
     store: Literal["sqlite", "redis", "none"] = "sqlite"
     store_path: str = Field("/tmp/genrec-embeddings.sqlite", min_length=1, description="sqlite: the file")
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from genrec.api import Float, Int
 from genrec.cache.config import CacheConfig
 from genrec.engine_options import ON_HSTU, EngineOptions
 from genrec.model.config import FAMILY_NAMES
@@ -148,6 +149,9 @@ class _Deployed(_Args):
         for key in options:
             if key in OWNED:
                 raise ValueError(f"{key!r} is not set here: {OWNED[key]}")
+        drain = options.get("graceful_shutdown_timeout_s", 0)  # genrec compares it with the deadline itself
+        if isinstance(drain, bool) or not isinstance(drain, int | float):
+            raise ValueError(f"graceful_shutdown_timeout_s: a number of seconds, not {drain!r}")
         problems = deployment_problems(options)
         if problems:
             raise ValueError("; ".join(problems))
@@ -164,11 +168,9 @@ class _Deployed(_Args):
 class EngineLimits(_Args):
     """What may change live (`user_config` -> `reconfigure`); a field left out reverts to its default."""
 
-    max_queue: int = Field(256, strict=True, ge=1, description="requests waiting in one replica's engine; beyond: 503")
-    max_running: int | None = Field(
-        None, strict=True, ge=1, description="requests batched at once (default: by device)"
-    )
-    prefill_tokens_per_step: int = Field(4096, strict=True, ge=1)
+    max_queue: Int = Field(256, ge=1, description="requests waiting in one replica's engine; beyond: 503")
+    max_running: Int | None = Field(None, ge=1, description="requests batched at once (default: by device)")
+    prefill_tokens_per_step: Int = Field(4096, ge=1)
 
 
 CATALOG_HELP = (
@@ -202,22 +204,19 @@ def catalog_file(model_dir: str, catalog: str | None) -> Path:
 class ReplicaOptions(EngineOptions, ThreadSettings):
     """What an engine replica is built with (engine options, pool sizes, threads); a change replaces replicas."""
 
-    kv_budget_bytes: int | None = Field(
+    kv_budget_bytes: Int | None = Field(
         None,
-        strict=True,
         ge=1,
         description="the KV pool, allocated once (default: 4 GiB on the CPU, half the free GPU memory)",
     )
-    prefix_cache_bytes: int | None = Field(
+    prefix_cache_bytes: Int | None = Field(
         None,
-        strict=True,
         ge=0,
         description="prompts' K/V kept for reuse by later prompts with the same start (default: half "
         "the KV pool; 0: off)",
     )
-    host_cache_bytes: int = Field(
+    host_cache_bytes: Int = Field(
         0,
-        strict=True,
         ge=0,
         description="host memory evicted prefixes spill to (CUDA; verified, opt-in: 0, off, by default)",
     )
@@ -295,9 +294,7 @@ DRAIN_MARGIN_S = 5.0
 class IngressLimits(_Args):
     """What may change live in the ingress (`user_config` -> `reconfigure`)."""
 
-    request_timeout_s: float = Field(
-        30.0, strict=True, gt=0, allow_inf_nan=False, description="deadline of a request (504 past it)"
-    )
+    request_timeout_s: Float = Field(30.0, gt=0, allow_inf_nan=False, description="deadline of a request (504 past it)")
 
 
 class IngressSection(_Deployed):
@@ -309,25 +306,22 @@ class IngressSection(_Deployed):
         description="name of the environment variable holding the bearer token; unset: no auth",
     )
     cache: CacheConfig | None = Field(None, description="resolve user_id -> user_embedding through this cache")
-    retry_after_s: int = Field(1, strict=True, ge=1, description="Retry-After of every 503 when the app is overloaded")
-    body_timeout_s: float = Field(
+    retry_after_s: Int = Field(1, ge=1, description="Retry-After of every 503 when the app is overloaded")
+    body_timeout_s: Float = Field(
         10.0,
-        strict=True,
         gt=0,
         allow_inf_nan=False,
         description="a request's whole body must arrive within this; 408 past it (frees the slot)",
     )
-    routing_prefix_blocks: int = Field(
+    routing_prefix_blocks: Int = Field(
         1,
-        strict=True,
         ge=1,
         le=64,
         description="first blocks of a prompt (16 tokens or history events, 64 text characters) whose digest "
         "routes a request without user_id: more than a template every prompt opens with",
     )
-    funnel_reserve_s: float = Field(
+    funnel_reserve_s: Float = Field(
         1.0,
-        strict=True,
         ge=0,
         allow_inf_nan=False,
         description="a two-stage recommend: the part of the deadline the retrieval leaves to the ranking (at most "

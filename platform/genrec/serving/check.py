@@ -144,9 +144,9 @@ def _app_problems(app: dict, where: str, check_model: bool) -> list[str]:
         found += [f"{where}.args.{_where(e['loc'])}: {e['msg']}" for e in err.errors()]
     live, listed = deployments_of(app.get("args") or {}), {}
     for j, deployment in enumerate(_list(app.get("deployments"))):
-        if not isinstance(deployment, dict):
+        if not isinstance(deployment, dict) or not isinstance(deployment.get("name"), str):
             continue  # Serve's schema has said what it is instead
-        name, at = deployment.get("name"), f"{where}.deployments[{j}]"
+        name, at = deployment["name"], f"{where}.deployments[{j}]"
         if name not in live:
             found.append(f"{at}.name: no deployment {name!r} in the app (it has {', '.join(live)})")
             continue

@@ -19,12 +19,34 @@ RAY_BIN = str(Path(sys.executable).parent / "ray")
 
 
 READY_PATHS = ("/api/version", "/api/serve/applications/")
+HEAD_OUTPUT = "ray-start.out"  # in the cluster's temp dir
 
 
 @contextlib.contextmanager
-def dashboard_cluster(num_cpus: int = 2):
-    """Yields (dashboard address, the environment its clients run with)."""
+def dashboard_cluster(num_cpus: int = 2, attempts: int = 2):
+    """Yields (dashboard address, the environment its clients run with). A head that exits while it starts is
+    started once more, on new ports: a port chosen free may be taken before Ray binds it, and on a loaded machine
+    `ray start --block` has exited while it started (CI-like clean clone 2026-12-07); its output says why."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+    for attempt in range(1, attempts + 1):
+        head, temp, address = _start_head(env, num_cpus)
+        try:
+            exited = _wait_until_ready(head, address)
+        except BaseException:
+            _remove(head, temp)
+            raise
+        if exited is None:
+            break
+        output = _output(temp)
+        _remove(head, temp)
+        assert attempt < attempts, f"ray start --head exited (rc {exited}), {attempts} times; its output:\n{output}"
+    try:
+        yield address, env
+    finally:
+        _remove(head, temp)
+
+
+def _start_head(env: dict, num_cpus: int) -> tuple[subprocess.Popen, str, str]:
     gcs, dashboard, agent_http, agent_grpc, metrics, node_manager, objects, runtime_env, client = free_ports(9)
     temp = tempfile.mkdtemp(prefix="gr-", dir="/tmp")  # short: Ray's socket paths live under it
     head_cmd = [RAY_BIN, "start", "--head", "--block", f"--num-cpus={num_cpus}", "--disable-usage-stats"]
@@ -34,30 +56,37 @@ def dashboard_cluster(num_cpus: int = 2):
     head_cmd += [f"--object-manager-port={objects}", f"--runtime-env-agent-port={runtime_env}"]
     head_cmd += [f"--ray-client-server-port={client}"]
     # Its own session: every process of this cluster can be ended by this group id, and only those.
-    head = subprocess.Popen(
-        head_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + 180  # a readiness bound: a loaded 2-core machine once took over 90 s
-        while True:
-            assert head.poll() is None, "ray start --head exited"
-            try:
-                # Its Serve API too: a loaded machine's dashboard answered /api/version, then dropped `serve deploy`'s
-                # first request to it (RemoteDisconnected, CI-like clean clone 2026-12-07)
-                if all(httpx.get(f"{address}{path}", timeout=30).status_code == 200 for path in READY_PATHS):
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the dashboard did not come up"
-            time.sleep(0.5)
-        yield address, env
-    finally:
-        stop_cluster(head, temp)
-        shutil.rmtree(temp, ignore_errors=True)
+    with open(Path(temp) / HEAD_OUTPUT, "wb") as output:
+        head = subprocess.Popen(head_cmd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    return head, temp, f"http://127.0.0.1:{dashboard}"
 
 
-def job_submit(address: str, env: dict, job: list[str], working_dir: Path, timeout_s: float = 300):
+def _wait_until_ready(head: subprocess.Popen, address: str) -> int | None:
+    """None once the dashboard answers; the head's exit code if it exits first."""
+    deadline = time.monotonic() + 180  # a readiness bound: a loaded 2-core machine once took over 90 s
+    while head.poll() is None:
+        try:
+            # Its Serve API too: a loaded machine's dashboard answered /api/version, then dropped `serve deploy`'s
+            # first request to it (RemoteDisconnected, CI-like clean clone 2026-12-07)
+            if all(httpx.get(f"{address}{path}", timeout=30).status_code == 200 for path in READY_PATHS):
+                return None
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the dashboard did not come up"
+        time.sleep(0.5)
+    return head.returncode
+
+
+def _output(temp: str, tail: int = 4000) -> str:
+    return (Path(temp) / HEAD_OUTPUT).read_text(errors="replace")[-tail:]
+
+
+def _remove(head: subprocess.Popen, temp: str) -> None:
+    stop_cluster(head, temp)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def job_submit(address: str, env: dict, job: list[str], working_dir: Path, timeout_s: float = 600):
     """`ray job submit` of `job`, finished. The dashboard answers before its agent can take jobs ("No available
     agent to submit job, please try again later" on a loaded machine): the submission is tried again then."""
     command = [RAY_BIN, "job", "submit", "--address", address, "--working-dir", str(working_dir), "--", *job]

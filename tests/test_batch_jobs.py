@@ -49,6 +49,7 @@ def test_a_bad_embedding_block_names_its_item(bad):
     assert problem.startswith("item 'b' has a null, empty or differently sized embedding")
 
 
+@pytest.mark.timeout(1200)  # a `ray start` cluster, then two jobs in one submission (600 s bound: CI-like load)
 def test_ray_job_submit_runs_the_batch_jobs(tiny_dir, tmp_path):
     users = tmp_path / "users.parquet"
     pq.write_table(

@@ -111,6 +111,7 @@ def test_the_report_names_each_replica_not_serving_the_declared_catalog_and_find
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(1200)  # a `ray start` cluster (started again if its head exits), then deploys
 def test_deploy_sends_a_good_config_and_refuses_a_bad_redeploy(tiny_dir, tmp_path):
     with dashboard_cluster() as (address, env):
         port = free_port()  # taken now: the cluster's start opens many ephemeral ports

@@ -544,9 +544,9 @@ class RecommendRequest(RetrieveRequest):
         "candidates kept (catalog items only), in their order; what a later stage ranks (a two-stage recommend's "
         "first)",
     )
-    score_weight: Annotated[
-        StrictFloat, BeforeValidator(_plain), Field(ge=0, le=MAX_SCORE_WEIGHT, allow_inf_nan=False)
-    ] = Field(1.0, description="rank_by='joint': the weight of score_logprob (0 keeps the generator's order)")
+    score_weight: Annotated[Float, Field(ge=0, le=MAX_SCORE_WEIGHT)] = Field(
+        1.0, description="rank_by='joint': the weight of score_logprob (0 keeps the generator's order)"
+    )
 
     @model_validator(mode="after")
     def _weight_with_joint(self):

@@ -104,7 +104,6 @@ class RecommendStage(StageSpec):
         1.0,
         ge=0,
         le=MAX_SCORE_WEIGHT,
-        allow_inf_nan=False,
         description="with order_by joint: the label's weight",
     )
     cache: CacheConfig | None = Field(None, description="user embeddings by user_id when the input has none")

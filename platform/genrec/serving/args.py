@@ -294,7 +294,7 @@ DRAIN_MARGIN_S = 5.0
 class IngressLimits(_Args):
     """What may change live in the ingress (`user_config` -> `reconfigure`)."""
 
-    request_timeout_s: Float = Field(30.0, gt=0, allow_inf_nan=False, description="deadline of a request (504 past it)")
+    request_timeout_s: Float = Field(30.0, gt=0, description="deadline of a request (504 past it)")
 
 
 class IngressSection(_Deployed):
@@ -310,7 +310,6 @@ class IngressSection(_Deployed):
     body_timeout_s: Float = Field(
         10.0,
         gt=0,
-        allow_inf_nan=False,
         description="a request's whole body must arrive within this; 408 past it (frees the slot)",
     )
     routing_prefix_blocks: Int = Field(
@@ -323,7 +322,6 @@ class IngressSection(_Deployed):
     funnel_reserve_s: Float = Field(
         1.0,
         ge=0,
-        allow_inf_nan=False,
         description="a two-stage recommend: the part of the deadline the retrieval leaves to the ranking (at most "
         "half the deadline)",
     )

@@ -84,6 +84,13 @@ def test_near_negatives_mix_in_per_user_and_log_q_is_the_mixture():
     assert log_q.numpy() == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("near_weight", [1.0, -0.1])
+def test_a_near_weight_that_leaves_some_item_no_noise_probability_is_refused(near_weight):
+    """At 1 every negative is a near item: a target outside them has q = 0 and the NCE offset makes NaN weights."""
+    with pytest.raises(ValueError, match="near_weight"):
+        NegativeSampler(np.array([1, 2, 3]), power=1.0, near=np.array([[0, 1]]), near_weight=near_weight)
+
+
 def test_learning_rate_warms_up_then_anneals_to_zero_at_the_budget():
     budget = Budget(cpu_s=1e9, max_steps=100)
     scales = []

@@ -106,6 +106,8 @@ class NegativeSampler:
     """
 
     def __init__(self, counts: np.ndarray, power: float, near: np.ndarray | None = None, near_weight: float = 0.0):
+        if not 0.0 <= near_weight < 1.0:  # at 1 an item outside a user's near set has q = 0: log q is -inf
+            raise ValueError(f"near_weight must be in [0, 1): {near_weight} leaves targets with no noise probability")
         weights = (counts.astype(np.float64) + 1.0) ** power
         self.q = weights / weights.sum()
         self.near = near if near is not None else np.zeros((0, 0), dtype=np.int64)  # [users, k] distinct items

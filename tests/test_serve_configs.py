@@ -392,6 +392,12 @@ def test_a_key_or_a_deployment_given_twice_is_refused_with_where(tmp_path):
     for document, key in colliding.items():
         with pytest.raises(yaml.YAMLError, match=f"key '{key}' given twice, on lines 1 and 2"):
             read_yaml(document)  # keys that are not strings collide too (the second as written)
+    baddate = tmp_path / "baddate.yaml"  # shaped like a date and none: refused with its line, a date kept
+    baddate.write_text(text + "\nnot_a_day: 2026-13-45\n")
+    (refusal,) = file_problems(baddate)
+    line = len((text + "\n").splitlines()) + 1
+    assert f"'2026-13-45' on line {line} is no date: month must be in 1..12" in refusal and "\n" not in refusal
+    assert str(read_yaml("when: 2026-12-07\n")["when"]) == "2026-12-07"
     service = tmp_path / "service.yaml"  # the inner config's lines count from its string: say where they are
     service.write_text(yaml.safe_dump({"kind": "RayService", "spec": {"serveConfigV2": "a: 1\na: 2\n"}}))
     (refusal,) = file_problems(service)

@@ -42,6 +42,18 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 )
             lines[key] = line
 
+    def construct_yaml_timestamp(self, node):
+        """A value shaped like a date that is none (2026-13-45) is refused with its line, not Python's bare
+        'month must be in 1..12'."""
+        try:
+            return super().construct_yaml_timestamp(node)
+        except ValueError as err:
+            problem = f"{node.value!r} on line {node.start_mark.line + 1} is no date: {err}"
+            raise yaml.constructor.ConstructorError(problem=problem) from None
+
+
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:timestamp", UniqueKeyLoader.construct_yaml_timestamp)
+
 
 def read_yaml(text: str):
     """The document `text` holds, refusing duplicate keys (yaml.YAMLError, naming the key and its line)."""

@@ -1,5 +1,6 @@
 """A Serve config's YAML read as written: a key given twice in one mapping is refused with its line. PyYAML, and so
-`serve deploy`, keeps the last one without a word (an operator's second `num_replicas` silently replaced the first)."""
+`serve deploy`, keeps the last one without a word (an operator's second `num_replicas` silently replaced the first).
+A value shaped like a date that is none is refused with its line too."""
 
 from __future__ import annotations
 
